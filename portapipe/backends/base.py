@@ -1,0 +1,364 @@
+"""The backend interface: the one place that differs between CPU, CUDA and Ascend.
+
+Everything that is identical across devices is forwarded to ``torch.get_device_module``;
+only what differs in meaning lives here. The interface is deliberately small (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class BackendUnavailable(RuntimeError):
+    """Raised when a backend is asked for on a machine that cannot run it."""
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's place in the pp x dp x ep mesh and the process groups along each axis.
+
+    Ranks are laid out with ``ep`` innermost (expert all-to-all stays on neighbouring ranks,
+    usually one node), then ``dp``, then ``pp`` outermost:
+    ``rank = (pp_rank * dp + dp_rank) * ep + ep_rank``.
+    """
+
+    rank: int
+    world_size: int
+    pp: int
+    dp: int
+    ep: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+    pp_group: Any = None
+    dp_group: Any = None
+    ep_group: Any = None
+    # The group over which replicated (non-expert) parameters are averaged: every rank with
+    # the same pipeline stage (dp x ep ranks).
+    replica_group: Any = None
+    pp_ranks: list[int] = field(default_factory=list)
+    dp_ranks: list[int] = field(default_factory=list)
+    ep_ranks: list[int] = field(default_factory=list)
+    replica_ranks: list[int] = field(default_factory=list)
+
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None, ep_rank: int | None = None) -> int:
+        dp_rank = self.dp_rank if dp_rank is None else dp_rank
+        ep_rank = self.ep_rank if ep_rank is None else ep_rank
+        return (pp_rank * self.dp + dp_rank) * self.ep + ep_rank
+
+
+def mesh_coords(rank: int, pp: int, dp: int, ep: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, ep_rank) of a global rank in the pp x dp x ep mesh."""
+    if not 0 <= rank < pp * dp * ep:
+        raise ValueError(f"rank {rank} is outside a mesh of pp*dp*ep = {pp * dp * ep} ranks")
+    return rank // (dp * ep), (rank // ep) % dp, rank % ep
+
+
+class Timer:
+    """Elapsed time of a region. Wall clock by default; devices override with events."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self.elapsed_s = 0.0
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        self.elapsed_s = time.perf_counter() - self._start
+        return self.elapsed_s
+
+
+class Backend(ABC):
+    """One kind of hardware: identity, process groups, streams, communication, kernels, memory.
+
+    Subclasses set ``name``, ``device_type`` and ``dist_backend`` and implement the few methods
+    whose meaning differs per device. Instances are cheap; one is made per process.
+    """
+
+    name: str = "abstract"
+    device_type: str = "cpu"
+    dist_backend: str = "gloo"
+    #: how to make the backend available, shown when it is asked for and missing
+    install_hint: str = ""
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options: dict[str, Any] = dict(options or {})
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._groups: ParallelGroups | None = None
+
+    # ------------------------------------------------------------------ identity
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """True when this machine has the device and the software to drive it."""
+
+    @classmethod
+    def device_present(cls) -> bool:
+        """Whether the hardware is on this machine, judged without importing device software."""
+        return cls.is_available()
+
+    @classmethod
+    def device_count(cls) -> int:
+        return 0
+
+    @classmethod
+    def unavailable_reason(cls) -> str:
+        """Why ``is_available()`` is False, with what to install or check."""
+        return f"backend {cls.name!r} is not available. {cls.install_hint}".strip()
+
+    def device(self, local_rank: int | None = None) -> torch.device:
+        idx = self.local_rank if local_rank is None else local_rank
+        return torch.device(self.device_type, idx)
+
+    def device_module(self) -> Any:
+        """torch.cuda / torch.npu / torch.cpu: for what is identical across devices."""
+        return torch.get_device_module(self.device_type)
+
+    def set_device(self) -> None:
+        """Bind this process to its local device."""
+
+    # ------------------------------------------------------------ process groups
+    def init_process_group(
+        self, rank: int, world_size: int, timeout_s: float = 300.0, init_method: str | None = None
+    ) -> None:
+        """Join the default group (env:// by default: MASTER_ADDR / MASTER_PORT)."""
+        if dist.is_initialized():
+            return
+        self.set_device()
+        kwargs: dict[str, Any] = {}
+        if self.device_type != "cpu":
+            kwargs["device_id"] = self.device()
+        dist.init_process_group(
+            backend=self.dist_backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            init_method=init_method or "env://",
+            **kwargs,
+        )
+
+    def destroy_process_group(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._groups = None
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        return dist.new_group(ranks=list(ranks), backend=self.dist_backend)
+
+    def parallel_groups(self, pp: int, dp: int, ep: int) -> ParallelGroups:
+        """Create (once) the PP, DP, EP and replica sub-groups of the pp x dp x ep mesh.
+
+        Every rank must call this with the same sizes: ``new_group`` is collective.
+        """
+        if self._groups is not None:
+            g = self._groups
+            if (g.pp, g.dp, g.ep) != (pp, dp, ep):
+                raise ValueError(f"parallel groups already made for pp={g.pp} dp={g.dp} ep={g.ep}")
+            return g
+        world = dist.get_world_size()
+        if pp * dp * ep != world:
+            raise ValueError(f"pp*dp*ep = {pp}*{dp}*{ep} = {pp * dp * ep} but the world has {world} ranks")
+        rank = dist.get_rank()
+        pp_rank, dp_rank, ep_rank = mesh_coords(rank, pp, dp, ep)
+        g = ParallelGroups(rank, world, pp, dp, ep, pp_rank, dp_rank, ep_rank)
+
+        def coord(p: int, d: int, e: int) -> int:
+            return (p * dp + d) * ep + e
+
+        # new_group must be called by every rank for every group, in the same order.
+        for d in range(dp):
+            for e in range(ep):
+                ranks = [coord(p, d, e) for p in range(pp)]
+                grp = self.new_group(ranks)
+                if rank in ranks:
+                    g.pp_group, g.pp_ranks = grp, ranks
+        for p in range(pp):
+            for e in range(ep):
+                ranks = [coord(p, d, e) for d in range(dp)]
+                grp = self.new_group(ranks)
+                if rank in ranks:
+                    g.dp_group, g.dp_ranks = grp, ranks
+        for p in range(pp):
+            for d in range(dp):
+                ranks = [coord(p, d, e) for e in range(ep)]
+                grp = self.new_group(ranks)
+                if rank in ranks:
+                    g.ep_group, g.ep_ranks = grp, ranks
+        for p in range(pp):
+            ranks = [coord(p, d, e) for d in range(dp) for e in range(ep)]
+            grp = self.new_group(ranks)
+            if rank in ranks:
+                g.replica_group, g.replica_ranks = grp, ranks
+        self._groups = g
+        return g
+
+    # ------------------------------------------------------- streams and events
+    def compute_stream(self) -> Any:
+        return self.device_module().current_stream()
+
+    @abstractmethod
+    def comm_stream(self) -> Any:
+        """The stream communication is issued on, so it can run beside compute."""
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Context manager that makes ``stream`` current."""
+        return self.device_module().stream(stream)
+
+    @abstractmethod
+    def event(self, enable_timing: bool = False) -> Any:
+        """A recordable event on this device."""
+
+    def synchronize(self) -> None:
+        self.device_module().synchronize()
+
+    # ------------------------------------------------------------ communication
+    def batch_isend_irecv(self, ops: Sequence[dist.P2POp]) -> list[Any]:
+        """Post a batch of point-to-point sends/receives; returns their work handles."""
+        if not ops:
+            return []
+        return dist.batch_isend_irecv(list(ops))
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Exchange rows of ``input`` among the group; uneven splits allowed."""
+        return dist.all_to_all_single(
+            output,
+            input,
+            output_split_sizes=None if output_split_sizes is None else list(output_split_sizes),
+            input_split_sizes=None if input_split_sizes is None else list(input_split_sizes),
+            group=group,
+            async_op=async_op,
+        )
+
+    def expert_all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        group: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        """The expert-parallel dispatch/combine transport; all-to-all unless a device offers better."""
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def all_gather(self, tensors: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        return dist.all_gather(tensors, tensor, group=group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+    def barrier(self, group: Any = None) -> None:
+        dist.barrier(group=group)
+
+    # ------------------------------------------------------------------ kernels
+    def grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Grouped matmul with the semantics of ``torch.nn.functional.grouped_mm``.
+
+        2d x 3d: ``a[T, K]`` rows grouped by ``offs`` (cumulative end rows), ``b[G, K, N]``
+        -> ``[T, N]``. 2d x 2d: ``a[M, T]`` and ``b[T, N]`` grouped along T -> ``[G, M, N]``
+        (the weight gradient). Uses the fused kernel where the dtype allows, else a loop.
+        """
+        return grouped_mm_reference(a, b, offs)
+
+    # ------------------------------------------------------------------- memory
+    def memory_allocated(self) -> int | None:
+        """Bytes held by the device allocator now; None where the device has no allocator stats."""
+        return None
+
+    def max_memory_allocated(self) -> int | None:
+        return None
+
+    def reset_peak_memory_stats(self) -> None:
+        return None
+
+    # ------------------------------------------------------------------- timers
+    def timer(self) -> Timer:
+        return Timer()
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[Timer]:
+        t = self.timer()
+        t.start()
+        try:
+            yield t
+        finally:
+            t.stop()
+
+    # ---------------------------------------------------------------------- RNG
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def get_rng_state(self) -> dict[str, torch.Tensor]:
+        return {"cpu": torch.get_rng_state()}
+
+    def set_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(state["cpu"])
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "device_type": self.device_type,
+            "dist_backend": self.dist_backend,
+            "available": self.is_available(),
+            "device_count": self.device_count(),
+        }
+
+
+def _fused_grouped_mm() -> Any:
+    return getattr(torch.nn.functional, "grouped_mm", None)
+
+
+def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Loop implementation of grouped matmul: the CPU reference every kernel must match."""
+    ends = [int(x) for x in offs.tolist()]
+    starts = [0] + ends[:-1]
+    if a.dim() == 2 and b.dim() == 3:
+        if b.shape[0] != len(ends):
+            raise ValueError(f"grouped_mm: b has {b.shape[0]} groups but offs has {len(ends)}")
+        out = a.new_empty(a.shape[0], b.shape[2])
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            out[s:e] = a[s:e] @ b[g]
+        if ends:
+            out[ends[-1]:] = 0
+        return out
+    if a.dim() == 2 and b.dim() == 2:
+        out = a.new_empty(len(ends), a.shape[0], b.shape[1])
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            out[g] = a[:, s:e] @ b[s:e]
+        return out
+    raise ValueError(f"grouped_mm: unsupported shapes {tuple(a.shape)} x {tuple(b.shape)}")
+
+
+def grouped_mm_fused_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch's fused grouped_mm accepts these operands (dtype and 16-byte strides)."""
+    if _fused_grouped_mm() is None or a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if b.dtype != a.dtype:
+        return False
+    elem = a.element_size()
+    for t in (a, b):
+        if any((s * elem) % 16 for s in t.stride()[:-1] if s != 1) or (t.shape[-1] * elem) % 16:
+            return False
+    return True

@@ -1,0 +1,54 @@
+"""CPU backend on gloo: the embedded default, runs everywhere, used by the test suite.
+
+gloo supports ``all_to_all_single`` with uneven splits, batched p2p, all-reduce and all-gather,
+so every schedule and balancer path runs for real here. Streams and events are torch.cpu's
+working no-ops; communication overlaps compute through gloo's async work handles (gloo runs
+each collective on its own thread).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from typing import Any
+
+import torch
+
+from .base import Backend, _fused_grouped_mm, grouped_mm_fused_ok, grouped_mm_reference
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    install_hint = "The CPU backend needs only torch."
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    @classmethod
+    def device_count(cls) -> int:
+        return os.cpu_count() or 1
+
+    def device(self, local_rank: int | None = None) -> torch.device:
+        return torch.device("cpu")
+
+    def comm_stream(self) -> Any:
+        # torch.cpu.Stream is a no-op stream: code written for device streams runs unchanged.
+        return torch.cpu.Stream()
+
+    def event(self, enable_timing: bool = False) -> Any:
+        return torch.cpu.Event(enable_timing=enable_timing)
+
+    def synchronize(self) -> None:
+        return None
+
+    def grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if grouped_mm_fused_ok(a, b):
+            return _fused_grouped_mm()(a, b, offs=offs.to(torch.int32))
+        return grouped_mm_reference(a, b, offs)
+
+    def max_memory_allocated(self) -> int | None:
+        """Peak resident set size of this process (the closest CPU analogue of an allocator peak)."""
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

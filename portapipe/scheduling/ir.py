@@ -1,0 +1,220 @@
+"""Schedule intermediate representation: actions and per-rank action lists.
+
+A schedule is data. Generators (schedules.py) produce it, the validator and simulator read
+it, the executor runs it. Actions print compactly, torch.distributed.pipelining style:
+
+    0F3        forward of virtual stage 0, micro-batch 3
+    1B2        input-gradient backward (weights' part deferred to a W)
+    1W2        weight-gradient backward
+    1BW2       full backward (input and weight gradients together)
+    (0F3;3B1)  forward of 0F3 overlapped with backward 3B1 on the same rank (F&B)
+    0SEND_F3   communication actions added by :func:`lower_comms`
+
+Stages are *virtual* stages: ``stage_rank[v]`` says which rank runs virtual stage ``v`` and
+``stage_block[v]`` which block of the model (a contiguous slice of layers) it computes.
+DualPipe has two pipelines (directions) over the same model blocks, so a block appears in
+two virtual stages on two ranks; every other schedule has one pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Kind(str, Enum):
+    F = "F"
+    B = "B"  # input-gradient backward
+    W = "W"  # weight-gradient backward
+    BW = "BW"  # full backward
+    FB = "FB"  # overlapped forward and backward of two micro-batches
+    SEND_F = "SEND_F"  # activation to the next stage
+    RECV_F = "RECV_F"  # activation from the previous stage
+    SEND_B = "SEND_B"  # gradient to the previous stage
+    RECV_B = "RECV_B"  # gradient from the next stage
+
+    @property
+    def is_comm(self) -> bool:
+        return self in _COMM
+
+    @property
+    def is_compute(self) -> bool:
+        return self not in _COMM
+
+
+_COMM = {Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B}
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank: ``kind`` on virtual ``stage`` for micro-batch ``mb``.
+
+    An ``FB`` action carries its two halves in ``pair`` (forward first); its own stage and mb
+    are -1. The backward half is ``B`` (input gradient, W later) or ``BW`` (full).
+    """
+
+    kind: Kind
+    stage: int = -1
+    mb: int = -1
+    pair: tuple[Action, Action] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind is Kind.FB:
+            if self.pair is None or len(self.pair) != 2:
+                raise ValueError("an FB action needs pair=(forward, backward)")
+            f, b = self.pair
+            if f.kind is not Kind.F or b.kind not in (Kind.B, Kind.BW):
+                raise ValueError(f"an FB pair is (F, B|BW), got ({f.kind.value}, {b.kind.value})")
+        elif self.pair is not None:
+            raise ValueError(f"only FB actions carry a pair, not {self.kind.value}")
+        elif self.stage < 0 or self.mb < 0:
+            raise ValueError(f"{self.kind.value} needs stage >= 0 and mb >= 0, got stage={self.stage} mb={self.mb}")
+
+    def halves(self) -> tuple[Action, ...]:
+        """The compute actions inside: (self,) or the FB pair."""
+        return self.pair if self.pair is not None else (self,)
+
+    def __str__(self) -> str:
+        if self.pair is not None:
+            return f"({self.pair[0]};{self.pair[1]})"
+        return f"{self.stage}{self.kind.value}{self.mb}"
+
+    __repr__ = __str__
+
+    def to_json(self) -> str:
+        return str(self)
+
+
+F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW
+
+_ATOM = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|BW|F|B|W)(\d+)$")
+
+
+def parse_action(text: str) -> Action:
+    """Inverse of ``str(action)``."""
+    text = text.strip()
+    if text.startswith("(") and text.endswith(")"):
+        parts = text[1:-1].split(";")
+        if len(parts) != 2:
+            raise ValueError(f"cannot parse F&B action {text!r}: expected '(xFy;xBy)'")
+        return Action(Kind.FB, pair=(parse_action(parts[0]), parse_action(parts[1])))
+    m = _ATOM.match(text)
+    if not m:
+        raise ValueError(f"cannot parse action {text!r}: expected e.g. '0F3', '1B2', '1W2', '1BW2', '(0F3;3B1)'")
+    return Action(Kind(m.group(2)), int(m.group(1)), int(m.group(3)))
+
+
+def fb(forward: Action, backward: Action) -> Action:
+    return Action(Kind.FB, pair=(forward, backward))
+
+
+@dataclass
+class Schedule:
+    """Per-rank ordered action lists plus the placement of virtual stages.
+
+    ``pipelines[p]`` lists the virtual stages micro-batches of pipeline ``p`` pass through,
+    first to last; ``mb_pipeline[m]`` says which pipeline micro-batch ``m`` takes.
+    """
+
+    name: str
+    n_ranks: int
+    n_microbatches: int
+    stage_rank: list[int]
+    stage_block: list[int]
+    pipelines: list[list[int]]
+    mb_pipeline: list[int]
+    actions: list[list[Action]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------- placement
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_rank)
+
+    @property
+    def n_blocks(self) -> int:
+        return max(self.stage_block) + 1
+
+    def stages_of(self, rank: int) -> list[int]:
+        """Virtual stages placed on ``rank``, in increasing order."""
+        return [v for v, r in enumerate(self.stage_rank) if r == rank]
+
+    def blocks_of(self, rank: int) -> list[int]:
+        """Distinct model blocks held by ``rank`` (DualPipe: two, each also held elsewhere)."""
+        return sorted({self.stage_block[v] for v in self.stages_of(rank)})
+
+    @property
+    def params_per_rank(self) -> float:
+        """Largest share of the model one rank holds, times the rank count (1F1B: 1, DualPipe: 2)."""
+        share = max(len(self.blocks_of(r)) for r in range(self.n_ranks)) / self.n_blocks
+        return share * self.n_ranks
+
+    def _position(self, stage: int) -> tuple[int, int]:
+        for p, stages in enumerate(self.pipelines):
+            if stage in stages:
+                return p, stages.index(stage)
+        raise KeyError(f"virtual stage {stage} is in no pipeline")
+
+    def prev_stage(self, stage: int) -> int | None:
+        """The stage feeding ``stage`` its activations (None for a first stage)."""
+        p, i = self._position(stage)
+        return self.pipelines[p][i - 1] if i > 0 else None
+
+    def next_stage(self, stage: int) -> int | None:
+        """The stage ``stage`` sends activations to (None for a last stage, which computes the loss)."""
+        p, i = self._position(stage)
+        stages = self.pipelines[p]
+        return stages[i + 1] if i + 1 < len(stages) else None
+
+    def is_first(self, stage: int) -> bool:
+        return self.prev_stage(stage) is None
+
+    def is_last(self, stage: int) -> bool:
+        return self.next_stage(stage) is None
+
+    def microbatches_of(self, stage: int) -> list[int]:
+        p, _ = self._position(stage)
+        return [m for m, q in enumerate(self.mb_pipeline) if q == p]
+
+    # ------------------------------------------------------------------ text
+    def format(self) -> str:
+        """One line per rank, actions separated by spaces."""
+        width = len(str(self.n_ranks - 1))
+        return "\n".join(f"rank {r:>{width}}: " + " ".join(map(str, a)) for r, a in enumerate(self.actions))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "n_ranks": self.n_ranks,
+            "n_microbatches": self.n_microbatches,
+            "stage_rank": list(self.stage_rank),
+            "stage_block": list(self.stage_block),
+            "pipelines": [list(p) for p in self.pipelines],
+            "mb_pipeline": list(self.mb_pipeline),
+            "actions": [[str(a) for a in acts] for acts in self.actions],
+            "meta": dict(self.meta),
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Schedule:
+        return cls(
+            name=d["name"],
+            n_ranks=int(d["n_ranks"]),
+            n_microbatches=int(d["n_microbatches"]),
+            stage_rank=[int(x) for x in d["stage_rank"]],
+            stage_block=[int(x) for x in d["stage_block"]],
+            pipelines=[[int(x) for x in p] for p in d["pipelines"]],
+            mb_pipeline=[int(x) for x in d["mb_pipeline"]],
+            actions=[[parse_action(a) for a in acts] for acts in d["actions"]],
+            meta=dict(d.get("meta", {})),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,29 @@
+"""Test-suite wiring: device markers skip themselves where the device is absent, saying which."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def _present(name: str) -> bool:
+    from portapipe.backends.registry import backend_class
+
+    try:
+        return bool(backend_class(name).is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Device tests run where the device is, or where ci/test.sh asked for them explicitly
+    # (then a missing device fails loudly instead of skipping).
+    required = set(filter(None, os.environ.get("PORTAPIPE_REQUIRE_DEVICES", "").split(",")))
+    for device in ("cuda", "npu"):
+        if device in required or _present(device):
+            continue
+        skip = pytest.mark.skip(reason=f"needs a {device.upper()} device ({device} backend not available on this machine)")
+        for item in items:
+            if device in item.keywords:
+                item.add_marker(skip)
