@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 DUALPIPE_FAMILY = ("dualpipe", "dualpipev")
@@ -84,6 +84,13 @@ class BalancerConfig(_Section):
 
 class MemoryConfig(_Section):
     zero_memory: Literal["off", "level0", "level1"] = "off"
+
+    @field_validator("zero_memory", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as False.
+        return "off" if v is False else v
+
     zero_memory_layers: int | None = Field(None, ge=1, description="MoE layers per stage using it (default all)")
     recompute: Literal["none", "moe", "full"] = "none"
     recompute_layers: int | None = Field(None, ge=1, description="layers per stage recomputed (default all)")
