@@ -198,7 +198,7 @@ def _cross_checks(c: Config) -> list[str]:
         out.append(f"model.n_groups: {m.n_groups} does not divide model.n_experts = {m.n_experts}")
     if m.topk_groups > m.n_groups:
         out.append(f"model.topk_groups: {m.topk_groups} > model.n_groups = {m.n_groups}")
-    elif m.top_k > m.topk_groups * (m.n_experts // max(m.n_groups, 1)):
+    elif m.top_k <= m.n_experts and m.top_k > m.topk_groups * (m.n_experts // max(m.n_groups, 1)):
         out.append(
             f"model.top_k: {m.top_k} > experts reachable in topk_groups = {m.topk_groups} groups of {m.n_experts // max(m.n_groups, 1)}"
         )

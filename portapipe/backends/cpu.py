@@ -39,7 +39,7 @@ class CPUBackend(Backend):
         return torch.cpu.Stream()
 
     def event(self, enable_timing: bool = False) -> Any:
-        return torch.cpu.Event(enable_timing=enable_timing)
+        return torch.cpu.Event()  # takes no arguments; timing on CPU is wall clock
 
     def synchronize(self) -> None:
         return None

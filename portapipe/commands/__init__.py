@@ -1,0 +1,33 @@
+"""Sub-commands of the ``portapipe`` CLI, one module each (see portapipe/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """CONFIG and ``--set KEY.PATH=VALUE`` (repeatable), shared by commands that read a config."""
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a config value (YAML syntax), e.g. --set parallel.pp=4",
+    )
+
+
+def load_checked_config(args: argparse.Namespace) -> Any:
+    """Load and validate the config and make sure its backend can run here.
+
+    Raises ConfigError / BackendUnavailable, which the CLI turns into exit code 2, so bad input
+    fails before any rank starts.
+    """
+    from ..backends.registry import check_available
+    from ..config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    check_available(cfg.backend)
+    return cfg
