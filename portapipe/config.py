@@ -12,6 +12,7 @@ exits with code 2 before any rank starts.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -273,11 +274,32 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_pydantic_lines(err)) from None
+        problems = _pydantic_lines(err)
+        # Report the cross-section mistakes too: check again with the bad keys at their defaults.
+        pruned = copy.deepcopy(raw)
+        bad = [e["loc"] for e in err.errors()]
+        for loc in bad:
+            _drop_path(pruned, loc)
+        try:
+            rest = _cross_checks(Config.model_validate(pruned))
+        except ValidationError:
+            rest = []
+        bad_paths = {".".join(map(str, loc)) for loc in bad}
+        problems += [p for p in rest if p.split(":")[0] not in bad_paths]
+        raise ConfigError(problems) from None
     problems = _cross_checks(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _drop_path(d: Any, loc: tuple[Any, ...]) -> None:
+    for key in loc[:-1]:
+        if not isinstance(d, dict) or key not in d:
+            return
+        d = d[key]
+    if isinstance(d, dict):
+        d.pop(loc[-1], None)
 
 
 def load_config(source: str | Path | dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:

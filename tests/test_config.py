@@ -90,6 +90,11 @@ def test_three_mistakes_three_lines(tmp_path: Path) -> None:
     assert [line.split(":")[0] for line in lines] == ["parallel.world_size", "schedule.microbatches", "model.n_experts"]
 
 
+def test_type_errors_and_rule_errors_are_reported_together() -> None:
+    lines = problems(["model.hidden=abc", "parallel.world_size=6", "train.stepz=1"])
+    assert sorted(line.split(":")[0] for line in lines) == ["model.hidden", "parallel.world_size", "train.stepz"]
+
+
 def test_bad_files() -> None:
     assert "does not exist" in problems([], "/nonexistent/x.yaml")[0]
     assert problems(["=3"])[0].startswith("--set")
