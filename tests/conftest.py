@@ -25,5 +25,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         skip = pytest.mark.skip(reason=f"needs a {device.upper()} device ({device} backend not available on this machine)")
         for item in items:
-            if device in item.keywords:
+            if item.get_closest_marker(device) is not None:
                 item.add_marker(skip)

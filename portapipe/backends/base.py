@@ -79,6 +79,29 @@ class Timer:
         return self.elapsed_s
 
 
+class EventTimer(Timer):
+    """Device time of a region, from two timing events recorded on the current stream.
+
+    ``event_factory(enable_timing=True)`` makes the events (``torch.cuda.Event``,
+    ``torch.npu.Event``). Host wall clock would only measure how long launching took;
+    the events measure when the device ran the work. ``stop`` waits for the end event.
+    """
+
+    def __init__(self, event_factory: Any) -> None:
+        super().__init__()
+        self._begin = event_factory(enable_timing=True)
+        self._end = event_factory(enable_timing=True)
+
+    def start(self) -> None:
+        self._begin.record()
+
+    def stop(self) -> float:
+        self._end.record()
+        self._end.synchronize()
+        self.elapsed_s = self._begin.elapsed_time(self._end) / 1000.0  # events report milliseconds
+        return self.elapsed_s
+
+
 class Backend(ABC):
     """One kind of hardware: identity, process groups, streams, communication, kernels, memory.
 
@@ -136,17 +159,18 @@ class Backend(ABC):
         if dist.is_initialized():
             return
         self.set_device()
-        kwargs: dict[str, Any] = {}
-        if self.device_type != "cpu":
-            kwargs["device_id"] = self.device()
         dist.init_process_group(
             backend=self.dist_backend,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             init_method=init_method or "env://",
-            **kwargs,
+            **self.process_group_kwargs(),
         )
+
+    def process_group_kwargs(self) -> dict[str, Any]:
+        """Extra keyword arguments of ``dist.init_process_group`` for this device."""
+        return {"device_id": self.device()} if self.device_type != "cpu" else {}
 
     def destroy_process_group(self) -> None:
         if dist.is_initialized():

@@ -25,9 +25,10 @@ def load_checked_config(args: argparse.Namespace) -> Any:
     Raises ConfigError / BackendUnavailable, which the CLI turns into exit code 2, so bad input
     fails before any rank starts.
     """
-    from ..backends.registry import check_available
+    from ..backends.registry import get_backend
     from ..config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    check_available(cfg.backend)
+    # Constructing the backend also checks its options (e.g. an EP transport the device lacks).
+    get_backend(cfg.backend, cfg.backend_options)
     return cfg

@@ -1,0 +1,467 @@
+"""CUDA backend: what a CPU can check (messages, refusals, kernel choice), then GPU tests.
+
+The tests marked ``cuda`` need an NVIDIA GPU; they skip elsewhere (saying so) and are
+enforced by ``ci/test.sh cuda``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from portapipe.backends import cuda as cuda_mod
+from portapipe.backends.base import Backend, BackendUnavailable, EventTimer, grouped_mm_reference
+from portapipe.backends.cuda import CUDABackend, fused_grouped_mm_supported, fused_path_ok
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make this machine look GPU-less, whatever it has."""
+    monkeypatch.setattr(CUDABackend, "device_count", classmethod(lambda cls: 0))
+    monkeypatch.setattr(cuda_mod, "_nvidia_device_files", lambda: [])
+
+
+@pytest.fixture
+def usable_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make this machine look like it has a usable GPU (for the NVSHMEM checks that follow)."""
+    monkeypatch.setattr(CUDABackend, "is_available", classmethod(lambda cls: True))
+
+
+# ------------------------------------------------------------------------- CPU-side checks
+def test_identity() -> None:
+    assert (CUDABackend.name, CUDABackend.device_type, CUDABackend.dist_backend) == ("cuda", "cuda", "nccl")
+
+
+def test_no_gpu_reads_as_absent_and_unavailable(no_gpu) -> None:
+    assert CUDABackend.device_present() is False
+    assert CUDABackend.is_available() is False
+    msg = CUDABackend.unavailable_reason()
+    assert "no NVIDIA GPU found" in msg and "/dev/nvidia" in msg and "nvidia-smi" in msg
+
+
+def test_cpu_only_torch_build_is_named(monkeypatch) -> None:
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    assert CUDABackend.device_count() == 0
+    assert "built without CUDA" in CUDABackend.unavailable_reason()
+
+
+def test_gpu_present_but_unusable_is_named(monkeypatch) -> None:
+    monkeypatch.setattr(CUDABackend, "device_count", classmethod(lambda cls: 1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert CUDABackend.device_present() is True
+    assert CUDABackend.is_available() is False
+    assert "torch cannot use it" in CUDABackend.unavailable_reason()
+
+
+def test_get_backend_cuda_without_gpu_raises_with_reason(no_gpu) -> None:
+    from portapipe.backends import get_backend
+
+    with pytest.raises(BackendUnavailable, match="no NVIDIA GPU found"):
+        get_backend("cuda")
+
+
+def test_nvshmem_refused_without_gpu(no_gpu) -> None:
+    with pytest.raises(BackendUnavailable) as err:
+        CUDABackend({"ep_transport": "nvshmem"})
+    msg = str(err.value)
+    assert "ep_transport: nvshmem needs a usable NVIDIA GPU" in msg
+    assert "ep_transport: alltoall" in msg  # says what would work
+
+
+def test_nvshmem_refused_where_torch_reports_it_unavailable(usable_gpu, monkeypatch) -> None:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    monkeypatch.setattr(symm_mem, "is_nvshmem_available", lambda: False)
+    with pytest.raises(BackendUnavailable, match=r"is_nvshmem_available\(\) is False"):
+        CUDABackend({"ep_transport": "nvshmem"})
+    monkeypatch.setattr(symm_mem, "is_nvshmem_available", lambda: True)
+    be = CUDABackend({"ep_transport": "nvshmem"})  # accepted where torch reports it available
+    assert be.ep_transport == "nvshmem"
+
+
+def test_bad_options_are_named() -> None:
+    with pytest.raises(ValueError, match="ep_transport: 'deepep' is not one of alltoall, nvshmem"):
+        CUDABackend({"ep_transport": "deepep"})
+    with pytest.raises(ValueError, match="dist_backend: 'mpi' is not one of nccl, gloo"):
+        CUDABackend({"dist_backend": "mpi"})
+
+
+def test_process_group_kwargs_bind_nccl_to_the_device_only(monkeypatch) -> None:
+    monkeypatch.setattr(CUDABackend, "device_count", classmethod(lambda cls: 2))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert CUDABackend().process_group_kwargs() == {"device_id": torch.device("cuda", 1)}  # 3 % 2 GPUs
+    assert CUDABackend({"dist_backend": "gloo"}).process_group_kwargs() == {}
+
+
+def test_default_expert_transport_is_the_base_all_to_all() -> None:
+    assert CUDABackend().ep_transport == "alltoall"
+    assert "expert_all_to_all" in CUDABackend.__dict__  # overridden only to route nvshmem
+
+
+def test_fused_grouped_mm_only_for_bf16_on_hopper_and_blackwell() -> None:
+    for cap, expect in [((9, 0), True), ((10, 0), True), ((8, 0), False), ((8, 9), False), ((12, 0), False)]:
+        assert fused_grouped_mm_supported(torch.bfloat16, cap) is expect, cap
+    for dtype in (torch.float32, torch.float16, torch.float64):
+        assert fused_grouped_mm_supported(dtype, (9, 0)) is False
+
+
+def test_fused_path_needs_16_byte_strides_too() -> None:
+    a = torch.zeros(8, 16, dtype=torch.bfloat16)
+    b = torch.zeros(2, 16, 8, dtype=torch.bfloat16)
+    assert fused_path_ok(a, b, (9, 0))
+    assert not fused_path_ok(a, b, (8, 0))
+    odd = torch.zeros(8, 13, dtype=torch.bfloat16)  # 26-byte rows
+    assert not fused_path_ok(odd, torch.zeros(2, 13, 8, dtype=torch.bfloat16), (9, 0))
+    assert not fused_path_ok(a.float(), b.float(), (9, 0))
+
+
+def test_grouped_mm_dispatch_and_fallback(monkeypatch) -> None:
+    """CPU tensors take the loop; the fused branch passes int32 offs and gives the same numbers."""
+    be = CUDABackend()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(10, 16, generator=g), torch.randn(3, 16, 8, generator=g)
+    offs = torch.tensor([4, 4, 10])
+    assert be.grouped_mm_fused(a, b) is False
+    ref = grouped_mm_reference(a, b, offs)
+    torch.testing.assert_close(be.grouped_mm(a, b, offs), ref)
+    seen = {}
+    real = torch.nn.functional.grouped_mm
+
+    def spy(x, y, *, offs):
+        seen["offs_dtype"] = offs.dtype
+        return real(x, y, offs=offs)
+
+    monkeypatch.setattr(be, "grouped_mm_fused", lambda x, y: True)
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", spy)
+    torch.testing.assert_close(be.grouped_mm(a, b, offs), ref)
+    assert seen["offs_dtype"] == torch.int32
+
+
+def test_timer_is_event_based() -> None:
+    assert isinstance(CUDABackend().timer(), EventTimer)
+    assert CUDABackend.timer is not Backend.timer
+
+
+def test_element_splits_scale_rows_to_elements() -> None:
+    assert cuda_mod.element_splits([2, 0, 3], 7) == [14, 0, 21]
+
+
+class _FakeSymmMem:
+    """One-rank model of torch's symmetric memory and all_to_all_vdev (documented semantics)."""
+
+    def __init__(self) -> None:
+        self.backend = None
+        self.allocs: list[torch.Tensor] = []
+        self.rendezvous: list[str] = []
+        self.op_calls: list[str] = []
+
+    def get_backend(self, device):
+        return self.backend
+
+    def set_backend(self, name):
+        assert not self.allocs, "set_backend after an allocation"
+        self.backend = name
+
+    def empty(self, *size, dtype, device):
+        shape = size[0] if len(size) == 1 and isinstance(size[0], tuple) else size
+        t = torch.full(tuple(shape), -7, dtype=dtype)  # garbage-filled, as fresh memory is
+        self.allocs.append(t)
+        return t
+
+    def rendezvous_(self, t, group_name):
+        self.rendezvous.append(group_name)
+
+    def all_to_all_vdev(self, inp, out, in_splits, out_splits_offsets, group_name):
+        # With one rank everything sent comes back: received splits = sent, offsets exclusive.
+        n = int(in_splits.sum())
+        out[:n] = inp[:n]
+        out_splits_offsets[0] = in_splits
+        out_splits_offsets[1] = torch.cumsum(in_splits, 0) - in_splits
+        self.op_calls.append(group_name)
+
+
+class _FakeEvent:
+    def __init__(self, **kwargs) -> None:
+        self.recorded_on = None
+
+    def record(self, stream=None) -> None:
+        self.recorded_on = stream
+
+    def query(self) -> bool:
+        return True
+
+
+class _FakeStream:
+    def __init__(self) -> None:
+        self.waited: list[_FakeEvent] = []
+
+    def wait_event(self, ev) -> None:
+        self.waited.append(ev)
+
+
+@pytest.fixture
+def fake_nvshmem(monkeypatch):
+    symm = _FakeSymmMem()
+    stream = _FakeStream()
+    fake_module = types.SimpleNamespace(
+        get_backend=symm.get_backend, set_backend=symm.set_backend, empty=symm.empty, rendezvous=symm.rendezvous_
+    )
+    monkeypatch.setattr(cuda_mod.NvshmemTransport, "_symm_mem", staticmethod(lambda: fake_module))
+    monkeypatch.setattr(cuda_mod.NvshmemTransport, "_all_to_all_vdev", staticmethod(lambda: symm.all_to_all_vdev))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    return symm, stream
+
+
+def test_nvshmem_transport_staging_on_one_rank(fake_nvshmem) -> None:
+    """Copy-in, split scaling, the op's arguments, copy-out, buffer reuse and stream ordering."""
+    symm, stream = fake_nvshmem
+    tr = cuda_mod.NvshmemTransport(torch.device("cpu"), capacity_bytes=4 * 64)
+    group = types.SimpleNamespace(group_name="ep0")
+    x = torch.arange(15, dtype=torch.float32).reshape(5, 3)
+    out = torch.empty(5, 3)
+    assert tr.all_to_all(out, x, [5], [5], group=group) is None
+    assert torch.equal(out, x)
+    assert symm.backend == "NVSHMEM" and symm.op_calls == ["ep0"]
+    assert len(symm.allocs) == 4 and symm.rendezvous == ["ep0"] * 4  # inp, out, in_splits, out_splits_offsets
+    inp_buf, _, in_splits, _ = symm.allocs
+    assert inp_buf.numel() == 64 and in_splits.tolist() == [15]  # rows x 3 elements
+    first_done = tr._buffers[("ep0", torch.float32)].last_use
+    y = torch.randn(2, 3)
+    out2 = torch.empty(2, 3)
+    work = tr.all_to_all(out2, y, [2], [2], group=group, async_op=True)
+    assert len(symm.allocs) == 4  # buffers reused
+    assert stream.waited == [first_done]  # the second use waited for the first one's read-out
+    work.wait()
+    assert stream.waited[-1] is tr._buffers[("ep0", torch.float32)].last_use
+    assert work.is_completed() and torch.equal(out2, y)
+
+
+def test_nvshmem_transport_refuses_overflow_and_bad_splits(fake_nvshmem) -> None:
+    tr = cuda_mod.NvshmemTransport(torch.device("cpu"), capacity_bytes=4 * 16)
+    group = types.SimpleNamespace(group_name="ep0")
+    with pytest.raises(ValueError, match="nvshmem_buffer_mb"):
+        tr.all_to_all(torch.empty(6, 3), torch.randn(6, 3), [6], [6], group=group)
+    with pytest.raises(ValueError, match="splits cover 6 input / 6 output elements but the tensors hold 6 / 9"):
+        tr.all_to_all(torch.empty(3, 3), torch.randn(2, 3), [2], [2], group=group)
+
+
+def test_expert_all_to_all_routes_by_transport(usable_gpu, monkeypatch, fake_nvshmem) -> None:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    monkeypatch.setattr(symm_mem, "is_nvshmem_available", lambda: True)
+    monkeypatch.setattr(CUDABackend, "device", lambda self, local_rank=None: torch.device("cpu"))
+    nccl_calls = []
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: nccl_calls.append(k))
+    x, out = torch.randn(4, 2), torch.empty(4, 2)
+    CUDABackend().expert_all_to_all(out, x, [4], [4])
+    assert len(nccl_calls) == 1
+    be = CUDABackend({"ep_transport": "nvshmem", "nvshmem_buffer_mb": 1})
+    be.expert_all_to_all(out, x, [4], [4], group=types.SimpleNamespace(group_name="g"))
+    assert len(nccl_calls) == 1 and torch.equal(out, x)
+    assert be._nvshmem is not None and be._nvshmem.capacity_bytes == 2**20
+
+
+# ------------------------------------------------------------------------------ GPU tests
+def _gmm_operands(form: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if form == "2d3d":
+        return torch.randn(128, 64, generator=g, dtype=torch.float64), torch.randn(4, 64, 32, generator=g, dtype=torch.float64)
+    return torch.randn(64, 128, generator=g, dtype=torch.float64), torch.randn(128, 32, generator=g, dtype=torch.float64)
+
+
+def _gmm_tol(dtype: torch.dtype) -> dict:
+    return dict(rtol=2e-2, atol=2e-1) if dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("form", ["2d3d", "2d2d"])
+def test_cuda_grouped_mm_equals_cpu_reference(dtype, form) -> None:
+    from portapipe.backends import get_backend
+
+    be = get_backend("cuda")
+    g = torch.Generator().manual_seed(4)
+    offs = torch.tensor([16, 16, 48, 128])  # an empty group included
+    a, b = _gmm_operands(form, g)
+    a_dev = a.to(be.device(), dtype).requires_grad_()
+    b_dev = b.to(be.device(), dtype).requires_grad_()
+    expect_fused = fused_path_ok(a_dev, b_dev, torch.cuda.get_device_capability(be.device()))
+    assert be.grouped_mm_fused(a_dev, b_dev) is expect_fused
+    out = be.grouped_mm(a_dev, b_dev, offs.to(be.device()))
+    a_ref, b_ref = a.clone().requires_grad_(), b.clone().requires_grad_()
+    ref = grouped_mm_reference(a_ref, b_ref, offs)
+    torch.testing.assert_close(out.double().cpu(), ref, **_gmm_tol(dtype))
+    w = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    (out.float() * w.to(be.device())).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(a_dev.grad.double().cpu(), a_ref.grad, **_gmm_tol(dtype))
+    torch.testing.assert_close(b_dev.grad.double().cpu(), b_ref.grad, **_gmm_tol(dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("form", ["2d3d", "2d2d"])
+def test_cuda_grouped_mm_on_transposed_views(dtype, form) -> None:
+    """The layouts an expert layer's backward passes: ``weight.transpose(1, 2)`` and ``x.t()``."""
+    from portapipe.backends import get_backend
+
+    be = get_backend("cuda")
+    g = torch.Generator().manual_seed(5)
+    offs = torch.tensor([16, 16, 48, 128])
+    a, b = _gmm_operands(form, g)
+    if form == "2d3d":
+        a_dev = a.to(be.device(), dtype)
+        b_dev = b.transpose(1, 2).contiguous().to(be.device(), dtype).transpose(1, 2)  # column-major view
+    else:
+        a_dev = a.t().contiguous().to(be.device(), dtype).t()
+        b_dev = b.to(be.device(), dtype)
+    out = be.grouped_mm(a_dev, b_dev, offs.to(be.device()))
+    torch.testing.assert_close(out.double().cpu(), grouped_mm_reference(a, b, offs), **_gmm_tol(dtype))
+
+
+def _busy(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = torch.tanh(x @ x) * 0.5
+    return x
+
+
+@pytest.mark.cuda
+def test_cuda_event_timer_measures_device_time() -> None:
+    import time
+
+    from portapipe.backends import get_backend
+
+    be = get_backend("cuda")
+    be.set_device()
+    x = torch.randn(2048, 2048, device=be.device())
+    _busy(x, 2)
+    be.synchronize()
+    wall0 = time.perf_counter()
+    with be.timed() as t:
+        _busy(x, 40)
+    wall = time.perf_counter() - wall0  # includes the wait in stop(): device time <= wall
+    assert 0 < t.elapsed_s <= wall * 1.05
+    # The launches return at once; the events see the kernels, so the figure is most of the wall time.
+    assert t.elapsed_s >= 0.5 * wall
+
+
+@pytest.mark.cuda
+def test_cuda_comm_stream_copy_overlaps_compute_stream() -> None:
+    """A copy on the communication stream runs while matmuls run on the compute stream."""
+    from portapipe.backends import get_backend
+
+    be = get_backend("cuda")
+    be.set_device()
+    dev = be.device()
+    x = torch.randn(4096, 4096, device=dev)
+    payload = torch.randn(64 * 2**20, device=dev)  # 256 MiB to host over the copy engine
+    host = torch.empty(payload.shape, pin_memory=True)
+    _busy(x, 2)
+    be.synchronize()
+    compute, comm = be.compute_stream(), be.comm_stream()
+    assert comm != compute
+    ev = {k: be.event(enable_timing=True) for k in ("ref", "c0", "c1", "m0", "m1")}
+    ev["ref"].record(compute)
+    comm.wait_event(ev["ref"])
+    with be.stream(comm):
+        ev["c0"].record()
+        host.copy_(payload, non_blocking=True)
+        ev["c1"].record()
+    ev["m0"].record(compute)
+    _busy(x, 30)
+    ev["m1"].record(compute)
+    be.synchronize()
+    t = {k: ev["ref"].elapsed_time(e) for k, e in ev.items() if k != "ref"}  # ms since ref
+    overlap = min(t["c1"], t["m1"]) - max(t["c0"], t["m0"])
+    shorter = min(t["c1"] - t["c0"], t["m1"] - t["m0"])
+    assert overlap > 0.5 * shorter, t
+    assert torch.equal(host[:1000], payload[:1000].cpu())
+
+
+@pytest.mark.cuda
+def test_cuda_memory_figures_and_rng_state() -> None:
+    from portapipe.backends import get_backend
+
+    be = get_backend("cuda")
+    be.set_device()
+    be.reset_peak_memory_stats()
+    before = be.memory_allocated()
+    x = torch.empty(2**20, device=be.device())
+    assert be.memory_allocated() >= before + x.numel() * 4
+    assert be.max_memory_allocated() >= be.memory_allocated()
+    state = be.get_rng_state()
+    first = torch.rand(4, device=be.device())
+    be.set_rng_state(state)
+    assert torch.equal(torch.rand(4, device=be.device()), first)
+
+
+def nvshmem_vs_nccl_all_to_all(backend: CUDABackend) -> bool:
+    """Rank r sends r+j+1 rows of width 5 to rank j, once over NVSHMEM and once over NCCL."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    in_splits = [rank + j + 1 for j in range(world)]
+    out_splits = [j + rank + 1 for j in range(world)]
+    inp = torch.randn(sum(in_splits), 5, device=backend.device()) + 100 * rank
+    got = torch.empty(sum(out_splits), 5, device=backend.device())
+    backend.expert_all_to_all(got, inp, out_splits, in_splits, async_op=True).wait()
+    want = torch.empty_like(got)
+    backend.all_to_all_single(want, inp, out_splits, in_splits)
+    backend.synchronize()
+    return bool(torch.equal(got, want))
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+def test_nvshmem_expert_all_to_all_equals_nccl() -> None:
+    if CUDABackend.device_count() < 2:
+        pytest.skip("needs 2 NVIDIA GPUs for an NVSHMEM all-to-all (one GPU per rank)")
+    if CUDABackend.nvshmem_unavailable_reason():
+        pytest.skip(CUDABackend.nvshmem_unavailable_reason())
+    from portapipe.launch import run_ranks
+
+    got = run_ranks(nvshmem_vs_nccl_all_to_all, 2, backend="cuda", backend_options={"ep_transport": "nvshmem"})
+    assert got == [True, True]
+
+
+def _verify_on_cuda(overrides: list[str]) -> dict:
+    if not (ROOT / "portapipe" / "commands" / "verify.py").exists():
+        pytest.fail("portapipe/commands/verify.py is missing: `portapipe verify` cannot be checked on the GPU")
+    cmd = [sys.executable, "-m", "portapipe.cli", "verify", str(ROOT / "examples" / "cuda.yaml")]
+    for o in overrides:
+        cmd += ["--set", o]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) >= {"schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok"}
+    return result
+
+
+@pytest.mark.cuda
+def test_portapipe_verify_on_cuda_one_rank() -> None:
+    """examples/cuda.yaml's DualPipeV step on one GPU equals the single-process float64 step."""
+    result = _verify_on_cuda(["parallel.pp=1", "parallel.ep=1"])
+    assert (result["schedule"], result["pp"], result["ep"]) == ("dualpipev", 1, 1)
+    assert result["ok"] is True, result
+
+
+@pytest.mark.cuda
+@pytest.mark.multiproc
+def test_portapipe_verify_on_cuda_two_ranks() -> None:
+    """Two pipeline ranks: one GPU each over NCCL, or sharing one GPU over gloo (NCCL refuses that)."""
+    overrides = ["parallel.pp=2", "parallel.ep=1"]
+    if CUDABackend.device_count() < 2:
+        overrides.append("backend_options.dist_backend=gloo")
+    result = _verify_on_cuda(overrides)
+    assert (result["pp"], result["ep"]) == (2, 1)
+    assert result["ok"] is True, result
