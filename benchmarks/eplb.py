@@ -1,0 +1,99 @@
+"""EPLB speed and balance at DeepSeek-V3 shapes; prints one JSON object.
+
+Times ``rebalance_experts`` for the hierarchical (published), global and refined policies on
+lognormal loads (61 layers x 256 experts, 288 slots, 32 GPUs, 4 nodes, 8 groups by default;
+sigma 0.75 puts the published policy at about 1.05 x the lower bound on average), reports the
+median and minimum of ``--repeats`` runs (the machine may be shared: medians), the balancedness
+and max-load / lower-bound per policy, and, as the peer, the per-layer pure-Python loop
+implementation of the same algorithm from the test suite (timed once; its answers must agree).
+
+    python benchmarks/eplb.py --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from portapipe.balancing.eplb import POLICIES, balancedness, gpu_loads, lower_bound, rebalance_experts  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--replicas", type=int, default=288)
+    ap.add_argument("--gpus", type=int, default=32)
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--sigma", type=float, default=0.75, help="lognormal sigma of the expert loads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    ap.add_argument("--no-reference", action="store_true", help="skip the pure-Python loop peer")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    g = torch.Generator().manual_seed(args.seed)
+    w = torch.exp(torch.randn(args.layers, args.experts, generator=g) * args.sigma)
+    shape = (args.replicas, args.groups, args.nodes, args.gpus)
+    lb = lower_bound(w, args.replicas, args.gpus)
+    out: dict = {
+        "benchmark": "eplb",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "load_avg_1min_before": round(os.getloadavg()[0], 2),
+        "shape": {"layers": args.layers, "experts": args.experts, "replicas": args.replicas, "gpus": args.gpus,
+                  "nodes": args.nodes, "groups": args.groups},
+        "loads": f"lognormal(0, {args.sigma}), seed {args.seed}",
+        "policies": {},
+    }
+    tops = {}
+    for policy in POLICIES:
+        rebalance_experts(w, *shape, policy=policy)  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            phy2log, _, logcnt = rebalance_experts(w, *shape, policy=policy)
+            times.append(time.perf_counter() - t0)
+        top = gpu_loads(w, phy2log, args.gpus, logcnt).max(1).values
+        tops[policy] = top
+        ratio = top / lb
+        out["policies"][policy] = {
+            "median_ms": round(statistics.median(times) * 1e3, 3),
+            "min_ms": round(min(times) * 1e3, 3),
+            "balancedness_mean": round(float(balancedness(w, phy2log, args.gpus, logcnt).mean()), 5),
+            "max_over_lower_bound_mean": round(float(ratio.mean()), 5),
+            "max_over_lower_bound_worst": round(float(ratio.max()), 5),
+        }
+    out["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
+    out["refined_never_worse_than_hierarchical"] = bool((tops["refined"] <= tops["hierarchical"]).all())
+
+    if not args.no_reference:
+        from tests.test_eplb import ref_layer
+
+        t0 = time.perf_counter()
+        ref = [ref_layer(row, *shape)[0] for row in w.tolist()]
+        elapsed = time.perf_counter() - t0
+        out["peer_python_loop"] = {
+            "what": "per-layer pure-Python loop of the same algorithm (tests/test_eplb.py), one run",
+            "seconds": round(elapsed, 3),
+            "same_phy2log": ref == rebalance_experts(w, *shape)[0].tolist(),
+            "speedup_vs_hierarchical_median": round(elapsed * 1e3 / out["policies"]["hierarchical"]["median_ms"], 1),
+        }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

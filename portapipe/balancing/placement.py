@@ -1,0 +1,386 @@
+"""Apply an EPLB plan: route tokens to physical expert slots and move expert tensors between ranks.
+
+An :class:`ExpertPlacement` holds ``phy2log[L, R]`` (logical expert in each of R physical slots
+of every MoE layer) over ``num_ranks`` expert-parallel ranks; slot ``s`` lives on rank
+``s // (R / num_ranks)`` at local index ``s % (R / num_ranks)``.
+
+:func:`migrate` turns one layer's expert tensors (anything shaped ``[local_slots, ...]``: weights,
+their gradients, optimizer moments) from an old placement into a new one through the backend's
+``all_to_all_single``. It moves only what changes slot: a slot that keeps its expert keeps its
+rows, an expert already on the rank is copied locally, and each missing expert crosses the
+network once per rank that needs it. It is failure-safe: the new tensors are built in fresh
+buffers and handed back only after every rank reports success through an all-reduce; if any rank
+fails, every rank raises :class:`MigrationError` and the old tensors are untouched everywhere.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .eplb import rebalance_experts
+
+
+class MigrationError(RuntimeError):
+    """A migration did not happen; every rank raises it and keeps its old tensors."""
+
+    def __init__(self, message: str, failed_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+
+def _replica_order(phy2log: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log2phy[L, E, X] with replicas in slot order, -1 padded; logcnt[L, E]) from phy2log."""
+    layers, slots = phy2log.shape
+    logcnt = torch.zeros(layers, num_experts, dtype=torch.int64).scatter_add_(1, phy2log, torch.ones_like(phy2log))
+    width = int(logcnt.max()) if logcnt.numel() else 1
+    by_expert = phy2log.sort(dim=1, stable=True)
+    start = logcnt.cumsum(1) - logcnt
+    pos = torch.arange(slots).expand(layers, slots) - start.gather(1, by_expert.values)
+    log2phy = torch.full((layers, num_experts * width), -1, dtype=torch.int64)
+    log2phy.scatter_(1, by_expert.values * width + pos, by_expert.indices)
+    return log2phy.view(layers, num_experts, width), logcnt
+
+
+@dataclass(frozen=True, eq=False, init=False)
+class ExpertPlacement:
+    """Where every logical expert of every MoE layer lives: ``phy2log[L, R]`` over ``num_ranks`` ranks.
+
+    ``log2phy`` (replicas of each expert, the one routed to first at index 0) is taken from the
+    plan when given, else derived in slot order.
+    """
+
+    phy2log: torch.Tensor
+    num_ranks: int
+    num_experts: int
+    log2phy: torch.Tensor = field(repr=False)
+    logcnt: torch.Tensor = field(repr=False)
+
+    def __init__(self, phy2log: torch.Tensor, num_ranks: int, num_experts: int | None = None, log2phy: torch.Tensor | None = None) -> None:
+        p2l = torch.as_tensor(phy2log, dtype=torch.int64).cpu()
+        if p2l.dim() == 1:
+            p2l = p2l.unsqueeze(0)
+        if p2l.dim() != 2:
+            raise ValueError(f"phy2log must be [layers, slots], got shape {tuple(p2l.shape)}")
+        if num_ranks < 1 or p2l.shape[1] % num_ranks:
+            raise ValueError(f"slots must split evenly over ranks: {p2l.shape[1]} slots over {num_ranks} ranks")
+        experts = int(p2l.max()) + 1 if num_experts is None else num_experts
+        if p2l.min() < 0 or p2l.max() >= experts:
+            raise ValueError(f"phy2log entries must lie in [0, {experts}); got [{int(p2l.min())}, {int(p2l.max())}]")
+        order, cnt = _replica_order(p2l, experts)
+        if (cnt == 0).any():
+            layer, expert = (int(i) for i in (cnt == 0).nonzero()[0])
+            raise ValueError(f"every expert needs a slot: expert {expert} of layer {layer} has none")
+        if log2phy is not None:
+            order = torch.as_tensor(log2phy, dtype=torch.int64).cpu().reshape(p2l.shape[0], experts, -1)
+        object.__setattr__(self, "phy2log", p2l)
+        object.__setattr__(self, "num_ranks", num_ranks)
+        object.__setattr__(self, "num_experts", experts)
+        object.__setattr__(self, "log2phy", order)
+        object.__setattr__(self, "logcnt", cnt)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_plan(cls, plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_ranks: int) -> ExpertPlacement:
+        """From ``rebalance_experts``'s ``(phy2log, log2phy, logcnt)``."""
+        phy2log, log2phy, logcnt = plan
+        return cls(phy2log, num_ranks, num_experts=logcnt.shape[-1], log2phy=log2phy)
+
+    @classmethod
+    def identity(cls, layers: int, num_experts: int, num_ranks: int, num_slots: int | None = None) -> ExpertPlacement:
+        """Slot s holds expert s % E: the placement before any rebalance."""
+        slots = num_experts if num_slots is None else num_slots
+        return cls(torch.arange(slots).remainder(num_experts).expand(layers, slots), num_ranks, num_experts)
+
+    @classmethod
+    def from_loads(
+        cls, weight: torch.Tensor, num_ranks: int, num_replicas: int, num_groups: int = 1, num_nodes: int = 1, policy: str = "refined"
+    ) -> ExpertPlacement:
+        """Balance ``weight[L, E]`` with :func:`rebalance_experts`, one GPU per rank."""
+        return cls.from_plan(rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks, policy=policy), num_ranks)
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def num_layers(self) -> int:
+        return self.phy2log.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.phy2log.shape[1]
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.num_ranks
+
+    def rank_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.div(slots, self.slots_per_rank, rounding_mode="floor")
+
+    def local_index(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots.remainder(self.slots_per_rank)
+
+    def experts_on(self, rank: int, layer: int = 0) -> torch.Tensor:
+        """Logical expert held in each of ``rank``'s local slots."""
+        s = self.slots_per_rank
+        return self.phy2log[layer, rank * s:(rank + 1) * s]
+
+    # ------------------------------------------------------------------ routing
+    def route(self, layer: int, experts: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Physical slot for each routed (token, expert) entry; -1 (a dropped token) stays -1.
+
+        The j-th entry (in flattened order) naming expert e goes to replica (j + offset) mod
+        count(e): replicas of an expert get equal shares to within one, deterministically. Pass
+        the EP rank as ``offset`` so the odd entries of different ranks land on different replicas.
+        """
+        flat = experts.reshape(-1).to(torch.int64).cpu()
+        dropped = flat < 0
+        if bool((flat >= self.num_experts).any()):
+            raise ValueError(f"expert ids must be < {self.num_experts}; got {int(flat.max())}")
+        e = flat.masked_fill(dropped, self.num_experts)  # dropped entries share one extra bucket
+        sorted_e, order = e.sort(stable=True)
+        per = torch.bincount(e, minlength=self.num_experts + 1)
+        start = per.cumsum(0) - per
+        nth = torch.empty_like(e).scatter_(0, order, torch.arange(len(e)) - start[sorted_e])
+        cnt = self.logcnt[layer]
+        safe = e.clamp(max=self.num_experts - 1)
+        replica = (nth + offset).remainder(cnt[safe])
+        slot = self.log2phy[layer][safe, replica]
+        return slot.masked_fill(dropped, -1).view(experts.shape).to(experts.device)
+
+    def tokens_per_rank(self, slots: torch.Tensor) -> torch.Tensor:
+        """How many routed entries go to each rank (the dispatch all-to-all's input splits)."""
+        s = slots.reshape(-1)
+        return torch.bincount(self.rank_of(s[s >= 0]).cpu(), minlength=self.num_ranks)
+
+
+# ------------------------------------------------------------------------------ migration plan
+@dataclass
+class MigrationPlan:
+    """One layer's moves, identical on every rank (a pure function of the two placements).
+
+    ``source[r]``: for each local slot of rank r, where its new rows come from: ``(kind, a)`` with
+    kind "keep" (own old slot a == the same slot), "copy" (own old local slot a) or "recv" (row a
+    of what r receives). ``sends[(src, dst)]``: the old local slots of ``src`` sent to ``dst``, in
+    order; the receiver numbers received rows by source rank, then that order.
+    """
+
+    num_ranks: int
+    slots_per_rank: int
+    source: list[list[tuple[str, int]]]
+    sends: dict[tuple[int, int], list[int]]
+
+    def send_counts(self, rank: int) -> list[int]:
+        return [len(self.sends.get((rank, d), [])) for d in range(self.num_ranks)]
+
+    def recv_counts(self, rank: int) -> list[int]:
+        return [len(self.sends.get((s, rank), [])) for s in range(self.num_ranks)]
+
+    @property
+    def rows_moved(self) -> int:
+        """Slot rows crossing between ranks (each needed expert once per receiving rank)."""
+        return sum(len(v) for v in self.sends.values())
+
+    @property
+    def rows_copied(self) -> int:
+        return sum(kind == "copy" for src in self.source for kind, _ in src)
+
+    @property
+    def rows_kept(self) -> int:
+        return sum(kind == "keep" for src in self.source for kind, _ in src)
+
+
+def plan_migration(old: ExpertPlacement, new: ExpertPlacement, layer: int = 0) -> MigrationPlan:
+    """Which rows each rank keeps, copies locally, sends and receives to go from ``old`` to ``new``."""
+    if (old.num_ranks, old.num_slots, old.num_experts) != (new.num_ranks, new.num_slots, new.num_experts):
+        raise ValueError(
+            "placements differ in shape: old has "
+            f"{old.num_ranks} ranks, {old.num_slots} slots, {old.num_experts} experts; new has "
+            f"{new.num_ranks} ranks, {new.num_slots} slots, {new.num_experts} experts"
+        )
+    if not (0 <= layer < min(old.num_layers, new.num_layers)):
+        raise ValueError(f"layer {layer} is outside the placements' {min(old.num_layers, new.num_layers)} layers")
+    ranks, per = old.num_ranks, old.slots_per_rank
+    before, after = old.phy2log[layer].tolist(), new.phy2log[layer].tolist()
+    # where each expert sits in the old placement: {expert: {rank: first local slot}}
+    holders: dict[int, dict[int, int]] = {}
+    for s, e in enumerate(before):
+        holders.setdefault(e, {}).setdefault(s // per, s % per)
+    sends: dict[tuple[int, int], list[int]] = {}
+    sent_by = [0] * ranks  # spread the sending over the ranks that hold a copy
+    source: list[list[tuple[str, int]]] = []
+    for r in range(ranks):
+        fetched: dict[int, int] = {}  # expert -> index among r's received rows, before renumbering
+        wanted: list[tuple[int, int]] = []  # (src rank, expert) in the order first needed
+        entries: list[tuple[str, int]] = []
+        for j in range(per):
+            s, e = r * per + j, after[r * per + j]
+            if before[s] == e:
+                entries.append(("keep", j))
+            elif r in holders[e]:
+                entries.append(("copy", holders[e][r]))
+            else:
+                if e not in fetched:
+                    src = min(holders[e], key=lambda q: (sent_by[q], q))
+                    sent_by[src] += 1
+                    fetched[e] = len(wanted)
+                    wanted.append((src, e))
+                entries.append(("want", fetched[e]))
+        # received rows arrive grouped by source rank (all_to_all order), in request order inside
+        arrival = sorted(range(len(wanted)), key=lambda k: (wanted[k][0], k))
+        row_of = {k: row for row, k in enumerate(arrival)}
+        for k in arrival:
+            src, e = wanted[k]
+            sends.setdefault((src, r), []).append(holders[e][src])
+        source.append([("recv", row_of[a]) if kind == "want" else (kind, a) for kind, a in entries])
+    return MigrationPlan(ranks, per, source, sends)
+
+
+# ------------------------------------------------------------------------------ migration
+def _fingerprint(*parts: Any) -> int:
+    """A 31-bit checksum of the given values, for checking that every rank agrees on them."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def _group_by_dtype(tensors: Mapping[str, torch.Tensor]) -> dict[torch.dtype, list[str]]:
+    groups: dict[torch.dtype, list[str]] = {}
+    for name, t in tensors.items():
+        groups.setdefault(t.dtype, []).append(name)
+    return groups
+
+
+def migrate(
+    old: ExpertPlacement,
+    new: ExpertPlacement,
+    tensors: Mapping[str, torch.Tensor],
+    backend: Any,
+    group: Any = None,
+    layer: int = 0,
+    rank: int | None = None,
+    fault: Callable[[str, int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Move this rank's expert tensors of one layer from ``old`` to ``new``; collective over ``group``.
+
+    ``tensors`` maps names to this rank's tensors shaped ``[slots_per_rank, ...]`` (rows in local
+    slot order; every rank passes the same names, shapes and dtypes). Returns new tensors, in
+    fresh buffers, with each local slot holding its new logical expert's rows bit for bit; the
+    inputs are never written. Raises :class:`MigrationError` on every rank if any rank failed
+    (bad input, or an exception while packing or unpacking), with the failing ranks named.
+    ``fault(phase, rank)`` is called at "prepare" and "build" (a test hook for injected failures).
+    """
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group) if rank is None else rank
+    problem = ""
+    plan: MigrationPlan | None = None
+    buffers: dict[torch.dtype, torch.Tensor] = {}
+    names = _group_by_dtype(tensors)
+    widths = {dt: [tensors[n][0].numel() if tensors[n].dim() and tensors[n].shape[0] else 0 for n in ns] for dt, ns in names.items()}
+    try:  # ---- prepare: validate and pack what this rank sends
+        if old.num_ranks != world:
+            raise ValueError(f"the placement spans {old.num_ranks} ranks but the group has {world}")
+        plan = plan_migration(old, new, layer)
+        for name, t in tensors.items():
+            if t.dim() < 1 or t.shape[0] != plan.slots_per_rank:
+                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; its first dim must be the {plan.slots_per_rank} local slots")
+        rows = [i for d in range(world) for i in plan.sends.get((me, d), [])]
+        idx = torch.tensor(rows, dtype=torch.int64)
+        for dt, ns in names.items():
+            parts = [tensors[n].reshape(plan.slots_per_rank, -1).index_select(0, idx.to(tensors[n].device)) for n in ns]
+            buffers[dt] = torch.cat(parts, dim=1) if parts else torch.empty(0)
+        if fault is not None:
+            fault("prepare", me)
+    except Exception as exc:  # reported to every rank below; nothing has been written
+        problem = f"{type(exc).__name__}: {exc}"
+    # ---- agree: every rank ready, same plan, same tensor layout
+    spec = _fingerprint(old.phy2log[layer].tolist() if layer < old.num_layers else None,
+                        new.phy2log[layer].tolist() if layer < new.num_layers else None,
+                        sorted((str(dt), ns, widths[dt]) for dt, ns in names.items()))
+    _agree(backend, group, world, me, bool(problem), spec, "prepare", problem)
+    assert plan is not None
+    # ---- exchange: one all-to-all per dtype, sizes known to every rank from the plan
+    send_counts, recv_counts = plan.send_counts(me), plan.recv_counts(me)
+    received: dict[torch.dtype, torch.Tensor] = {}
+    any_moves = plan.rows_moved > 0
+    for dt, ns in names.items():
+        buf = buffers[dt]
+        out = buf.new_empty(sum(recv_counts), buf.shape[1])
+        if any_moves:
+            backend.all_to_all_single(out, buf.contiguous(), recv_counts, send_counts, group=group)
+        received[dt] = out
+    # ---- build: fresh buffers, old tensors untouched
+    result: dict[str, torch.Tensor] = {}
+    try:
+        src = plan.source[me]
+        for dt, ns in names.items():
+            col = 0
+            for n, width in zip(ns, widths[dt]):
+                t = tensors[n]
+                rows = t.reshape(plan.slots_per_rank, -1)
+                got = received[dt][:, col:col + width].to(t.device)
+                col += width
+                pool = torch.cat([rows, got], dim=0)  # old rows, then received rows
+                pick = torch.tensor([a if kind in ("keep", "copy") else plan.slots_per_rank + a for kind, a in src], dtype=torch.int64)
+                result[n] = pool.index_select(0, pick.to(t.device)).view(t.shape)
+                if fault is not None:
+                    fault("build", me)
+    except Exception as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    _agree(backend, group, world, me, bool(problem), spec, "build", problem)
+    return result
+
+
+def _agree(backend: Any, group: Any, world: int, me: int, failed: bool, spec: int, phase: str, problem: str) -> None:
+    """All-reduce (MAX) per-rank failure flags and the spec checksum; raise on every rank if needed."""
+    flags = torch.zeros(world + 2, dtype=torch.int64)
+    flags[me] = int(failed)
+    flags[world], flags[world + 1] = spec, -spec  # max(spec) == -max(-spec) iff all ranks agree
+    backend.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    bad = [r for r in range(world) if flags[r]]
+    if bad:
+        detail = f" (this rank: {problem})" if problem else ""
+        raise MigrationError(f"expert migration failed at {phase} on rank(s) {bad}; the old placement is kept{detail}", bad)
+    if int(flags[world]) != -int(flags[world + 1]):
+        raise MigrationError("expert migration refused: ranks disagree on the placements or on the tensors' names, dtypes or shapes", [])
+
+
+def migrate_parameters(
+    old: ExpertPlacement,
+    new: ExpertPlacement,
+    params: Mapping[str, torch.nn.Parameter],
+    backend: Any,
+    group: Any = None,
+    layer: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
+    rank: int | None = None,
+    fault: Callable[[str, int], None] | None = None,
+) -> None:
+    """Migrate expert parameters in place, with their gradients and per-slot optimizer state.
+
+    Every optimizer state tensor whose first dim is the local slot count (Adam's exp_avg and
+    exp_avg_sq, momentum buffers) moves with its parameter; scalars such as Adam's step stay.
+    Nothing is replaced unless every rank succeeded (see :func:`migrate`).
+    """
+    per = new.slots_per_rank
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        tensors[name] = p.detach()
+        if p.grad is not None:
+            tensors[f"{name}.grad"] = p.grad
+        if optimizer is not None:
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == per:
+                    tensors[f"{name}.state.{key}"] = value
+    moved = migrate(old, new, tensors, backend, group, layer, rank, fault)
+    # commit: only reached when every rank succeeded
+    for name, p in params.items():
+        p.data = moved[name]
+        if p.grad is not None:
+            p.grad = moved[f"{name}.grad"]
+        if optimizer is not None:
+            state = optimizer.state.get(p, {})
+            for key in list(state):
+                if f"{name}.state.{key}" in moved:
+                    state[key] = moved[f"{name}.state.{key}"]
