@@ -1,0 +1,162 @@
+"""Linear and grouped-linear layers whose weight gradient can be deferred to a W action.
+
+Zero-bubble schedules split a backward into B (input gradient, needed at once by the previous
+stage) and W (weight gradient, free to fill a bubble later). Here each layer computes its input
+gradient inside autograd's backward and, when a :class:`WeightGradQueue` is active, queues a
+closure that computes and accumulates its weight gradient; the executor runs the queue at the
+matching W action. Without an active queue the weight gradient is computed in the same
+backward. Both paths run the same arithmetic, so results are identical either way.
+
+The queue is scoped with a context variable (:func:`deferring`), set by whoever drives the
+backward; there is no module-level queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..backends.base import Backend
+
+
+class WeightGradQueue:
+    """Deferred weight-gradient computations of one (stage, micro-batch) backward."""
+
+    def __init__(self) -> None:
+        self._work: list[Callable[[], None]] = []
+
+    def put(self, fn: Callable[[], None]) -> None:
+        self._work.append(fn)
+
+    def __len__(self) -> int:
+        return len(self._work)
+
+    def run(self) -> None:
+        """Compute and accumulate every queued weight gradient, in queue order, then forget them."""
+        work, self._work = self._work, []
+        # Outside autograd's backward grad mode is on: record no graph (it would keep the
+        # layers' inputs alive for nothing).
+        with torch.no_grad():
+            for fn in work:
+                fn()
+
+
+_ACTIVE: contextvars.ContextVar[WeightGradQueue | None] = contextvars.ContextVar("portapipe_wgrad_queue", default=None)
+
+
+@contextlib.contextmanager
+def deferring(queue: WeightGradQueue | None) -> Iterator[WeightGradQueue | None]:
+    """Within this block, backwards of our linear layers queue their weight gradients in ``queue``.
+
+    ``None`` means compute them at once (a full backward).
+    """
+    token = _ACTIVE.set(queue)
+    try:
+        yield queue
+    finally:
+        _ACTIVE.reset(token)
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``param.grad`` the way autograd's accumulation would."""
+    if param.grad is None:
+        param.grad = grad.detach()
+    else:
+        param.grad.add_(grad)
+
+
+def _finish_weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """Return the weight gradient now, or queue it and return None (autograd then adds nothing)."""
+    queue = _ACTIVE.get()
+    if queue is None:
+        return compute()
+    queue.put(lambda: accumulate_grad(weight, compute()))
+    return None
+
+
+class LinearFunction(torch.autograd.Function):
+    """``y = x @ weight.T`` over the last dimension, with a deferrable weight gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        # The parameter itself: under saved-tensor hooks (memory accounting, zero-memory) saved
+        # tensors come back as aliases, and a deferred gradient must land on the parameter.
+        ctx.param = weight
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = torch.matmul(grad_out, weight) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            x2 = x.reshape(-1, x.shape[-1])
+            grad_w = _finish_weight_grad(ctx.param, lambda: g2.t().matmul(x2))
+        return grad_x, grad_w
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """Rows of ``x[T, K]`` grouped by ``offs`` times ``weight[G, K, N]``, via ``backend.grouped_mm``.
+
+    With ``tiles > 1`` there are ``tiles * G`` groups and group ``i`` uses ``weight[i % G]``:
+    expert parallelism keeps each source rank's rows for an expert in a group of their own
+    (see :mod:`portapipe.models.expert_parallel`), and the weight gradient sums the tiles in order.
+    Forward, input gradient and weight gradient are all grouped matmuls of the backend, so a
+    device kernel (fused CUDA grouped GEMM, npu_grouped_matmul) serves all three.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: int) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offs)
+        ctx.backend, ctx.tiles = backend, tiles
+        ctx.param = weight  # see LinearFunction.forward
+        return backend.grouped_mm(x, _tile(weight, tiles), offs)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x, weight, offs = ctx.saved_tensors
+        backend: Backend = ctx.backend
+        tiles = ctx.tiles
+        grad_out = grad_out.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = backend.grouped_mm(grad_out, _tile(weight, tiles).transpose(1, 2), offs)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+
+            def weight_grad() -> torch.Tensor:
+                g = backend.grouped_mm(x.t(), grad_out, offs)
+                return g if tiles == 1 else g.view(tiles, *weight.shape).sum(0)
+
+            grad_w = _finish_weight_grad(ctx.param, weight_grad)
+        return grad_x, grad_w, None, None, None
+
+
+def _tile(weight: torch.Tensor, tiles: int) -> torch.Tensor:
+    return weight if tiles == 1 else weight.repeat(tiles, 1, 1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return LinearFunction.apply(x, weight)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: int = 1) -> torch.Tensor:
+    return GroupedLinearFunction.apply(x, weight, offs, backend, tiles)
+
+
+class Linear(nn.Module):
+    """Bias-free linear layer (``weight[out, in]``) with a deferrable weight gradient."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)

@@ -1,0 +1,348 @@
+"""A small DeepSeek-V3-style MoE transformer that follows the stage contract.
+
+Layers: RMSNorm -> causal attention (RoPE) -> RMSNorm -> FFN; the first ``n_dense`` layers
+have a dense SwiGLU FFN, the rest an MoE: shared expert(s) plus routed experts chosen by
+sigmoid affinities, top-k, with DeepSeek's auxiliary-loss-free bias (added to the affinities
+for choosing experts only; raised for under-loaded experts and lowered for over-loaded ones
+by ``bias_update_speed`` each step) and optional group-limited routing.
+
+The model is built as *blocks* (contiguous layer slices; block 0 has the embedding, the last
+the head and loss) so a schedule can place them on ranks. Parameters are named by global
+layer index and initialised from a seed per parameter name (per logical expert for routed
+experts), so any split, any EP sharding and the single-process model hold identical weights.
+
+Each block's forward is a program (see :mod:`portapipe.scheduling.overlap`): an MoE layer is
+the parts ``attention`` (norms, attention, routing, send order) -> dispatch all-to-all ->
+``experts`` (one grouped matmul per projection over (source rank, expert) groups) -> combine all-to-all -> ``shared`` (computed
+while the combine is in flight) -> ``combine`` (weighted sum of the top-k outputs + residual).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Generator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..backends.base import Backend
+from ..config import ModelConfig
+from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch
+from .linear import Linear, grouped_linear
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    # Written with exp and a division, which round the same whatever the element's position;
+    # torch's fused silu may not (vector body vs scalar tail), and the expert inputs of an EP
+    # run are laid out differently from a single process's.
+    return x / (1 + torch.exp(-x))
+
+
+def swiglu(gu: torch.Tensor, width: int) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up projection output."""
+    return silu(gu[..., :width]) * gu[..., width:]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, dtype: torch.dtype, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    half = head_dim // 2
+    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float64) / max(half, 1)))
+    ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    s = x.shape[-2]
+    c, n = cos[:s], sin[:s]
+    return torch.cat([x1 * c - x2 * n, x1 * n + x2 * c, rest], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.hidden // cfg.n_heads
+        self.wq = Linear(cfg.hidden, cfg.hidden, dtype)
+        self.wk = Linear(cfg.hidden, cfg.hidden, dtype)
+        self.wv = Linear(cfg.hidden, cfg.hidden, dtype)
+        self.wo = Linear(cfg.hidden, cfg.hidden, dtype)
+        cos, sin = rope_tables(cfg.seq_len, self.head_dim, dtype)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        if s > self.cos.shape[0]:
+            raise ValueError(f"sequence length {s} exceeds model.seq_len = {self.cos.shape[0]}")
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+
+        q = apply_rope(heads(self.wq(x)), self.cos, self.sin)
+        k = apply_rope(heads(self.wk(x)), self.cos, self.sin)
+        v = heads(self.wv(x))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, h))
+
+
+class DenseFFN(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)); gate and up fused in one projection."""
+
+    def __init__(self, hidden: int, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.width = width
+        self.gate_up = Linear(hidden, 2 * width, dtype)
+        self.down = Linear(width, hidden, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)
+        return self.down(silu(gu[..., : self.width]) * gu[..., self.width :])
+
+
+class Router(nn.Module):
+    """Sigmoid top-k routing with the aux-loss-free bias and optional group limit."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.n_groups, self.topk_groups = cfg.n_groups, cfg.topk_groups
+        self.scale = cfg.routed_scale
+        self.speed = cfg.bias_update_speed
+        self.gate = Linear(cfg.hidden, cfg.n_experts, dtype)
+        self.register_buffer("bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x[T, H] -> (weights[T, k], expert indices[T, k])."""
+        scores = torch.sigmoid(self.gate(x))
+        choice = scores.detach() + self.bias.to(scores.dtype)
+        if self.n_groups > 1:
+            t = x.shape[0]
+            per = self.n_experts // self.n_groups
+            grouped = choice.view(t, self.n_groups, per)
+            group_score = grouped.topk(min(2, per), dim=-1).values.sum(-1)
+            keep = group_score.topk(self.topk_groups, dim=-1).indices
+            mask = torch.zeros(t, self.n_groups, dtype=torch.bool, device=x.device).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(t, self.n_experts)
+        idx = choice.topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.top_k > 1:
+            w = w / w.sum(-1, keepdim=True)
+        return w * self.scale, idx
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """One aux-loss-free step: raise under-loaded experts' bias, lower over-loaded ones'."""
+        load = counts.to(torch.float64)
+        self.bias += (self.speed * torch.sign(load.mean() - load)).to(self.bias.dtype)
+
+
+class Experts(nn.Module):
+    """This EP rank's routed experts as stacked weights, run as grouped matmuls."""
+
+    def __init__(self, cfg: ModelConfig, n_local: int, first: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.width, self.first = cfg.moe_hidden, first
+        self.gate_up = nn.Parameter(torch.empty(n_local, cfg.hidden, 2 * cfg.moe_hidden, dtype=dtype))
+        self.down = nn.Parameter(torch.empty(n_local, cfg.moe_hidden, cfg.hidden, dtype=dtype))
+        for p in (self.gate_up, self.down):
+            p.is_expert = True  # reduced over DP only; sharded over EP
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: int = 1, zm: Any = None) -> torch.Tensor:
+        """Rows grouped by ``offs`` into ``tiles`` x local-expert groups (tile-major)."""
+        gu = grouped_linear(x, self.gate_up, offs, backend, tiles)
+        # zm: zero-memory (portapipe.memory.zero_memory) may recompute the activation in backward.
+        act = swiglu(gu, self.width) if zm is None else zm.activation(swiglu, gu, self.width)
+        return grouped_linear(act.contiguous(), self.down, offs, backend, tiles)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, ep: ExpertParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ep = ep
+        self.n_experts = cfg.n_experts
+        self.router = Router(cfg, dtype)
+        self.shared = DenseFFN(cfg.hidden, cfg.moe_hidden * cfg.n_shared, dtype) if cfg.n_shared > 0 else None
+        first, _ = ep.expert_range(cfg.n_experts)
+        self.experts = Experts(cfg, ep.local_experts(cfg.n_experts), first, dtype)
+        # Rows routed to each logical expert by this rank since the last bias update.
+        self.register_buffer("step_counts", torch.zeros(cfg.n_experts, dtype=torch.int64), persistent=False)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, ep: ExpertParallel, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.index = index
+        self.norm1 = RMSNorm(cfg.hidden, dtype)
+        self.attn = Attention(cfg, dtype)
+        self.norm2 = RMSNorm(cfg.hidden, dtype)
+        self.top_k = cfg.top_k
+        if index < cfg.n_dense:
+            self.ffn: DenseFFN | None = DenseFFN(cfg.hidden, cfg.ffn_hidden, dtype)
+            self.moe: MoE | None = None
+        else:
+            self.ffn, self.moe = None, MoE(cfg, ep, dtype)
+        # Memory options (portapipe.memory.policy.LayerMemory), set by portapipe.memory.policy.configure.
+        self.memory: Any = None
+
+    # ----------------------------------------------------------------- parts
+    def dense_part(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x))
+        return h + self.ffn(self.norm2(h))
+
+    def attention_part(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchPlan]:
+        """Attention + residual, FFN norm, routing, and the rows to send in dispatch order."""
+        moe = self.moe
+        h = x + self.attn(self.norm1(x))
+        hn = self.norm2(h)
+        flat = hn.reshape(-1, hn.shape[-1])
+        w, idx = moe.router(flat)
+        plan = plan_dispatch(moe.ep, idx, moe.n_experts)
+        moe.step_counts += plan.counts
+        send = flat.index_select(0, plan.order // self.top_k)
+        return h, hn, send, w, plan
+
+    def experts_part(self, recv: torch.Tensor, plan: DispatchPlan, zm: Any = None) -> torch.Tensor:
+        """Received rows (grouped by source rank, then expert) through the grouped expert MLP.
+
+        Each (source, expert) block is a group of its own, with the rows in arrival order, so
+        the output rows come back in the received order with no permutation.
+        ``zm`` (zero-memory) keeps the expert inputs out of what autograd saves.
+        """
+        moe = self.moe
+        with contextlib.nullcontext() if zm is None else zm.dropping(recv, recv):
+            return moe.experts(recv, plan.offs, moe.ep.backend, moe.ep.size, zm)
+
+    def shared_part(self, hn: torch.Tensor) -> torch.Tensor:
+        return self.moe.shared(hn)
+
+    def combine_part(
+        self, h: torch.Tensor, shared: torch.Tensor | None, back: torch.Tensor, w: torch.Tensor, plan: DispatchPlan
+    ) -> torch.Tensor:
+        """Rows back in (token, k) order, weighted sum over k, plus shared expert and residual."""
+        rows = torch.empty_like(back).index_copy(0, plan.order, back)
+        t = w.shape[0]
+        routed = (rows.view(t, self.top_k, -1) * w.unsqueeze(-1)).sum(1).view_as(h)
+        out = h + routed
+        return out if shared is None else out + shared
+
+    # --------------------------------------------------------------- program
+    def program(self, tape: Any, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
+        if self.moe is None:
+            return tape.part(self.dense_part, x)
+        h, hn, send, w, plan = tape.part(self.attention_part, x)
+        return (yield from self.moe_program(tape, h, hn, send, w, plan))
+
+    def moe_program(
+        self, tape: Any, h: torch.Tensor, hn: torch.Tensor, send: torch.Tensor, w: torch.Tensor, plan: DispatchPlan, zm: Any = None
+    ) -> Generator[Any, None, torch.Tensor]:
+        """The parts after attention: dispatch, experts, combine, shared expert, weighted sum."""
+        moe = self.moe
+        dispatch = tape.all_to_all(moe.ep, send, plan.recv_splits, plan.send_splits)
+        yield dispatch
+        out = tape.part(self.experts_part, dispatch.wait(), plan, zm)
+        combine = tape.all_to_all(moe.ep, out, plan.send_splits, plan.recv_splits)
+        yield combine
+        shared = tape.part(self.shared_part, hn) if moe.shared is not None else None
+        last = self.combine_part if zm is None else zm.issue_early(self.combine_part)
+        return tape.part(last, h, shared, combine.wait(), w, plan)
+
+
+class Block(nn.Module):
+    """Layers ``[first, last)`` of the model; block 0 embeds tokens, the final block ends in the loss."""
+
+    def __init__(self, cfg: ModelConfig, block: int, n_blocks: int, ep: ExpertParallel, seed: int) -> None:
+        super().__init__()
+        dtype = DTYPES[cfg.dtype]
+        self.block, self.n_blocks = block, n_blocks
+        self.first, self.last = layer_range(cfg.n_layers, n_blocks, block)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=dtype) if block == 0 else None
+        self.layers = nn.ModuleDict({str(i): Layer(cfg, i, ep, dtype) for i in range(self.first, self.last)})
+        if block == n_blocks - 1:
+            self.final_norm: RMSNorm | None = RMSNorm(cfg.hidden, dtype)
+            self.head: Linear | None = Linear(cfg.hidden, cfg.vocab_size, dtype)
+        else:
+            self.final_norm = self.head = None
+        init_parameters(self, cfg, seed)
+
+    @property
+    def has_loss(self) -> bool:
+        return self.head is not None
+
+    def embed_part(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+    def loss_part(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.final_norm(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def program(self, tape: Any, x: torch.Tensor, targets: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]:
+        """Forward of one micro-batch: tokens or hidden states in; hidden states or the loss out."""
+        x = tape.watch(x)
+        if self.embed is not None:
+            x = tape.part(self.embed_part, x)
+        for layer in self.layers.values():
+            # layer.memory: recompute / zero-memory options (portapipe.memory.policy), if any.
+            x = yield from (layer.program(tape, x) if layer.memory is None else layer.memory.program(layer, tape, x))
+        if self.head is not None:
+            if targets is None:
+                raise ValueError(f"block {self.block} computes the loss and needs the targets")
+            x = tape.part(self.loss_part, x, targets)
+        return x
+
+    def moe_layers(self) -> list[Layer]:
+        return [layer for layer in self.layers.values() if layer.moe is not None]
+
+
+def layer_range(n_layers: int, n_blocks: int, block: int) -> tuple[int, int]:
+    """Layers of ``block`` when ``n_layers`` are cut into ``n_blocks`` contiguous, near-equal slices."""
+    if n_layers < n_blocks:
+        raise ValueError(f"model.n_layers = {n_layers} cannot be cut into {n_blocks} blocks of at least one layer")
+    return block * n_layers // n_blocks, (block + 1) * n_layers // n_blocks
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+
+
+@torch.no_grad()
+def init_parameters(block: Block, cfg: ModelConfig, seed: int) -> None:
+    """Seeded per parameter name (per logical expert for routed experts): split-independent."""
+    out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
+    for name, p in block.named_parameters():
+        if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.startswith("final_norm"):
+            p.fill_(1.0)
+            continue
+        std = cfg.init_std * (out_scale if name.endswith(("wo.weight", "down.weight", ".down")) else 1.0)
+        if getattr(p, "is_expert", False):
+            experts = block.get_submodule(name.rsplit(".", 1)[0])
+            for j in range(p.shape[0]):
+                g = _generator(seed, f"{name}[{experts.first + j}]")
+                p[j].copy_(torch.randn(p.shape[1:], generator=g, dtype=torch.float64) * std)
+        else:
+            g = _generator(seed, name)
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
+
+
+def build_blocks(cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertParallel, seed: int) -> dict[int, Block]:
+    return {b: Block(cfg, b, n_blocks, ep, seed) for b in blocks}
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "is_expert", False))

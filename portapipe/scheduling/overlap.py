@@ -1,0 +1,242 @@
+"""Part-by-part forward and backward, and the F&B overlap built on it.
+
+A stage's forward is a *program*: a generator that calls the model's parts (attention,
+dispatch, experts, combine, ...) through a :class:`Tape` and yields each expert all-to-all
+right after issuing it. The tape cuts the autograd graph at every part boundary (each part
+runs on detached leaves) and remembers the parts in order, so the backward can be driven
+part by part too: :meth:`Tape.backward` is a program of the same kind that runs the parts'
+backwards in reverse, issuing the reverse all-to-all of each exchange asynchronously and
+waiting for it only when the part that needs its gradient comes up.
+
+Both kinds of program run through the same two drivers:
+
+- :func:`run` drives one program to completion (a lone F, B or BW). Work placed between an
+  exchange's issue and its first use still hides it (the shared expert does).
+- :func:`run_pair` runs a forward and a backward program of two micro-batches alternately,
+  switching whenever one has an all-to-all in flight, so the other's compute hides it
+  (MindSpeed / DualPipe's F&B overlap): ATTN(F) beside COMBINE(B), MLP(B) beside DISPATCH(F),
+  and so on.
+
+Exchanges are issued on the backend's communication stream after it has waited for the
+compute stream (working no-ops on CPU, where gloo's async work handles carry the overlap),
+so device backends overlap on streams with no change here.
+
+With ``Tape(record=False)`` parts are plain calls and exchanges are blocking autograd
+functions: the whole stage is one ordinary autograd graph (used as the reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..models.expert_parallel import AllToAll, ExpertParallel, Pending, exchange
+from ..models.linear import WeightGradQueue, deferring
+
+Program = Generator[Pending, None, Any]
+
+
+class Done:
+    """A finished exchange (blocking path): same interface as :class:`Pending`."""
+
+    in_flight = False
+
+    def __init__(self, output: torch.Tensor) -> None:
+        self.output = output
+
+    def wait(self) -> torch.Tensor:
+        return self.output
+
+
+@dataclass
+class _Part:
+    leaves: list[tuple[torch.Tensor, torch.Tensor]]  # (detached leaf the part saw, tensor it came from)
+    outputs: list[torch.Tensor]
+
+
+@dataclass
+class _Exchange:
+    ep: ExpertParallel
+    source: torch.Tensor
+    output: torch.Tensor
+    out_splits: list[int]
+    in_splits: list[int]
+
+
+@dataclass
+class Custom:
+    """A step whose backward is a program of its own (activation recompute replays a segment).
+
+    ``backward(grads, queue)`` gets the gradients of ``outputs`` (None where none arrived) and
+    returns those of ``inputs``; it may yield exchanges like any program.
+    """
+
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    backward: Callable[[list[torch.Tensor | None], WeightGradQueue | None], Program]
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    items = x if isinstance(x, (tuple, list)) else (x,)
+    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class Tape:
+    """Records one micro-batch's forward through a stage, part by part, for a part-wise backward."""
+
+    def __init__(self, record: bool = True) -> None:
+        self.record = record
+        self._steps: list[_Part | _Exchange | Custom] = []
+        self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._input: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ forward
+    def watch(self, x: torch.Tensor) -> torch.Tensor:
+        """Mark the stage input whose gradient the backward returns."""
+        if self.record and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+            self._input = x
+        return x
+
+    def part(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` as one part; tensor arguments that carry gradients become leaves."""
+        if not self.record:
+            return fn(*args)
+        leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        call_args = []
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                leaf = a.detach().requires_grad_(True)
+                leaves.append((leaf, a))
+                a = leaf
+            call_args.append(a)
+        with torch.enable_grad():
+            out = fn(*call_args)
+        self._steps.append(_Part(leaves, _tensors(out)))
+        return out
+
+    def all_to_all(self, ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending | Done:
+        """Issue an expert exchange of ``x``; the caller yields the result, then ``wait()``s on it."""
+        if not self.record:
+            return Done(AllToAll.apply(x, ep, list(out_splits), list(in_splits)))
+        pending = _issue(ep, x, out_splits, in_splits)
+        pending.output.requires_grad_(True)
+        self._steps.append(_Exchange(ep, x, pending.output, list(out_splits), list(in_splits)))
+        return pending
+
+    def custom(self, step: Custom) -> None:
+        """Record a step with its own backward program (see :class:`Custom`)."""
+        self._steps.append(step)
+
+    # ----------------------------------------------------------------- backward
+    def _add_grad(self, t: torch.Tensor, g: torch.Tensor) -> None:
+        key = id(t)
+        if key in self._grads:
+            self._grads[key] = (t, self._grads[key][1] + g)
+        else:
+            self._grads[key] = (t, g)
+
+    def _pop_grad(self, t: torch.Tensor) -> torch.Tensor | None:
+        item = self._grads.pop(id(t), None)
+        return None if item is None else item[1]
+
+    def backward(self, output: torch.Tensor, grad: torch.Tensor, queue: WeightGradQueue | None = None) -> Program:
+        """Program: backward of the recorded parts from ``output``'s gradient.
+
+        Weight gradients of our linear layers go to ``queue`` when given (a B action), else are
+        computed at once (BW). Returns the stage input's gradient (None if the input was tokens).
+        Each part's graph and boundaries are dropped as soon as its backward ran.
+        """
+        if not self.record:
+            raise RuntimeError("a Tape(record=False) is one autograd graph: call backward() on its output")
+        self._add_grad(output, grad)
+        in_flight: dict[int, tuple[torch.Tensor, Pending]] = {}
+        while self._steps:
+            step = self._steps.pop()
+            if isinstance(step, _Exchange):
+                g = self._pop_grad(step.output)
+                if g is None:  # the exchange must still happen: the peers take part in it
+                    g = torch.zeros_like(step.output)
+                pending = _issue(step.ep, g, step.in_splits, step.out_splits)
+                in_flight[id(step.source)] = (step.source, pending)
+                yield pending
+                continue
+            for o in step.outputs:
+                if id(o) in in_flight:
+                    _, pending = in_flight.pop(id(o))
+                    self._add_grad(o, pending.wait())
+            if isinstance(step, Custom):
+                grads_in = yield from step.backward([self._pop_grad(o) for o in step.outputs], queue)
+                for src, g in zip(step.inputs, grads_in):
+                    if g is not None:
+                        self._add_grad(src, g)
+                continue
+            outs, grads = [], []
+            for o in step.outputs:
+                g = self._pop_grad(o)
+                if g is not None:
+                    outs.append(o)
+                    grads.append(g)
+            if outs:
+                with deferring(queue):
+                    torch.autograd.backward(outs, grads)
+            for leaf, src in step.leaves:
+                if leaf.grad is not None:
+                    self._add_grad(src, leaf.grad)
+            step.leaves.clear()
+            step.outputs.clear()
+        for src, pending in in_flight.values():
+            self._add_grad(src, pending.wait())
+        grad_in = None if self._input is None else self._pop_grad(self._input)
+        self._grads.clear()
+        self._input = None
+        return grad_in
+
+
+def _issue(ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending:
+    backend = ep.backend
+    comm = ep_comm_stream(ep)
+    comm.wait_stream(backend.compute_stream())
+    with backend.stream(comm):
+        return exchange(ep, x, out_splits, in_splits, async_op=True)
+
+
+def ep_comm_stream(ep: ExpertParallel) -> Any:
+    stream = getattr(ep, "_comm_stream", None)
+    if stream is None:
+        stream = ep.backend.comm_stream()
+        ep._comm_stream = stream  # type: ignore[attr-defined]
+    return stream
+
+
+# ------------------------------------------------------------------------ drivers
+def run(program: Program) -> Any:
+    """Drive one program to completion; return its result."""
+    while True:
+        try:
+            next(program)
+        except StopIteration as stop:
+            return stop.value
+
+
+def run_pair(forward: Program, backward: Program) -> tuple[Any, Any]:
+    """Run two programs interleaved, switching whenever the running one has an exchange in flight."""
+    programs = [forward, backward]
+    results: list[Any] = [None, None]
+    done = [False, False]
+    cur = 0
+    while not (done[0] and done[1]):
+        if not done[cur]:
+            try:
+                while True:
+                    item = next(programs[cur])
+                    if item is not None and item.in_flight and not done[1 - cur]:
+                        break
+            except StopIteration as stop:
+                results[cur] = stop.value
+                done[cur] = True
+        cur = 1 - cur
+    return results[0], results[1]

@@ -1,0 +1,227 @@
+"""``verify``: one pipelined step against the same step in one process, in float64.
+
+The pipelined step runs on ``pp x dp x ep`` ranks (:func:`portapipe.launch.run_ranks`) with
+the configured schedule, overlap and W split; the reference builds the whole model in this
+process (same seed, so the same weights), runs every replica's micro-batches through it as one
+plain autograd graph each, and seeds each backward with the same 1 / (micro-batches x
+replicas). Data are random tokens drawn from the seed per (replica, micro-batch).
+
+Why the loss can match bit for bit: every token's arithmetic is the same in both runs. Each
+micro-batch passes through the same shapes (a rank sees exactly one replica's micro-batch),
+the expert matmuls are row-independent (``a[rows] @ w``), the SwiGLU activation is written
+with position-independent operations, and both sides add the per-micro-batch losses in the
+same order (:func:`portapipe.scheduling.executor.mean_loss`). Gradients are sums of the same
+terms in different orders (micro-batches, replicas, DualPipe's copies), so they agree to
+rounding: ``max_rel_grad_diff`` is the largest ``|g - g_ref| / |g_ref|`` (2-norms) over every
+parameter tensor of every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import Config, config_from_dict
+from .launch import run_ranks
+from .models.expert_parallel import ExpertParallel
+from .models.moe import build_blocks, is_expert_param
+from .scheduling.executor import PipelineRuntime, build_schedule, mean_loss
+from .scheduling.overlap import Tape, run
+
+GRAD_TOLERANCE = 1e-12
+
+
+@dataclass
+class VerifyReport:
+    schedule: str
+    pp: int
+    ep: int
+    dp: int
+    microbatches: int
+    loss_diff: float
+    max_rel_grad_diff: float
+    ok: bool
+    #: beyond the printed keys: for tests and diagnosis
+    overlap: bool = True
+    w_split: bool = True
+    loss: float = 0.0
+    ref_loss: float = 0.0
+    max_bias_diff: float = 0.0
+    worst_param: str = ""
+    timings: list[dict[str, float]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """The ``portapipe verify`` JSON: schedule, pp, ep, dp, microbatches, loss_diff, max_rel_grad_diff, ok."""
+        keys = ("schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok")
+        return {k: getattr(self, k) for k in keys}
+
+
+def float64(config: Config) -> Config:
+    """The config with the model in float64 (what verification runs in)."""
+    raw = config.to_dict()
+    raw["model"]["dtype"] = "float64"
+    return config_from_dict(raw)
+
+
+def microbatches(config: Config, replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random (inputs, targets) token micro-batches of one replica, drawn from the seed."""
+    m, t = config.model, config.train
+    out = []
+    for mb in range(config.schedule.microbatches):
+        g = torch.Generator().manual_seed(t.seed * 1_000_003 + replica * 1009 + mb)
+        tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+# ------------------------------------------------------------------------------ ranks
+def _rank_step(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """On every rank: for each config, build the runtime, run one step, return its gradients."""
+    results = []
+    for raw in raws:
+        config = config_from_dict(raw)
+        p = config.parallel
+        # A fresh backend object per config: each gets its own pp x dp x ep groups.
+        be = type(backend)(backend.options)
+        groups = be.parallel_groups(p.pp, p.dp, p.ep)
+        runtime = PipelineRuntime(config, be, groups)
+        results.append(step_report(runtime, microbatches(config, groups.dp_rank * p.ep + groups.ep_rank)))
+    return results
+
+
+def step_report(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """Run one step; return what :func:`compare` checks (picklable, for the launcher)."""
+    result = runtime.step(data)
+    params = dict(runtime.named_parameters())
+    return {
+        "ep_rank": runtime.groups.ep_rank,
+        "loss": result.loss,
+        "grads": {n: q.grad.detach().cpu().clone() for n, q in params.items()},
+        "experts": sorted(n for n, q in params.items() if is_expert_param(q)),
+        "biases": {f"{layer.index}": layer.moe.router.bias.detach().cpu().clone() for layer in runtime.moe_layers()},
+        "timings": result.timings,
+        "expert_counts": None if result.expert_counts is None else result.expert_counts.cpu(),
+        "expert_layers": result.expert_layers,
+        "tokens": result.tokens,
+    }
+
+
+# -------------------------------------------------------------------------- reference
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def reference(config: Config) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The step in one process: (mean loss, gradients by name, router biases after the step)."""
+    from .backends.cpu import CPUBackend
+
+    p = config.parallel
+    n_blocks = config.n_blocks()
+    replicas, m = p.dp * p.ep, config.schedule.microbatches
+    scale = 1.0 / (m * replicas)
+    blocks = build_blocks(config.model, list(range(n_blocks)), n_blocks, ExpertParallel(CPUBackend()), config.train.seed)
+    losses = []
+    with _threads(1):  # as on the ranks
+        for r in range(replicas):
+            row = []
+            for inputs, targets in microbatches(config, r):
+                tape = Tape(record=False)
+                h = inputs
+                for b in range(n_blocks):
+                    h = run(blocks[b].program(tape, h, targets if b == n_blocks - 1 else None))
+                h.backward(torch.full_like(h, scale))
+                row.append(float(h.detach()))
+            losses.append(row)
+    grads, biases = {}, {}
+    for b in range(n_blocks):
+        for name, q in blocks[b].named_parameters():
+            grads[name] = q.grad if q.grad is not None else torch.zeros_like(q)
+        for layer in blocks[b].moe_layers():
+            layer.moe.router.update_bias(layer.moe.step_counts)
+            biases[f"{layer.index}"] = layer.moe.router.bias.clone()
+    return mean_loss(losses), grads, biases
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    num = float((a.to(torch.float64) - ref.to(torch.float64)).norm())
+    den = float(ref.to(torch.float64).norm())
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def compare(config: Config, rank_results: list[dict[str, Any]]) -> VerifyReport:
+    """Every rank's loss, gradients and router biases against the single-process reference."""
+    ref_loss, ref_grads, ref_biases = reference(config)
+    p = config.parallel
+    per = config.model.n_experts // p.ep
+    worst, worst_name, bias_diff = 0.0, "", 0.0
+    losses = [r["loss"] for r in rank_results]
+    for r in rank_results:
+        for name, g in r["grads"].items():
+            want = ref_grads[name]
+            if name in r["experts"]:
+                want = want[r["ep_rank"] * per : (r["ep_rank"] + 1) * per]
+            d = _rel(g, want)
+            if not worst_name or d > worst:
+                worst, worst_name = d, name
+        for layer, bias in r["biases"].items():
+            bias_diff = max(bias_diff, float((bias - ref_biases[layer]).abs().max()))
+    loss_diff = max(abs(x - ref_loss) for x in losses)
+    ok = loss_diff == 0.0 and worst <= GRAD_TOLERANCE and bias_diff == 0.0
+    return VerifyReport(
+        schedule=config.schedule.name,
+        pp=p.pp,
+        ep=p.ep,
+        dp=p.dp,
+        microbatches=config.schedule.microbatches,
+        loss_diff=loss_diff,
+        max_rel_grad_diff=worst,
+        ok=ok,
+        overlap=config.schedule.overlap,
+        w_split=config.schedule.w_split,
+        loss=losses[0],
+        ref_loss=ref_loss,
+        max_bias_diff=bias_diff,
+        worst_param=worst_name,
+        timings=[r["timings"] for r in rank_results],
+    )
+
+
+def verify_many(configs: list[Config], wall_timeout_s: float = 600.0) -> list[VerifyReport]:
+    """Verify several configs of one world size in one launch of ranks (start-up paid once)."""
+    if not configs:
+        return []
+    configs = [float64(c) for c in configs]
+    worlds = {c.world_size for c in configs}
+    if len(worlds) != 1:
+        raise ValueError(f"verify_many needs one world size per launch, got {sorted(worlds)}")
+    backends = {c.backend for c in configs}
+    if len(backends) != 1:
+        raise ValueError(f"verify_many needs one backend per launch, got {sorted(backends)}")
+    for c in configs:
+        build_schedule(c)  # a schedule or split that cannot run fails here, before any rank starts
+    per_rank = run_ranks(
+        _rank_step,
+        configs[0].world_size,
+        [c.to_dict() for c in configs],
+        backend=configs[0].backend,
+        backend_options=configs[0].backend_options,
+        wall_timeout_s=wall_timeout_s,
+    )
+    return [compare(c, [ranks[i] for ranks in per_rank]) for i, c in enumerate(configs)]
+
+
+def verify(config: Config) -> dict[str, Any]:
+    """One step pipelined vs in one process (float64): {schedule, pp, ep, dp, microbatches, loss_diff, max_rel_grad_diff, ok}."""
+    return verify_many([config])[0].summary()

@@ -1,0 +1,80 @@
+"""Expert parallelism: uneven all-to-all dispatch/combine, async handles, autograd, routing plans."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from portapipe.backends.cpu import CPUBackend
+from portapipe.launch import run_ranks
+from portapipe.models.expert_parallel import A2AStats, AllToAll, ExpertParallel, Pending, exchange, plan_dispatch
+
+
+def test_plan_on_one_rank_groups_rows_by_expert() -> None:
+    ep = ExpertParallel(CPUBackend())
+    idx = torch.tensor([[2, 0], [1, 2], [0, 3]])
+    plan = plan_dispatch(ep, idx, 4)
+    flat = idx.reshape(-1)
+    assert flat[plan.order].tolist() == [0, 0, 1, 2, 2, 3]
+    assert plan.order.tolist() == [1, 4, 2, 0, 3, 5]  # stable: ties keep token order
+    assert plan.send_splits == plan.recv_splits == [6]
+    assert plan.offs.tolist() == [2, 3, 5, 6]
+    assert plan.counts.tolist() == [2, 1, 2, 1]
+
+
+def test_hidden_fraction_is_share_not_spent_waiting() -> None:
+    s = A2AStats(total_s=2.0, wait_s=0.5)
+    assert s.hidden_frac == 0.75
+    assert A2AStats().hidden_frac == 0.0
+
+
+def test_exchange_on_one_rank_is_a_completed_copy() -> None:
+    x = torch.arange(6.0).view(3, 2)
+    p = exchange(ExpertParallel(CPUBackend()), x, [3], [3])
+    assert isinstance(p, Pending) and not p.in_flight
+    assert torch.equal(p.wait(), x) and p.wait().data_ptr() != x.data_ptr()
+
+
+def _ranks(backend: Any) -> dict[str, Any]:
+    """On 2 ranks: uneven exchanges (async and autograd) and a dispatch plan agreed by both."""
+    groups = backend.parallel_groups(1, 1, 2)
+    r = groups.ep_rank
+    ep = ExpertParallel(backend, 2, r, groups.ep_group)
+    out: dict[str, Any] = {}
+    # rank 0 sends 1 row to itself and 3 to rank 1; rank 1 sends 2 to rank 0 and 0 to itself.
+    send = [[1, 3], [2, 0]][r]
+    recv = [[1, 2], [3, 0]][r]
+    x = (torch.arange(sum(send) * 2, dtype=torch.float64).view(-1, 2) + 100 * r).requires_grad_()
+    pending = exchange(ep, x, recv, send)
+    out["in_flight"] = pending.in_flight
+    out["received"] = pending.wait().clone()
+    out["stats"] = (ep.stats.count, ep.stats.total_s >= ep.stats.wait_s >= 0.0)
+    y = AllToAll.apply(x, ep, recv, send)
+    (y * (1 + torch.arange(y.shape[0], dtype=torch.float64)).unsqueeze(1)).sum().backward()
+    out["y"] = y.detach().clone()
+    out["x_grad"] = x.grad.clone()
+    # routing plan: both ranks route 4 tokens x top-2 over 4 experts (2 per rank)
+    idx = [torch.tensor([[0, 3], [1, 0], [3, 2], [0, 1]]), torch.tensor([[2, 3], [3, 0], [2, 3], [1, 2]])][r]
+    plan = plan_dispatch(ep, idx, 4)
+    out["plan"] = (plan.send_splits, plan.recv_splits, plan.offs.tolist())
+    return out
+
+
+@pytest.mark.multiproc
+def test_uneven_exchanges_and_plans_on_two_ranks() -> None:
+    r0, r1 = run_ranks(_ranks, 2)
+    # rank 0 gets its own row 0 then rank 1's rows 0-1; rank 1 gets rank 0's rows 1-3
+    assert r0["received"].tolist() == [[0.0, 1.0], [100.0, 101.0], [102.0, 103.0]]
+    assert r1["received"].tolist() == [[2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
+    assert r0["in_flight"] and r1["in_flight"]
+    assert r0["stats"] == (1, True) and r1["stats"] == (1, True)
+    assert torch.equal(r0["y"], r0["received"]) and torch.equal(r1["y"], r1["received"])
+    # d(sum_i (i+1) y_i)/dx: each sent row gets the weight of the slot it landed in
+    assert r0["x_grad"][:, 0].tolist() == [1.0, 1.0, 2.0, 3.0]
+    assert r1["x_grad"][:, 0].tolist() == [2.0, 3.0]
+    # rank 0 routes experts 0,1 (rank 0): 3+2 rows, experts 2,3 (rank 1): 1+2 rows
+    # rank 1 routes experts 0,1: 1+1 rows, experts 2,3: 3+3 rows
+    assert r0["plan"] == ([5, 3], [5, 2], [3, 5, 6, 7])
+    assert r1["plan"] == ([2, 6], [3, 6], [1, 3, 6, 9])

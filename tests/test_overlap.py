@@ -1,0 +1,161 @@
+"""F&B overlap: the two programs interleave at every in-flight all-to-all, results unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import torch
+
+from portapipe.backends.cpu import CPUBackend
+from portapipe.config import ModelConfig
+from portapipe.models.expert_parallel import ExpertParallel
+from portapipe.models.linear import WeightGradQueue
+from portapipe.models.moe import build_blocks
+from portapipe.scheduling.overlap import Tape, run, run_pair
+
+LOG: list[tuple[str, str]] = []
+LABEL = ["-"]
+
+
+class _Flight:
+    in_flight = True
+
+
+def _fake(name: str, steps: int) -> Generator[Any, None, str]:
+    for i in range(steps):
+        LOG.append((name, f"compute{i}"))
+        yield _Flight()
+    return name
+
+
+def test_run_pair_alternates_at_in_flight_yields_and_drains_the_longer_program() -> None:
+    LOG.clear()
+    assert run_pair(_fake("F", 3), _fake("B", 1)) == ("F", "B")
+    assert LOG == [("F", "compute0"), ("B", "compute0"), ("F", "compute1"), ("F", "compute2")]
+
+
+def test_run_pair_does_not_switch_on_finished_exchanges() -> None:
+    class _Done:
+        in_flight = False
+
+    def prog(name: str) -> Generator[Any, None, None]:
+        for i in range(2):
+            LOG.append((name, str(i)))
+            yield _Done()
+
+    LOG.clear()
+    run_pair(prog("F"), prog("B"))
+    assert LOG == [("F", "0"), ("F", "1"), ("B", "0"), ("B", "1")]
+
+
+class _Work:
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def wait(self) -> None:
+        LOG.append((LABEL[0], "wait"))
+
+
+class _LoopbackBackend(CPUBackend):
+    """One process playing both EP ranks with identical data: every exchange returns what was sent."""
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        output.copy_(input)
+
+    def expert_all_to_all(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> _Work:
+        output.copy_(input)
+        LOG.append((LABEL[0], "issue"))
+        return _Work(LABEL[0])
+
+
+def _labelled(name: str, program: Generator[Any, None, Any]) -> Generator[Any, None, Any]:
+    while True:
+        LABEL[0] = name
+        try:
+            item = next(program)
+        except StopIteration as stop:
+            return stop.value
+        yield item
+
+
+CFG = ModelConfig(
+    dtype="float64", vocab_size=32, hidden=16, n_layers=3, n_dense=0, n_heads=2, moe_hidden=16,
+    n_experts=4, top_k=2, seq_len=8, n_shared=1,
+)
+
+
+def _setup() -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    ep = ExpertParallel(_LoopbackBackend(), size=2, rank=0)
+    blocks = build_blocks(CFG, [0], 1, ep, seed=11)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 32, (2, 8), generator=g), torch.randint(0, 32, (2, 8), generator=g)) for _ in range(2)]
+    return blocks[0], data
+
+
+def _grads(block: Any) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}
+
+
+def _fb(overlap: bool) -> tuple[dict[str, torch.Tensor], float, list[tuple[str, str]]]:
+    """Forward mb0, then F(mb1) & B(mb0) (overlapped or one after the other), then B(mb1)."""
+    block, data = _setup()
+    t0, t1 = Tape(), Tape()
+    loss0 = run(block.program(t0, *data[0]))
+    LOG.clear()
+    queue = WeightGradQueue()
+    fwd = _labelled("F", block.program(t1, *data[1]))
+    bwd = _labelled("B", t0.backward(loss0, torch.ones_like(loss0), queue))
+    if overlap:
+        loss1, _ = run_pair(fwd, bwd)
+    else:
+        loss1 = run(fwd)
+        run(bwd)
+    log = list(LOG)
+    run(t1.backward(loss1, torch.ones_like(loss1)))
+    queue.run()
+    return _grads(block), float(loss1.detach()), log
+
+
+def test_fb_overlap_computes_the_other_microbatch_while_each_exchange_is_in_flight() -> None:
+    grads, loss, log = _fb(overlap=True)
+    # 3 MoE layers x 2 exchanges per direction, each issued then waited
+    assert [e for e in log if e[0] == "F"].count(("F", "issue")) == 6
+    assert [e for e in log if e[0] == "B"].count(("B", "issue")) == 6
+    # Between every issue and its wait, the other micro-batch's program ran (it issued or waited
+    # on something of its own, which it reaches only after computing its part).
+    open_: dict[str, int] = {}
+    hidden = 0
+    for i, (who, what) in enumerate(log):
+        if what == "issue":
+            open_[who] = i
+        elif who in open_:
+            start = open_.pop(who)
+            hidden += any(other != who for other, _ in log[start + 1 : i])
+    assert hidden >= 10  # all but the last exchanges of the shorter program
+
+    ref_grads, ref_loss, ref_log = _fb(overlap=False)
+    assert loss == ref_loss
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        assert torch.equal(grads[n], ref_grads[n]), n  # the same arithmetic, only reordered
+    # sequential: every exchange is waited for before the other program starts
+    assert ref_log.index(("B", "issue")) > max(i for i, e in enumerate(ref_log) if e[0] == "F")
+
+
+def test_lone_forward_hides_the_combine_behind_the_shared_expert() -> None:
+    block, data = _setup()
+    calls: list[str] = []
+
+    class Logging(Tape):
+        def part(self, fn: Any, *args: Any) -> Any:
+            calls.append(fn.__name__)
+            return super().part(fn, *args)
+
+        def all_to_all(self, *args: Any) -> Any:
+            calls.append("exchange")
+            return super().all_to_all(*args)
+
+    run(block.program(Logging(), *data[0]))
+    first_layer = calls[1 : calls.index("combine_part") + 1]
+    assert first_layer == ["attention_part", "exchange", "experts_part", "exchange", "shared_part", "combine_part"]
