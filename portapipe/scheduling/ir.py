@@ -18,11 +18,28 @@ two virtual stages on two ranks; every other schedule has one pipeline.
 
 from __future__ import annotations
 
+import gc
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector. Long schedules allocate hundreds of thousands of
+    small acyclic objects (actions, tuples), which otherwise trigger repeated full
+    collections that double the time to build, lower, validate and simulate them."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class Kind(str, Enum):
@@ -36,16 +53,21 @@ class Kind(str, Enum):
     SEND_B = "SEND_B"  # gradient to the previous stage
     RECV_B = "RECV_B"  # gradient from the next stage
 
+    # Hash as the value string (in C; Enum's own hash runs Python code). Consistent with
+    # equality, since a str-valued member already equals its value.
+    __hash__ = str.__hash__
+
     @property
     def is_comm(self) -> bool:
-        return self in _COMM
+        return self._value_ in _COMM  # by value: str hashes are cached, Enum hashes are not
 
     @property
     def is_compute(self) -> bool:
-        return self not in _COMM
+        return self._value_ not in _COMM
 
 
-_COMM = {Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B}
+_COMM = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
+_BACKWARD = (Kind.B, Kind.BW)
 
 
 @dataclass(frozen=True)
@@ -61,7 +83,27 @@ class Action:
     mb: int = -1
     pair: tuple[Action, Action] | None = None
 
+    # Schedules hold hundreds of thousands of actions: a hand-written constructor (writing
+    # the frozen fields straight into __dict__) and hash keep building and lookups cheap.
+    def __init__(self, kind: Kind, stage: int = -1, mb: int = -1, pair: tuple[Action, Action] | None = None) -> None:
+        d = self.__dict__
+        d["kind"] = kind
+        d["stage"] = stage
+        d["mb"] = mb
+        d["pair"] = pair
+        if pair is None:
+            if kind is not Kind.FB and kind.__class__ is Kind and stage >= 0 and mb >= 0:
+                return
+        elif kind is Kind.FB and len(pair) == 2 and pair[0].kind is Kind.F and pair[1].kind in _BACKWARD:
+            return
+        self.__post_init__()
+
+    def __hash__(self) -> int:
+        return hash((self.kind._value_, self.stage, self.mb, self.pair))
+
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind):
+            raise TypeError(f"Action kind must be a Kind, got {self.kind!r}")
         if self.kind is Kind.FB:
             if self.pair is None or len(self.pair) != 2:
                 raise ValueError("an FB action needs pair=(forward, backward)")
@@ -152,6 +194,25 @@ class Schedule:
         share = max(len(self.blocks_of(r)) for r in range(self.n_ranks)) / self.n_blocks
         return share * self.n_ranks
 
+    def links(self) -> tuple[list[int | None], list[int | None]]:
+        """(prev, next): per virtual stage, the stage before and after it in its pipeline.
+
+        Placement is fixed once built, so the table is computed once (a new ``pipelines``
+        list object recomputes it) and prev/next are O(1) on long schedules."""
+        cache = self.__dict__.get("_links")
+        if cache is None or cache[0] is not self.pipelines:
+            n = len(self.stage_rank)
+            prev: list[int | None] = [None] * n
+            nxt: list[int | None] = [None] * n
+            for stages in self.pipelines:
+                for i, v in enumerate(stages):
+                    if 0 <= v < n:
+                        prev[v] = stages[i - 1] if i > 0 else None
+                        nxt[v] = stages[i + 1] if i + 1 < len(stages) else None
+            cache = (self.pipelines, (prev, nxt))
+            self.__dict__["_links"] = cache
+        return cache[1]
+
     def _position(self, stage: int) -> tuple[int, int]:
         for p, stages in enumerate(self.pipelines):
             if stage in stages:
@@ -160,14 +221,15 @@ class Schedule:
 
     def prev_stage(self, stage: int) -> int | None:
         """The stage feeding ``stage`` its activations (None for a first stage)."""
-        p, i = self._position(stage)
-        return self.pipelines[p][i - 1] if i > 0 else None
+        if not 0 <= stage < len(self.stage_rank):
+            raise KeyError(f"virtual stage {stage} is outside 0..{len(self.stage_rank) - 1}")
+        return self.links()[0][stage]
 
     def next_stage(self, stage: int) -> int | None:
         """The stage ``stage`` sends activations to (None for a last stage, which computes the loss)."""
-        p, i = self._position(stage)
-        stages = self.pipelines[p]
-        return stages[i + 1] if i + 1 < len(stages) else None
+        if not 0 <= stage < len(self.stage_rank):
+            raise KeyError(f"virtual stage {stage} is outside 0..{len(self.stage_rank) - 1}")
+        return self.links()[1][stage]
 
     def is_first(self, stage: int) -> bool:
         return self.prev_stage(stage) is None

@@ -1,0 +1,96 @@
+"""``portapipe simulate``: price a schedule with the cost model, show its timeline.
+
+    portapipe simulate --schedule dualpipe --pp 8 --microbatches 20 --cost F=1,B=2,W=1,FB=2.5
+    portapipe simulate --schedule dualpipev --pp 4 --microbatches 10 --json
+    portapipe simulate --schedule dualpipe --pp 8 --microbatches 20 --plot dualpipe.png
+
+Costs are per action (one virtual stage): F forward, B full backward, W its weight part (an
+input-gradient B costs B-W), FB an overlapped F&B unit, p2p the latency of one transfer.
+The lists simulated are the lowered ones (with SEND/RECV), i.e. what the executor runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..scheduling.comms import lower_comms
+    from ..scheduling.plot import LEGEND, gantt, text_timeline, to_json_timeline
+    from ..scheduling.schedules import build, without_w_split
+    from ..scheduling.simulate import Costs, bubble_formula, simulate
+    from ..scheduling.validate import validate
+
+    try:
+        costs = Costs.parse(args.cost)
+        schedule = build(args.schedule, args.pp, args.microbatches, args.chunks)
+    except (ValueError, TypeError) as err:
+        print(f"portapipe simulate: {err}", file=sys.stderr)
+        return 2
+    if args.no_w_split:
+        schedule = without_w_split(schedule)
+    lowered = lower_comms(schedule)
+    validate(lowered)
+    result = simulate(lowered, costs)
+    formula = bubble_formula(args.schedule, args.pp, costs, args.chunks)
+    summary: dict[str, Any] = {
+        "schedule": args.schedule,
+        "pp": args.pp,
+        "microbatches": args.microbatches,
+        **({"chunks": args.chunks} if args.schedule == "interleaved" else {}),
+        "w_split": not args.no_w_split,
+        "costs": costs.to_dict(),
+        "makespan": result.makespan,
+        "bubble": {"per_rank": result.bubble, "max": result.max_bubble},
+        "bubble_formula": {"formula": formula[0], "value": formula[1]} if formula else None,
+        "peak_activations": result.peak_activations,
+        "params_per_rank": result.params_per_rank,
+    }
+    if args.plot:
+        gantt(result, args.plot, title=_title(summary))
+        summary["plot"] = args.plot
+    if args.json:
+        if args.timeline:
+            summary["timeline"] = to_json_timeline(result)
+        print(json.dumps(summary))
+        return 0
+    print(_title(summary))
+    print(text_timeline(result, args.width))
+    print(LEGEND)
+    per_rank = ", ".join(f"{b:g}" for b in result.bubble)
+    print(f"makespan {result.makespan:g}; bubble max {result.max_bubble:g} (per rank: {per_rank})")
+    if formula:
+        print(f"closed form {formula[0]} = {formula[1]:g}")
+    print(f"peak activations per rank: {result.peak_activations}; params per rank: {result.params_per_rank:g}x")
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _title(summary: dict[str, Any]) -> str:
+    c = summary["costs"]
+    return (
+        f"{summary['schedule']}: pp={summary['pp']}, microbatches={summary['microbatches']}"
+        + (f", chunks={summary['chunks']}" if "chunks" in summary else "")
+        + f"; F={c['F']:g} B={c['B']:g} W={c['W']:g} FB={c['FB']:g} p2p={c['p2p']:g}; bubble {summary['bubble']['max']:g}"
+    )
+
+
+def register(sub: Any) -> None:
+    from ..scheduling.schedules import NAMES
+
+    p = sub.add_parser("simulate", help="simulate a pipeline schedule: timeline, bubble, activations")
+    p.add_argument("--schedule", required=True, choices=NAMES)
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved)")
+    p.add_argument("--cost", default="F=1,B=2,W=1", help="per-action costs, e.g. F=1,B=2,W=1,FB=2.5,p2p=0 (B = full backward)")
+    p.add_argument("--no-w-split", action="store_true", help="run every backward whole (no B/W split)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of the timeline")
+    p.add_argument("--timeline", action="store_true", help="with --json: include every action's start and end")
+    p.add_argument("--plot", metavar="FILE", help="write a Gantt chart (.png, .svg, .pdf)")
+    p.add_argument("--width", type=int, default=None, help="cap the text timeline at this many columns")
+    p.set_defaults(func=run)

@@ -1,0 +1,65 @@
+"""`portapipe simulate`: text timeline, JSON summary, Gantt chart, argument errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from portapipe.cli import main
+
+
+def test_text_timeline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("   0 ") or line.startswith("   1 ")]
+    assert len(rows) == 2
+    # rank 1 idles one forward at the start, then alternates F and full backward
+    assert rows[1].split()[1].startswith(".")
+    assert "F0" in rows[0] and "X2" in rows[1]
+    assert "bubble max 3" in out and "closed form (pp-1)(F+B) = 3" in out
+
+
+def test_json_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--schedule", "dualpipev", "--pp", "4", "--microbatches", "10", "--cost", "F=1,B=2,W=1,FB=2.5", "--json"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert {"schedule", "pp", "microbatches", "makespan", "bubble", "bubble_formula", "peak_activations", "params_per_rank"} <= d.keys()
+    assert d["bubble"]["max"] == pytest.approx(3 * (2.5 + 2 - 3))
+    assert d["bubble"]["max"] == max(d["bubble"]["per_rank"])
+    assert d["bubble_formula"]["value"] == pytest.approx(4.5)
+    assert d["peak_activations"] == [9, 9, 9, 9]
+
+
+def test_json_timeline_and_no_w_split(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "--schedule", "zb1p", "--pp", "3", "--microbatches", "4", "--json", "--timeline", "--no-w-split"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    acts = [x["action"] for row in d["timeline"] for x in row]
+    assert not any(re.fullmatch(r"\d+[BW]\d+", a) for a in acts) and "0BW0" in acts
+    assert d["w_split"] is False
+
+
+def test_plot_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "dualpipe.png"
+    argv = ["simulate", "--schedule", "dualpipe", "--pp", "8", "--microbatches", "20", "--plot", str(target), "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["plot"] == str(target)
+    data = target.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--schedule", "dualpipe", "--pp", "3", "--microbatches", "12"], "even number of pipeline ranks"),
+        (["--schedule", "dualpipev", "--pp", "4", "--microbatches", "5"], "microbatches >= 2*pp"),
+        (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--cost", "F=1,Q=2"], "expected NAME=VALUE"),
+        (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--cost", "F=1,B=2,FB=1"], "FB >= max(F, B)"),
+    ],
+)
+def test_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *argv]) == 2
+    assert message in capsys.readouterr().err
