@@ -19,7 +19,11 @@ case "$device" in
 esac
 
 cd "$(dirname "$0")/.."
-make install
+if [ "$device" = cpu ]; then
+  make install
+else
+  make install TORCH_CPU=  # a device leg needs torch's device build, not the CPU-only one
+fi
 py=.venv/bin/python
 
 if [ "$device" = npu ]; then

@@ -1,0 +1,262 @@
+"""Training-step time: our DualPipeV and interleaved 1F1B vs torch.distributed.pipelining's, same model, data and ranks.
+
+One launch of ``pp * ep`` gloo ranks (default: examples/cpu.yaml, pp=2 x ep=2). For each
+schedule it builds three copies of the same model (same seed, same blocks):
+
+- ours with the F&B overlap on (``schedule.overlap: true``),
+- ours with it off (the F&B pairs run one after the other),
+- torch's ``ScheduleDualPipeV`` / ``ScheduleInterleaved1F1B`` over ``PipelineStage`` objects
+  wrapping the same model blocks (block 0 embeds, the last block's head and loss are torch's
+  ``loss_fn``; the expert all-to-alls run inside the stages), followed by the same gradient
+  reduction over the expert-parallel replicas and the same router-bias update as ours.
+
+Before timing, one step of each on the same data checks the three are the same computation
+(loss and gradients). Then the variants take turns, step by step, so a change in machine load
+hits all of them alike; every step starts at a barrier and its time is the slowest rank's.
+Prints one JSON object: the median step time of each, torch / ours, and the share of
+all-to-all time hidden behind compute in the steady phase (the F&B pairs) and over the step.
+
+    python benchmarks/step_vs_torch.py [--config examples/cpu.yaml] [--steps 20] [--warmup 3] [--set k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from portapipe.config import Config, config_from_dict, load_config
+from portapipe.data import TextData
+from portapipe.launch import run_ranks
+from portapipe.models.moe import Block
+from portapipe.scheduling.executor import PipelineRuntime
+from portapipe.scheduling.overlap import Tape, run as run_program
+from portapipe.train import rank_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = ("dualpipev", "interleaved")
+
+
+class StageModule(nn.Module):
+    """A model block as torch's pipeline runs it: tokens or hidden states in, hidden states out.
+
+    The block's layers run as one ordinary autograd graph (``Tape(record=False)``: blocking,
+    differentiable all-to-alls). The last block's head and loss are left to ``loss_fn``.
+    """
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, tape = self.block, Tape(record=False)
+        if b.embed is not None:
+            x = b.embed_part(x)
+        for layer in b.layers.values():
+            x = run_program(layer.program(tape, x))
+        return x
+
+
+class TorchPipeline:
+    """torch.distributed.pipelining's schedule over the blocks of a (never stepped) PipelineRuntime.
+
+    The runtime only lends its blocks and its post-step work (gradient reduction over the
+    replicas and the router-bias update), so both sides finish a step in the same state.
+    """
+
+    def __init__(self, runtime: PipelineRuntime, config: Config, backend: Any) -> None:
+        from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleInterleaved1F1B
+
+        self.rt, s, g = runtime, runtime.schedule, runtime.groups
+        n_stages = s.n_stages
+        last = runtime.blocks.get(s.stage_block[n_stages - 1])
+        replicas = g.dp * g.ep
+
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            # Seeded like ours: each micro-batch's loss / replicas (torch divides by micro-batches).
+            return last.loss_part(output, target) / replicas
+
+        self.local = s.stages_of(g.pp_rank)
+        stages = [
+            PipelineStage(StageModule(runtime.blocks[s.stage_block[v]]), v, n_stages, backend.device(), group=g.pp_group)
+            for v in self.local
+        ]
+        cls = {"dualpipev": ScheduleDualPipeV, "interleaved": ScheduleInterleaved1F1B}[config.schedule.name]
+        self.schedule = cls(stages, config.schedule.microbatches, loss_fn=loss_fn)
+        self.first, self.last = 0 in self.local, n_stages - 1 in self.local
+
+    def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One step; returns the global mean loss (same on every rank)."""
+        for p in self.rt.parameters():
+            p.grad = None
+        kwargs: dict[str, Any] = {}
+        losses: list[torch.Tensor] = []
+        if self.first:
+            kwargs["arg_mbs"] = [(x,) for x, _ in microbatches]
+        if self.last:
+            kwargs["target_mbs"] = [y for _, y in microbatches]
+            kwargs["losses"] = losses
+        self.schedule.step(return_outputs=False, **kwargs)
+        self.rt._reduce_gradients()
+        self.rt._update_routing()
+        total = torch.tensor([float(sum(float(x.detach()) for x in losses))], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total) / len(microbatches)
+
+
+def _config(base: dict[str, Any], name: str, overlap: bool) -> Config:
+    raw = json.loads(json.dumps(base))
+    raw["schedule"].update(name=name, overlap=overlap)
+    return config_from_dict(raw)
+
+
+def _max_rel_grad_diff(a: PipelineRuntime, b: PipelineRuntime) -> float:
+    worst = 0.0
+    for (_, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        ga, gb = pa.grad.detach(), pb.grad.detach()
+        scale = max(float(gb.abs().max()), 1e-30)
+        worst = max(worst, float((ga - gb).abs().max()) / scale)
+    return worst
+
+
+def _all_max(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _all_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+    """Run on every rank: build the variants, check them against each other, time them in turns."""
+    probe = config_from_dict(base)
+    groups = backend.parallel_groups(probe.parallel.pp, probe.parallel.dp, probe.parallel.ep)
+    data = TextData(probe)
+    tc, m = probe.train, probe.schedule.microbatches
+
+    def batches(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return data.microbatches(i, groups.dp_rank, groups.ep_rank, m, tc.micro_batch_size, probe.model.seq_len)
+
+    variants: dict[str, Any] = {}
+    for name in SCHEDULES:
+        on, off = _config(base, name, True), _config(base, name, False)
+        variants[f"{name}/ours"] = PipelineRuntime(on, backend, groups)
+        variants[f"{name}/ours_no_overlap"] = PipelineRuntime(off, backend, groups)
+        variants[f"{name}/torch"] = TorchPipeline(PipelineRuntime(on, backend, groups), on, backend)
+
+    # Same computation: one step of each on the same data, weights untouched between them.
+    check: dict[str, Any] = {}
+    first = batches(0)
+    for name in SCHEDULES:
+        ours, plain, theirs = (variants[f"{name}/{k}"] for k in ("ours", "ours_no_overlap", "torch"))
+        loss_ours, loss_plain, loss_torch = ours.step(first).loss, plain.step(first).loss, theirs.step(first)
+        diff_torch, diff_plain = _all_max([_max_rel_grad_diff(ours, theirs.rt), _max_rel_grad_diff(ours, plain)])
+        check[name] = {
+            "loss_ours": loss_ours,
+            "loss_ours_no_overlap": loss_plain,
+            "loss_torch": loss_torch,
+            "max_rel_grad_diff_torch_vs_ours": diff_torch,
+            "max_rel_grad_diff_no_overlap_vs_ours": diff_plain,
+        }
+
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    a2a: dict[str, list[float]] = {k: [0.0, 0.0, 0.0, 0.0] for k in variants if not k.endswith("/torch")}
+    bubble: dict[str, list[float]] = {k: [] for k in a2a}
+    for i in range(1, warmup + steps + 1):
+        mbs = batches(i)
+        for key, v in variants.items():
+            backend.barrier()
+            t0 = time.perf_counter()
+            result = v.step(mbs)
+            elapsed = time.perf_counter() - t0
+            (slowest,) = _all_max([elapsed])
+            if i <= warmup:
+                continue
+            times[key].append(slowest)
+            if key in a2a:
+                t = result.timings
+                sums = _all_sum([t["fb_a2a_total_s"], t["fb_a2a_wait_s"], t["a2a_total_s"], t["a2a_wait_s"]])
+                a2a[key] = [x + y for x, y in zip(a2a[key], sums)]
+                bubble[key].append(_all_max([t["bubble_frac"]])[0])
+
+    def hidden(total: float, wait: float) -> float | None:
+        return None if total <= 0 else round(100.0 * max(0.0, 1.0 - wait / total), 1)
+
+    out: dict[str, Any] = {}
+    for name in SCHEDULES:
+        med = {k.split("/")[1]: statistics.median(times[k]) for k in times if k.startswith(name + "/")}
+        fb_total, fb_wait, total, wait = a2a[f"{name}/ours"]
+        nfb_total, nfb_wait, ntotal, nwait = a2a[f"{name}/ours_no_overlap"]
+        out[name] = {
+            "median_step_s": {k: round(v, 4) for k, v in med.items()},
+            "torch_over_ours": round(med["torch"] / med["ours"], 3),
+            "torch_over_ours_no_overlap": round(med["torch"] / med["ours_no_overlap"], 3),
+            "ours_faster_pct": round(100.0 * (1.0 - med["ours"] / med["torch"]), 1),
+            "a2a_hidden_steady_pct": hidden(fb_total, fb_wait),
+            "a2a_hidden_step_pct": hidden(total, wait),
+            "a2a_hidden_steady_pct_no_overlap": hidden(nfb_total, nfb_wait),
+            "a2a_hidden_step_pct_no_overlap": hidden(ntotal, nwait),
+            "bubble_pct_ours": round(100.0 * statistics.median(bubble[f"{name}/ours"]), 1),
+            "same_computation": check[name],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "examples" / "cpu.yaml"))
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, ["backend=cpu", *args.overrides])
+    if config.schedule.microbatches % config.parallel.pp:
+        parser.error(f"interleaved needs schedule.microbatches ({config.schedule.microbatches}) divisible by pp ({config.parallel.pp})")
+    t0 = time.perf_counter()
+    results = run_ranks(
+        bench_rank,
+        config.world_size,
+        config.to_dict(),
+        args.steps,
+        args.warmup,
+        threads=rank_threads(config.world_size),
+        wall_timeout_s=1800,
+    )
+    r = results[0]
+    report = {
+        "benchmark": "step_vs_torch",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "ranks": config.world_size,
+        "pp": config.parallel.pp,
+        "ep": config.parallel.ep,
+        "dp": config.parallel.dp,
+        "microbatches": config.schedule.microbatches,
+        "micro_batch_size": config.train.micro_batch_size,
+        "seq_len": config.model.seq_len,
+        "model": {k: getattr(config.model, k) for k in ("hidden", "n_layers", "n_dense", "n_experts", "top_k", "moe_hidden", "dtype")},
+        "timed_steps": args.steps,
+        **r,
+        "ours_not_slower": all(r[s]["torch_over_ours"] >= 1.0 for s in SCHEDULES),
+        "ours_10pct_faster": all(r[s]["ours_faster_pct"] >= 10.0 for s in SCHEDULES),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

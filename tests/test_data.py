@@ -1,0 +1,100 @@
+"""Byte-level text data: the shipped corpus, deterministic batches, splits, clear errors."""
+
+from __future__ import annotations
+
+import gzip
+
+import pytest
+import torch
+
+from portapipe.config import load_config
+from portapipe.data import DEFAULT_CORPUS, TextData, data_problems
+
+
+def _cfg(**sections):
+    raw = {"model": {"seq_len": 32}, "data": {"val_fraction": 0.05}, "train": {"seed": 7}}
+    for k, v in sections.items():
+        raw.setdefault(k, {}).update(v)
+    return load_config(raw)
+
+
+def test_shipped_corpus_is_a_few_mb_of_english_text():
+    raw = gzip.decompress(DEFAULT_CORPUS.read_bytes())
+    assert DEFAULT_CORPUS.stat().st_size < 5 * 2**20
+    assert len(raw) > 3 * 2**20
+    text = raw.decode("ascii")
+    assert "To be, or not to be" in text
+    assert max(raw) < 128
+
+
+def test_batches_are_shifted_windows_of_the_corpus():
+    data = TextData(_cfg())
+    mbs = data.microbatches(3, 0, 0, n_microbatches=3, micro_batch_size=2, seq_len=32)
+    assert len(mbs) == 3
+    train = bytes(data.splits["train"].tolist())
+    for inputs, targets in mbs:
+        assert inputs.shape == targets.shape == (2, 32)
+        assert inputs.dtype == targets.dtype == torch.long
+        assert torch.equal(inputs[:, 1:], targets[:, :-1])
+        for row_in, row_t in zip(inputs, targets):
+            window = bytes(row_in.tolist()) + bytes([int(row_t[-1])])
+            assert window in train
+
+
+def test_batches_are_deterministic_and_differ_by_step_and_rank():
+    a, b = TextData(_cfg()), TextData(_cfg())
+    args = dict(n_microbatches=2, micro_batch_size=4, seq_len=32)
+    first = a.microbatches(5, 1, 0, **args)
+    again = b.microbatches(5, 1, 0, **args)
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(first, again))
+    for other in (a.microbatches(6, 1, 0, **args), a.microbatches(5, 0, 0, **args), a.microbatches(5, 1, 1, **args)):
+        assert not torch.equal(first[0][0], other[0][0])
+    reseeded = TextData(_cfg(train={"seed": 8})).microbatches(5, 1, 0, **args)
+    assert not torch.equal(first[0][0], reseeded[0][0])
+
+
+def test_validation_split_is_the_disjoint_tail():
+    data = TextData(_cfg(data={"val_fraction": 0.1}))
+    n_train, n_val = data.n_bytes("train"), data.n_bytes("val")
+    whole = gzip.decompress(DEFAULT_CORPUS.read_bytes())
+    assert n_train + n_val == len(whole)
+    assert n_val == int(len(whole) * 0.1)
+    val = bytes(data.splits["val"].tolist())
+    assert val == whole[n_train:]
+    inputs, _ = data.microbatches(0, 0, 0, 1, 4, 32, split="val")[0]
+    for row in inputs:
+        assert bytes(row.tolist()) in val
+    with pytest.raises(ValueError, match="split must be"):
+        data.microbatches(0, 0, 0, 1, 1, 8, split="test")
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_custom_corpus_plain_or_gzipped(tmp_path, compress):
+    text = ("The quick brown fox jumps over the lazy dog. " * 40).encode()
+    path = tmp_path / ("c.txt.gz" if compress else "c.txt")
+    path.write_bytes(gzip.compress(text) if compress else text)
+    data = TextData(_cfg(data={"path": str(path), "val_fraction": 0.5}))
+    assert data.n_bytes("train") + data.n_bytes("val") == len(text)
+    inputs, _ = data.microbatches(0, 0, 0, 1, 1, 32)[0]
+    assert bytes(inputs[0].tolist()) in text
+
+
+def test_problems_name_the_key_and_the_fix(tmp_path):
+    missing = data_problems(_cfg(data={"path": str(tmp_path / "none.txt")}))
+    assert len(missing) == 1 and missing[0].startswith("data.path:") and "does not exist" in missing[0]
+
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"x" * 50)
+    short = data_problems(_cfg(data={"path": str(small), "val_fraction": 0.5}))
+    assert any(p.startswith("data.path:") and "train split" in p for p in short)
+    assert any(p.startswith("data.val_fraction:") for p in short)
+
+    high = tmp_path / "high.txt"
+    high.write_bytes(bytes(range(256)) * 4)
+    vocab = data_problems(_cfg(data={"path": str(high), "val_fraction": 0.0}, model={"vocab_size": 128}))
+    assert vocab == [
+        "model.vocab_size: 128 is too small for byte-level tokens of high.txt, which holds byte values up to 255 (use vocab_size >= 256, e.g. 256)"
+    ]
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        TextData(_cfg(data={"path": str(high), "val_fraction": 0.0}, model={"vocab_size": 128}))
+    assert data_problems(_cfg()) == []

@@ -1,0 +1,248 @@
+"""The training loop: LR schedule, clipping, checkpoint files, metrics file, and real runs on gloo."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from portapipe.config import TrainConfig, load_config
+from portapipe.train import (
+    MANIFEST,
+    MetricsLog,
+    clip_coefficient,
+    latest_checkpoint,
+    list_checkpoints,
+    load_shard,
+    lr_at,
+    make_optimizer,
+    resume_problems,
+    save_checkpoint,
+    _atomic_write,
+)
+
+
+# ------------------------------------------------------------------------------- LR schedule
+def test_lr_warms_up_linearly_then_follows_a_half_cosine_to_min_lr():
+    tc = TrainConfig(steps=20, lr=1e-2, min_lr=1e-3, warmup_steps=4)
+    lrs = [lr_at(s, tc) for s in range(20)]
+    assert lrs[:4] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2])
+    assert lrs[4] == pytest.approx(1e-2)
+    assert lrs[-1] == pytest.approx(1e-3)
+    for s in range(4, 20):  # closed form: progress runs 0..1 over steps 4..19
+        progress = (s - 4) / 15
+        assert lrs[s] == pytest.approx(1e-3 + 0.5 * 9e-3 * (1 + math.cos(math.pi * progress)))
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def test_lr_without_warmup_starts_at_full_lr():
+    tc = TrainConfig(steps=3, lr=2e-3, min_lr=0.0, warmup_steps=0)
+    assert [lr_at(s, tc) for s in range(3)] == pytest.approx([2e-3, 1e-3, 0.0])
+
+
+def test_clip_coefficient_scales_to_max_norm_only_when_exceeded():
+    assert clip_coefficient(0.5, 1.0) == 1.0
+    assert clip_coefficient(4.0, 1.0) == pytest.approx(0.25)
+    assert clip_coefficient(4.0, 0.0) == 1.0  # 0 disables clipping
+    assert clip_coefficient(float("nan"), 1.0) == 1.0  # not hidden: the loss shows it
+
+
+def test_weight_decay_applies_to_matrices_only():
+    lin, norm = torch.nn.Linear(3, 3), torch.nn.LayerNorm(3)
+    named = list(lin.named_parameters()) + list(norm.named_parameters())
+    opt = make_optimizer(named, TrainConfig(weight_decay=0.1))
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert decayed == {id(lin.weight)}
+
+
+# ------------------------------------------------------------------------------- checkpoints
+class _NoBarrier:
+    def barrier(self) -> None:
+        pass
+
+
+def _config(tmp_path: Path, **train):
+    return load_config({"parallel": {"pp": 1}, "schedule": {"name": "1f1b", "microbatches": 1}, "model": {"n_layers": 1},
+                        "train": {"steps": 10, **train}, "log": {"dir": str(tmp_path / "run")}, "checkpoint": {"keep": 2}})
+
+
+def test_checkpoint_round_trip_and_keep(tmp_path):
+    cfg = _config(tmp_path)
+    root = tmp_path / "ckpt"
+    for step in (2, 4, 6):
+        save_checkpoint(root, step, 0, {"w": torch.full((2,), float(step))}, cfg, _NoBarrier())
+    assert [s for s, _ in list_checkpoints(root)] == [4, 6]  # keep: 2
+    step, path = latest_checkpoint(root)
+    assert step == 6 and torch.equal(load_shard(path, 0)["w"], torch.full((2,), 6.0))
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["step"] == 6 and manifest["shards"] == ["rank00000.pt"]
+    assert resume_problems(cfg, path) == []
+
+
+def test_checkpoint_without_manifest_is_ignored_and_failed_writes_leave_nothing(tmp_path):
+    cfg = _config(tmp_path)
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 2, 0, {"w": torch.zeros(1)}, cfg, _NoBarrier())
+    partial = root / "step_00000004"
+    partial.mkdir()
+    (partial / "rank00000.pt").write_bytes(b"half")  # a crash before the manifest
+    assert latest_checkpoint(root)[0] == 2
+
+    target = root / "step_00000002" / "rank00000.pt"
+    before = target.read_bytes()
+
+    def crash(f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        _atomic_write(target, crash)
+    assert target.read_bytes() == before
+    assert sorted(p.name for p in target.parent.iterdir()) == ["manifest.json", "rank00000.pt"]
+
+
+def test_resume_refuses_a_different_layout_naming_the_key(tmp_path):
+    cfg = _config(tmp_path)
+    root = tmp_path / "ckpt"
+    path = save_checkpoint(root, 10, 0, {}, cfg, _NoBarrier())
+    other = load_config({**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "hidden": 32}})
+    problems = resume_problems(other, path)
+    assert len(problems) == 1 and "model" in problems[0] and "checkpoint.resume" in problems[0]
+    shorter = load_config({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "steps": 5}})
+    assert any(p.startswith("train.steps: 5 < step 10") for p in resume_problems(shorter, path))
+
+
+def test_metrics_log_drops_steps_after_the_resumed_checkpoint(tmp_path):
+    log = MetricsLog(tmp_path, None)
+    for s in range(1, 6):
+        log.write({"kind": "train", "step": s, "loss": 1.0 / s})
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 6, "lo')  # cut short by a crash
+    resumed = MetricsLog(tmp_path, 3)
+    resumed.write({"kind": "train", "step": 4, "loss": 0.3})
+    resumed.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------ global grad norm
+@pytest.mark.parametrize("name, pp, dp, ep", [("dualpipe", 2, 1, 2), ("dualpipev", 2, 2, 1), ("interleaved", 2, 1, 2)])
+def test_global_grad_norm_counts_every_distinct_parameter_once(name, pp, dp, ep):
+    """Sum of each rank's owned squares == the squared norm over distinct parameters.
+
+    Replicated parameters hold the same gradient on every DP/EP replica and on both DualPipe
+    copies; each EP rank's experts are its own.
+    """
+    from portapipe.scheduling import schedules
+    from portapipe.train import owned_grad_sq
+
+    schedule = schedules.build(name, pp, 2 * pp, 2)
+
+    def block(block_id: int, ep_rank: int) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.dense = torch.nn.Parameter(torch.zeros(3))
+        m.dense.grad = torch.full((3,), float(block_id + 1))
+        m.experts = torch.nn.Parameter(torch.zeros(2, 2))
+        m.experts.is_expert = True
+        m.experts.grad = torch.full((2, 2), 10.0 * (block_id + 1) + ep_rank)
+        return m
+
+    expected = sum(3 * (b + 1) ** 2 + sum(4 * (10.0 * (b + 1) + e) ** 2 for e in range(ep)) for b in range(schedule.n_blocks))
+    total = 0.0
+    for p in range(pp):
+        for d in range(dp):
+            for e in range(ep):
+                runtime = SimpleNamespace(schedule=schedule, blocks={b: block(b, e) for b in schedule.blocks_of(p)})
+                total += owned_grad_sq(runtime, SimpleNamespace(pp_rank=p, dp_rank=d, ep_rank=e))
+    assert total == pytest.approx(expected)
+
+
+# --------------------------------------------------------------------------- real training
+def _tiny_config(log_dir: Path) -> dict:
+    return load_config(
+        {
+            "backend": "cpu",
+            "parallel": {"pp": 2, "ep": 2, "dp": 1},
+            "schedule": {"name": "dualpipev", "microbatches": 4},
+            "model": {"hidden": 32, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 64, "moe_hidden": 16,
+                      "n_experts": 8, "top_k": 2, "seq_len": 32},
+            "balancer": {"kind": "eplb", "interval": 2, "window": 2},
+            "train": {"steps": 4, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 1},
+            "log": {"dir": str(log_dir), "progress": False},
+            "checkpoint": {"every": 2, "keep": 2},
+        }
+    ).to_dict()
+
+
+def _read_metrics(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_interrupt_resume(backend, config_dict: dict) -> dict:
+    """Train 4 steps (checkpoints at 2 and 4); then lose the step-4 checkpoint and resume from 2."""
+    from portapipe.train import train_rank
+
+    log_dir = Path(config_dict["log"]["dir"])
+    full = train_rank(backend, config_dict)
+    out: dict = {"full": full}
+    if backend.parallel_groups(2, 1, 2).rank == 0:
+        out["full_metrics"] = _read_metrics(log_dir)
+        out["shards"] = sorted(p.name for p in (log_dir / "checkpoints" / "step_00000004").iterdir())
+        out["loads"] = json.loads((log_dir / "expert_loads.json").read_text())
+        # An interruption between steps 2 and 4: only the step-2 checkpoint survives.
+        for f in (log_dir / "checkpoints" / "step_00000004").iterdir():
+            f.unlink()
+    backend.barrier()
+    out["resumed"] = train_rank(backend, config_dict)
+    if backend.parallel_groups(2, 1, 2).rank == 0:
+        out["resumed_metrics"] = _read_metrics(log_dir)
+    return out
+
+
+@pytest.mark.multiproc
+def test_training_on_4_ranks_learns_logs_checkpoints_and_resumes_exactly(tmp_path):
+    from portapipe.launch import run_ranks
+
+    results = run_ranks(_train_interrupt_resume, 4, _tiny_config(tmp_path), wall_timeout_s=240)
+    r0 = results[0]
+    full, resumed = r0["full"], r0["resumed"]
+    for r in results:  # every rank reports the same run
+        assert [r["full"][k] for k in ("first_loss", "final_loss", "val_loss", "tokens")] == [full[k] for k in ("first_loss", "final_loss", "val_loss", "tokens")]
+
+    # the loss falls, and the metrics file holds one line per step plus the summary
+    train_lines = [m for m in r0["full_metrics"] if m["kind"] == "train"]
+    assert [m["step"] for m in train_lines] == [1, 2, 3, 4]
+    losses = [m["loss"] for m in train_lines]
+    assert full["first_loss"] == losses[0] and full["final_loss"] == losses[-1]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert math.log(256) - 0.2 < losses[0] < math.log(256) + 0.2  # starts near uniform over bytes
+    for m in train_lines:
+        assert m["tokens"] == 4 * 2 * 32 * 2 and m["tokens_per_s"] > 0 and m["step_s"] > 0
+        assert 0 <= m["bubble_pct"] <= 100 and 0 <= m["a2a_hidden_pct"] <= 100
+        assert m["grad_norm"] > 0
+    assert [m["lr"] for m in train_lines] == pytest.approx([1e-2, 1e-2, 5.5e-3, 1e-3])
+    assert r0["full_metrics"][-1]["kind"] == "summary" and full["val_loss"] is not None
+    assert full["val_loss"] < losses[0]
+
+    # checkpoint: one shard per rank and a manifest
+    assert r0["shards"] == ["manifest.json", "rank00000.pt", "rank00001.pt", "rank00002.pt", "rank00003.pt"]
+
+    # resuming from step 2 gives the same steps 3 and 4 as the uninterrupted run
+    assert resumed["resumed_from"] == 2
+    again = [m for m in r0["resumed_metrics"] if m["kind"] == "train"]
+    assert [m["step"] for m in again] == [1, 2, 3, 4]
+    assert again[:2] == train_lines[:2]  # kept from before the interruption
+    assert [m["loss"] for m in again[2:]] == pytest.approx(losses[2:], rel=1e-6, abs=0)
+    assert resumed["final_loss"] == pytest.approx(full["final_loss"], rel=1e-6, abs=0)
+    assert resumed["val_loss"] == pytest.approx(full["val_loss"], rel=1e-6, abs=0)
+
+    # eplb: the recorded expert loads of the last 2 steps, every routed (token, k) counted once
+    loads = r0["loads"]
+    assert loads["step"] == 4 and loads["layers"] == [1, 2, 3] and loads["window"] == 2
+    tokens_per_step = 4 * 2 * 32 * 2  # micro-batches x batch x seq x EP ranks
+    assert [sum(row) for row in loads["loads"]] == [2 * tokens_per_step * 2] * 3  # x top_k
