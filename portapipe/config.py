@@ -213,10 +213,21 @@ def _cross_checks(c: Config) -> list[str]:
         out.append(f"memory.recompute_layers: {mem.recompute_layers} > {layers_per_stage} layers in the largest stage")
     if mem.zero_memory_layers is not None and mem.zero_memory_layers > layers_per_stage:
         out.append(f"memory.zero_memory_layers: {mem.zero_memory_layers} > {layers_per_stage} layers in the largest stage")
+    if mem.zero_memory_layers is not None and mem.zero_memory == "off":
+        out.append(f"memory.zero_memory_layers: {mem.zero_memory_layers} is set but memory.zero_memory is off (set level0 or level1)")
+    if mem.recompute_layers is not None and mem.recompute == "none":
+        out.append(f"memory.recompute_layers: {mem.recompute_layers} is set but memory.recompute is none (set moe or full)")
+    if n_moe > 0 and mem.zero_memory != "off" and mem.recompute != "none" and (mem.recompute_layers or layers_per_stage) >= layers_per_stage:
+        # Zero-memory applies to MoE layers that are not recomputed (a recomputed layer keeps nothing).
+        out.append(
+            f"memory.zero_memory: {mem.zero_memory} has no effect: memory.recompute: {mem.recompute} recomputes every layer of each stage; "
+            f"set memory.recompute_layers below {layers_per_stage} or memory.zero_memory: off"
+        )
     if bal.kind != "none" and n_moe <= 0:
         out.append(f"balancer.kind: {bal.kind} but the model has no MoE layers")
     if bal.kind == "lplb" and bal.topology == "torus" and bal.torus is None:
         out.append("balancer.torus: missing; topology torus needs torus: [m, n]")
+    out += _balancer_checks(c)
     if c.train.min_lr > c.train.lr:
         out.append(f"train.min_lr: {c.train.min_lr} > train.lr = {c.train.lr}")
     be = c.backend
@@ -228,6 +239,40 @@ def _cross_checks(c: Config) -> list[str]:
     transport = c.backend_options.get("ep_transport", "alltoall")
     if transport not in ("alltoall", "nvshmem"):
         out.append(f"backend_options.ep_transport: {transport!r} is not one of alltoall, nvshmem")
+    return out
+
+
+def _balancer_checks(c: Config) -> list[str]:
+    """The balancer's slots must fit the EP group (see portapipe.balancing.runtime)."""
+    out: list[str] = []
+    bal, p, m = c.balancer, c.parallel, c.model
+    if bal.kind == "lplb":
+        torus = bal.torus or (0, 0)
+        size = {"cube": 8, "hypercube": 16, "ring": p.ep, "torus": torus[0] * torus[1]}[bal.topology]
+        classes = 1 if bal.topology == "ring" else 2
+        if p.ep < 2:
+            out.append(f"parallel.ep: {p.ep}; balancer.kind lplb moves tokens between EP ranks and needs ep >= 2")
+        elif size and p.ep % size:
+            out.append(f"balancer.topology: {bal.topology} groups {size} ranks, which does not divide parallel.ep = {p.ep}")
+        if bal.topology == "torus" and bal.torus is not None and min(bal.torus) < 2:
+            out.append(f"balancer.torus: {list(bal.torus)}; both sides of the torus need at least 2 ranks")
+        if bal.redundant < classes or bal.redundant % classes:
+            out.append(
+                f"balancer.redundant: {bal.redundant}; lplb with topology {bal.topology} needs a positive multiple of "
+                f"{classes} redundant slots per EP rank (each copies another rank's expert)"
+            )
+        elif p.ep and bal.redundant > m.n_experts // p.ep:
+            out.append(
+                f"balancer.redundant: {bal.redundant} > model.n_experts / parallel.ep = {m.n_experts // p.ep}; "
+                "lplb copies each of a rank's experts at most once"
+            )
+    if bal.kind == "eplb":
+        groups = bal.groups or m.n_groups
+        if groups % bal.nodes == 0:  # the hierarchical policy's shape rules
+            if m.n_experts % groups:
+                out.append(f"balancer.groups: {groups} does not divide model.n_experts = {m.n_experts}")
+            if p.ep % bal.nodes:
+                out.append(f"balancer.nodes: {bal.nodes} does not divide parallel.ep = {p.ep}")
     return out
 
 

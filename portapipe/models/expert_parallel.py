@@ -57,6 +57,9 @@ class ExpertParallel:
     rank: int = 0
     group: Any = None
     stats: A2AStats = field(default_factory=A2AStats)
+    #: the expert balancer (portapipe.balancing.runtime.ExpertBalancer) when balancer.kind is not
+    #: none: it places logical experts in physical slots and routes tokens to them
+    balancer: Any = None
 
     def local_experts(self, n_experts: int) -> int:
         if n_experts % self.size:
@@ -142,7 +145,8 @@ class DispatchPlan:
     grouped-matmul offsets. Each source's rows for an expert form a group of their own, so a
     row meets exactly the neighbours it would meet in a single process running that source's
     micro-batch (matmul kernels may round a row differently depending on the rows around it).
-    ``counts``: rows this rank routed to each logical expert (for load statistics).
+    ``counts``: rows this rank routed to each expert id it was given (logical experts, or
+    physical slots when a balancer routes; for load statistics).
     """
 
     order: torch.Tensor

@@ -156,9 +156,11 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """This EP rank's routed experts as stacked weights, run as grouped matmuls."""
 
-    def __init__(self, cfg: ModelConfig, n_local: int, first: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, n_local: int, first: int, dtype: torch.dtype, logical: list[int] | None = None) -> None:
         super().__init__()
         self.width, self.first = cfg.moe_hidden, first
+        # Logical expert held by each local slot (a balancer may replicate and reorder them).
+        self.logical = list(range(first, first + n_local)) if logical is None else [int(e) for e in logical]
         self.gate_up = nn.Parameter(torch.empty(n_local, cfg.hidden, 2 * cfg.moe_hidden, dtype=dtype))
         self.down = nn.Parameter(torch.empty(n_local, cfg.moe_hidden, cfg.hidden, dtype=dtype))
         for p in (self.gate_up, self.down):
@@ -173,16 +175,35 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, ep: ExpertParallel, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, ep: ExpertParallel, dtype: torch.dtype, index: int = -1) -> None:
         super().__init__()
         self.ep = ep
+        self.index = index
         self.n_experts = cfg.n_experts
         self.router = Router(cfg, dtype)
         self.shared = DenseFFN(cfg.hidden, cfg.moe_hidden * cfg.n_shared, dtype) if cfg.n_shared > 0 else None
-        first, _ = ep.expert_range(cfg.n_experts)
-        self.experts = Experts(cfg, ep.local_experts(cfg.n_experts), first, dtype)
+        if ep.balancer is None:
+            first, _ = ep.expert_range(cfg.n_experts)
+            self.experts = Experts(cfg, ep.local_experts(cfg.n_experts), first, dtype)
+        else:  # physical slots, each holding the logical expert the balancer's placement says
+            slots = ep.balancer.experts_on(index)
+            self.experts = Experts(cfg, len(slots), slots[0], dtype, logical=slots)
+            # Rows this rank routed to each physical slot since the balancer last read them.
+            self.register_buffer("slot_counts", torch.zeros(ep.balancer.num_slots, dtype=torch.int64), persistent=False)
         # Rows routed to each logical expert by this rank since the last bias update.
         self.register_buffer("step_counts", torch.zeros(cfg.n_experts, dtype=torch.int64), persistent=False)
+
+    def dispatch_plan(self, idx: torch.Tensor) -> DispatchPlan:
+        """Plan the dispatch of routed entries ``idx[T, k]`` (logical ids) and count them."""
+        if self.ep.balancer is None:
+            plan = plan_dispatch(self.ep, idx, self.n_experts)
+            self.step_counts += plan.counts
+            return plan
+        slots = self.ep.balancer.route(self.index, idx)
+        plan = plan_dispatch(self.ep, slots, self.ep.balancer.num_slots)
+        self.step_counts += torch.bincount(idx.reshape(-1), minlength=self.n_experts)
+        self.slot_counts += plan.counts
+        return plan
 
 
 class Layer(nn.Module):
@@ -197,7 +218,7 @@ class Layer(nn.Module):
             self.ffn: DenseFFN | None = DenseFFN(cfg.hidden, cfg.ffn_hidden, dtype)
             self.moe: MoE | None = None
         else:
-            self.ffn, self.moe = None, MoE(cfg, ep, dtype)
+            self.ffn, self.moe = None, MoE(cfg, ep, dtype, index)
         # Memory options (portapipe.memory.policy.LayerMemory), set by portapipe.memory.policy.configure.
         self.memory: Any = None
 
@@ -213,8 +234,7 @@ class Layer(nn.Module):
         hn = self.norm2(h)
         flat = hn.reshape(-1, hn.shape[-1])
         w, idx = moe.router(flat)
-        plan = plan_dispatch(moe.ep, idx, moe.n_experts)
-        moe.step_counts += plan.counts
+        plan = moe.dispatch_plan(idx)
         send = flat.index_select(0, plan.order // self.top_k)
         return h, hn, send, w, plan
 
@@ -333,7 +353,7 @@ def init_parameters(block: Block, cfg: ModelConfig, seed: int) -> None:
         if getattr(p, "is_expert", False):
             experts = block.get_submodule(name.rsplit(".", 1)[0])
             for j in range(p.shape[0]):
-                g = _generator(seed, f"{name}[{experts.first + j}]")
+                g = _generator(seed, f"{name}[{experts.logical[j]}]")
                 p[j].copy_(torch.randn(p.shape[1:], generator=g, dtype=torch.float64) * std)
         else:
             g = _generator(seed, name)

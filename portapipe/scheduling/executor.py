@@ -110,6 +110,11 @@ class PipelineRuntime:
         self.dtype = DTYPES[config.model.dtype]
         self.overlap = config.schedule.overlap
         self.ep = ExpertParallel(backend, groups.ep, groups.ep_rank, groups.ep_group)
+        if config.balancer.kind != "none":  # EPLB / LPLB: expert slots, routing, replica gradients
+            from ..balancing.runtime import ExpertBalancer, moe_layer_indices
+
+            layers = moe_layer_indices(config.model, s.blocks_of(groups.pp_rank), s.n_blocks)
+            self.ep.balancer = ExpertBalancer(config, backend, groups, layers)
         self.device = backend.device()
         self.blocks: dict[int, Block] = build_blocks(
             config.model, s.blocks_of(groups.pp_rank), s.n_blocks, self.ep, config.train.seed
@@ -128,6 +133,8 @@ class PipelineRuntime:
             if others:
                 self.copy_rank[b] = others[0]
         self.fb_stats = A2AStats()
+        if self.ep.balancer is not None:
+            self.ep.balancer.attach(self.moe_layers())
 
     # ------------------------------------------------------------- parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -156,6 +163,8 @@ class PipelineRuntime:
         t0 = time.perf_counter()
         run_.execute()
         self._reduce_gradients()
+        if self.ep.balancer is not None:  # replicated experts: sum over their replicas
+            self.ep.balancer.reduce_gradients()
         losses = self._gather_losses(run_.losses)
         counts, layers = self._update_routing()
         step_s = time.perf_counter() - t0

@@ -1,0 +1,94 @@
+"""Which layers use which memory option, from the config's ``memory`` section.
+
+``recompute_layers: N`` recomputes the first N layers of every block (stage); with
+``recompute: moe`` only the MoE layers among them. ``zero_memory_layers: N`` applies
+zero-memory to the first N MoE layers of every block that are not recomputed (a recomputed
+layer keeps nothing to drop). Earlier layers come first because, in every schedule here, a
+stage's first layers hold their activations longest.
+
+:func:`configure` sets ``layer.memory`` (a :class:`LayerMemory`, or None) on each layer; the
+block's program then runs such layers through :meth:`LayerMemory.program`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import MemoryConfig
+from ..models.expert_parallel import A2AStats
+from .recompute import Recompute
+from .zero_memory import ZeroMemory
+
+
+@dataclass
+class LayerMemory:
+    """One layer's memory options."""
+
+    zero_memory: ZeroMemory | None = None
+    recompute: Recompute | None = None
+
+    def program(self, layer: Any, tape: Any, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
+        """The layer's forward program with its memory options applied."""
+        if not tape.record:  # one plain autograd graph (the reference): nothing to drop
+            return (yield from layer.program(tape, x))
+        if self.recompute is not None and self.recompute.mode == "full":
+            return (yield from self.recompute.full(tape, layer, x))
+        if layer.moe is None:
+            return (yield from layer.program(tape, x))
+        h, hn, send, w, plan = tape.part(layer.attention_part, x)
+        if self.recompute is not None:
+            return (yield from self.recompute.moe(tape, layer, h, hn, send, w, plan))
+        zm = self.zero_memory.begin(layer, hn, send, plan) if self.zero_memory is not None else None
+        return (yield from layer.moe_program(tape, h, hn, send, w, plan, zm))
+
+
+def plan_layers(memory: MemoryConfig, is_moe: list[bool]) -> list[LayerMemory | None]:
+    """Options for a block's layers in order (``is_moe[i]``: layer i has routed experts)."""
+    n_rec = len(is_moe) if memory.recompute_layers is None else memory.recompute_layers
+    n_zero = len(is_moe) if memory.zero_memory_layers is None else memory.zero_memory_layers
+    out: list[LayerMemory | None] = []
+    zeroed = 0
+    for i, moe in enumerate(is_moe):
+        rec = None
+        if memory.recompute != "none" and i < n_rec and (memory.recompute == "full" or moe):
+            rec = Recompute(memory.recompute)
+        zm = None
+        if rec is None and moe and memory.zero_memory != "off" and zeroed < n_zero:
+            zm = ZeroMemory(memory.zero_memory)
+            zeroed += 1
+        out.append(LayerMemory(zm, rec) if (zm or rec) else None)
+    return out
+
+
+def configure(blocks: Mapping[int, Any], memory: MemoryConfig) -> None:
+    """Attach the memory options to every layer of these model blocks."""
+    for block in blocks.values():
+        layers = list(block.layers.values())
+        for layer, opts in zip(layers, plan_layers(memory, [layer.moe is not None for layer in layers])):
+            layer.memory = opts
+
+
+def redispatch_stats(blocks: Iterable[Any]) -> A2AStats:
+    """Re-dispatch all-to-all time (total and waited) summed over the zero-memory layers."""
+    total = A2AStats()
+    for block in blocks:
+        for layer in block.layers.values():
+            opts = getattr(layer, "memory", None)
+            if opts is not None and opts.zero_memory is not None:
+                st = opts.zero_memory.stats
+                total.total_s += st.total_s
+                total.wait_s += st.wait_s
+                total.count += st.count
+    return total
+
+
+def reset_redispatch_stats(blocks: Iterable[Any]) -> None:
+    for block in blocks:
+        for layer in block.layers.values():
+            opts = getattr(layer, "memory", None)
+            if opts is not None and opts.zero_memory is not None:
+                opts.zero_memory.stats.reset()

@@ -1,0 +1,163 @@
+"""Activation recompute whose all-to-alls run beside other compute.
+
+A recomputed segment runs its forward keeping nothing for backward (the parts run without
+autograd, only the segment's inputs stay); its backward first replays the forward, recording
+it on a fresh :class:`~portapipe.scheduling.overlap.Tape`, then runs that tape's part-wise
+backward. Both the replay and the backward are programs: each expert all-to-all of the replay
+(dispatch, combine) and of the backward is issued asynchronously and yielded to the driver, so
+inside an F&B the other micro-batch's parts compute while it is in flight, exactly as in a
+forward that was never dropped. Nothing blocks on a recomputed layer's communication unless
+there is nothing else to run.
+
+Segments:
+
+- ``full``: a whole layer, from its input;
+- ``moe``: an MoE layer's dispatch -> experts -> combine -> shared expert -> combine parts,
+  from the attention part's outputs (the attention part is kept; the rows to send are
+  gathered again from the normed tokens).
+
+A replay has no side effects on the layer's state: buffers the forward updates (the per-step
+expert loads) are restored after each replayed part, so loads are counted once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from ..models.expert_parallel import ExpertParallel, Pending
+from ..models.linear import WeightGradQueue
+from ..scheduling.overlap import Custom, Program, Tape
+from .zero_memory import dispatch_rows, free_storage, issue_exchange
+
+MODES = ("none", "moe", "full")
+
+
+class _Forward(Tape):
+    """Runs a program without keeping anything for backward; exchanges stay asynchronous."""
+
+    def __init__(self) -> None:
+        super().__init__(record=True)
+
+    def watch(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def part(self, fn: Any, *args: Any) -> Any:
+        with torch.no_grad():
+            return fn(*args)
+
+    def all_to_all(self, ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending:
+        return issue_exchange(ep, x, list(out_splits), list(in_splits), ep.stats)
+
+
+class _Replay(Tape):
+    """A recording tape whose parts leave the module's buffers as they found them."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(record=True)
+        self._buffers = list(module.buffers())
+
+    def part(self, fn: Any, *args: Any) -> Any:
+        before = [b.clone() for b in self._buffers]
+        try:
+            return super().part(fn, *args)
+        finally:
+            with torch.no_grad():
+                for b, old in zip(self._buffers, before):
+                    if not torch.equal(b, old):  # untouched ones keep their version (autograd saved them)
+                        b.copy_(old)
+
+
+class _Capture(torch.autograd.Function):
+    """Identity on several tensors whose backward hands their gradients to ``sink``."""
+
+    @staticmethod
+    def forward(ctx: Any, sink: list[torch.Tensor | None], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.sink = sink
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.sink[:] = list(grads)
+        ctx.sink = None
+        return (None, *grads)
+
+
+class Recompute:
+    """One layer's recompute setting: ``mode`` is ``moe`` or ``full``.
+
+    Exchange timings go to the layer's ``ExpertParallel.stats`` like those of any forward.
+    """
+
+    def __init__(self, mode: str) -> None:
+        if mode not in ("moe", "full"):
+            raise ValueError(f"recompute mode {mode!r} is not one of moe, full")
+        self.mode = mode
+
+    def segment(
+        self,
+        tape: Tape,
+        layer: torch.nn.Module,
+        run: Any,
+        inputs: list[torch.Tensor],
+        values: Callable[[], list[torch.Tensor]] | None = None,
+    ) -> Generator[Any, None, torch.Tensor]:
+        """Program: ``run(tape, *inputs)`` (a layer program) without keeping its activations.
+
+        ``run`` must be a program function of the layer returning one tensor; ``inputs`` are the
+        tensors (from earlier parts) it reads, which receive its gradients. ``values`` gives
+        their values for the replay (default: the inputs, kept), for inputs cheaper to rebuild
+        than to keep. Records one step whose backward replays the segment.
+        """
+        out = yield from run(_Forward(), *inputs)
+        out = out.detach().requires_grad_(True)
+        if values is None:
+            kept = [x.detach() for x in inputs]
+
+            def values() -> list[torch.Tensor]:
+                return kept
+
+        def backward(grads: list[torch.Tensor | None], queue: WeightGradQueue | None) -> Program:
+            (grad,) = grads
+            if grad is None:  # still replay: the EP peers take part in its exchanges
+                grad = torch.zeros_like(out)
+            replay = _Replay(layer)
+            sink: list[torch.Tensor | None] = []
+            leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in values()]
+            xs = replay.part(lambda *a: _Capture.apply(sink, *a), *leaves)
+            again = yield from run(replay, *xs)
+            yield from replay.backward(again, grad, queue)
+            return sink + [None] * (len(inputs) - len(sink))
+
+        tape.custom(Custom(inputs=list(inputs), outputs=[out], backward=backward))
+        return out
+
+    # ----------------------------------------------------------------- layers
+    def full(self, tape: Tape, layer: Any, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
+        """Program: the whole layer recomputed in backward."""
+
+        def run(t: Tape, x_: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
+            return (yield from layer.program(t, x_))
+
+        return (yield from self.segment(tape, layer, run, [x]))
+
+    def moe(
+        self, tape: Tape, layer: Any, h: torch.Tensor, hn: torch.Tensor, send: torch.Tensor, w: torch.Tensor, plan: Any
+    ) -> Generator[Any, None, torch.Tensor]:
+        """Program: an MoE layer's parts after attention, recomputed in backward.
+
+        The rows to send are not kept: the replay gathers them again from the normed tokens
+        (kept by the attention part), and their gradient goes back through ``send`` as usual.
+        """
+
+        def run(t: Tape, *xs: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
+            return (yield from layer.moe_program(t, *xs, plan))
+
+        def values() -> list[torch.Tensor]:
+            return [h.detach(), hn.detach(), dispatch_rows(hn.detach(), plan, layer.top_k), w.detach()]
+
+        out = yield from self.segment(tape, layer, run, [h, hn, send, w], values)
+        free_storage(send)  # sent; the replay gathers the rows again
+        return out

@@ -1,0 +1,226 @@
+"""Zero-memory: the experts' inputs are not kept between forward and backward.
+
+An MoE layer's largest activation is the experts' grouped-matmul input, the dispatched tokens:
+top-k rows per token. It is the all-to-all of rows that the layer keeps anyway (the normed
+tokens, saved by the router, gathered in dispatch order), so the backward can fetch it again
+instead of keeping it:
+
+- ``level0``: the dispatched tokens are dropped after the forward (autograd keeps a recipe
+  instead, through saved-tensor hooks; the exchange buffers are freed too). The backward
+  re-runs the dispatch all-to-all from the saved tokens and routing. It is issued as the
+  layer's backward starts (before the combine backward and the shared expert's backward, and
+  before the combine all-to-all, behind which an F&B runs the other micro-batch's parts), and
+  waited for only when the experts' backward reads its input.
+- ``level1``: in addition, the activation function's output (the down projection's input) and
+  its temporaries are dropped and recomputed from its input (the gate/up projection's output).
+
+The recomputed tensors are made by the same operations on the same values, so gradients are
+identical to ``off``, bit for bit.
+
+The model calls this module at three points of an MoE layer (see
+:meth:`portapipe.models.moe.Layer.moe_program`): :meth:`ExpertRefetch.dropping` around the
+experts' MLP, :meth:`ExpertRefetch.activation` for the activation function, and
+:meth:`ExpertRefetch.issue_early` around the last part of the layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..models.expert_parallel import A2AStats, DispatchPlan, ExpertParallel, Pending
+from . import accounting
+
+
+def dispatch_rows(tokens: torch.Tensor, plan: DispatchPlan, top_k: int) -> torch.Tensor:
+    """The rows a dispatch sends: token ``i // top_k`` for each (token, slot) in expert order.
+
+    Must match what :meth:`portapipe.models.moe.Layer.attention_part` sends.
+    """
+    return tokens.reshape(-1, tokens.shape[-1]).index_select(0, plan.order // top_k)
+
+
+def issue_exchange(ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int], stats: A2AStats) -> Pending:
+    """Start an expert all-to-all on the communication stream; its time goes to ``stats``."""
+    from ..scheduling.overlap import ep_comm_stream
+
+    backend = ep.backend
+    x = x.detach().contiguous()
+    out = x.new_empty((int(sum(out_splits)),) + tuple(x.shape[1:]))
+    if ep.size == 1:
+        out.copy_(x)
+        return Pending(out, None, None)
+    comm = ep_comm_stream(ep)
+    comm.wait_stream(backend.compute_stream())
+    with backend.stream(comm):
+        work = backend.expert_all_to_all(out, x, list(out_splits), list(in_splits), group=ep.group, async_op=True)
+    return Pending(out, work, stats)
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s memory now, keeping the tensor object (shape and autograd links stay)."""
+    storage = t.untyped_storage()
+    if storage.nbytes() > 0:
+        storage.resize_(0)
+
+
+@dataclass
+class ZeroMemory:
+    """One MoE layer's zero-memory setting and its re-dispatch timings (summed over the step)."""
+
+    level: str = "level0"
+    stats: A2AStats = field(default_factory=A2AStats)
+
+    def __post_init__(self) -> None:
+        if self.level not in ("level0", "level1"):
+            raise ValueError(f"zero-memory level {self.level!r} is not one of level0, level1")
+
+    def begin(self, layer: Any, tokens: torch.Tensor, send: torch.Tensor, plan: DispatchPlan) -> ExpertRefetch:
+        """State for one micro-batch's pass through ``layer`` (after its attention part)."""
+        return ExpertRefetch(self, layer.moe.ep, tokens.detach(), send, plan, layer.top_k)
+
+
+class _Dropped:
+    """What autograd keeps instead of a dropped tensor: how to make it again."""
+
+    __slots__ = ("remake", "size", "stride", "offset")
+
+    def __init__(self, remake: Callable[[], torch.Tensor], t: torch.Tensor) -> None:
+        self.remake = remake
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+    def get(self) -> torch.Tensor:
+        base = self.remake()
+        return base.as_strided(self.size, self.stride, self.offset)
+
+
+class ExpertRefetch:
+    """One micro-batch of one zero-memory layer: drops the experts' inputs, fetches them back."""
+
+    def __init__(
+        self, config: ZeroMemory, ep: ExpertParallel, tokens: torch.Tensor, send: torch.Tensor, plan: DispatchPlan, top_k: int
+    ) -> None:
+        self.config, self.ep, self.tokens, self.plan, self.top_k = config, ep, tokens, plan, top_k
+        self._send: torch.Tensor | None = send
+        self._remakes: dict[Any, Callable[[], torch.Tensor]] = {}
+        self._pending: Pending | None = None
+        self._inputs: torch.Tensor | None = None
+        self._permuted = False
+
+    # ----------------------------------------------------------------- forward
+    @contextlib.contextmanager
+    def dropping(self, inputs: torch.Tensor, received: torch.Tensor) -> Iterator[None]:
+        """Run the experts' MLP on ``inputs`` keeping neither it nor the ``received`` rows.
+
+        ``inputs`` is ``received`` itself, or its rows permuted by ``plan.expert_perm``.
+
+        Tensors saved for backward that share ``inputs``' storage (and, at level1, the
+        activation's output) are replaced by recipes; everything else is saved as usual (and
+        counted by an active :class:`~portapipe.memory.accounting.SavedActivations`).
+        """
+        self._permuted = inputs is not received
+        self._watch(inputs, self.expert_inputs)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+        # Neither exchange buffer is read again: index_select's backward needs only the index.
+        free_storage(received)
+        if self._send is not None:
+            free_storage(self._send)
+            self._send = None
+
+    def activation(self, fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any) -> torch.Tensor:
+        """``fn(x, *args)``; at level1 keeps only ``x`` and recomputes the rest in backward."""
+        if self.config.level != "level1":
+            return fn(x, *args)
+        out = _Recomputed.apply(x, fn, args)
+        saved_x = x.detach()
+
+        def remake() -> torch.Tensor:
+            with torch.no_grad():
+                return fn(saved_x, *args)
+
+        self._watch(out, remake)
+        return out
+
+    def issue_early(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap the layer's last part so that its backward starts the re-dispatch first."""
+
+        def part(*args: Any) -> Any:
+            out = fn(*args)
+            return _IssueOnBackward.apply(out, self)
+
+        return part
+
+    # ---------------------------------------------------------------- backward
+    def issue(self) -> None:
+        """Start the re-dispatch all-to-all (once); the experts' backward waits for it."""
+        if self._pending is None and self._inputs is None:
+            rows = dispatch_rows(self.tokens, self.plan, self.top_k)
+            self._pending = issue_exchange(self.ep, rows, self.plan.recv_splits, self.plan.send_splits, self.config.stats)
+
+    def expert_inputs(self) -> torch.Tensor:
+        """The experts' input rows again: the received rows (in the plan's expert order if permuted)."""
+        if self._inputs is None:
+            self.issue()
+            assert self._pending is not None
+            received = self._pending.wait()
+            self._pending = None
+            self._inputs = received.index_select(0, self.plan.expert_perm) if self._permuted else received
+        return self._inputs
+
+    # ------------------------------------------------------------------- hooks
+    def _watch(self, t: torch.Tensor, remake: Callable[[], torch.Tensor]) -> None:
+        key = accounting.storage_key(t)
+        if key is not None:
+            self._remakes[key[0]] = remake
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        key = accounting.storage_key(t)
+        if key is not None and key[0] in self._remakes:
+            return _Dropped(self._remakes[key[0]], t)
+        return accounting.pack_saved(t)
+
+    @staticmethod
+    def _unpack(obj: Any) -> torch.Tensor:
+        if isinstance(obj, _Dropped):
+            return obj.get()
+        return accounting.unpack_saved(obj)
+
+
+class _Recomputed(torch.autograd.Function):
+    """``fn(x, *args)`` keeping only ``x``; the backward rebuilds the graph from it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.fn, ctx.args = fn, args
+        with torch.no_grad():
+            return fn(x, *args)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = x.detach().requires_grad_(True)
+            out = ctx.fn(leaf, *ctx.args)
+            (gx,) = torch.autograd.grad(out, leaf, grad)
+        return gx, None, None
+
+
+class _IssueOnBackward(torch.autograd.Function):
+    """Identity whose backward starts a layer's re-dispatch before the rest of its backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, refetch: ExpertRefetch) -> torch.Tensor:
+        ctx.refetch = refetch
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ctx.refetch.issue()
+        ctx.refetch = None
+        return grad, None

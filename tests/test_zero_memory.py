@@ -1,0 +1,177 @@
+"""Zero-memory: the experts' inputs are dropped after the forward and fetched again, with identical gradients."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+
+from portapipe.backends.cpu import CPUBackend
+from portapipe.config import load_config
+from portapipe.memory.accounting import SavedActivations, label_layers
+from portapipe.memory.policy import configure
+from portapipe.models.expert_parallel import ExpertParallel
+from portapipe.models.linear import WeightGradQueue
+from portapipe.models.moe import build_blocks
+from portapipe.scheduling.overlap import Tape, run
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Any:
+    """One intra-op thread, as on the ranks: on a shared 2-core machine more only contend."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+MODEL = {"n_layers": 3, "n_dense": 1, "dtype": "float64", "hidden": 32, "n_heads": 4, "moe_hidden": 16, "top_k": 4, "n_experts": 8, "seq_len": 12}
+
+
+def one_block(memory: dict[str, Any]) -> Any:
+    """The whole model as one block in this process (EP size 1), with memory options applied."""
+    cfg = load_config({"model": MODEL, "schedule": {"name": "1f1b", "microbatches": 1}, "memory": memory})
+    block = build_blocks(cfg.model, [0], 1, ExpertParallel(CPUBackend()), seed=7)[0]
+    configure({0: block}, cfg.memory)
+    return block
+
+
+def pipelined_step(memory: dict[str, Any], held_after: int = 0, by_part: bool = False) -> dict[str, Any]:
+    """Three micro-batches as a zero-bubble rank runs them: F0 F1 B0 F2 B1 W0 B2 W1 W2.
+
+    Returns the losses, the parameters' gradients, the expert loads, and the bytes each layer
+    (or each ``"<layer>.<part>"``) held for backward after micro-batch ``held_after``'s forward.
+    """
+    block = one_block(memory)
+    label_layers([block], by_part=by_part)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 256, (2, MODEL["seq_len"] + 1), generator=g) for _ in range(3)]
+    tapes: dict[int, tuple[Tape, torch.Tensor]] = {}
+    queues: dict[int, WeightGradQueue] = {}
+    losses: dict[int, float] = {}
+    held: dict[Any, int] = {}
+
+    def forward(m: int) -> None:
+        tracker = SavedActivations(ignore=block.parameters())
+        tape = Tape()
+        with tracker.track():
+            out = run(block.program(tape, data[m][:, :-1], data[m][:, 1:]))
+        if m == held_after:
+            held.update({lay: n for (lay, _), n in tracker.live_by_region.items()})
+        tapes[m] = (tape, out)
+        losses[m] = float(out.detach())
+
+    def backward(m: int) -> None:
+        tape, out = tapes.pop(m)
+        queues[m] = WeightGradQueue()
+        run(tape.backward(out, torch.ones_like(out), queues[m]))
+
+    forward(0), forward(1), backward(0), forward(2), backward(1)
+    queues.pop(0).run()
+    backward(2)
+    queues.pop(1).run()
+    queues.pop(2).run()
+    grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    counts = [layer.moe.step_counts.clone() for layer in block.moe_layers()]
+    return {"losses": losses, "grads": grads, "counts": counts, "held": held, "block": block}
+
+
+def assert_identical(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["losses"] == b["losses"]
+    assert a["grads"].keys() == b["grads"].keys()
+    for name in a["grads"]:
+        assert torch.equal(a["grads"][name], b["grads"][name]), name
+    for x, y in zip(a["counts"], b["counts"]):
+        assert torch.equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def off() -> dict[str, Any]:
+    return pipelined_step({})
+
+
+@pytest.mark.parametrize("level", ["level0", "level1"])
+def test_gradients_identical_to_off_bit_for_bit(off: dict[str, Any], level: str) -> None:
+    assert_identical(pipelined_step({"zero_memory": level}), off)
+
+
+def test_saved_bytes_drop_by_the_dropped_tensors_exactly(off: dict[str, Any]) -> None:
+    """level0 drops the dispatched rows (rows x hidden); level1 also 4 activation tensors (rows x width)."""
+    h, f, item = MODEL["hidden"], MODEL["moe_hidden"], 8  # float64
+    rows = 2 * MODEL["seq_len"] * MODEL["top_k"]  # EP size 1: every (token, slot) row stays here
+    l0 = pipelined_step({"zero_memory": "level0"})
+    l1 = pipelined_step({"zero_memory": "level1"})
+    for layer in (1, 2):  # the MoE layers; layer 0 is dense and unchanged
+        assert off["held"][layer] - l0["held"][layer] == rows * h * item
+        # silu(g) = g / (1 + exp(-g)) keeps exp(-g), 1 + exp(-g), silu(g); the product keeps act.
+        assert l0["held"][layer] - l1["held"][layer] == 4 * rows * f * item
+    assert l0["held"][0] == off["held"][0]
+
+
+def test_zero_memory_layers_picks_the_first_moe_layers_of_a_block() -> None:
+    block = one_block({"zero_memory": "level1", "zero_memory_layers": 1})
+    layers = list(block.layers.values())
+    assert layers[0].memory is None  # dense
+    assert layers[1].memory.zero_memory.level == "level1"
+    assert layers[2].memory is None
+
+
+def test_exchange_buffers_are_freed_after_the_forward() -> None:
+    block = one_block({"zero_memory": "level0"})
+    layer = block.moe_layers()[0]
+    seen: list[torch.Tensor] = []
+    original = layer.experts_part
+
+    def spy(recv: torch.Tensor, plan: Any, zm: Any = None) -> Any:
+        seen.append(recv)
+        return original(recv, plan, zm)
+
+    layer.experts_part = spy
+    tokens = torch.randint(0, 256, (2, MODEL["seq_len"] + 1))
+    tape = Tape()
+    out = run(block.program(tape, tokens[:, :-1], tokens[:, 1:]))
+    assert seen and seen[0].untyped_storage().nbytes() == 0
+    run(tape.backward(out, torch.ones_like(out)))  # still runs: nothing reads the freed rows
+    assert all(p.grad is not None for p in layer.parameters() if p.requires_grad)
+
+
+# ------------------------------------------------------------------- pipelined, EP = 2
+VERIFY_BASE = {
+    "backend": "cpu",
+    "parallel": {"pp": 2, "ep": 2},
+    "model": {"n_layers": 8, "n_dense": 1, "hidden": 16, "n_heads": 2, "moe_hidden": 8, "n_experts": 4, "top_k": 2, "seq_len": 8},
+    "train": {"micro_batch_size": 1},
+}
+OPTIONS = {
+    "level0": {"zero_memory": "level0"},
+    "level1": {"zero_memory": "level1"},
+    "recompute_moe": {"recompute": "moe"},
+    "recompute_full": {"recompute": "full"},
+    "full1_level1": {"recompute": "full", "recompute_layers": 1, "zero_memory": "level1"},
+}
+SCHEDULES = ("dualpipev", "interleaved")
+
+
+@functools.lru_cache(maxsize=1)
+def verified() -> dict[tuple[str, str], Any]:
+    """Every (schedule, memory option) verified in one launch of 4 gloo ranks (shared with test_recompute)."""
+    from portapipe.verify import verify_many
+
+    keys, configs = [], []
+    for schedule in SCHEDULES:
+        for name, memory in OPTIONS.items():
+            keys.append((schedule, name))
+            configs.append(load_config({**VERIFY_BASE, "schedule": {"name": schedule, "microbatches": 4}, "memory": memory}))
+    return dict(zip(keys, verify_many(configs)))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("option", ["level0", "level1", "full1_level1"])
+def test_verify_pipelined_with_zero_memory(schedule: str, option: str) -> None:
+    report = verified()[(schedule, option)]
+    assert (report.pp, report.ep) == (2, 2)
+    assert report.loss_diff == 0.0
+    assert report.max_rel_grad_diff <= 1e-12
+    assert report.ok, report
