@@ -14,6 +14,11 @@ same order (:func:`portapipe.scheduling.executor.mean_loss`). Gradients are sums
 terms in different orders (micro-batches, replicas, DualPipe's copies), so they agree to
 rounding: ``max_rel_grad_diff`` is the largest ``|g - g_ref| / |g_ref|`` (2-norms) over every
 parameter tensor of every rank.
+
+With a balancer (``balancer.kind`` eplb / lplb) an expert may sit in several slots: its replicas
+hold the same weights bit for bit and a token's rows are computed row by row, so the loss still
+matches exactly; a replicated expert's gradient is the sum of its replicas' partial sums, so it
+matches to rounding. Each rank reports the logical expert of every slot (``expert_ids``).
 """
 
 from __future__ import annotations
@@ -102,6 +107,12 @@ def step_report(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.T
         "loss": result.loss,
         "grads": {n: q.grad.detach().cpu().clone() for n, q in params.items()},
         "experts": sorted(n for n, q in params.items() if is_expert_param(q)),
+        # logical expert of each local slot, per expert parameter (a balancer may replicate / reorder)
+        "expert_ids": {
+            f"layers.{layer.index}.moe.experts.{n}": list(layer.moe.experts.logical)
+            for layer in runtime.moe_layers()
+            for n, _ in layer.moe.experts.named_parameters()
+        },
         "biases": {f"{layer.index}": layer.moe.router.bias.detach().cpu().clone() for layer in runtime.moe_layers()},
         "timings": result.timings,
         "expert_counts": None if result.expert_counts is None else result.expert_counts.cpu(),
@@ -170,7 +181,9 @@ def compare(config: Config, rank_results: list[dict[str, Any]]) -> VerifyReport:
     for r in rank_results:
         for name, g in r["grads"].items():
             want = ref_grads[name]
-            if name in r["experts"]:
+            if name in r.get("expert_ids", {}):
+                want = want[r["expert_ids"][name]]
+            elif name in r["experts"]:
                 want = want[r["ep_rank"] * per : (r["ep_rank"] + 1) * per]
             d = _rel(g, want)
             if not worst_name or d > worst:

@@ -1,0 +1,415 @@
+"""The expert balancer of a running model: placement, routing, replica gradients, rebalancing.
+
+:class:`ExpertBalancer` is built by the pipeline runtime when ``balancer.kind`` is ``eplb`` or
+``lplb`` and handed to every MoE layer through its :class:`~portapipe.models.expert_parallel.ExpertParallel`:
+
+- **Placement.** Each EP rank holds ``n_experts / ep + balancer.redundant`` physical expert
+  slots; :meth:`experts_on` says which logical expert each local slot holds (the MoE layer
+  builds and initialises its experts from it, so a replica starts as an exact copy).
+  ``eplb`` starts from the identity placement (slot ``s`` holds expert ``s % n_experts``);
+  ``lplb`` from the LPLB planner's layout (originals, then copies along the topology).
+- **Routing** (:meth:`route`, called by the MoE layer for every micro-batch): logical expert ids
+  to physical slots. ``eplb`` spreads an expert's tokens evenly over its replicas
+  (:meth:`ExpertPlacement.route`); ``lplb`` runs the LP planner on the batch (counts all-reduced
+  over the EP group, so every rank makes the same plan) and moves tokens between an original
+  and its copy.
+- **Gradients** (:meth:`reduce_gradients`, called by the runtime after its own reductions): the
+  gradient of a replicated expert is the sum over its replicas (each saw only its own tokens);
+  every replica gets that sum, so replicas take identical optimizer steps and stay equal.
+- **Rebalancing** (:meth:`after_step`, called by the training loop with the step's
+  :class:`~portapipe.scheduling.executor.StepResult`): records the expert loads in a sliding
+  window; every ``interval`` steps plans a new placement (``eplb``: replication + packing by
+  :class:`~portapipe.balancing.loads.Rebalancer`; ``lplb``: the planner's EPLB reordering of which
+  experts are replicated), adopts it when the balancedness gain reaches ``min_gain``, and moves
+  the expert weights, gradients and AdamW state between ranks (:func:`migrate_parameters`).
+  It returns the figures for the metrics file.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .loads import LoadWindow, Rebalancer
+from .placement import ExpertPlacement, MigrationError, migrate_parameters, plan_migration
+
+log = logging.getLogger("portapipe.balancing")
+
+#: the expert tensors of one MoE layer that migrate (stacked [local slots, ...])
+EXPERT_PARAMS = ("gate_up", "down")
+
+
+def moe_layer_indices(model: Any, blocks: list[int], n_blocks: int) -> list[int]:
+    """Global indices of the MoE layers in ``blocks`` (sorted): the rows of ``StepResult.expert_counts``."""
+    from ..models.moe import layer_range
+
+    out = []
+    for b in blocks:
+        first, last = layer_range(model.n_layers, n_blocks, b)
+        out += [i for i in range(first, last) if i >= model.n_dense]
+    return sorted(out)
+
+
+def topology_of(balancer: Any, ep: int) -> torch.Tensor:
+    """The r2o tensor ``balancer.topology`` names for an EP group of ``ep`` ranks."""
+    from .topology import by_name
+
+    return by_name(balancer.topology, ring_size=ep, torus_shape=tuple(balancer.torus) if balancer.torus else None)
+
+
+def _mean_over_max(loads: torch.Tensor) -> torch.Tensor:
+    """Balancedness of rank loads ``[..., ranks]``: mean / max (1 when nothing was routed)."""
+    top = loads.max(-1).values
+    return torch.where(top > 0, loads.mean(-1) / top.clamp(min=1e-30), torch.ones_like(top))
+
+
+@dataclass
+class Rebalance:
+    """One periodic decision on this pipeline rank's MoE layers."""
+
+    step: int
+    before: float
+    after: float
+    applied: bool
+    rows_moved: int = 0
+    layers: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "before": self.before, "after": self.after, "applied": self.applied,
+                "rows_moved": self.rows_moved, "layers": self.layers}
+
+
+class ExpertBalancer:
+    """The balancer of one rank of a running model (see the module docstring).
+
+    ``layers``: global indices of this rank's MoE layers, in the order of
+    ``StepResult.expert_counts``'s rows. Every rank of the job makes one (possibly with no layers),
+    because :meth:`after_step` gathers the figures of all pipeline ranks.
+    """
+
+    def __init__(self, config: Any, backend: Any, groups: Any, layers: list[int]) -> None:
+        bal, model = config.balancer, config.model
+        if bal.kind not in ("eplb", "lplb"):
+            raise ValueError(f"balancer.kind: {bal.kind!r}; ExpertBalancer runs eplb or lplb")
+        self.kind = bal.kind
+        self.backend, self.groups = backend, groups
+        self.layers = list(layers)
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.num_experts = model.n_experts
+        self.ep, self.ep_rank = groups.ep, groups.ep_rank
+        self.num_slots = model.n_experts + bal.redundant * groups.ep
+        self.interval, self.min_gain = bal.interval, bal.min_gain
+        self.history: list[Rebalance] = []
+        self.modules: list[Any] = []  # this rank's MoE layers, set by attach()
+        n = max(len(self.layers), 1)  # a rank without MoE layers keeps a one-row placement it never uses
+        self.rebalancer: Rebalancer | None = None
+        self.planners: list[Any] = []
+        if self.kind == "eplb":
+            self.rebalancer = Rebalancer.from_config(bal, n, model.n_experts, groups.ep, model.n_groups)
+            self.placement = self.rebalancer.placement
+        else:
+            from .lplb import Planner
+
+            r2o = topology_of(bal, groups.ep)
+            group = groups.ep_group if groups.ep > 1 else None
+            self.planners = [
+                Planner(r2o, self.num_slots, model.n_experts, group=group, backend=backend if group is not None else None, ep_size=groups.ep)
+                for _ in range(n)
+            ]
+            self.window = LoadWindow(bal.window, n, model.n_experts)
+            self.placement = self._lplb_placement(self.planners)
+
+    # ------------------------------------------------------------------ placement
+    def _lplb_placement(self, planners: list[Any]) -> ExpertPlacement:
+        return ExpertPlacement(
+            torch.stack([p.phy2log for p in planners]), self.ep, self.num_experts, log2phy=torch.stack([p.log2phy for p in planners])
+        )
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_slots // self.ep
+
+    def experts_on(self, layer: int) -> list[int]:
+        """Logical expert held by each of this rank's local slots of MoE layer ``layer`` (global index)."""
+        return self.placement.experts_on(self.ep_rank, self.row[layer]).tolist()
+
+    def attach(self, moe_layers: list[Any]) -> None:
+        """Take this rank's built MoE layers (sorted by index) and mark which slots count in the grad norm."""
+        got = [layer.index for layer in moe_layers]
+        if got != self.layers:
+            raise ValueError(f"the balancer was planned for MoE layers {self.layers} but the model has {got}")
+        self.modules = list(moe_layers)
+        self._label()
+
+    def _label(self) -> None:
+        """After a placement change: each layer's slot labels and the slots that own their expert.
+
+        A replicated expert's gradient is counted once in the global gradient norm: by the slot
+        its tokens are routed to first (``log2phy[.., 0]``).
+        """
+        per = self.slots_per_rank
+        mine = torch.arange(self.ep_rank * per, (self.ep_rank + 1) * per)
+        for layer in self.modules:
+            row = self.row[layer.index]
+            experts = layer.moe.experts
+            logical = self.placement.experts_on(self.ep_rank, row)
+            experts.logical = logical.tolist()
+            owned = self.placement.log2phy[row, logical, 0] == mine
+            for name in EXPERT_PARAMS:
+                getattr(experts, name).slot_owned = owned
+
+    # -------------------------------------------------------------------- routing
+    def route(self, layer: int, topk_idx: torch.Tensor) -> torch.Tensor:
+        """Physical slot of every (token, k) entry of one micro-batch of MoE layer ``layer``."""
+        row = self.row[layer]
+        if self.kind == "lplb":
+            return self.planners[row].run(topk_idx)
+        return self.placement.route(row, topk_idx, offset=self.ep_rank)
+
+    # ------------------------------------------------------------------ gradients
+    def reduce_gradients(self) -> None:
+        """Sum each replicated expert's gradient over its replicas (collective over the EP group).
+
+        Every EP rank packs, per layer and tensor, one row per replicated expert (the sum of its
+        local replicas' rows, zeros where it holds none); one all-reduce adds the ranks' rows;
+        each replica slot then takes its expert's total. Experts with one slot are untouched.
+        """
+        parts: list[torch.Tensor] = []
+        where: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for layer in self.modules:
+            row = self.row[layer.index]
+            rep = (self.placement.logcnt[row] > 1).nonzero().flatten()
+            if not len(rep):
+                continue
+            pos = torch.full((self.num_experts,), -1, dtype=torch.int64)
+            pos[rep] = torch.arange(len(rep))
+            slot_pos = pos[torch.tensor(layer.moe.experts.logical, dtype=torch.int64)]
+            local = (slot_pos >= 0).nonzero().flatten()
+            for name in EXPERT_PARAMS:
+                p = getattr(layer.moe.experts, name)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                rows = p.grad.view(p.shape[0], -1)
+                idx, to = local.to(rows.device), slot_pos[local].to(rows.device)
+                buf = rows.new_zeros(len(rep), rows.shape[1]).index_add_(0, to, rows.index_select(0, idx))
+                parts.append(buf)
+                where.append((rows, idx, to))
+        if not parts:
+            return
+        if len({t.dtype for t in parts}) != 1:
+            raise TypeError("expert gradients of different dtypes cannot share one replica reduction")
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        if self.ep > 1:
+            self.backend.all_reduce(flat, group=self.groups.ep_group)
+        i = 0
+        for buf, (rows, idx, to) in zip(parts, where):
+            total = flat[i:i + buf.numel()].view_as(buf)
+            i += buf.numel()
+            rows.index_copy_(0, idx, total.index_select(0, to))
+
+    # ---------------------------------------------------------------- migration
+    def apply(
+        self,
+        new: ExpertPlacement,
+        optimizer: torch.optim.Optimizer | None = None,
+        planners: list[Any] | None = None,
+        fault: Any = None,
+    ) -> int:
+        """Adopt ``new``: move every MoE layer's expert weights, gradients and optimizer state.
+
+        Collective over the EP group (every EP rank passes the same placement). Returns the slot
+        rows that crossed between ranks. If a layer's migration fails, the layers already moved
+        are moved back, so the old placement stays in force everywhere, and the error is raised.
+        ``fault`` is passed to :func:`migrate_parameters` (a test hook for injected failures).
+        """
+        old = self.placement
+        done: list[Any] = []
+        moved = 0
+        try:
+            for layer in self.modules:
+                row = self.row[layer.index]
+                params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
+                migrate_parameters(old, new, params, self.backend, self.groups.ep_group, row, optimizer, self.ep_rank, fault)
+                done.append(layer)
+                moved += plan_migration(old, new, row).rows_moved
+        except MigrationError:
+            for layer in done:
+                params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
+                migrate_parameters(new, old, params, self.backend, self.groups.ep_group, layer=self.row[layer.index], optimizer=optimizer, rank=self.ep_rank)
+            raise
+        self.placement = new
+        if self.rebalancer is not None:
+            self.rebalancer.placement = new
+        if planners is not None:
+            self.planners = planners
+        self._label()
+        return moved
+
+    # ------------------------------------------------------------- periodic step
+    def _global_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """``StepResult.expert_counts`` (EP-summed) summed over DP too, so every replica decides alike."""
+        c = counts.detach().to(torch.float64).cpu().clone()
+        if self.groups.dp > 1:
+            self.backend.all_reduce(c, group=self.groups.dp_group)
+        return c
+
+    def _slot_loads(self) -> torch.Tensor:
+        """Tokens per physical slot this step ``[layers, slots]``, over the EP and DP groups; resets them."""
+        if not self.modules:
+            return torch.zeros(0, self.num_slots, dtype=torch.float64)
+        c = torch.stack([layer.moe.slot_counts for layer in self.modules]).to(torch.float64).cpu()
+        for layer in self.modules:
+            layer.moe.slot_counts.zero_()
+        if self.ep > 1:
+            self.backend.all_reduce(c, group=self.groups.ep_group)
+        if self.groups.dp > 1:
+            self.backend.all_reduce(c, group=self.groups.dp_group)
+        return c
+
+    def _decide(self, step: int, optimizer: torch.optim.Optimizer | None) -> Rebalance:
+        """Plan from the window's loads after (1-based) step ``step``; adopt and migrate if it gains enough."""
+        if self.rebalancer is not None:
+            event = self.rebalancer.decide(step)
+            moved = self.apply(event.placement, optimizer) if event.applied else 0
+            return Rebalance(step, event.before, event.after, event.applied, moved, list(self.layers))
+        loads = self.window.loads()
+        candidates = []
+        for row, planner in enumerate(self.planners):
+            cand = copy.copy(planner)  # update_placement rebinds the layout; the old planner stays as it was
+            cand.update_placement(loads[row])
+            candidates.append(cand)
+        before = self._lp_balancedness(self.planners, loads)
+        after = self._lp_balancedness(candidates, loads)
+        new = self._lplb_placement(candidates)
+        applied = after - before > 0 and after - before >= self.min_gain and not torch.equal(new.phy2log, self.placement.phy2log)
+        moved = self.apply(new, optimizer, candidates) if applied else 0
+        log.info(
+            "lplb step %d: balancedness %.4f -> %.4f (gain %+.4f, min_gain %.4f): %s",
+            step, before, after, after - before, self.min_gain, "rebalanced" if applied else "kept the current placement",
+        )
+        return Rebalance(step, before, after, applied, moved, list(self.layers))
+
+    @staticmethod
+    def _lp_balancedness(planners: list[Any], loads: torch.Tensor) -> float:
+        """Mean over layers of mean/max rank load after the LP redistribution of the window's loads."""
+        values = []
+        for row, planner in enumerate(planners):
+            probe = copy.copy(planner)  # plan() counts solves; probing must not
+            plan = probe.plan(loads[row].round().to(torch.int64).unsqueeze(0))
+            values.append(float(_mean_over_max(plan.rank_load.to(torch.float64))))
+        return sum(values) / len(values)
+
+    def after_step(self, step: int, result: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """The training loop's per-step hook (0-based ``step``); collective over the whole job.
+
+        Records the step's loads, rebalances after every ``interval``-th step, and returns the
+        figures of every pipeline rank's layers, merged (the same dict on every rank):
+        ``rank_balancedness`` (mean over MoE layers of mean / max EP-rank load this step, as
+        routed), ``replica_tokens`` (tokens routed to a slot other than their expert's first:
+        LPLB's moved tokens, EPLB's spread over replicas), for lplb ``rank_balancedness_originals``
+        (the same figure had every token gone to its expert's first slot), and on rebalance steps
+        ``rebalance`` with the balancedness ``before`` / ``after`` (means over layers),
+        ``applied`` and ``rows_moved`` (expert slot rows sent between ranks).
+        """
+        slots = self._slot_loads()
+        counts = None
+        if self.layers and result.expert_counts is not None:
+            counts = self._global_counts(result.expert_counts)
+        mine = self._figures(slots, counts)  # before a rebalance changes the placement the step ran with
+        event = None
+        if counts is not None:
+            (self.rebalancer.window if self.rebalancer is not None else self.window).record(counts)
+            if (step + 1) % self.interval == 0:
+                event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
+                self.history.append(event)
+        mine["event"] = None if event is None else event.as_dict()
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return merge_figures(parts)
+
+    def _figures(self, slots: torch.Tensor, counts: torch.Tensor | None) -> dict[str, Any]:
+        """This rank's raw per-layer loads of the step, for :func:`merge_figures`."""
+        out: dict[str, Any] = {"pp_rank": self.groups.pp_rank, "layers": list(self.layers), "rank_loads": [], "orig_loads": [], "replica_tokens": 0.0}
+        if not self.layers:
+            return out
+        per = self.slots_per_rank
+        first = self.placement.log2phy[:, :, 0]  # [layers, experts]: the slot an expert's tokens go to first
+        primary = torch.zeros(len(self.layers), self.num_slots, dtype=torch.bool).scatter_(1, first, True)
+        out["rank_loads"] = slots.view(len(self.layers), self.ep, per).sum(-1).tolist()
+        out["replica_tokens"] = float(slots[~primary].sum())
+        if self.kind == "lplb" and counts is not None:
+            orig = torch.zeros(len(self.layers), self.ep, dtype=torch.float64)
+            orig.scatter_add_(1, torch.div(first, per, rounding_mode="floor"), counts)
+            out["orig_loads"] = orig.tolist()
+        return out
+
+    # ------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The placement in force (the checkpointed expert weights are laid out by it)."""
+        return {"kind": self.kind, "phy2log": self.placement.phy2log.clone(), "log2phy": self.placement.log2phy.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the placement of a checkpoint whose expert weights were just loaded."""
+        if state.get("kind") != self.kind or tuple(state["phy2log"].shape) != tuple(self.placement.phy2log.shape):
+            raise ValueError(
+                f"checkpoint balancer state ({state.get('kind')}, phy2log {tuple(state['phy2log'].shape)}) does not fit "
+                f"balancer.kind {self.kind} with phy2log {tuple(self.placement.phy2log.shape)}"
+            )
+        placement = ExpertPlacement(state["phy2log"], self.ep, self.num_experts, log2phy=state["log2phy"])
+        self.placement = placement
+        if self.rebalancer is not None:
+            self.rebalancer.placement = placement
+        for row, planner in enumerate(self.planners):
+            # the planner's layout is a function of each rank's originals (its first local slots)
+            planner._set_layout(placement.phy2log[row].view(self.ep, self.slots_per_rank)[:, : planner.local_logical].clone())
+        self._label()
+
+
+def merge_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from every rank's figures.
+
+    Ranks of one pipeline rank (EP / DP members) report the same reduced loads, so each
+    (pipeline rank, layers) pair is taken once; DualPipe's two pipeline ranks holding the same
+    layers each routed their own micro-batches, so their slot loads are added.
+    """
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    loads: dict[int, torch.Tensor] = {}
+    orig: dict[int, list[float]] = {}
+    tokens = 0.0
+    events: dict[tuple[int, ...], dict[str, Any]] = {}
+    for part in parts:
+        key = tuple(part["layers"])
+        if not key or (part["pp_rank"], key) in seen:
+            continue
+        seen.add((part["pp_rank"], key))
+        tokens += part["replica_tokens"]
+        for layer, row in zip(key, part["rank_loads"]):
+            t = torch.tensor(row, dtype=torch.float64)
+            loads[layer] = loads[layer] + t if layer in loads else t
+        orig.update(zip(key, part["orig_loads"]))  # from expert_counts: already summed over copies
+        if part["event"] is not None:
+            events[key] = part["event"]
+    out: dict[str, Any] = {
+        "rank_balancedness": float(_mean_over_max(torch.stack(list(loads.values()))).mean()) if loads else None,
+        "replica_tokens": tokens,
+    }
+    if orig:
+        out["rank_balancedness_originals"] = float(_mean_over_max(torch.tensor(list(orig.values()), dtype=torch.float64)).mean())
+    if events:
+        evs = list(events.values())
+        weight = [len(e["layers"]) for e in evs]
+        n = sum(weight)
+        out["rebalance"] = {
+            "step": evs[0]["step"],
+            "before": sum(w * e["before"] for w, e in zip(weight, evs)) / n,
+            "after": sum(w * e["after"] for w, e in zip(weight, evs)) / n,
+            "applied": any(e["applied"] for e in evs),
+            "rows_moved": sum(e["rows_moved"] for e in evs),
+            "per_stage": evs,
+        }
+    return out

@@ -1,0 +1,328 @@
+"""The balancer of a running model: EPLB / LPLB placement, routing, replica gradients, migration.
+
+One launch of 4 gloo ranks (pp=2, ep=2) runs every multi-rank case, so start-up is paid once:
+
+- EPLB with redundant slots (identity placement, experts 0..ep*r-1 replicated) and after a
+  migration to a load-derived placement, on 1F1B and DualPipeV (pp=2, ep=2) and with data
+  parallelism (pp=1, dp=2, ep=2): the pipelined float64 step
+  matches the single-process reference (loss bit for bit, gradients to 1e-12, biases exactly);
+- LPLB on a ring: every micro-batch is routed through the planner, tokens reach the copies, the
+  planned rank loads are never worse than sending every token to its original, and the step
+  still matches the reference;
+- migration alone changes nothing: the same weights give the same losses before and after,
+  and each slot's AdamW moments follow its logical expert; a failure while migrating a later
+  layer moves the earlier ones back, so every layer stays in the old placement;
+- LPLB's periodic placement is adopted and migrated, and restored from a checkpoint's state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from portapipe.balancing.runtime import merge_figures
+from portapipe.config import ConfigError, load_config
+
+
+def _raw(schedule: str, balancer: dict[str, Any], ep: int = 2, pp: int = 2, dp: int = 1) -> dict[str, Any]:
+    mb = 2 * pp if schedule in ("dualpipe", "dualpipev") else max(pp, 2)
+    return {
+        "backend": "cpu",
+        "parallel": {"pp": pp, "ep": ep, "dp": dp},
+        "schedule": {"name": schedule, "microbatches": mb},
+        "model": {
+            "vocab_size": 32, "hidden": 16, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32,
+            "moe_hidden": 16, "n_experts": 4, "top_k": 2, "seq_len": 8, "n_groups": 2, "topk_groups": 1, "dtype": "float64",
+        },
+        "balancer": balancer,
+        "train": {"micro_batch_size": 2, "seed": 5},
+    }
+
+
+# ------------------------------------------------------------------------------ config checks
+@pytest.mark.parametrize(
+    "parallel,balancer,expect",
+    [
+        ({"ep": 1}, {"kind": "lplb", "redundant": 1}, "parallel.ep: 1; balancer.kind lplb"),
+        ({"ep": 2}, {"kind": "lplb", "topology": "cube", "redundant": 2}, "balancer.topology: cube groups 8 ranks, which does not divide parallel.ep = 2"),
+        ({"ep": 2}, {"kind": "lplb", "topology": "ring"}, "balancer.redundant: 0; lplb with topology ring needs a positive multiple of 1"),
+        ({"ep": 2}, {"kind": "lplb", "topology": "ring", "redundant": 3}, "balancer.redundant: 3 > model.n_experts / parallel.ep = 2"),
+        ({"ep": 2}, {"kind": "eplb", "groups": 3}, "balancer.groups: 3 does not divide model.n_experts = 4"),
+        ({"ep": 2}, {"kind": "eplb", "nodes": 4, "groups": 4}, "balancer.nodes: 4 does not divide parallel.ep = 2"),
+    ],
+)
+def test_config_rejects_balancers_that_do_not_fit_the_ep_group(parallel: dict, balancer: dict, expect: str) -> None:
+    raw = _raw("1f1b", balancer)
+    raw["parallel"].update(parallel)
+    with pytest.raises(ConfigError) as err:
+        load_config(raw)
+    assert any(line.startswith(expect) for line in err.value.problems), err.value.problems
+
+
+def test_config_accepts_fitting_balancers() -> None:
+    load_config(_raw("1f1b", {"kind": "lplb", "topology": "ring", "redundant": 2}))
+    load_config(_raw("1f1b", {"kind": "eplb", "redundant": 3, "interval": 2, "min_gain": 0.01}))
+
+
+def test_merge_takes_each_stage_once_and_adds_dualpipe_copies() -> None:
+    def part(pp_rank: int, loads: list[list[float]], tokens: float, event: Any = None) -> dict[str, Any]:
+        return {"pp_rank": pp_rank, "layers": [1, 2], "rank_loads": loads, "orig_loads": [], "replica_tokens": tokens, "event": event}
+
+    ev = {"step": 1, "before": 0.5, "after": 0.9, "applied": True, "rows_moved": 3, "layers": [1, 2]}
+    # pipeline ranks 0 and 1 hold the same layers (DualPipe); two EP ranks of each report the same figures
+    parts = [part(0, [[3, 1], [2, 2]], 4.0, ev), part(0, [[3, 1], [2, 2]], 4.0, ev), part(1, [[1, 3], [0, 4]], 2.0, ev), part(1, [[1, 3], [0, 4]], 2.0, ev)]
+    parts.append({"pp_rank": 2, "layers": [], "rank_loads": [], "orig_loads": [], "replica_tokens": 0.0, "event": None})
+    out = merge_figures(parts)
+    # layer 1: [4, 4] -> 1.0; layer 2: [2, 6] -> 4/6
+    assert out["rank_balancedness"] == pytest.approx((1.0 + 4 / 6) / 2)
+    assert out["replica_tokens"] == 6.0
+    assert out["rebalance"]["before"] == 0.5 and out["rebalance"]["after"] == 0.9 and out["rebalance"]["applied"]
+
+
+# ------------------------------------------------------------------------------ on 4 ranks
+def _fresh(backend: Any, raw: dict[str, Any]) -> Any:
+    from portapipe.config import config_from_dict
+    from portapipe.scheduling.executor import PipelineRuntime
+
+    config = config_from_dict(raw)
+    be = type(backend)(backend.options)  # its own pp x dp x ep groups
+    groups = be.parallel_groups(config.parallel.pp, config.parallel.dp, config.parallel.ep)
+    return config, PipelineRuntime(config, be, groups)
+
+
+def _loads_placement(runtime: Any, seed: int) -> Any:
+    """A placement balancing seeded skewed loads (the same on every rank)."""
+    from portapipe.balancing.placement import ExpertPlacement
+
+    bal = runtime.ep.balancer
+    g = torch.Generator().manual_seed(seed)
+    loads = torch.rand(len(bal.layers), bal.num_experts, generator=g) ** 4 * 100
+    return ExpertPlacement.from_loads(loads, bal.ep, bal.num_slots, num_groups=2)
+
+
+def _eval_losses(runtime: Any, data: list) -> list[list[float]]:
+    """Per (replica, micro-batch) losses of a step, leaving weights, grads and buffers as they were."""
+    saved = {b: {n: t.clone() for n, t in m.named_buffers()} for b, m in runtime.blocks.items()}
+    losses = runtime.step(data).losses
+    for b, m in runtime.blocks.items():
+        for n, t in m.named_buffers():
+            t.copy_(saved[b][n])
+    for p in runtime.parameters():
+        p.grad = None
+    return losses
+
+
+def _expert_state(runtime: Any, optimizer: Any) -> dict[tuple[int, str, str, int], torch.Tensor]:
+    """(layer, param, tensor kind, logical expert) -> rows, for this rank's slots."""
+    out = {}
+    for layer in runtime.moe_layers():
+        ex = layer.moe.experts
+        for name in ("gate_up", "down"):
+            p = getattr(ex, name)
+            kinds = {"w": p.detach(), **{k: v for k, v in optimizer.state[p].items() if k in ("exp_avg", "exp_avg_sq")}}
+            for kind, t in kinds.items():
+                for j, e in enumerate(ex.logical):
+                    out[(layer.index, name, kind, e)] = t[j].clone()
+    return out
+
+
+def _data(config: Any, rt: Any) -> list:
+    from portapipe.verify import microbatches
+
+    return microbatches(config, rt.groups.dp_rank * rt.groups.ep + rt.groups.ep_rank)  # as portapipe verify feeds them
+
+
+def _ranks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    from portapipe.verify import step_report
+
+    out: dict[str, Any] = {}
+    # (1) EPLB, identity placement with replicas, and after migrating to a load-derived placement
+    for key in ("eplb_1f1b", "eplb_dualpipev", "eplb_dp"):
+        config, rt = _fresh(backend, raws[key])
+        out[key] = step_report(rt, _data(config, rt))
+        config, rt = _fresh(backend, raws[key])
+        new = _loads_placement(rt, 7)
+        assert not torch.equal(new.phy2log, rt.ep.balancer.placement.phy2log)
+        out[key + "_moved"] = rt.ep.balancer.apply(new)
+        out[key + "_migrated"] = step_report(rt, _data(config, rt))
+
+    # (3) LPLB on a ring: every micro-batch through the planner
+    config, rt = _fresh(backend, raws["lplb"])
+    calls: list[Any] = []
+    for planner in rt.ep.balancer.planners:
+        run = planner.run
+
+        def traced(indices: torch.Tensor, _run: Any = run, _p: Any = planner) -> torch.Tensor:
+            phys = _run(indices)
+            calls.append((indices.clone(), phys.clone(), _p.last_plan, _p.log2phy.clone()))
+            return phys
+
+        planner.run = traced
+    report = step_report(rt, _data(config, rt))
+    slot_counts = torch.stack([layer.moe.slot_counts.clone() for layer in rt.moe_layers()])
+    out["lplb"] = report
+    out["lplb_calls"] = calls
+    out["lplb_slots"] = slot_counts
+    out["lplb_layout"] = (rt.ep.balancer.slots_per_rank, rt.ep.balancer.planners[0].local_logical)
+    # a periodic LPLB placement (heaviest experts replicated) survives a checkpoint round trip
+    bal = rt.ep.balancer
+    # expert 1 heaviest: at the start only expert 0 of rank 0 has a copy, so a re-plan gains
+    skew = torch.ones(bal.num_experts, dtype=torch.float64).index_fill_(0, torch.tensor([1]), 100.0)
+    for row in range(len(bal.layers)):
+        bal.window.record(torch.zeros(len(bal.layers), bal.num_experts).index_fill_(0, torch.tensor([row]), 1) * skew)
+    event = bal._decide(1, None)
+    state = bal.state_dict()
+    _, fresh = _fresh(backend, raws["lplb"])
+    fresh.ep.balancer.load_state_dict(state)
+    out["lplb_restore"] = {
+        "applied": event.applied,
+        "same_placement": torch.equal(fresh.ep.balancer.placement.phy2log, bal.placement.phy2log),
+        "same_planners": all(torch.equal(a.log2phy, b.log2phy) for a, b in zip(fresh.ep.balancer.planners, bal.planners)),
+        "labels": [layer.moe.experts.logical for layer in fresh.moe_layers()] == [layer.moe.experts.logical for layer in rt.moe_layers()],
+    }
+
+    # (2-bis) migration with AdamW state: the same weights give the same outputs
+    config, rt = _fresh(backend, raws["eplb_1f1b"])
+    data = _data(config, rt)
+    opt = torch.optim.AdamW(list(rt.parameters()), lr=1e-2)
+    rt.step(data)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    before = _eval_losses(rt, data)
+    state = _expert_state(rt, opt)
+    everyone: list[Any] = [None] * torch.distributed.get_world_size(rt.groups.ep_group)
+    torch.distributed.all_gather_object(everyone, state, group=rt.groups.ep_group)
+    moved = rt.ep.balancer.apply(_loads_placement(rt, 11), opt)
+    after = _eval_losses(rt, data)
+    known = {k: v for part in everyone for k, v in part.items()}
+    mismatched = [k for k, v in _expert_state(rt, opt).items() if not torch.equal(v, known[k])]
+    out["migration"] = {"before": before, "after": after, "moved": moved, "mismatched": mismatched}
+
+    # a failure while migrating the second MoE layer of a stage: the first is moved back
+    from portapipe.balancing.placement import MigrationError
+
+    bal = rt.ep.balancer
+    old, weights = bal.placement, {n: p.detach().clone() for n, p in rt.named_parameters()}
+    prepared: list[int] = []
+
+    def fault(phase: str, rank: int) -> None:
+        if phase == "prepare":
+            prepared.append(rank)
+            if len(prepared) == 2:
+                raise RuntimeError("injected failure")
+
+    try:
+        bal.apply(_loads_placement(rt, 13), opt, fault=fault)
+        out["failure"] = "no error"
+    except MigrationError:
+        out["failure"] = {
+            "layers": len(bal.layers),
+            "kept": bal.placement is old and all(torch.equal(p, weights[n]) for n, p in rt.named_parameters()),
+            "labels": [layer.moe.experts.logical for layer in rt.moe_layers()] == [old.experts_on(bal.ep_rank, i).tolist() for i in range(len(bal.layers))],
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    from portapipe.launch import run_ranks
+
+    raws = {
+        "eplb_1f1b": _raw("1f1b", {"kind": "eplb", "redundant": 1}),
+        "eplb_dualpipev": _raw("dualpipev", {"kind": "eplb", "redundant": 2}),
+        "eplb_dp": _raw("1f1b", {"kind": "eplb", "redundant": 1}, pp=1, dp=2),
+        "lplb": _raw("1f1b", {"kind": "lplb", "topology": "ring", "redundant": 1}),
+    }
+    return raws, run_ranks(_ranks, 4, raws, wall_timeout_s=300)
+
+
+def _assert_exact(raw: dict[str, Any], reports: list[dict[str, Any]]) -> None:
+    from portapipe.config import config_from_dict
+    from portapipe.verify import compare
+
+    r = compare(config_from_dict(raw), reports)
+    assert r.loss_diff == 0.0, (r.loss, r.ref_loss)
+    assert r.max_rel_grad_diff <= 1e-12, (r.max_rel_grad_diff, r.worst_param)
+    assert r.max_bias_diff == 0.0
+    assert r.ok
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("key", ["eplb_1f1b", "eplb_dualpipev", "eplb_dp"])
+def test_eplb_replicas_match_the_single_process_reference(four_ranks: Any, key: str) -> None:
+    raws, ranks = four_ranks
+    reports = [r[key] for r in ranks]
+    ids = [r["expert_ids"] for r in reports]
+    # redundant slots really hold replicas: some expert sits in two slots of the EP group
+    name = next(iter(ids[0]))
+    held = ids[0][name] + ids[1][name]
+    assert len(held) == 4 + 2 * raws[key]["balancer"]["redundant"] and len(set(held)) == 4
+    _assert_exact(raws[key], reports)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("key", ["eplb_1f1b", "eplb_dualpipev", "eplb_dp"])
+def test_eplb_after_migration_to_a_load_placement_still_matches(four_ranks: Any, key: str) -> None:
+    raws, ranks = four_ranks
+    if key == "eplb_1f1b":  # 3 slots per rank for 4 experts: some expert must cross ranks
+        assert all(r[key + "_moved"] > 0 for r in ranks)
+    before = [r[key]["expert_ids"] for r in ranks]
+    after = [r[key + "_migrated"]["expert_ids"] for r in ranks]
+    assert before != after
+    _assert_exact(raws[key], [r[key + "_migrated"] for r in ranks])
+
+
+@pytest.mark.multiproc
+def test_migration_keeps_outputs_and_moves_adam_state_with_each_expert(four_ranks: Any) -> None:
+    _, ranks = four_ranks
+    for r in ranks:
+        m = r["migration"]
+        assert m["moved"] > 0
+        assert m["after"] == m["before"]  # same weights, same routing per token: the same losses bit for bit
+        assert m["mismatched"] == []
+
+
+@pytest.mark.multiproc
+def test_a_failed_migration_leaves_every_layer_in_the_old_placement(four_ranks: Any) -> None:
+    _, ranks = four_ranks
+    for i, r in enumerate(ranks):
+        if i < 2:  # stage 0 has one MoE layer: no second layer to fail on
+            assert r["failure"] == "no error"
+        else:
+            assert r["failure"] == {"layers": 2, "kept": True, "labels": True}
+
+
+@pytest.mark.multiproc
+def test_lplb_routes_every_microbatch_through_the_planner_and_matches_the_reference(four_ranks: Any) -> None:
+    raws, ranks = four_ranks
+    per, local = ranks[0]["lplb_layout"]
+    moved_total = 0
+    for i, rank in enumerate(ranks):
+        calls = rank["lplb_calls"]
+        # one planner run per forward of each MoE layer: stage 0 holds MoE layer 1, stage 1 layers 2 and 3
+        assert len(calls) == (1 if i < 2 else 2) * 2
+        for logical, phys, plan, log2phy in calls:
+            orig, copy = log2phy[logical, 0], log2phy[logical, 1]
+            # each entry goes to its expert's original or its copy, nothing else
+            assert bool(((phys == orig) | ((phys == copy) & (copy >= 0))).all())
+            moved_total += int((phys == copy).sum())
+            # the planned rank loads never exceed sending everything to the originals
+            counts = plan.counts.sum(0)
+            orig_rank = torch.zeros(2, dtype=torch.int64).index_add_(0, log2phy[:, 0] // per, counts)
+            assert int(plan.rank_load.max()) <= int(orig_rank.max())
+            assert int(plan.rank_load.sum()) == int(counts.sum())
+        # the copy slots (local index >= originals) received tokens counted by the layer
+        assert rank["lplb_slots"].shape[1] == 2 * per
+    assert moved_total > 0
+    copies = sum(int(r["lplb_slots"].view(-1, 2, per)[:, :, local:].sum()) for r in ranks)
+    assert copies == moved_total
+    _assert_exact(raws["lplb"], [r["lplb"] for r in ranks])
+
+
+@pytest.mark.multiproc
+def test_lplb_periodic_placement_migrates_and_survives_a_checkpoint(four_ranks: Any) -> None:
+    _, ranks = four_ranks
+    for r in ranks:
+        assert r["lplb_restore"] == {"applied": True, "same_placement": True, "same_planners": True, "labels": True}
