@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make this machine look GPU-less, whatever it has."""
+    """Make this machine look GPU-less, whatever it has (with a CUDA build of torch)."""
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(CUDABackend, "device_count", classmethod(lambda cls: 0))
     monkeypatch.setattr(cuda_mod, "_nvidia_device_files", lambda: [])
 
@@ -56,6 +57,7 @@ def test_cpu_only_torch_build_is_named(monkeypatch) -> None:
 
 
 def test_gpu_present_but_unusable_is_named(monkeypatch) -> None:
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(CUDABackend, "device_count", classmethod(lambda cls: 1))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert CUDABackend.device_present() is True
@@ -147,9 +149,13 @@ def test_grouped_mm_dispatch_and_fallback(monkeypatch) -> None:
     assert seen["offs_dtype"] == torch.int32
 
 
-def test_timer_is_event_based() -> None:
-    assert isinstance(CUDABackend().timer(), EventTimer)
+def test_timer_is_event_based(monkeypatch) -> None:
     assert CUDABackend.timer is not Backend.timer
+    # A CPU-only torch cannot make CUDA events at all; the factory is what makes them.
+    made = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: made.append(kw) or types.SimpleNamespace(**kw))
+    assert isinstance(CUDABackend().timer(), EventTimer)
+    assert made == [{"enable_timing": True}, {"enable_timing": True}]
 
 
 def test_element_splits_scale_rows_to_elements() -> None:
