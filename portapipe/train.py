@@ -14,11 +14,7 @@ the step over ranks) and the share of all-to-all time hidden behind compute (who
 steady-phase F&B pairs). At the end: the validation loss, a summary line in the metrics file,
 and the same summary returned (the CLI prints it as one JSON line).
 
-Checkpoints: ``<checkpoint.dir>/step_NNNNNNNN/`` holds one shard per rank
-(``rankNNNNN.pt``: model blocks, optimizer, RNG, progress) and ``manifest.json``, written by
-rank 0 after every shard is in place. Every file is written to a temporary name and renamed,
-so a checkpoint either has its manifest and is complete, or is ignored; a failure mid-write
-never damages an earlier checkpoint.
+Checkpoints (written so that nothing is lost on failure) are in :mod:`portapipe.checkpoint`.
 """
 
 from __future__ import annotations
@@ -26,21 +22,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .checkpoint import atomic_write, checkpoint_root, latest_checkpoint, load_shard, resume_problems, save_checkpoint
 from .config import Config, ConfigError, TrainConfig, config_from_dict
 from .data import TextData, data_problems
+from .metrics import Figures, MetricsLog, Progress, StepStats, gather_step_stats, percent
 from .models.moe import is_expert_param
 
-METRICS_FILE = "metrics.jsonl"
-MANIFEST = "manifest.json"
 VAL_BATCHES = 4  # validation steps' worth of micro-batches evaluated at the end
 
 
@@ -76,247 +71,7 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
     return max_norm / (total_norm + 1e-6)
 
 
-# ------------------------------------------------------------------------------ checkpoints
-def _atomic_write(path: Path, write: Any) -> None:
-    """Call ``write(file)`` on a temporary file beside ``path``, flush it to disk, rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def shard_name(rank: int) -> str:
-    return f"rank{rank:05d}.pt"
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def layout_of(config: Config) -> dict[str, Any]:
-    """What a checkpoint's shards depend on: resuming needs the same layout and model."""
-    return {
-        "world_size": config.world_size,
-        "pp": config.parallel.pp,
-        "dp": config.parallel.dp,
-        "ep": config.parallel.ep,
-        "schedule": config.schedule.name,
-        "chunks": config.schedule.chunks if config.schedule.name == "interleaved" else None,
-        "model": config.model.model_dump(mode="json"),
-    }
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints (those with a manifest) under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for d in root.iterdir():
-        if d.is_dir() and d.name.startswith("step_") and (d / MANIFEST).is_file():
-            try:
-                found.append((int(d.name[5:]), d))
-            except ValueError:
-                continue
-    return sorted(found)
-
-
-def latest_checkpoint(root: Path) -> tuple[int, Path] | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
-def read_manifest(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / MANIFEST).read_text())
-
-
-def resume_problems(config: Config, ckpt: Path) -> list[str]:
-    """Why the checkpoint at ``ckpt`` cannot be resumed with ``config`` (empty when it can)."""
-    manifest = read_manifest(ckpt)
-    want, have = layout_of(config), manifest.get("layout", {})
-    out = []
-    for key in want:
-        if want[key] != have.get(key):
-            out.append(
-                f"checkpoint.resume: {ckpt} was written with {key} = {have.get(key)!r} but the config has {want[key]!r}; "
-                "use the same setting, another checkpoint.dir, or checkpoint.resume: false"
-            )
-    missing = [s for s in manifest.get("shards", []) if not (ckpt / s).is_file()]
-    if missing:
-        out.append(f"checkpoint.resume: {ckpt} lacks shard(s) {', '.join(missing)}")
-    if manifest.get("step", 0) > config.train.steps:
-        out.append(f"train.steps: {config.train.steps} < step {manifest['step']} of the checkpoint being resumed ({ckpt})")
-    return out
-
-
-def save_checkpoint(root: Path, step: int, rank: int, state: dict[str, Any], config: Config, backend: Any) -> Path:
-    """Write this rank's shard; rank 0 writes the manifest once every shard is in place."""
-    d = step_dir(root, step)
-    d.mkdir(parents=True, exist_ok=True)
-    _atomic_write(d / shard_name(rank), lambda f: torch.save(state, f))
-    backend.barrier()  # every shard is on disk before the manifest makes the checkpoint valid
-    if rank == 0:
-        manifest = {
-            "step": step,
-            "layout": layout_of(config),
-            "shards": [shard_name(r) for r in range(config.world_size)],
-            "config": config.to_dict(),
-            "time": time.time(),
-        }
-        _atomic_write(d / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        for _, old in list_checkpoints(root)[: -config.checkpoint.keep]:
-            _remove_checkpoint(old)
-    backend.barrier()
-    return d
-
-
-def _remove_checkpoint(d: Path) -> None:
-    # The manifest goes first: a half-removed checkpoint is then simply incomplete.
-    (d / MANIFEST).unlink(missing_ok=True)
-    for f in d.iterdir():
-        f.unlink(missing_ok=True)
-    d.rmdir()
-
-
-def load_shard(ckpt: Path, rank: int) -> dict[str, Any]:
-    return torch.load(ckpt / shard_name(rank), map_location="cpu", weights_only=False)
-
-
-def checkpoint_root(config: Config) -> Path:
-    return Path(config.checkpoint.dir) if config.checkpoint.dir else Path(config.log.dir) / "checkpoints"
-
-
-# ---------------------------------------------------------------------------------- metrics
-class MetricsLog:
-    """Appends one JSON object per line to ``<dir>/metrics.jsonl`` (rank 0 only).
-
-    Resuming from step ``start`` drops the lines of later steps that an interrupted run left,
-    so the file reads as one run.
-    """
-
-    def __init__(self, directory: Path, resume_step: int | None) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / METRICS_FILE
-        kept: list[str] = []
-        if resume_step is not None and self.path.is_file():
-            for line in self.path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a crash
-                if rec.get("kind") == "train" and rec.get("step", 0) <= resume_step:
-                    kept.append(line)
-        self.path.write_text("".join(k + "\n" for k in kept))
-        self._file = open(self.path, "a")
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-
-@dataclass
-class StepStats:
-    """One step's figures gathered over all ranks."""
-
-    grad_norm: float
-    step_s: float
-    bubble_frac: float
-    a2a_hidden_frac: float | None
-    a2a_hidden_steady_frac: float | None  # over the overlapped F&B pairs only
-
-
-@dataclass
-class Progress:
-    """What a checkpoint carries besides weights, so a resumed run's summary covers the whole run."""
-
-    step: int = 0
-    first_loss: float | None = None
-    tokens: int = 0
-    train_s: float = 0.0
-    losses: list[float] = field(default_factory=list)
-
-    def record(self, step: int, loss: float, tokens: int, seconds: float) -> None:
-        self.step = step
-        self.first_loss = loss if self.first_loss is None else self.first_loss
-        self.tokens += tokens
-        self.train_s += seconds
-        self.losses.append(loss)
-
-
-@dataclass
-class Figures:
-    """This process's per-step figures, for the summary's medians."""
-
-    step_s: list[float] = field(default_factory=list)
-    bubble: list[float] = field(default_factory=list)
-    hidden: list[float] = field(default_factory=list)
-    hidden_steady: list[float] = field(default_factory=list)
-
-    def add(self, stats: StepStats) -> None:
-        self.step_s.append(stats.step_s)
-        self.bubble.append(stats.bubble_frac)
-        if stats.a2a_hidden_frac is not None:
-            self.hidden.append(stats.a2a_hidden_frac)
-        if stats.a2a_hidden_steady_frac is not None:
-            self.hidden_steady.append(stats.a2a_hidden_steady_frac)
-
-    def medians(self) -> dict[str, float | None]:
-        def med(xs: list[float]) -> float | None:
-            return statistics.median(xs) if xs else None
-
-        return {
-            "median_step_s": med(self.step_s),
-            "bubble_pct": _pct(med(self.bubble)),
-            "a2a_hidden_pct": _pct(med(self.hidden)),
-            "a2a_hidden_steady_pct": _pct(med(self.hidden_steady)),
-        }
-
-
 # ------------------------------------------------------------------------------ rank helpers
-def _pct(frac: float | None) -> float | None:
-    return None if frac is None else 100.0 * frac
-
-
-def _timing(result: Any, key: str) -> float:
-    value = result.timings.get(key, 0.0)
-    return float(value) if value is not None else 0.0
-
-
-def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any) -> StepStats:
-    """One all-gather per step: the global gradient norm and the step's timings over ranks.
-
-    Bubble = the largest idle share over ranks; all-to-all hidden = 1 - (summed wait) /
-    (summed all-to-all time), over the whole step and over the F&B pairs (the steady phase),
-    or None when there was no all-to-all.
-    """
-    keys = ("step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s")
-    local = torch.tensor([grad_sq_owned, *(_timing(result, k) for k in keys)], dtype=torch.float64)
-    world = torch.distributed.get_world_size()
-    parts = [torch.empty_like(local) for _ in range(world)]
-    backend.all_gather(parts, local)
-    table = torch.stack(parts)
-
-    def hidden(total_col: int, wait_col: int) -> float | None:
-        total, wait = float(table[:, total_col].sum()), float(table[:, wait_col].sum())
-        return None if total <= 0 else max(0.0, min(1.0, 1.0 - wait / total))
-
-    return StepStats(
-        grad_norm=math.sqrt(float(table[:, 0].sum())),
-        step_s=float(table[:, 1].max()),
-        bubble_frac=float(table[:, 2].max()),
-        a2a_hidden_frac=hidden(3, 4),
-        a2a_hidden_steady_frac=hidden(5, 6),
-    )
-
-
 def owned_grad_sq(runtime: Any, groups: Any) -> float:
     """Sum of squared gradients of the parameters this rank counts in the global norm.
 
@@ -415,7 +170,7 @@ class BalancerHook:
             rows = {layer: row for part in parts for layer, row in part.items()}  # DualPipe copies agree
             layers = sorted(rows)
             record = {"step": step, "window": len(self.window), "layers": layers, "loads": [rows[i] for i in layers]}
-            _atomic_write(self.path, lambda f: f.write(json.dumps(record).encode()))
+            atomic_write(self.path, lambda f: f.write(json.dumps(record).encode()))
 
 
 # ------------------------------------------------------------------------------- rank body
@@ -547,8 +302,8 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
         "step_s": stats.step_s,
         "iter_s": iter_s,
         "bubble_pct": 100.0 * stats.bubble_frac,
-        "a2a_hidden_pct": _pct(stats.a2a_hidden_frac),
-        "a2a_hidden_steady_pct": _pct(stats.a2a_hidden_steady_frac),
+        "a2a_hidden_pct": percent(stats.a2a_hidden_frac),
+        "a2a_hidden_steady_pct": percent(stats.a2a_hidden_steady_frac),
     }
 
 
@@ -576,11 +331,6 @@ def check_before_launch(config: Config) -> None:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:
         problems.extend(err.problems)
-    if config.balancer.kind == "eplb":
-        try:
-            from .balancing import loads  # noqa: F401
-        except ImportError:
-            problems.append("balancer.kind: eplb needs portapipe.balancing.loads, which this installation lacks")
     if config.checkpoint.resume:
         found = latest_checkpoint(checkpoint_root(config))
         if found is not None:

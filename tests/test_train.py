@@ -11,19 +11,17 @@ import pytest
 import torch
 
 from portapipe.config import TrainConfig, load_config
-from portapipe.train import (
+from portapipe.checkpoint import (
     MANIFEST,
-    MetricsLog,
-    clip_coefficient,
+    atomic_write,
     latest_checkpoint,
     list_checkpoints,
     load_shard,
-    lr_at,
-    make_optimizer,
     resume_problems,
     save_checkpoint,
-    _atomic_write,
 )
+from portapipe.metrics import MetricsLog
+from portapipe.train import clip_coefficient, lr_at, make_optimizer
 
 
 # ------------------------------------------------------------------------------- LR schedule
@@ -100,7 +98,7 @@ def test_checkpoint_without_manifest_is_ignored_and_failed_writes_leave_nothing(
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        _atomic_write(target, crash)
+        atomic_write(target, crash)
     assert target.read_bytes() == before
     assert sorted(p.name for p in target.parent.iterdir()) == ["manifest.json", "rank00000.pt"]
 

@@ -72,7 +72,7 @@ def test_a_failing_rank_exits_1_with_its_traceback(monkeypatch, capsys, tmp_path
 
 def test_resuming_a_checkpoint_of_another_layout_exits_2(no_ranks, capsys, tmp_path):
     from portapipe.config import load_config
-    from portapipe.train import save_checkpoint
+    from portapipe.checkpoint import save_checkpoint
 
     class NoBarrier:
         def barrier(self) -> None:

@@ -1,0 +1,138 @@
+"""Training metrics: the JSONL metrics file, per-step figures gathered over ranks, run summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``<dir>/metrics.jsonl`` (rank 0 only).
+
+    Resuming from step ``start`` drops the lines of later steps that an interrupted run left,
+    so the file reads as one run.
+    """
+
+    def __init__(self, directory: Path, resume_step: int | None) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / METRICS_FILE
+        kept: list[str] = []
+        if resume_step is not None and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash
+                if rec.get("kind") == "train" and rec.get("step", 0) <= resume_step:
+                    kept.append(line)
+        self.path.write_text("".join(k + "\n" for k in kept))
+        self._file = open(self.path, "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class StepStats:
+    """One step's figures gathered over all ranks."""
+
+    grad_norm: float
+    step_s: float
+    bubble_frac: float
+    a2a_hidden_frac: float | None
+    a2a_hidden_steady_frac: float | None  # over the overlapped F&B pairs only
+
+
+@dataclass
+class Progress:
+    """What a checkpoint carries besides weights, so a resumed run's summary covers the whole run."""
+
+    step: int = 0
+    first_loss: float | None = None
+    tokens: int = 0
+    train_s: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+    def record(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        self.step = step
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.tokens += tokens
+        self.train_s += seconds
+        self.losses.append(loss)
+
+
+@dataclass
+class Figures:
+    """This process's per-step figures, for the summary's medians."""
+
+    step_s: list[float] = field(default_factory=list)
+    bubble: list[float] = field(default_factory=list)
+    hidden: list[float] = field(default_factory=list)
+    hidden_steady: list[float] = field(default_factory=list)
+
+    def add(self, stats: StepStats) -> None:
+        self.step_s.append(stats.step_s)
+        self.bubble.append(stats.bubble_frac)
+        if stats.a2a_hidden_frac is not None:
+            self.hidden.append(stats.a2a_hidden_frac)
+        if stats.a2a_hidden_steady_frac is not None:
+            self.hidden_steady.append(stats.a2a_hidden_steady_frac)
+
+    def medians(self) -> dict[str, float | None]:
+        def med(xs: list[float]) -> float | None:
+            return statistics.median(xs) if xs else None
+
+        return {
+            "median_step_s": med(self.step_s),
+            "bubble_pct": percent(med(self.bubble)),
+            "a2a_hidden_pct": percent(med(self.hidden)),
+            "a2a_hidden_steady_pct": percent(med(self.hidden_steady)),
+        }
+
+
+def percent(frac: float | None) -> float | None:
+    return None if frac is None else 100.0 * frac
+
+
+def timing(result: Any, key: str) -> float:
+    value = result.timings.get(key, 0.0)
+    return float(value) if value is not None else 0.0
+
+
+def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any) -> StepStats:
+    """One all-gather per step: the global gradient norm and the step's timings over ranks.
+
+    Bubble = the largest idle share over ranks; all-to-all hidden = 1 - (summed wait) /
+    (summed all-to-all time), over the whole step and over the F&B pairs (the steady phase),
+    or None when there was no all-to-all.
+    """
+    keys = ("step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s")
+    local = torch.tensor([grad_sq_owned, *(timing(result, k) for k in keys)], dtype=torch.float64)
+    world = torch.distributed.get_world_size()
+    parts = [torch.empty_like(local) for _ in range(world)]
+    backend.all_gather(parts, local)
+    table = torch.stack(parts)
+
+    def hidden(total_col: int, wait_col: int) -> float | None:
+        total, wait = float(table[:, total_col].sum()), float(table[:, wait_col].sum())
+        return None if total <= 0 else max(0.0, min(1.0, 1.0 - wait / total))
+
+    return StepStats(
+        grad_norm=math.sqrt(float(table[:, 0].sum())),
+        step_s=float(table[:, 1].max()),
+        bubble_frac=float(table[:, 2].max()),
+        a2a_hidden_frac=hidden(3, 4),
+        a2a_hidden_steady_frac=hidden(5, 6),
+    )
