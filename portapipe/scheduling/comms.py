@@ -174,14 +174,4 @@ def lower_comms(schedule: Schedule) -> Schedule:
     lowered schedule, existing comm actions are dropped and derived again."""
     with gc_paused():
         lowered = [[Action(*a) if a.__class__ is tuple else a for a in acts] for acts in _plan(schedule)]
-    return Schedule(
-        name=schedule.name,
-        n_ranks=schedule.n_ranks,
-        n_microbatches=schedule.n_microbatches,
-        stage_rank=list(schedule.stage_rank),
-        stage_block=list(schedule.stage_block),
-        pipelines=[list(p) for p in schedule.pipelines],
-        mb_pipeline=list(schedule.mb_pipeline),
-        actions=lowered,
-        meta=dict(schedule.meta),
-    )
+    return schedule.with_actions(lowered)

@@ -247,6 +247,20 @@ class Schedule:
         width = len(str(self.n_ranks - 1))
         return "\n".join(f"rank {r:>{width}}: " + " ".join(map(str, a)) for r, a in enumerate(self.actions))
 
+    def with_actions(self, actions: list[list[Action]], **meta: Any) -> Schedule:
+        """The same placement with other per-rank lists (and ``meta`` entries added)."""
+        return Schedule(
+            name=self.name,
+            n_ranks=self.n_ranks,
+            n_microbatches=self.n_microbatches,
+            stage_rank=list(self.stage_rank),
+            stage_block=list(self.stage_block),
+            pipelines=[list(p) for p in self.pipelines],
+            mb_pipeline=list(self.mb_pipeline),
+            actions=actions,
+            meta={**self.meta, **meta},
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,

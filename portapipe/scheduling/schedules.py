@@ -335,14 +335,4 @@ def without_w_split(schedule: Schedule) -> Schedule:
             else:
                 out.append(full(a))
         actions.append(out)
-    return Schedule(
-        name=schedule.name,
-        n_ranks=schedule.n_ranks,
-        n_microbatches=schedule.n_microbatches,
-        stage_rank=list(schedule.stage_rank),
-        stage_block=list(schedule.stage_block),
-        pipelines=[list(p) for p in schedule.pipelines],
-        mb_pipeline=list(schedule.mb_pipeline),
-        actions=actions,
-        meta={**schedule.meta, "w_split": False},
-    )
+    return schedule.with_actions(actions, w_split=False)
