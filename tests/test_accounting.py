@@ -137,3 +137,19 @@ def test_runtime_step_reports_peak_saved_bytes_per_rank() -> None:
     off, level0 = per_rank[0]
     assert all(n > 0 for n in off)
     assert all(z < o for z, o in zip(level0, off))
+
+
+def test_rmsnorm_and_swiglu_keep_only_their_inputs() -> None:
+    """RMSNorm keeps x and one scale per row; SwiGLU keeps its gate/up input (nothing else)."""
+    from portapipe.models.moe import RMSNorm, swiglu
+
+    norm = RMSNorm(32, torch.float64)
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    gu = torch.randn(10, 2 * 16, dtype=torch.float64, requires_grad=True)
+    tracker = SavedActivations(ignore=norm.parameters())
+    with tracker.track():
+        y = norm(x)
+        z = swiglu(gu, 16)
+    assert tracker.live_bytes == (2 * 5 * 32 + 2 * 5) * 8 + 10 * 32 * 8
+    (y.sum() + z.sum()).backward()
+    assert tracker.live_bytes == 0

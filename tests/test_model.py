@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
 from portapipe.backends.cpu import CPUBackend
@@ -86,6 +89,8 @@ def test_router_sigmoid_topk_weights_and_group_limit() -> None:
 def test_bias_steers_choice_but_not_weights_and_updates_towards_balance() -> None:
     cfg = _cfg(n_experts=4, n_groups=1, topk_groups=1, top_k=1, bias_update_speed=0.5)
     router = Router(cfg, torch.float64)
+    # Linear leaves its weight uninitialised (the model seeds it); set it, or the test reads garbage.
+    torch.nn.init.normal_(router.gate.weight, generator=torch.Generator().manual_seed(1))
     x = torch.randn(20, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     _, before = router(x)
     router.update_bias(torch.tensor([10, 0, 5, 5]))  # expert 0 over-, expert 1 under-loaded
@@ -141,3 +146,50 @@ def test_forward_counts_routed_rows_per_expert() -> None:
     run(blocks[0].program(Tape(record=False), x, y))
     for layer in blocks[0].moe_layers():
         assert int(layer.moe.step_counts.sum()) == x.numel() * cfg.top_k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_swiglu_function_matches_autograd_of_the_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    """SwiGLU keeps only its input, yet its values and gradients equal autograd's on the formula."""
+    from portapipe.models.moe import SwiGLU, silu
+
+    g = torch.Generator().manual_seed(3)
+    width = 19
+    gu = torch.randn(257, 2 * width, generator=g, dtype=torch.float64).mul(8).to(dtype)
+    gu[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -40.0])
+    grad = torch.randn(257, width, generator=g, dtype=torch.float64).to(dtype)
+    a, b = gu.clone().requires_grad_(True), gu.clone().requires_grad_(True)
+    want = silu(a[..., :width]) * a[..., width:]
+    got = SwiGLU.apply(b, width)
+    want.backward(grad)
+    got.backward(grad)
+    assert torch.equal(got, want)
+    assert torch.equal(b.grad, a.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rmsnorm_function_matches_autograd_of_the_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    """RMSNorm keeps x and its row scale only; values and gradients (through a residual too) are autograd's."""
+    from portapipe.models.moe import RMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    norm = RMSNorm(48, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=g, dtype=torch.float64))
+    x = torch.randn(3, 7, 48, generator=g, dtype=torch.float64).mul(5).to(dtype)
+    lin = torch.randn(48, 48, generator=g, dtype=torch.float64).to(dtype)
+    grad = torch.randn(3, 7, 48, generator=g, dtype=torch.float64).to(dtype)
+
+    def layer(x: torch.Tensor, f: Any) -> torch.Tensor:
+        return x + f(x) @ lin  # x's gradient sums the residual's and the norm's terms
+
+    a, b = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    want = layer(a, lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight)
+    want.backward(grad)
+    want_w = norm.weight.grad.clone()
+    norm.weight.grad = None
+    got = layer(b, norm)
+    got.backward(grad)
+    assert torch.equal(got, want)
+    assert torch.equal(b.grad, a.grad)
+    assert torch.equal(norm.weight.grad, want_w)

@@ -104,9 +104,31 @@ def test_saved_bytes_drop_by_the_dropped_tensors_exactly(off: dict[str, Any]) ->
     l1 = pipelined_step({"zero_memory": "level1"})
     for layer in (1, 2):  # the MoE layers; layer 0 is dense and unchanged
         assert off["held"][layer] - l0["held"][layer] == rows * h * item
-        # silu(g) = g / (1 + exp(-g)) keeps exp(-g), 1 + exp(-g), silu(g); the product keeps act.
-        assert l0["held"][layer] - l1["held"][layer] == 4 * rows * f * item
+        # SwiGLU keeps only its input; level1 drops its output, which the down projection keeps.
+        assert l0["held"][layer] - l1["held"][layer] == rows * f * item
     assert l0["held"][0] == off["held"][0]
+
+
+@pytest.mark.parametrize("level", ["off", "level0", "level1"])
+def test_moe_parts_keep_closed_form_bytes(level: str) -> None:
+    """What the experts and the combine keep, per MoE layer, by closed form (EP size 1, float64).
+
+    experts: the dispatched rows (hidden wide; not at level0/1), the gate/up output (2 x width),
+    the activation's output (width; not at level1) and the grouped-matmul offsets.
+    combine: the expert rows in token order (hidden wide, for the weights' gradient), the
+    inverse dispatch order and the routing weights; not the all-to-all output as well.
+    shared expert: its gate/up output and activation output (its input is the attention part's).
+    """
+    h, f, k, item = MODEL["hidden"], MODEL["moe_hidden"], MODEL["top_k"], 8
+    tokens = 2 * MODEL["seq_len"]
+    rows = tokens * k
+    held = pipelined_step({} if level == "off" else {"zero_memory": level}, by_part=True)["held"]
+    offs = MODEL["n_experts"] * 8
+    widths = {"off": h + 3 * f, "level0": 3 * f, "level1": 2 * f}[level]
+    for layer in (1, 2):
+        assert held[f"{layer}.experts"] == rows * widths * item + offs
+        assert held[f"{layer}.combine"] == rows * h * item + rows * 8 + tokens * k * item
+        assert held[f"{layer}.shared"] == tokens * 3 * f * item  # one shared expert, width f
 
 
 def test_zero_memory_layers_picks_the_first_moe_layers_of_a_block() -> None:

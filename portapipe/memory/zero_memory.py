@@ -11,8 +11,9 @@ instead of keeping it:
   layer's backward starts (before the combine backward and the shared expert's backward, and
   before the combine all-to-all, behind which an F&B runs the other micro-batch's parts), and
   waited for only when the experts' backward reads its input.
-- ``level1``: in addition, the activation function's output (the down projection's input) and
-  its temporaries are dropped and recomputed from its input (the gate/up projection's output).
+- ``level1``: in addition, the activation function's output (the down projection's input) is
+  dropped and recomputed from its input (the gate/up projection's output), which the
+  activation function keeps for its own backward anyway.
 
 The recomputed tensors are made by the same operations on the same values, so gradients are
 identical to ``off``, bit for bit.
@@ -133,17 +134,21 @@ class ExpertRefetch:
             self._send = None
 
     def activation(self, fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any) -> torch.Tensor:
-        """``fn(x, *args)``; at level1 keeps only ``x`` and recomputes the rest in backward."""
-        if self.config.level != "level1":
-            return fn(x, *args)
-        out = _Recomputed.apply(x, fn, args)
-        saved_x = x.detach()
+        """``fn(x, *args)``; at level1 its output is not kept but recomputed in backward.
 
-        def remake() -> torch.Tensor:
-            with torch.no_grad():
-                return fn(saved_x, *args)
+        ``fn`` keeps only its input for its own backward (the model's
+        :class:`~portapipe.models.moe.SwiGLU`); what is dropped here is its output, which the
+        next projection would keep. It is remade from ``x`` by the same ``fn``.
+        """
+        out = fn(x, *args)
+        if self.config.level == "level1":
+            saved_x = x.detach()
 
-        self._watch(out, remake)
+            def remake() -> torch.Tensor:
+                with torch.no_grad():
+                    return fn(saved_x, *args)
+
+            self._watch(out, remake)
         return out
 
     def issue_early(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -189,26 +194,6 @@ class ExpertRefetch:
         if isinstance(obj, _Dropped):
             return obj.get()
         return accounting.unpack_saved(obj)
-
-
-class _Recomputed(torch.autograd.Function):
-    """``fn(x, *args)`` keeping only ``x``; the backward rebuilds the graph from it."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fn: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        ctx.fn, ctx.args = fn, args
-        with torch.no_grad():
-            return fn(x, *args)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (x,) = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = x.detach().requires_grad_(True)
-            out = ctx.fn(leaf, *ctx.args)
-            (gx,) = torch.autograd.grad(out, leaf, grad)
-        return gx, None, None
 
 
 class _IssueOnBackward(torch.autograd.Function):

@@ -156,6 +156,8 @@ class DispatchPlan:
     counts: torch.Tensor
     #: received row feeding each grouped-matmul row: the identity, as groups follow arrival order
     expert_perm: torch.Tensor
+    #: position in ``order`` of each flat (token*k + slot) row: ``inverse_order[order] = arange``
+    inverse_order: torch.Tensor
 
 
 def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) -> DispatchPlan:
@@ -174,4 +176,5 @@ def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) ->
     recv_splits = recv_counts.sum(1).tolist()
     offs = torch.cumsum(recv_counts.reshape(-1), 0)
     identity = torch.arange(int(sum(recv_splits)), device=flat.device)
-    return DispatchPlan(order, send_splits, recv_splits, offs, counts, identity)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return DispatchPlan(order, send_splits, recv_splits, offs, counts, identity, inverse)

@@ -44,9 +44,66 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return x / (1 + torch.exp(-x))
 
 
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of a fused gate/up projection output ``gu``, keeping only ``gu``.
+
+    Autograd on the written-out formula would keep ``exp(-gate)``, ``1 + exp(-gate)`` and
+    ``silu(gate)`` as well (three width-sized tensors). The backward recomputes them with the
+    same operations and applies the same derivative formulas, in the same order, as autograd
+    does for that formula, so the gradients are the same bit for bit.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, gu: torch.Tensor, width: int) -> torch.Tensor:
+        ctx.save_for_backward(gu)
+        ctx.width = width
+        return silu(gu[..., :width]) * gu[..., width:]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (gu,) = ctx.saved_tensors
+        g, u = gu[..., : ctx.width], gu[..., ctx.width :]
+        e = torch.exp(-g)
+        d = 1 + e
+        grad_s = grad * u  # mul: d(s*u)/ds
+        grad_u = grad * (g / d)  # mul: d(s*u)/du = s
+        grad_d = -grad_s * ((g / d) / d)  # div, denominator: -grad * (a / b) / b
+        grad_g = grad_s / d + (grad_d * e).neg()  # div numerator + exp(-g) through exp and neg
+        return torch.cat([grad_g, grad_u], dim=-1), None
+
+
 def swiglu(gu: torch.Tensor, width: int) -> torch.Tensor:
-    """silu(gate) * up of a fused gate/up projection output."""
-    return silu(gu[..., :width]) * gu[..., width:]
+    """silu(gate) * up of a fused gate/up projection output (saves only ``gu`` for backward)."""
+    return SwiGLU.apply(gu, width)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``x * rsqrt(mean(x^2) + eps) * weight``, keeping ``x`` and the row scale only.
+
+    Autograd on the formula would keep ``x * rsqrt(...)`` too (as wide as ``x``). The backward
+    recomputes it and applies the derivative formulas autograd uses for the formula, in the same
+    order. ``x`` comes in twice so that its two gradient terms (through the product and through
+    the square) reach ``x`` as two separate terms, as they do from the formula's graph: the sum
+    with ``x``'s other gradients (the residual's) is then formed in the same order.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, x_sq: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        r = torch.rsqrt(x_sq.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, r, weight)
+        return x * r * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, r, weight = ctx.saved_tensors
+        grad_xr = grad * weight
+        grad_w = (grad * (x * r)).sum_to_size(weight.shape)
+        grad_x = grad_xr * r
+        grad_r = (grad_xr * x).sum_to_size(r.shape)
+        grad_mean = -0.5 * grad_r * r.pow(3)  # rsqrt; adding eps passes the gradient on
+        grad_sq = grad_mean.expand(x.shape) / x.shape[-1]  # mean over the last dim
+        grad_x_sq = grad_sq * (2.0 * x.pow(1.0))  # pow(2)
+        return grad_x, grad_x_sq, grad_w, None
 
 
 class RMSNorm(nn.Module):
@@ -56,7 +113,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return _RMSNorm.apply(x, x, self.weight, self.eps)
 
 
 def rope_tables(seq: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +170,7 @@ class DenseFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up(x)
-        return self.down(silu(gu[..., : self.width]) * gu[..., self.width :])
+        return self.down(swiglu(gu, self.width))
 
 
 class Router(nn.Module):
@@ -256,7 +313,9 @@ class Layer(nn.Module):
         self, h: torch.Tensor, shared: torch.Tensor | None, back: torch.Tensor, w: torch.Tensor, plan: DispatchPlan
     ) -> torch.Tensor:
         """Rows back in (token, k) order, weighted sum over k, plus shared expert and residual."""
-        rows = torch.empty_like(back).index_copy(0, plan.order, back)
+        # A gather by the inverse permutation: its backward needs only the index (an
+        # out-of-place index_copy by ``order`` would keep ``back`` as well).
+        rows = back.index_select(0, plan.inverse_order)
         t = w.shape[0]
         routed = (rows.view(t, self.top_k, -1) * w.unsqueeze(-1)).sum(1).view_as(h)
         out = h + routed
