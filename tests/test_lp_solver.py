@@ -130,3 +130,24 @@ def test_bad_lp_shapes() -> None:
         solve_lp(c.long(), A.long(), b.long())
     with pytest.raises(ValueError, match="batch, rows, columns"):
         solve_lp(c, A[0], b)
+
+
+def test_compact_solver_scripted_and_plain_agree_and_move_cost_keeps_optimum() -> None:
+    from portapipe.balancing.lp_solver import BalanceLP, _box_ipm, solve_box_lp
+
+    gen = torch.Generator().manual_seed(5)
+    fixed, rep = random_loads(gen, 6, 8, 2)
+    lp = BalanceLP(cube(), 6)
+    h = fixed + rep.sum(2)
+    scale = h.amax(1, keepdim=True)
+    M = lp.moves * (rep.reshape(6, 16) / scale).unsqueeze(1)
+    scripted = solve_box_lp(M, h / scale)
+    plain = _box_ipm(M, h / scale, None, 1e-8, 50, 0.9999)  # the Python path used when scripting is unavailable
+    assert scripted[3] == plain[3]
+    for a, b in zip(scripted[:3], plain[:3]):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+    # A small cost per moved token leaves the max load at its optimum (to the tie-break's size).
+    base = lp.solve(fixed, rep)
+    cheap = BalanceLP(cube(), 6, move_cost=1e-6).solve(fixed, rep)
+    assert bool(cheap.accepted.all())
+    assert torch.allclose(cheap.objective, base.objective, rtol=1e-4)

@@ -11,18 +11,26 @@ residual and complementarity gap, relative to the data's scale) or at the iterat
 freezes converged instances while the others go on. Small problems are dominated by per-call
 overhead, so an iteration is a few dozen batched tensor operations regardless of the batch size.
 
-:func:`solve_balance` builds the LPLB LP of every group of a batch (REFERENCE.md: minimise the
-largest rank load when each replicated class may move a share of its tokens to its copy),
-solves them in one call, checks each solution, and replaces a failed one by the even split.
+:func:`solve_box_lp` solves the LPLB LP in its compact form (only the moved shares q in [0, 1]
+and the max load z are variables; the bounds are barrier terms, not rows), where the normal
+matrix is one row per rank; it is the same method, specialised so that an iteration is fewer and
+smaller operations. :func:`solve_balance` / :class:`BalanceLP` build the LPLB LP of every group of
+a batch (REFERENCE.md: minimise the largest rank load when each replicated class may move a
+share of its tokens to its copy), solve them in one call with it, check each solution against a
+certified lower bound, and replace a failed one by the even split. The standard form of the same
+LP (:func:`balance_lp`) feeds :func:`solve_lp` for cross-checks.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["LPResult", "solve_lp", "BalanceResult", "BalanceLP", "balance_lp", "solve_balance", "rank_loads"]
+__all__ = ["LPResult", "solve_lp", "solve_box_lp", "BalanceResult", "BalanceLP", "balance_lp", "solve_balance", "rank_loads"]
 
 
 @dataclass
@@ -158,7 +166,8 @@ def rank_loads(fixed: torch.Tensor, replicated: torch.Tensor, keep: torch.Tensor
 
 
 class BalanceLP:
-    """The LPLB LP of ``n_groups`` groups sharing one topology, in standard form, ready to solve.
+    """The LPLB LP of ``n_groups`` groups sharing one topology: :meth:`solve` uses the compact form
+    (``moves``), :meth:`build` gives the standard form below.
 
     Columns per group: q[i,k] (g*d shares moved from rank i's class-k originals to their copy),
     g rank slacks, the max load z, and g*d slacks of q <= 1. Rows: for each rank i,
@@ -200,7 +209,14 @@ class BalanceLP:
         self.c = torch.zeros(n_groups, cols, dtype=dtype, device=dev)
         self.c[:, n + g] = 1.0
         self.box_rhs = torch.ones(n_groups, n, dtype=dtype, device=dev)
-        self.half = torch.full((n_groups, g, d), 0.5, dtype=dtype, device=dev)
+        # Compact form: moving a unit share of column j = (r, k) takes W_j off rank r and puts it
+        # on the rank that holds the copy; rank loads are h + (moves * w) q.
+        moves = torch.zeros(g, n, dtype=dtype, device=dev)
+        moves[rows.reshape(-1), qs] = -1.0
+        holder = torch.empty_like(self.r2o)
+        holder[self.r2o, cls.expand(g, d)] = ranks.unsqueeze(1).expand(g, d)  # holder[r, k]: who copies r's class k
+        moves[holder.reshape(-1), qs] = 1.0
+        self.moves = moves
 
     def build(self, fixed: torch.Tensor, replicated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(c, A, b) for loads fixed [G, g] and replicated [G, g, d] (already in ``dtype``)."""
@@ -226,10 +242,11 @@ class BalanceLP:
     ) -> BalanceResult:
         """Plan every group: fixed [G, g] loads, replicated [G, g, d] class loads (any real dtype).
 
-        Loads are normalised per group (largest rank load before moving = 1). A group's
-        solution is accepted when the solver converged, the shares are finite and in [0, 1],
-        and the loads they give are within ``accept_rtol`` of the LP's dual bound and no worse
-        than the even split. A rejected group gets the even split (keep = 1/2).
+        Loads are normalised per group (largest rank load before moving = 1) and the compact
+        form of the LP is solved by :func:`solve_box_lp`. A group's solution is accepted when the
+        solver converged, the shares are finite and in [0, 1], and the loads they give are within
+        ``accept_rtol`` of a certified lower bound (from the dual multipliers) and no worse than
+        the even split. A rejected group gets the even split (keep = 1/2).
         """
         G, g, d = self.n_groups, self.g, self.d
         if tuple(fixed.shape) != (G, g) or tuple(replicated.shape) != (G, g, d):
@@ -237,21 +254,167 @@ class BalanceLP:
                 f"loads must be fixed [{G}, {g}] and replicated [{G}, {g}, {d}], got {list(fixed.shape)} and {list(replicated.shape)}"
             )
         out_dtype = replicated.dtype if replicated.dtype.is_floating_point else self.dtype
-        F = fixed.to(self.dtype)
-        W = replicated.to(self.dtype)
-        scale = (F + W.sum(2)).amax(1, keepdim=True).clamp_(min=1e-30)
-        Fn, Wn = F / scale, W / scale.unsqueeze(2)
-        res = solve_lp(*self.build(Fn, Wn), tol=tol, max_iter=max_iter)
-        q = res.x[:, : g * d].reshape(G, g, d)
-        sane = (torch.isfinite(q) & (q >= -1e-6) & (q <= 1 + 1e-6)).flatten(1).all(1)
-        keep = (1 - q).nan_to_num_(0.5).clamp_(0, 1)
-        both = rank_loads(Fn.repeat(2, 1), Wn.repeat(2, 1, 1), torch.cat([keep, self.half]), self.r2o).amax(1)
-        achieved, even = both[:G], both[G:]
-        bound = res.dual_objective
-        ok = res.converged & sane & (achieved <= bound + accept_rtol) & (achieved <= even + accept_rtol)
-        keep = torch.where(ok.view(G, 1, 1), keep, self.half)
-        objective = torch.where(ok, achieved, even) * scale.squeeze(1)
-        return BalanceResult(keep.to(out_dtype), objective.to(out_dtype), (bound * scale.squeeze(1)).to(out_dtype), ok, res.iterations)
+        keep, objective, bound, ok, iterations = _compiled(_balance)(
+            self.moves, fixed.to(self.dtype), replicated.to(self.dtype).reshape(G, self.n), self.move_cost,
+            tol, max_iter, accept_rtol,
+        )
+        return BalanceResult(keep.view(G, g, d).to(out_dtype), objective.to(out_dtype), bound.to(out_dtype), ok, iterations)
+
+
+def _balance(
+    moves: torch.Tensor, fixed: torch.Tensor, w: torch.Tensor, move_cost: float, tol: float, max_iter: int, accept_rtol: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """:meth:`BalanceLP.solve` on flat loads fixed [G, g], w [G, n]: (keep [G, n], objective,
+    lower bound, accepted, iterations)."""
+    G = w.shape[0]
+    h = fixed + w.view(G, fixed.shape[1], -1).sum(2)  # rank loads before moving
+    scale = h.amax(1, keepdim=True).clamp_(min=1e-30)
+    h = h / scale
+    wn = w / scale
+    M = moves * wn.unsqueeze(1)  # [G, g, n]: load change of rank i per unit share q_j
+    c: Optional[torch.Tensor] = None
+    if move_cost != 0.0:
+        c = move_cost * wn
+    q, y, err, iterations = _box_ipm(M, h, c, tol, max_iter, 0.9999)
+    # Loads the shares give, the even split's, and a lower bound on the LP's objective valid for
+    # any q in [0, 1] (the dual multipliers' certificate): for y >= 0 with sum y = 1,
+    # max_i load_i + c^T q >= y^T h + (M^T y + c)^T q >= y^T h + sum_j min(0, (M^T y + c)_j).
+    yn = y / y.sum(1, keepdim=True)
+    both = torch.baddbmm(h.unsqueeze(2), M, torch.stack([q, torch.full_like(q, 0.5)], 2)).amax(1)
+    achieved, even = both.unbind(1)
+    mty = torch.bmm(yn.unsqueeze(1), M).squeeze(1)
+    reached = achieved
+    if c is not None:
+        mty = mty + c
+        reached = achieved + (c * q).sum(1)
+    bound = (yn * h).sum(1) + mty.clamp_(max=0).sum(1)
+    sane = (torch.isfinite(q) & (q >= -1e-6) & (q <= 1 + 1e-6)).all(1)
+    ok = (err <= tol) & sane & (reached <= bound + accept_rtol) & (achieved <= even + accept_rtol)
+    keep = torch.where(ok.unsqueeze(1), (1 - q).clamp_(0, 1), 0.5)
+    s = scale.squeeze(1)
+    return keep, torch.where(ok, achieved, even) * s, bound * s, ok, iterations
+
+
+def solve_box_lp(
+    M: torch.Tensor,
+    h: torch.Tensor,
+    c: torch.Tensor | None = None,
+    *,
+    tol: float = 1e-8,
+    max_iter: int = 50,
+    step_frac: float = 0.9999,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Solve ``min_q max_i (h + M q)_i + c^T q  s.t.  0 <= q <= 1`` for a batch: M [B, m, n], h [B, m].
+
+    A primal-dual interior-point method (Mehrotra's predictor-corrector) on the compact form
+
+        min z + c^T q   s.t.   z - M q - s = h,   s >= 0,   0 <= q <= 1,
+
+    with multipliers y >= 0 of the rows (sum y = 1), u >= 0 of q >= 0 and v >= 0 of q <= 1. The
+    start is strictly feasible (q = 1/2, z above the largest load, u - v = c + M^T y) and Newton
+    steps keep every linear constraint, so only the complementarity gap
+    ``q u + (1 - q) v + s y`` (= primal minus dual objective) is left to drive to zero. Eliminating
+    the bounds leaves an m x m normal matrix ``M Theta^-1 M^T + diag(s / y)``, inverted once per
+    iteration (batched Cholesky) and shared by the predictor and the corrector. Pairs are packed as
+    X = [q, 1 - q, y] and Z = [u, v, s] so that each step is a handful of batched operations.
+
+    Returns (q [B, n], y [B, m], gap [B], iterations). An instance is converged when its gap is
+    <= ``tol`` (absolute: scale the data so that loads are O(1)); converged instances are frozen.
+    """
+    return _compiled(_box_ipm)(M, h, c, tol, max_iter, step_frac)
+
+
+def _box_ipm(
+    M: torch.Tensor, h: torch.Tensor, c: Optional[torch.Tensor], tol: float, max_iter: int, step_frac: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """:func:`solve_box_lp`'s start and iterations (scriptable)."""
+    B, m, n = M.shape
+    Mt = M.mT
+    # Strictly feasible start from the even split.
+    y = torch.full((B, m, 1), 1.0 / m, dtype=M.dtype, device=M.device)
+    half = torch.full((B, n, 1), 0.5, dtype=M.dtype, device=M.device)
+    load = torch.baddbmm(h.unsqueeze(2), M, half)
+    s = (load.amax(1, keepdim=True) + 0.1) - load
+    dual = torch.bmm(Mt, y)  # u - v
+    if c is not None:
+        dual = dual + c.unsqueeze(2)
+    margin = 2 * (y * s).mean(1, keepdim=True)
+    X = torch.cat([half, half, y], 1)
+    Z = torch.cat([dual.clamp(min=0) + margin, margin - dual.clamp(max=0), s], 1)
+    V, gap, it = _iterate(torch.stack([X, Z], 1), M, tol, max_iter, step_frac)
+    X = V[:, 0, :, 0]
+    gap = gap.view(B)
+    return X[:, :n], X[:, 2 * n :], torch.where(torch.isnan(gap), torch.inf, gap), it
+
+
+def _newton(
+    rc: torch.Tensor, V: torch.Tensor, X: torch.Tensor, Z: torch.Tensor, M: torch.Tensor, MT: torch.Tensor,
+    Ti: torch.Tensor, Kinv: torch.Tensor, k1: torch.Tensor, den: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dV, largest step <= 1 keeping V >= 0) of :func:`solve_box_lp` for complementarity rhs rc."""
+    n = M.shape[2]
+    a = rc / X
+    rq = a[:, :n] - a[:, n : 2 * n]
+    krho = torch.bmm(Kinv, torch.baddbmm(a[:, 2 * n :], MT, rq))
+    dy = torch.addcmul(krho, krho.sum(1, keepdim=True) / den, k1, value=-1)
+    dq = torch.baddbmm(rq, M.mT, dy, alpha=-1).mul_(Ti)
+    dX = torch.cat([dq, -dq, dy], 1)
+    dV = torch.stack([dX, torch.addcmul(rc, Z, dX, value=-1).div_(X)], 1)
+    return dV, torch.div(-1.0, (dV / V).amin((1, 2), keepdim=True).clamp_(max=-1.0))
+
+
+def _iterate(V: torch.Tensor, M: torch.Tensor, tol: float, max_iter: int, step_frac: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The iterations of :func:`solve_box_lp` from the packed start V = [X, Z] [B, 2, N, 1]."""
+    B, m, n = M.shape
+    N = 2 * n + m
+    Mt = M.mT
+    eye = torch.eye(m, dtype=M.dtype, device=M.device).expand(B, m, m)
+    it = 0
+    X, Z = V.unbind(1)
+    XZ = X * Z
+    gap = XZ.sum(1, keepdim=True)  # [B, 1, 1]
+    active = gap > tol  # NaN counts as converged here and is rejected by the caller's checks
+    while it < max_iter and bool(active.any()):
+        it += 1
+        R = Z / X
+        Ti = (R[:, :n] + R[:, n : 2 * n]).reciprocal_()  # Theta^-1 = 1 / (u/q + v/(1-q))
+        MT = M * Ti.mT
+        K = torch.baddbmm(torch.diag_embed(R[:, 2 * n :, 0]), MT, Mt)
+        # Near the optimum K is singular along the constraint 1^T dy = 0 (binding rows have
+        # s / y -> 0); adding kappa 1 1^T changes nothing on that subspace and keeps K well
+        # conditioned. kappa: K's mean diagonal, a tiny floor for all-zero data.
+        K = K + K.diagonal(0, 1, 2).mean(1, keepdim=True).unsqueeze(2).clamp_(min=1e-12)
+        # K^-1 = L^-T L^-1: one triangular solve against I and one product are cheaper on small
+        # batches than cholesky_inverse or cholesky_solve, and serve both right-hand sides.
+        Linv = torch.linalg.solve_triangular(torch.linalg.cholesky_ex(K)[0], eye, upper=False)
+        Kinv = torch.bmm(Linv.mT, Linv)
+        k1 = Kinv.sum(2, keepdim=True)
+        den = k1.sum(1, keepdim=True)
+        # Predictor (affine scaling), then the corrector with Mehrotra's centring and
+        # second-order term.
+        dV, alpha = _newton(-XZ, V, X, Z, M, MT, Ti, Kinv, k1, den)
+        mu_aff = torch.addcmul(V, alpha, dV).prod(1).sum(1, keepdim=True)  # N times the mean
+        sigma_mu = (mu_aff / gap).pow_(3).mul_(gap).div_(N)
+        dV, alpha = _newton(torch.sub(sigma_mu, XZ).sub_(dV.prod(1)), V, X, Z, M, MT, Ti, Kinv, k1, den)
+        V = torch.addcmul(V, alpha.mul_(active.unsqueeze(1)).mul_(step_frac), dV)
+        X, Z = V.unbind(1)
+        XZ = X * Z
+        gap = XZ.sum(1, keepdim=True)
+        active = gap > tol
+    return V, gap, it
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn: Callable) -> Callable:
+    """``fn`` compiled by TorchScript when available: the solver is a few hundred tiny tensor
+    operations, and the script interpreter dispatches each at about half eager Python's cost.
+    Same operations, same results; plain Python where scripting is unavailable."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.jit.script is deprecated in favour of torch.compile
+            return torch.jit.script(fn)
+    except Exception:  # scripting is an optimisation only
+        return fn
 
 
 def balance_lp(
