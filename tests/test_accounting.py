@@ -9,7 +9,7 @@ from portapipe.backends.cpu import CPUBackend
 from portapipe.memory.accounting import SavedActivations, label_layers, region
 from portapipe.models.linear import Linear, WeightGradQueue, deferring
 from portapipe.scheduling.overlap import Tape, run
-from tests.test_zero_memory import MODEL, one_block, one_thread  # noqa: F401  (autouse fixture)
+from tests.test_zero_memory import MODEL, one_block
 
 
 def test_counts_each_storage_once_and_never_parameters() -> None:

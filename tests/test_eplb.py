@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import struct
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,13 +16,6 @@ import torch
 from portapipe.balancing.eplb import balancedness, lower_bound, rebalance_experts
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """The planner's tensors are small: one intra-op thread is fastest, and on shared cores much faster."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def f32(x: float) -> float:

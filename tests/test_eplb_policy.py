@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -10,13 +9,6 @@ import torch
 from portapipe.balancing.eplb import gpu_loads, lower_bound, max_load_ratio, rebalance_experts
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """The planner's tensors are small: one intra-op thread is fastest, and on shared cores much faster."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def lognormal(layers: int, experts: int, sigma: float, seed: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from portapipe.config import ConfigError, load_config
 from portapipe.scheduling.overlap import Tape, run
-from tests.test_zero_memory import MODEL, SCHEDULES, assert_identical, one_block, pipelined_step, verified, one_thread  # noqa: F401  (autouse fixture)
+from tests.test_zero_memory import MODEL, SCHEDULES, assert_identical, one_block, pipelined_step, verified
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,6 @@ from portapipe.models.linear import WeightGradQueue
 from portapipe.models.moe import build_blocks
 from portapipe.scheduling.overlap import Tape, run
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Any:
-    """One intra-op thread, as on the ranks: on a shared 2-core machine more only contend."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 MODEL = {"n_layers": 3, "n_dense": 1, "dtype": "float64", "hidden": 32, "n_heads": 4, "moe_hidden": 16, "top_k": 4, "n_experts": 8, "seq_len": 12}
