@@ -31,9 +31,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def one_thread() -> Iterator[None]:
-    """One intra-op thread per test, as each rank has: the tensors are small, the cores shared."""
+    """One intra-op thread for the whole session, as each rank has: the tensors are small, the
+    cores shared, and results compared bit for bit must not depend on a thread count changing
+    between a fixture and its test."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
