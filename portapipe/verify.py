@@ -84,18 +84,22 @@ def microbatches(config: Config, replica: int) -> list[tuple[torch.Tensor, torch
 
 
 # ------------------------------------------------------------------------------ ranks
+def runtime_for(backend: Any, raw: dict[str, Any]) -> tuple[PipelineRuntime, Any]:
+    """This rank's runtime for one raw config, and its data: the micro-batches of its replica.
+
+    A fresh backend object per config, so each config gets its own pp x dp x ep groups.
+    """
+    config = config_from_dict(raw)
+    p = config.parallel
+    be = type(backend)(backend.options)
+    groups = be.parallel_groups(p.pp, p.dp, p.ep)
+    runtime = PipelineRuntime(config, be, groups)
+    return runtime, microbatches(config, groups.dp_rank * p.ep + groups.ep_rank)
+
+
 def _rank_step(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """On every rank: for each config, build the runtime, run one step, return its gradients."""
-    results = []
-    for raw in raws:
-        config = config_from_dict(raw)
-        p = config.parallel
-        # A fresh backend object per config: each gets its own pp x dp x ep groups.
-        be = type(backend)(backend.options)
-        groups = be.parallel_groups(p.pp, p.dp, p.ep)
-        runtime = PipelineRuntime(config, be, groups)
-        results.append(step_report(runtime, microbatches(config, groups.dp_rank * p.ep + groups.ep_rank)))
-    return results
+    return [step_report(*runtime_for(backend, raw)) for raw in raws]
 
 
 def step_report(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:

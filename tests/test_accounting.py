@@ -98,24 +98,18 @@ def test_layer_labels_cover_a_model_forward_and_summary_is_json_ready() -> None:
 
 def _tracked_steps(backend, raws: list[dict]) -> list[list[int]]:
     """On each rank: one runtime step per config under ``tracker.step()``; every rank's peak."""
-    from portapipe.config import config_from_dict
     from portapipe.memory.accounting import peak_per_rank
-    from portapipe.scheduling.executor import PipelineRuntime
-    from portapipe.verify import microbatches
+    from portapipe.verify import runtime_for
 
     torch.set_num_threads(1)
     peaks = []
     for raw in raws:
-        config = config_from_dict(raw)
-        p = config.parallel
-        be = type(backend)(backend.options)
-        groups = be.parallel_groups(p.pp, p.dp, p.ep)
-        runtime = PipelineRuntime(config, be, groups)
+        runtime, batches = runtime_for(backend, raw)
         tracker = SavedActivations(ignore=runtime.parameters())
         with tracker.step():
-            runtime.step(microbatches(config, groups.ep_rank))
+            runtime.step(batches)
         assert tracker.live_bytes == 0, tracker.live_by_region  # all backwards ran; W recorded no graph
-        peaks.append(peak_per_rank(be, tracker))
+        peaks.append(peak_per_rank(runtime.backend, tracker))
     return peaks
 
 

@@ -42,13 +42,17 @@ def _linear(name: str, pp: int, m: int, actions: list[list[Action]], **meta: obj
 
 
 # ------------------------------------------------------------------------------- 1F1B
-def one_f_one_b(pp: int, m: int) -> Schedule:
-    """PipeDream-flush 1F1B: rank r runs pp-1-r warm-up forwards, then alternates F and full
-    backward, then drains the remaining backwards. Needs m >= pp."""
+def _check_one_per_stage(name: str, pp: int, m: int) -> None:
     _check_int("pp", pp, 1)
     _check_int("microbatches", m, 1)
     if m < pp:
-        raise ValueError(f"1f1b needs microbatches >= pp (one micro-batch per stage at least), got microbatches={m} < pp={pp}")
+        raise ValueError(f"{name} needs microbatches >= pp (one micro-batch per stage at least), got microbatches={m} < pp={pp}")
+
+
+def one_f_one_b(pp: int, m: int) -> Schedule:
+    """PipeDream-flush 1F1B: rank r runs pp-1-r warm-up forwards, then alternates F and full
+    backward, then drains the remaining backwards. Needs m >= pp."""
+    _check_one_per_stage("1f1b", pp, m)
     actions = []
     for r in range(pp):
         warm = pp - 1 - r
@@ -67,10 +71,7 @@ def zb1p(pp: int, m: int) -> Schedule:
     steady phase, and runs one pending W after each B once that many are queued; the queue
     drains at the end. The last rank thus frees its B chain early and the first rank's tail
     is filled by W passes, giving (pp-1)(F+B-2W) with the same pp activations as 1F1B."""
-    _check_int("pp", pp, 1)
-    _check_int("microbatches", m, 1)
-    if m < pp:
-        raise ValueError(f"zb1p needs microbatches >= pp (one micro-batch per stage at least), got microbatches={m} < pp={pp}")
+    _check_one_per_stage("zb1p", pp, m)
     actions = []
     for r in range(pp):
         warm = pp - 1 - r
