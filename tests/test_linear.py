@@ -51,6 +51,28 @@ def test_deferred_weight_grads_accumulate_over_microbatches() -> None:
     torch.testing.assert_close(w.grad, want, rtol=1e-14, atol=0)
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_heads_linear_equals_linear_of_merged_heads_and_keeps_no_copy(defer: bool) -> None:
+    """linear(o, heads=True) is linear over o's merged heads, bit for bit (values, both
+    gradients, deferred or not), and what it keeps for backward is ``o`` itself."""
+    o, w, g = _rand(2, 3, 5, 4, seed=30), _rand(6, 12, seed=31), _rand(2, 5, 6, seed=32)
+    oa, wa = o.clone().requires_grad_(), w.clone().requires_grad_()
+    want = linear(oa.transpose(1, 2).reshape(2, 5, 12), wa)
+    want.backward(g)
+    ob, wb = o.clone().requires_grad_(), w.clone().requires_grad_()
+    kept: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        got = linear(ob, wb, heads=True)
+    queue = WeightGradQueue() if defer else None
+    with deferring(queue):
+        got.backward(g)
+    if queue is not None:
+        queue.run()
+    assert torch.equal(got, want)
+    assert torch.equal(ob.grad, oa.grad) and torch.equal(wb.grad, wa.grad)
+    assert [t.shape for t in kept] == [ob.shape, wb.shape]
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_grouped_linear_forward_and_gradients_match_per_group_matmuls(dtype: torch.dtype) -> None:
     backend = CPUBackend()

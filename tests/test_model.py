@@ -148,23 +148,31 @@ def test_forward_counts_routed_rows_per_expert() -> None:
         assert int(layer.moe.step_counts.sum()) == x.numel() * cfg.top_k
 
 
+@pytest.mark.parametrize("scaled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_swiglu_function_matches_autograd_of_the_formula_bit_for_bit(dtype: torch.dtype) -> None:
-    """SwiGLU keeps only its input, yet its values and gradients equal autograd's on the formula."""
-    from portapipe.models.moe import SwiGLU, silu
+def test_swiglu_function_matches_autograd_of_the_formula_bit_for_bit(dtype: torch.dtype, scaled: bool) -> None:
+    """SwiGLU keeps only its input (and the row scale), yet its values and gradients equal
+    autograd's on the formula, the scale's gradient included."""
+    from portapipe.models.moe import swiglu, silu
 
     g = torch.Generator().manual_seed(3)
     width = 19
     gu = torch.randn(257, 2 * width, generator=g, dtype=torch.float64).mul(8).to(dtype)
     gu[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -40.0])
+    scale = torch.rand(257, generator=g, dtype=torch.float64).to(dtype)
     grad = torch.randn(257, width, generator=g, dtype=torch.float64).to(dtype)
     a, b = gu.clone().requires_grad_(True), gu.clone().requires_grad_(True)
+    sa, sb = scale.clone().requires_grad_(True), scale.clone().requires_grad_(True)
     want = silu(a[..., :width]) * a[..., width:]
-    got = SwiGLU.apply(b, width)
+    if scaled:
+        want = want * sa.unsqueeze(-1)
+    got = swiglu(b, width, sb if scaled else None)
     want.backward(grad)
     got.backward(grad)
     assert torch.equal(got, want)
     assert torch.equal(b.grad, a.grad)
+    if scaled:
+        assert torch.equal(sb.grad, sa.grad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

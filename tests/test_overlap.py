@@ -119,9 +119,9 @@ def _fb(overlap: bool) -> tuple[dict[str, torch.Tensor], float, list[tuple[str, 
 
 def test_fb_overlap_computes_the_other_microbatch_while_each_exchange_is_in_flight() -> None:
     grads, loss, log = _fb(overlap=True)
-    # 3 MoE layers x 2 exchanges per direction, each issued then waited
-    assert [e for e in log if e[0] == "F"].count(("F", "issue")) == 6
-    assert [e for e in log if e[0] == "B"].count(("B", "issue")) == 6
+    # 3 MoE layers x 3 exchanges per direction (router weights, rows, combine), each issued then waited
+    assert [e for e in log if e[0] == "F"].count(("F", "issue")) == 9
+    assert [e for e in log if e[0] == "B"].count(("B", "issue")) == 9
     # Between every issue and its wait, the other micro-batch's program ran (it issued or waited
     # on something of its own, which it reaches only after computing its part).
     open_: dict[str, int] = {}
@@ -158,4 +158,4 @@ def test_lone_forward_hides_the_combine_behind_the_shared_expert() -> None:
 
     run(block.program(Logging(), *data[0]))
     first_layer = calls[1 : calls.index("combine_part") + 1]
-    assert first_layer == ["attention_part", "exchange", "experts_part", "exchange", "shared_part", "combine_part"]
+    assert first_layer == ["attention_part", "exchange", "exchange", "experts_part", "exchange", "shared_part", "combine_part"]

@@ -107,9 +107,10 @@ def test_moe_parts_keep_closed_form_bytes(level: str) -> None:
     """What the experts and the combine keep, per MoE layer, by closed form (EP size 1, float64).
 
     experts: the dispatched rows (hidden wide; not at level0/1), the gate/up output (2 x width),
-    the activation's output (width; not at level1) and the grouped-matmul offsets.
-    combine: the expert rows in token order (hidden wide, for the weights' gradient), the
-    inverse dispatch order and the routing weights; not the all-to-all output as well.
+    the weighted activation's output (width; not at level1), the rows' router weights and the
+    grouped-matmul offsets.
+    combine: only the inverse dispatch order (the experts applied the weights, so the sum over
+    top-k keeps neither the expert rows nor the all-to-all output).
     shared expert: its gate/up output and activation output (its input is the attention part's).
     """
     h, f, k, item = MODEL["hidden"], MODEL["moe_hidden"], MODEL["top_k"], 8
@@ -119,8 +120,8 @@ def test_moe_parts_keep_closed_form_bytes(level: str) -> None:
     offs = MODEL["n_experts"] * 8
     widths = {"off": h + 3 * f, "level0": 3 * f, "level1": 2 * f}[level]
     for layer in (1, 2):
-        assert held[f"{layer}.experts"] == rows * widths * item + offs
-        assert held[f"{layer}.combine"] == rows * h * item + rows * 8 + tokens * k * item
+        assert held[f"{layer}.experts"] == rows * widths * item + rows * item + offs
+        assert held[f"{layer}.combine"] == rows * 8
         assert held[f"{layer}.shared"] == tokens * 3 * f * item  # one shared expert, width f
 
 
@@ -138,9 +139,9 @@ def test_exchange_buffers_are_freed_after_the_forward() -> None:
     seen: list[torch.Tensor] = []
     original = layer.experts_part
 
-    def spy(recv: torch.Tensor, plan: Any, zm: Any = None) -> Any:
+    def spy(recv: torch.Tensor, weights: torch.Tensor, plan: Any, zm: Any = None) -> Any:
         seen.append(recv)
-        return original(recv, plan, zm)
+        return original(recv, weights, plan, zm)
 
     layer.experts_part = spy
     tokens = torch.randint(0, 256, (2, MODEL["seq_len"] + 1))

@@ -39,11 +39,11 @@ class LayerMemory:
             return (yield from self.recompute.full(tape, layer, x))
         if layer.moe is None:
             return (yield from layer.program(tape, x))
-        h, hn, send, w, plan = tape.part(layer.attention_part, x)
+        h, hn, send, weights, plan = tape.part(layer.attention_part, x)
         if self.recompute is not None:
-            return (yield from self.recompute.moe(tape, layer, h, hn, send, w, plan))
+            return (yield from self.recompute.moe(tape, layer, h, hn, send, weights, plan))
         zm = self.zero_memory.begin(layer, hn, send, plan) if self.zero_memory is not None else None
-        return (yield from layer.moe_program(tape, h, hn, send, w, plan, zm))
+        return (yield from layer.moe_program(tape, h, hn, send, weights, plan, zm))
 
 
 def plan_layers(memory: MemoryConfig, is_moe: list[bool]) -> list[LayerMemory | None]:

@@ -144,20 +144,21 @@ class Recompute:
         return (yield from self.segment(tape, layer, run, [x]))
 
     def moe(
-        self, tape: Tape, layer: Any, h: torch.Tensor, hn: torch.Tensor, send: torch.Tensor, w: torch.Tensor, plan: Any
+        self, tape: Tape, layer: Any, h: torch.Tensor, hn: torch.Tensor, send: torch.Tensor, weights: torch.Tensor, plan: Any
     ) -> Generator[Any, None, torch.Tensor]:
         """Program: an MoE layer's parts after attention, recomputed in backward.
 
         The rows to send are not kept: the replay gathers them again from the normed tokens
         (kept by the attention part), and their gradient goes back through ``send`` as usual.
+        The router weights in dispatch order (one number per row) are kept.
         """
 
         def run(t: Tape, *xs: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
             return (yield from layer.moe_program(t, *xs, plan))
 
         def values() -> list[torch.Tensor]:
-            return [h.detach(), hn.detach(), dispatch_rows(hn.detach(), plan, layer.top_k), w.detach()]
+            return [h.detach(), hn.detach(), dispatch_rows(hn.detach(), plan, layer.top_k), weights.detach()]
 
-        out = yield from self.segment(tape, layer, run, [h, hn, send, w], values)
+        out = yield from self.segment(tape, layer, run, [h, hn, send, weights], values)
         free_storage(send)  # sent; the replay gathers the rows again
         return out

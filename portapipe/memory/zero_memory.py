@@ -143,10 +143,11 @@ class ExpertRefetch:
         out = fn(x, *args)
         if self.config.level == "level1":
             saved_x = x.detach()
+            saved_args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
 
             def remake() -> torch.Tensor:
                 with torch.no_grad():
-                    return fn(saved_x, *args)
+                    return fn(saved_x, *saved_args)
 
             self._watch(out, remake)
         return out

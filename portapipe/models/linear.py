@@ -79,27 +79,43 @@ def _finish_weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor
     return None
 
 
+def merge_heads(o: torch.Tensor) -> torch.Tensor:
+    """Attention heads ``o[..., heads, seq, head_dim]`` as rows ``[..., seq, heads * head_dim]`` (a copy)."""
+    return o.transpose(-3, -2).flatten(-2)
+
+
 class LinearFunction(torch.autograd.Function):
-    """``y = x @ weight.T`` over the last dimension, with a deferrable weight gradient."""
+    """``y = x @ weight.T`` over the last dimension, with a deferrable weight gradient.
+
+    With ``heads=True``, ``x`` is attention output ``[..., heads, seq, head_dim]`` and the
+    product is taken over its merged heads. The merged copy is made again in backward instead of
+    being kept: ``x`` itself is kept by the attention for its own backward, so nothing extra is.
+    """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, heads: bool = False) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         # The parameter itself: under saved-tensor hooks (memory accounting, zero-memory) saved
         # tensors come back as aliases, and a deferred gradient must land on the parameter.
         ctx.param = weight
-        return torch.matmul(x, weight.t())
+        ctx.heads = heads
+        return torch.matmul(merge_heads(x) if heads else x, weight.t())
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, weight = ctx.saved_tensors
-        grad_x = torch.matmul(grad_out, weight) if ctx.needs_input_grad[0] else None
+        heads = ctx.heads
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(grad_out, weight)
+            if heads:  # back to [..., heads, seq, head_dim], as a view (what the merge's backward gives)
+                grad_x = grad_x.view(*x.shape[:-3], x.shape[-2], x.shape[-3], x.shape[-1]).transpose(-3, -2)
         grad_w = None
         if ctx.needs_input_grad[1]:
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
-            x2 = x.reshape(-1, x.shape[-1])
+            x2 = (merge_heads(x) if heads else x).reshape(-1, weight.shape[1])
             grad_w = _finish_weight_grad(ctx.param, lambda: g2.t().matmul(x2))
-        return grad_x, grad_w
+        return grad_x, grad_w, None
 
 
 class GroupedLinearFunction(torch.autograd.Function):
@@ -143,8 +159,9 @@ def _tile(weight: torch.Tensor, tiles: int) -> torch.Tensor:
     return weight if tiles == 1 else weight.repeat(tiles, 1, 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return LinearFunction.apply(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, heads: bool = False) -> torch.Tensor:
+    """``x @ weight.T``; with ``heads``, over the merged heads of ``x[..., heads, seq, head_dim]``."""
+    return LinearFunction.apply(x, weight, heads)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: int = 1) -> torch.Tensor:
@@ -158,5 +175,5 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+    def forward(self, x: torch.Tensor, heads: bool = False) -> torch.Tensor:
+        return linear(x, self.weight, heads)

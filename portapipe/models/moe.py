@@ -14,7 +14,10 @@ experts), so any split, any EP sharding and the single-process model hold identi
 Each block's forward is a program (see :mod:`portapipe.scheduling.overlap`): an MoE layer is
 the parts ``attention`` (norms, attention, routing, send order) -> dispatch all-to-all ->
 ``experts`` (one grouped matmul per projection over (source rank, expert) groups) -> combine all-to-all -> ``shared`` (computed
-while the combine is in flight) -> ``combine`` (weighted sum of the top-k outputs + residual).
+while the combine is in flight) -> ``combine`` (sum of the top-k outputs + residual). Each row's
+router weight travels with it (a small exchange beside the dispatch) and scales the expert's
+activation before the down projection, the same function as weighting the expert's output but
+without keeping the outputs for the weights' gradient.
 """
 
 from __future__ import annotations
@@ -45,36 +48,49 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 class SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` of a fused gate/up projection output ``gu``, keeping only ``gu``.
+    """``silu(gate) * up`` of a fused gate/up projection output ``gu``, times an optional
+    per-row ``scale``, keeping only ``gu`` (and ``scale``).
 
     Autograd on the written-out formula would keep ``exp(-gate)``, ``1 + exp(-gate)`` and
-    ``silu(gate)`` as well (three width-sized tensors). The backward recomputes them with the
-    same operations and applies the same derivative formulas, in the same order, as autograd
-    does for that formula, so the gradients are the same bit for bit.
+    ``silu(gate)`` as well (three width-sized tensors), and with a scale the unscaled product
+    too. The backward recomputes them with the same operations and applies the same derivative
+    formulas, in the same order, as autograd does for that formula, so the gradients are the
+    same bit for bit.
+
+    The routed experts pass their rows' router weights as ``scale``: weighting the activation
+    instead of the expert's output is the same function (the down projection is linear), and
+    the weight's gradient then needs only ``gu``, where weighting the output would keep the
+    output (hidden-sized, top-k rows per token) for it.
     """
 
     @staticmethod
-    def forward(ctx: Any, gu: torch.Tensor, width: int) -> torch.Tensor:
-        ctx.save_for_backward(gu)
+    def forward(ctx: Any, gu: torch.Tensor, width: int, scale: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(gu, scale)
         ctx.width = width
-        return silu(gu[..., :width]) * gu[..., width:]
+        out = silu(gu[..., :width]) * gu[..., width:]
+        return out if scale is None else out * scale.unsqueeze(-1)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (gu,) = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+        gu, scale = ctx.saved_tensors
         g, u = gu[..., : ctx.width], gu[..., ctx.width :]
         e = torch.exp(-g)
         d = 1 + e
+        grad_scale = None
+        if scale is not None:
+            grad_scale = (grad * ((g / d) * u)).sum(-1)  # mul: d(p*scale)/dscale = p
+            grad = grad * scale.unsqueeze(-1)  # mul: d(p*scale)/dp = scale
         grad_s = grad * u  # mul: d(s*u)/ds
         grad_u = grad * (g / d)  # mul: d(s*u)/du = s
         grad_d = -grad_s * ((g / d) / d)  # div, denominator: -grad * (a / b) / b
         grad_g = grad_s / d + (grad_d * e).neg()  # div numerator + exp(-g) through exp and neg
-        return torch.cat([grad_g, grad_u], dim=-1), None
+        return torch.cat([grad_g, grad_u], dim=-1), None, grad_scale
 
 
-def swiglu(gu: torch.Tensor, width: int) -> torch.Tensor:
-    """silu(gate) * up of a fused gate/up projection output (saves only ``gu`` for backward)."""
-    return SwiGLU.apply(gu, width)
+def swiglu(gu: torch.Tensor, width: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up projection output, each row times ``scale`` when given
+    (saves only ``gu`` and ``scale`` for backward)."""
+    return SwiGLU.apply(gu, width, scale)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -156,7 +172,8 @@ class Attention(nn.Module):
         k = apply_rope(heads(self.wk(x)), self.cos, self.sin)
         v = heads(self.wv(x))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(o.transpose(1, 2).reshape(b, s, h))
+        # wo merges the heads itself and keeps ``o`` (kept by the attention anyway), not a copy.
+        return self.wo(o, heads=True)
 
 
 class DenseFFN(nn.Module):
@@ -223,11 +240,14 @@ class Experts(nn.Module):
         for p in (self.gate_up, self.down):
             p.is_expert = True  # reduced over DP only; sharded over EP
 
-    def forward(self, x: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: int = 1, zm: Any = None) -> torch.Tensor:
-        """Rows grouped by ``offs`` into ``tiles`` x local-expert groups (tile-major)."""
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: int = 1, zm: Any = None
+    ) -> torch.Tensor:
+        """Rows ``x`` grouped by ``offs`` into ``tiles`` x local-expert groups (tile-major), each
+        output row scaled by its router weight ``weights[row]``."""
         gu = grouped_linear(x, self.gate_up, offs, backend, tiles)
         # zm: zero-memory (portapipe.memory.zero_memory) may recompute the activation in backward.
-        act = swiglu(gu, self.width) if zm is None else zm.activation(swiglu, gu, self.width)
+        act = swiglu(gu, self.width, weights) if zm is None else zm.activation(swiglu, gu, self.width, weights)
         return grouped_linear(act.contiguous(), self.down, offs, backend, tiles)
 
 
@@ -285,7 +305,8 @@ class Layer(nn.Module):
         return h + self.ffn(self.norm2(h))
 
     def attention_part(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchPlan]:
-        """Attention + residual, FFN norm, routing, and the rows to send in dispatch order."""
+        """Attention + residual, FFN norm, routing, and the rows to send with their router
+        weights, both in dispatch order."""
         moe = self.moe
         h = x + self.attn(self.norm1(x))
         hn = self.norm2(h)
@@ -293,10 +314,12 @@ class Layer(nn.Module):
         w, idx = moe.router(flat)
         plan = moe.dispatch_plan(idx)
         send = flat.index_select(0, plan.order // self.top_k)
-        return h, hn, send, w, plan
+        weights = w.reshape(-1).index_select(0, plan.order)
+        return h, hn, send, weights, plan
 
-    def experts_part(self, recv: torch.Tensor, plan: DispatchPlan, zm: Any = None) -> torch.Tensor:
-        """Received rows (grouped by source rank, then expert) through the grouped expert MLP.
+    def experts_part(self, recv: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, zm: Any = None) -> torch.Tensor:
+        """Received rows (grouped by source rank, then expert) through the grouped expert MLP,
+        each scaled by its router weight (received beside it).
 
         Each (source, expert) block is a group of its own, with the rows in arrival order, so
         the output rows come back in the received order with no permutation.
@@ -304,20 +327,18 @@ class Layer(nn.Module):
         """
         moe = self.moe
         with contextlib.nullcontext() if zm is None else zm.dropping(recv, recv):
-            return moe.experts(recv, plan.offs, moe.ep.backend, moe.ep.size, zm)
+            return moe.experts(recv, weights, plan.offs, moe.ep.backend, moe.ep.size, zm)
 
     def shared_part(self, hn: torch.Tensor) -> torch.Tensor:
         return self.moe.shared(hn)
 
-    def combine_part(
-        self, h: torch.Tensor, shared: torch.Tensor | None, back: torch.Tensor, w: torch.Tensor, plan: DispatchPlan
-    ) -> torch.Tensor:
-        """Rows back in (token, k) order, weighted sum over k, plus shared expert and residual."""
+    def combine_part(self, h: torch.Tensor, shared: torch.Tensor | None, back: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Rows back in (token, k) order (already weighted by the experts), summed over k, plus
+        shared expert and residual. Keeps nothing for backward."""
         # A gather by the inverse permutation: its backward needs only the index (an
         # out-of-place index_copy by ``order`` would keep ``back`` as well).
         rows = back.index_select(0, plan.inverse_order)
-        t = w.shape[0]
-        routed = (rows.view(t, self.top_k, -1) * w.unsqueeze(-1)).sum(1).view_as(h)
+        routed = rows.view(-1, self.top_k, rows.shape[-1]).sum(1).view_as(h)
         out = h + routed
         return out if shared is None else out + shared
 
@@ -325,22 +346,31 @@ class Layer(nn.Module):
     def program(self, tape: Any, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
         if self.moe is None:
             return tape.part(self.dense_part, x)
-        h, hn, send, w, plan = tape.part(self.attention_part, x)
-        return (yield from self.moe_program(tape, h, hn, send, w, plan))
+        h, hn, send, weights, plan = tape.part(self.attention_part, x)
+        return (yield from self.moe_program(tape, h, hn, send, weights, plan))
 
     def moe_program(
-        self, tape: Any, h: torch.Tensor, hn: torch.Tensor, send: torch.Tensor, w: torch.Tensor, plan: DispatchPlan, zm: Any = None
+        self,
+        tape: Any,
+        h: torch.Tensor,
+        hn: torch.Tensor,
+        send: torch.Tensor,
+        weights: torch.Tensor,
+        plan: DispatchPlan,
+        zm: Any = None,
     ) -> Generator[Any, None, torch.Tensor]:
-        """The parts after attention: dispatch, experts, combine, shared expert, weighted sum."""
+        """The parts after attention: dispatch, experts, combine, shared expert, sum over top-k."""
         moe = self.moe
+        # The router weights go first: the small exchange is done by the time the rows are.
+        dispatch_w = tape.all_to_all(moe.ep, weights, plan.recv_splits, plan.send_splits)
         dispatch = tape.all_to_all(moe.ep, send, plan.recv_splits, plan.send_splits)
         yield dispatch
-        out = tape.part(self.experts_part, dispatch.wait(), plan, zm)
+        out = tape.part(self.experts_part, dispatch.wait(), dispatch_w.wait(), plan, zm)
         combine = tape.all_to_all(moe.ep, out, plan.send_splits, plan.recv_splits)
         yield combine
         shared = tape.part(self.shared_part, hn) if moe.shared is not None else None
         last = self.combine_part if zm is None else zm.issue_early(self.combine_part)
-        return tape.part(last, h, shared, combine.wait(), w, plan)
+        return tape.part(last, h, shared, combine.wait(), plan)
 
 
 class Block(nn.Module):
