@@ -7,7 +7,9 @@ moe / full) it builds the same model (same seed) on the same ranks, then:
 - saved bytes: one micro-batch's forward through every block, counting with
   :class:`~portapipe.memory.accounting.SavedActivations` the bytes each MoE layer holds for
   backward once its forward is done (per layer, per micro-batch; also split by part), then the
-  backward;
+  backward. Two figures per layer: the whole transformer layer (attention part included), and
+  its MoE block (dispatch, routed experts, combine, shared expert: the layer's FFN, what
+  ``recompute: moe`` recomputes);
 - peak: one tracked step, the most bytes held for backward at any moment of it (recompute's
   replays included);
 - time: the options take turns step by step (so load changes hit all alike), each step starts
@@ -164,7 +166,10 @@ def summarize(per_rank: list[dict[str, Any]], names: list[str]) -> dict[str, Any
     for name in names:
         held = r0[name]["held"]
         per_layer = {lay: sum(n for label, n in held.items() if str(label).split(".")[0] == lay) for lay in layers}
-        moe_parts = {
+        # The MoE block: what replaces the dense FFN (dispatch, routed experts, combine, shared
+        # expert); its input, the normed tokens, and the routing belong to the attention part.
+        # It is what ``recompute: moe`` recomputes.
+        moe_block = {
             lay: sum(n for label, n in held.items() if str(label).split(".")[0] == lay and not str(label).endswith(".attention"))
             for lay in layers
         }
@@ -172,7 +177,7 @@ def summarize(per_rank: list[dict[str, Any]], names: list[str]) -> dict[str, Any
         a2a = [sum(r[name]["a2a"][k] for r in per_rank) for k in (0, 1)]
         results[name] = {
             "saved_bytes_per_layer": statistics.mean(per_layer.values()),
-            "saved_bytes_moe_parts_per_layer": statistics.mean(moe_parts.values()),
+            "saved_bytes_moe_block_per_layer": statistics.mean(moe_block.values()),
             "saved_bytes_by_part": {str(k): v for k, v in sorted(held.items(), key=lambda kv: str(kv[0]))},
             "peak_saved_bytes_step": r0[name]["peak_saved_bytes"],
             "step_s_median": statistics.median(r0[name]["step_s"]),
@@ -186,7 +191,7 @@ def summarize(per_rank: list[dict[str, Any]], names: list[str]) -> dict[str, Any
     off = results["off"]
     for name, res in results.items():
         res["saved_cut_vs_off"] = 1.0 - res["saved_bytes_per_layer"] / off["saved_bytes_per_layer"]
-        res["moe_parts_cut_vs_off"] = 1.0 - res["saved_bytes_moe_parts_per_layer"] / off["saved_bytes_moe_parts_per_layer"]
+        res["moe_block_cut_vs_off"] = 1.0 - res["saved_bytes_moe_block_per_layer"] / off["saved_bytes_moe_block_per_layer"]
         res["step_vs_off"] = res["step_s_median"] / off["step_s_median"]
         # Other load on the machine only ever adds time: the fastest step is the least disturbed.
         res["step_vs_off_min"] = res["step_s_min"] / off["step_s_min"]
