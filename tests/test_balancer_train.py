@@ -4,7 +4,8 @@
   placement replicates experts regardless of load, so a load-based plan gains), migrates expert
   weights and AdamW state, and the metrics file records balancedness before and after; a run
   resumed from the step-2 checkpoint (after the migration) repeats steps 3 and 4 exactly, so
-  the checkpoint carries the placement its expert weights are laid out in.
+  the checkpoint carries the placement its expert weights are laid out in, and plans its step-4
+  rebalance from the same loads (window 4: steps 1-2 come from the checkpoint).
 - ``balancer: {kind: lplb, topology: ring, redundant: 1}``: every step routes through the
   planner; the metrics show tokens sent to copies, the rank balancedness as routed and as it
   would have been with every token on its original, and the periodic placement decisions.
@@ -69,7 +70,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from portapipe.train import check_before_launch
 
     root = tmp_path_factory.mktemp("balancer_train")
-    eplb = _config(root / "eplb", {"kind": "eplb", "interval": 2, "window": 2, "redundant": 1, "min_gain": 0.0})
+    eplb = _config(root / "eplb", {"kind": "eplb", "interval": 2, "window": 4, "redundant": 1, "min_gain": 0.0})
     lplb = _config(root / "lplb", {"kind": "lplb", "topology": "ring", "redundant": 1, "interval": 2, "window": 2})
     for raw in (eplb, lplb):
         check_before_launch(config_from_dict(raw))  # what train() checks before starting ranks
@@ -100,6 +101,18 @@ def test_resume_after_a_migration_restores_the_placement(runs: dict[str, Any]) -
     full = [m["loss"] for m in runs["eplb_metrics"] if m["kind"] == "train"]
     again = [m["loss"] for m in runs["resumed_metrics"] if m["kind"] == "train"]
     assert again[2:] == pytest.approx(full[2:], rel=1e-6, abs=0)
+
+
+@pytest.mark.multiproc
+def test_resume_plans_from_the_checkpointed_load_window(runs: dict[str, Any]) -> None:
+    """The step-4 rebalance plans from steps 1-4 (window 4) in the resumed run as well: the
+    checkpoint carries the loads of steps 1 and 2."""
+
+    def step4(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+        return [m for m in metrics if m["kind"] == "train" and m["step"] == 4][-1]["balancer"]["rebalance"]
+
+    full, again = step4(runs["eplb_metrics"]), step4(runs["resumed_metrics"])
+    assert (again["before"], again["after"]) == pytest.approx((full["before"], full["after"]), rel=1e-9, abs=0)
 
 
 @pytest.mark.multiproc

@@ -33,6 +33,25 @@ def skewed(step: int) -> torch.Tensor:
     return torch.exp(torch.randn(2, 8, generator=g) * 1.5).mul(100).round()
 
 
+def test_window_state_round_trip_keeps_the_newest_steps() -> None:
+    win = LoadWindow(3, num_layers=2, num_experts=4)
+    for s in range(4):
+        win.record(torch.full((2, 4), float(s)))
+    again = LoadWindow(3, 2, 4)
+    again.load_state_dict(win.state_dict())
+    assert torch.equal(again.loads(), win.loads())
+    again.record(torch.full((2, 4), 9.0))  # the window slides on from the restored steps
+    assert torch.equal(again.loads(), torch.full((2, 4), 2.0 + 3.0 + 9.0, dtype=torch.float64))
+    shorter = LoadWindow(2, 2, 4)
+    shorter.load_state_dict(win.state_dict())
+    assert torch.equal(shorter.loads(), torch.full((2, 4), 2.0 + 3.0, dtype=torch.float64))
+    empty = LoadWindow(3, 2, 4)
+    again.load_state_dict(empty.state_dict())
+    assert len(again) == 0
+    with pytest.raises(ValueError, match=r"shape \(3, 2, 4\).*\[n, 2, 5\]"):
+        LoadWindow(3, 2, 5).load_state_dict(win.state_dict())
+
+
 def test_rebalances_every_interval_and_logs_before_and_after(caplog: pytest.LogCaptureFixture) -> None:
     reb = Rebalancer(2, 8, num_replicas=12, num_gpus=4, num_groups=4, num_nodes=2, interval=3, window=2, min_gain=0.0)
     start = reb.placement

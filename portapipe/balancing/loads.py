@@ -60,6 +60,24 @@ class LoadWindow:
             return torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
         return torch.stack(list(self._steps)).sum(0)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The recorded steps, oldest first (``steps`` [n, L, E]): a resumed run decides its next
+        rebalance from the same loads as an uninterrupted one."""
+        steps = torch.stack(list(self._steps)) if self._steps else torch.zeros(0, self.num_layers, self.num_experts, dtype=torch.float64)
+        return {"steps": steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the recorded steps; a window shorter than the saved one keeps the newest."""
+        steps = state["steps"]
+        if steps.dim() != 3 or tuple(steps.shape[1:]) != (self.num_layers, self.num_experts):
+            raise ValueError(
+                f"saved loads have shape {tuple(steps.shape)}; this window records [steps, layers, experts] = "
+                f"[n, {self.num_layers}, {self.num_experts}]"
+            )
+        self._steps.clear()
+        for c in steps.to(torch.float64):
+            self._steps.append(c.clone())
+
 
 @dataclass
 class RebalanceEvent:

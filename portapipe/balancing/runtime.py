@@ -323,7 +323,7 @@ class ExpertBalancer:
         mine = self._figures(slots, counts)  # before a rebalance changes the placement the step ran with
         event = None
         if counts is not None:
-            (self.rebalancer.window if self.rebalancer is not None else self.window).record(counts)
+            self.load_window.record(counts)
             if (step + 1) % self.interval == 0:
                 event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
                 self.history.append(event)
@@ -349,9 +349,20 @@ class ExpertBalancer:
         return out
 
     # ------------------------------------------------------------- checkpoints
+    @property
+    def load_window(self) -> LoadWindow:
+        """The recorded per-step loads the next placement is planned from."""
+        return self.rebalancer.window if self.rebalancer is not None else self.window
+
     def state_dict(self) -> dict[str, Any]:
-        """The placement in force (the checkpointed expert weights are laid out by it)."""
-        return {"kind": self.kind, "phy2log": self.placement.phy2log.clone(), "log2phy": self.placement.log2phy.clone()}
+        """The placement in force (the checkpointed expert weights are laid out by it) and the
+        recorded loads (so a resumed run plans its next placement from the same window)."""
+        return {
+            "kind": self.kind,
+            "phy2log": self.placement.phy2log.clone(),
+            "log2phy": self.placement.log2phy.clone(),
+            "loads": self.load_window.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the placement of a checkpoint whose expert weights were just loaded."""
@@ -367,6 +378,8 @@ class ExpertBalancer:
         for row, planner in enumerate(self.planners):
             # the planner's layout is a function of each rank's originals (its first local slots)
             planner._set_layout(placement.phy2log[row].view(self.ep, self.slots_per_rank)[:, : planner.local_logical].clone())
+        if "loads" in state:
+            self.load_window.load_state_dict(state["loads"])
         self._label()
 
 
