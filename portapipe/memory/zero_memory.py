@@ -136,9 +136,10 @@ class ExpertRefetch:
     def activation(self, fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any) -> torch.Tensor:
         """``fn(x, *args)``; at level1 its output is not kept but recomputed in backward.
 
-        ``fn`` keeps only its input for its own backward (the model's
-        :class:`~portapipe.models.moe.SwiGLU`); what is dropped here is its output, which the
-        next projection would keep. It is remade from ``x`` by the same ``fn``.
+        ``fn`` keeps only its inputs for its own backward (the model's
+        :class:`~portapipe.models.moe.SwiGLU`, with the rows' router weights as ``args``); what
+        is dropped here is its output, which the next projection would keep. It is remade from
+        the same inputs by the same ``fn``.
         """
         out = fn(x, *args)
         if self.config.level == "level1":
