@@ -10,10 +10,12 @@ rank e // (E/ep)), EPLB only (replicas from ``rebalance_experts`` with the same 
 expert's tokens split evenly over its replicas), and LPLB (``Planner.run`` on all tokens), with
 the LP optimum of each batch beside it.
 
-Speed: one ``Planner.run`` of one rank's tokens (count, solve every group's LP, map) beside
-scipy's HiGHS (``linprog(method="highs")``) solving the same group LPs one by one, called in
-turn ``--repeats`` times in the same process and thread budget (medians and minima); then every
-layer's group LPs (``--layers`` x groups) in one batched solve against HiGHS one by one.
+Speed: one ``Planner.run`` of one rank's tokens (count, solve every group's LP, map) with the
+compiled CPU path (``lplb_native``, the default where a C compiler is found) and with the torch
+path (``use_native=False``), beside scipy's HiGHS (``linprog(method="highs")``) solving the same
+group LPs one by one, called in turn ``--repeats`` times in the same process and thread budget
+(medians and minima); then every layer's group LPs (``--layers`` x groups) in one batched solve,
+by both paths, against HiGHS one by one.
 
     python benchmarks/lplb.py --threads 1
 """
@@ -34,6 +36,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from portapipe.balancing import lplb_native  # noqa: E402
 from portapipe.balancing.eplb import rebalance_experts  # noqa: E402
 from portapipe.balancing.lp_solver import BalanceLP  # noqa: E402
 from portapipe.balancing.lplb import Planner  # noqa: E402
@@ -108,6 +111,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (HiGHS runs on one)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]  # other processes share the cores: say how busy they were
     torch.set_num_threads(args.threads)
     E, ep, topo = args.experts, args.ep, args.topology
     r2o = TOPOLOGIES[topo]()
@@ -143,8 +147,11 @@ def main() -> None:
     # Speed: one rank's run beside HiGHS on the same group LPs, alternating call by call so that
     # load from other processes hits both alike.
     rank_idx = route(gen, logits, 1, args.tokens, args.top_k, args.noise)[0]
-    timer = Planner(r2o, n_physical, E, ep_size=ep)
-    timer.update_placement(history, num_groups=args.eplb_groups, num_nodes=args.eplb_nodes)
+    native_why = lplb_native.why_unavailable(rank_idx.device)
+    timer = Planner(r2o, n_physical, E, ep_size=ep)  # native where available
+    timer_torch = Planner(r2o, n_physical, E, ep_size=ep, use_native=False)
+    for p in (timer, timer_torch):
+        p.update_placement(history, num_groups=args.eplb_groups, num_nodes=args.eplb_nodes)
     counts = torch.bincount(rank_idx.flatten(), minlength=E)
     G, g, d = timer.n_groups, timer.group_size, timer.n_classes
     fixed, rep = timer.group_loads(counts)
@@ -152,13 +159,16 @@ def main() -> None:
     times = interleaved(
         {
             "run": lambda: timer.run(rank_idx),
+            "run_torch": lambda: timer_torch.run(rank_idx),
             "plan": lambda: timer.plan(counts.unsqueeze(0)),
+            "plan_torch": lambda: timer_torch.plan(counts.unsqueeze(0)),
             "highs": lambda: highs_group_lps(fixed_np, rep_np, r2o_np),
         },
         args.repeats,
     )
-    timer.plan(counts.unsqueeze(0))
+    same_indices = torch.equal(timer.run(rank_idx), timer_torch.run(rank_idx))
     ours = timer.last_plan.lp_objective.numpy()
+    ours_torch = timer_torch.last_plan.lp_objective.numpy()
     ref = np.array(highs_group_lps(fixed_np, rep_np, r2o_np))
 
     # Batching: every MoE layer's groups in one solve (e.g. 61 layers x 4 groups) against HiGHS
@@ -169,14 +179,22 @@ def main() -> None:
     many_rep = (rep.unsqueeze(0) * noise.unsqueeze(-1)).reshape(-1, g, d)
     many = BalanceLP(r2o, many_fixed.shape[0])
     many_res = many.solve(many_fixed, many_rep)
+    many_torch = many.solve(many_fixed, many_rep, use_native=False)
     batch_times = interleaved(
         {
             "ours": lambda: many.solve(many_fixed, many_rep),
+            "ours_torch": lambda: many.solve(many_fixed, many_rep, use_native=False),
             "highs": lambda: highs_group_lps(many_fixed.numpy(), many_rep.numpy(), r2o_np),
         },
         3,
     )
     many_ref = np.array(highs_group_lps(many_fixed.numpy(), many_rep.numpy(), r2o_np))
+
+    def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.max(np.abs(a - b) / np.maximum(b, 1e-12)))
+
+    def speedup(base: str, of: str, t: dict) -> dict[str, float]:
+        return {"median": round(t[base][0] / t[of][0], 2), "min": round(t[base][1] / t[of][1], 2)}
 
     def summary(vals: list[float]) -> dict[str, float]:
         return {"mean": round(statistics.mean(vals), 5), "max": round(max(vals), 5)}
@@ -186,7 +204,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
         "threads": args.threads,
-        "load_avg_1min_before": round(os.getloadavg()[0], 2),
+        "load_avg_1min_before": round(load_before, 2),
+        "load_avg_1min_after": round(os.getloadavg()[0], 2),
         "setup": {"experts": E, "ep": ep, "top_k": args.top_k, "tokens_per_rank": args.tokens,
                   "redundant_per_rank": args.redundant, "topology": topo, "groups": G,
                   "zipf_skew": args.skew, "noise_sigma": args.noise, "batches": args.batches, "seed": args.seed},
@@ -194,24 +213,36 @@ def main() -> None:
         "lplb_within_1pct_of_lp_optimum": all(a <= b * 1.01 for a, b in zip(ratios["lplb"], ratios["lp_optimum"])),
         "accepted_solves": planner.accepted_solves,
         "fallback_solves": planner.fallback_solves,
+        "native_path": native_why or "used (compiled C, lplb_native)",
         "speed_one_layer": {
             "what": f"one rank's Planner.run ({args.tokens} tokens x top-{args.top_k}: count, solve {G} group LPs, map) "
-            f"vs scipy HiGHS solving the same {G} LPs one by one; medians of {args.repeats} alternating calls",
+            f"vs scipy HiGHS solving the same {G} LPs one by one; medians of {args.repeats} alternating calls; "
+            "run/plan: the default path (native where available), *_torch: use_native=False",
             "run_ms": ms(times["run"]),
             "plan_only_ms": ms(times["plan"]),
+            "run_torch_ms": ms(times["run_torch"]),
+            "plan_only_torch_ms": ms(times["plan_torch"]),
             "highs_ms": ms(times["highs"]),
-            "speedup_run_vs_highs": {"median": round(times["highs"][0] / times["run"][0], 2), "min": round(times["highs"][1] / times["run"][1], 2)},
+            "speedup_run_vs_highs": speedup("highs", "run", times),
+            "speedup_run_torch_vs_highs": speedup("highs", "run_torch", times),
+            "same_indices_native_and_torch": same_indices,
             "lp_iterations": BalanceLP(r2o, G).solve(fixed, rep).iterations,
-            "objective_max_rel_diff_vs_highs": float(np.max(np.abs(ours - ref) / np.maximum(ref, 1e-12))),
+            "objective_max_rel_diff_vs_highs": rel_diff(ours, ref),
+            "objective_max_rel_diff_torch_vs_highs": rel_diff(ours_torch, ref),
         },
         "speed_all_layers_batched": {
-            "what": f"{many_fixed.shape[0]} group LPs ({args.layers} layers x {G} groups) in one batched solve vs HiGHS one by one; medians of 3",
+            "what": f"{many_fixed.shape[0]} group LPs ({args.layers} layers x {G} groups) in one batched solve vs HiGHS "
+            "one by one; medians of 3; ours: default path, ours_torch: use_native=False",
             "ours_ms": ms(batch_times["ours"]),
+            "ours_torch_ms": ms(batch_times["ours_torch"]),
             "highs_ms": ms(batch_times["highs"]),
             "speedup": round(batch_times["highs"][0] / batch_times["ours"][0], 2),
+            "speedup_torch": round(batch_times["highs"][0] / batch_times["ours_torch"][0], 2),
             "accepted": int(many_res.accepted.sum()),
+            "accepted_torch": int(many_torch.accepted.sum()),
             "lp_iterations": many_res.iterations,
-            "objective_max_rel_diff_vs_highs": float(np.max(np.abs(many_res.objective.numpy() - many_ref) / np.maximum(many_ref, 1e-12))),
+            "objective_max_rel_diff_vs_highs": rel_diff(many_res.objective.numpy(), many_ref),
+            "objective_max_rel_diff_torch_vs_highs": rel_diff(many_torch.objective.numpy(), many_ref),
         },
     }
     print(json.dumps(result, indent=2))

@@ -173,3 +173,18 @@ def test_bad_construction() -> None:
     p = Planner(cube(), 96, 64, ep_size=16)
     with pytest.raises(ValueError, match="tensor of 64 per-expert loads"):
         p.update_placement(torch.ones(63))
+
+
+def test_set_layout_adopts_a_saved_layout_and_rejects_bad_ones() -> None:
+    src = Planner(cube(), 64 + 2 * 8, 64, ep_size=8)
+    w = torch.arange(64, dtype=torch.float64).flip(0) ** 2
+    phy2log, log2phy, logcnt = src.update_placement(w)
+    dst = Planner(cube(), 64 + 2 * 8, 64, ep_size=8)
+    got = dst.set_layout(phy2log.view(8, -1)[:, :8])
+    assert torch.equal(got[0], phy2log) and torch.equal(got[1], log2phy) and torch.equal(got[2], logcnt)
+    idx = torch.randint(0, 64, (256, 2), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(dst.run(idx), src.run(idx))
+    with pytest.raises(ValueError, match=r"shape \[8, 8\]"):
+        dst.set_layout(torch.arange(64).view(4, 16))
+    with pytest.raises(ValueError, match="exactly once"):
+        dst.set_layout(torch.zeros(8, 8, dtype=torch.int64))

@@ -17,8 +17,10 @@ matrix is one row per rank; it is the same method, specialised so that an iterat
 smaller operations. :func:`solve_balance` / :class:`BalanceLP` build the LPLB LP of every group of
 a batch (REFERENCE.md: minimise the largest rank load when each replicated class may move a
 share of its tokens to its copy), solve them in one call with it, check each solution against a
-certified lower bound, and replace a failed one by the even split. The standard form of the same
-LP (:func:`balance_lp`) feeds :func:`solve_lp` for cross-checks.
+certified lower bound, and replace a failed one by the even split. On CPU tensors they hand the
+batch to the compiled solver of :mod:`~portapipe.balancing.lplb_native` when it is available (the
+same method, start, stopping rule and checks, without the per-operation overhead). The standard
+form of the same LP (:func:`balance_lp`) feeds :func:`solve_lp` for cross-checks.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from . import lplb_native
 
 __all__ = ["LPResult", "solve_lp", "solve_box_lp", "BalanceResult", "BalanceLP", "balance_lp", "solve_balance", "rank_loads"]
 
@@ -147,6 +151,12 @@ def solve_lp(
 
 
 # ------------------------------------------------------------------- the LPLB balancing LP
+#: fraction of the largest feasible step the balancing LP's iterations take (torch and native)
+STEP_FRAC = 0.9999
+#: a plan is accepted when its max load is within this of the certified lower bound (normalised loads)
+ACCEPT_RTOL = 1e-6
+
+
 @dataclass
 class BalanceResult:
     """Per-group plans of one batch: G groups of g ranks with d classes each."""
@@ -217,6 +227,7 @@ class BalanceLP:
         holder[self.r2o, cls.expand(g, d)] = ranks.unsqueeze(1).expand(g, d)  # holder[r, k]: who copies r's class k
         moves[holder.reshape(-1), qs] = 1.0
         self.moves = moves
+        self.holder = holder.reshape(-1).cpu()  # the native solver's form of `moves`
 
     def build(self, fixed: torch.Tensor, replicated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(c, A, b) for loads fixed [G, g] and replicated [G, g, d] (already in ``dtype``)."""
@@ -238,7 +249,8 @@ class BalanceLP:
         *,
         tol: float = 1e-8,
         max_iter: int = 50,
-        accept_rtol: float = 1e-6,
+        accept_rtol: float = ACCEPT_RTOL,
+        use_native: bool | None = None,
     ) -> BalanceResult:
         """Plan every group: fixed [G, g] loads, replicated [G, g, d] class loads (any real dtype).
 
@@ -247,6 +259,11 @@ class BalanceLP:
         solver converged, the shares are finite and in [0, 1], and the loads they give are within
         ``accept_rtol`` of a certified lower bound (from the dual multipliers) and no worse than
         the even split. A rejected group gets the even split (keep = 1/2).
+
+        ``use_native``: solve with the C solver of :mod:`~portapipe.balancing.lplb_native` (same
+        method, checks and result, computed in float64; CPU tensors only) -- None: when it is
+        available, True: always (RuntimeError with the reason if it cannot run), False: the
+        torch solver.
         """
         G, g, d = self.n_groups, self.g, self.d
         if tuple(fixed.shape) != (G, g) or tuple(replicated.shape) != (G, g, d):
@@ -254,15 +271,22 @@ class BalanceLP:
                 f"loads must be fixed [{G}, {g}] and replicated [{G}, {g}, {d}], got {list(fixed.shape)} and {list(replicated.shape)}"
             )
         out_dtype = replicated.dtype if replicated.dtype.is_floating_point else self.dtype
-        keep, objective, bound, ok, iterations = _compiled(_balance)(
-            self.moves, fixed.to(self.dtype), replicated.to(self.dtype).reshape(G, self.n), self.move_cost,
-            tol, max_iter, accept_rtol,
-        )
+        fixed, w = fixed.to(self.dtype), replicated.to(self.dtype).reshape(G, self.n)
+        if lplb_native.wanted(use_native, w.device):
+            keep, objective, bound, ok, iterations = lplb_native.balance(
+                self.holder, fixed, w, move_cost=self.move_cost, tol=tol, max_iter=max_iter, accept_rtol=accept_rtol,
+                step_frac=STEP_FRAC,
+            )
+        else:
+            keep, objective, bound, ok, iterations = _compiled(_balance)(
+                self.moves, fixed, w, self.move_cost, tol, max_iter, accept_rtol, STEP_FRAC
+            )
         return BalanceResult(keep.view(G, g, d).to(out_dtype), objective.to(out_dtype), bound.to(out_dtype), ok, iterations)
 
 
 def _balance(
-    moves: torch.Tensor, fixed: torch.Tensor, w: torch.Tensor, move_cost: float, tol: float, max_iter: int, accept_rtol: float
+    moves: torch.Tensor, fixed: torch.Tensor, w: torch.Tensor, move_cost: float, tol: float, max_iter: int, accept_rtol: float,
+    step_frac: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """:meth:`BalanceLP.solve` on flat loads fixed [G, g], w [G, n]: (keep [G, n], objective,
     lower bound, accepted, iterations)."""
@@ -275,7 +299,7 @@ def _balance(
     c: Optional[torch.Tensor] = None
     if move_cost != 0.0:
         c = move_cost * wn
-    q, y, err, iterations = _box_ipm(M, h, c, tol, max_iter, 0.9999)
+    q, y, err, iterations = _box_ipm(M, h, c, tol, max_iter, step_frac)
     # Loads the shares give, the even split's, and a lower bound on the LP's objective valid for
     # any q in [0, 1] (the dual multipliers' certificate): for y >= 0 with sum y = 1,
     # max_i load_i + c^T q >= y^T h + (M^T y + c)^T q >= y^T h + sum_j min(0, (M^T y + c)_j).
@@ -432,9 +456,10 @@ def solve_balance(
     *,
     tol: float = 1e-8,
     max_iter: int = 50,
-    accept_rtol: float = 1e-6,
+    accept_rtol: float = ACCEPT_RTOL,
     dtype: torch.dtype = torch.float64,
+    use_native: bool | None = None,
 ) -> BalanceResult:
     """One-off :meth:`BalanceLP.solve`: fixed [G, g] loads, replicated [G, g, d], r2o [g, d]."""
     lp = BalanceLP(r2o, replicated.shape[0], dtype=dtype, device=replicated.device)
-    return lp.solve(fixed, replicated, tol=tol, max_iter=max_iter, accept_rtol=accept_rtol)
+    return lp.solve(fixed, replicated, tol=tol, max_iter=max_iter, accept_rtol=accept_rtol, use_native=use_native)

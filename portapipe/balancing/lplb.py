@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .lp_solver import BalanceLP
+from . import lplb_native
+from .lp_solver import ACCEPT_RTOL, STEP_FRAC, BalanceLP
 from .topology import validate_r2o
 
 __all__ = ["Plan", "Planner", "occurrence_rank"]
@@ -80,6 +81,11 @@ class Planner:
         use_triton: count and map with the Triton kernels (None: when triton is installed and
             the indices live on a device it drives, or on CPU under TRITON_INTERPRET=1); the
             torch path gives identical results.
+        use_native: count, solve and map CPU tensors with the compiled C path of
+            :mod:`~portapipe.balancing.lplb_native` (None: when it is available; True: always,
+            RuntimeError naming the reason if it cannot run; False: the torch path), decided
+            when the planner first sees a device. Same results as the torch path; Triton, when
+            it is used, still counts and maps.
     """
 
     def __init__(
@@ -94,6 +100,7 @@ class Planner:
         tol: float = 1e-8,
         max_iter: int = 50,
         use_triton: bool | None = None,
+        use_native: bool | None = None,
     ) -> None:
         if group is not None:
             if backend is None:
@@ -138,10 +145,12 @@ class Planner:
         self.backend = backend
         self.tol, self.max_iter = tol, max_iter
         self.use_triton = use_triton
+        self.use_native = use_native
         self._accepted = 0
         self._fallback = 0
         self.last_plan: Plan | None = None
         self._lps: dict[torch.device, BalanceLP] = {}
+        self._paths_on: dict[torch.device, tuple[str, bool]] = {}
         self._set_layout(torch.arange(n_logical, dtype=torch.int64).view(ep_size, self.local_logical))
 
     # ------------------------------------------------------------------ placement
@@ -154,6 +163,20 @@ class Planner:
     def fallback_solves(self) -> int:
         """Group LPs replaced by the even split, over all runs."""
         return self._fallback
+
+    def set_layout(self, originals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Adopt a layout given as ``originals[ep, L]``: the logical experts each EP rank holds as
+        originals, its replicated ones first (e.g. restored from a checkpoint's ``phy2log``: each
+        rank's first ``L`` slots). Returns (phy2log [P], log2phy [E, 2], logcnt [E])."""
+        o = torch.as_tensor(originals)
+        shape = (self.ep_size, self.local_logical)
+        if o.dtype.is_floating_point or o.dtype == torch.bool or tuple(o.shape) != shape:
+            raise ValueError(f"originals must be integer expert ids of shape {list(shape)} ([EP ranks, n_logical/ep]), got {o.dtype} {list(o.shape)}")
+        o = o.to(torch.int64)
+        if not torch.equal(torch.sort(o.reshape(-1)).values, torch.arange(self.n_logical)):
+            raise ValueError(f"originals must hold every logical expert 0..{self.n_logical - 1} exactly once")
+        self._set_layout(o.clone())
+        return self.phy2log, self.log2phy, self.logcnt
 
     def _set_layout(self, originals: torch.Tensor) -> None:
         """Build all maps from ``originals[ep, L]``: each rank's experts, replicated ones first."""
@@ -255,15 +278,38 @@ class Planner:
         """Plan a batch from per-source token counts [S, E] (S ranks' rows; their sum is the batch)."""
         if counts.dim() != 2 or counts.shape[1] != self.n_logical:
             raise ValueError(f"counts must have shape [sources, {self.n_logical}], got {list(counts.shape)}")
-        counts = counts.long()
-        dev = counts.device
-        _, lp_slot, rep_mask, orig_phys, copy_phys, _ = self._maps(dev)
-        G = self.n_groups
-        total = counts.sum(0)
-        res = self._lp(dev).solve(*self.group_loads(total), tol=self.tol, max_iter=self.max_iter)
-        n_ok = int(res.accepted.sum())
+        return self._plan(counts.long(), self._paths(counts.device)[1])[0]
+
+    def _plan(
+        self, counts: torch.Tensor, native: bool, flat: torch.Tensor | None = None, source: int = 0
+    ) -> tuple[Plan, torch.Tensor | None]:
+        """:meth:`plan` of int64 counts by the C path (``native``; it also maps ``flat``, this
+        rank's entries counted in row ``source``, in the same call) or in tensor operations
+        (then the mapping is left to the caller: None)."""
+        lp = self._lp(counts.device)
+        G, g, d = self.n_groups, self.group_size, self.n_classes
+        mapped = None
+        if native:
+            (keep, objective, _, accepted, _), moved, phys, rank_load, mapped = lplb_native.plan(
+                counts, (self._rank_of, self._lp_slot, self._orig_phys, self._copy_phys), lp.holder,
+                n_groups=G, ep_size=self.ep_size, n_physical=self.n_physical, tol=self.tol, max_iter=self.max_iter,
+                accept_rtol=ACCEPT_RTOL, step_frac=STEP_FRAC, frac_bits=_FRAC_BITS, indices=flat, source=source,
+            )
+            plan = Plan(counts, keep.view(G, g, d), moved, phys, rank_load, objective, accepted)
+        else:
+            plan = self._plan_torch(counts, lp)
+        n_ok = plan.accepted.tolist().count(True)  # G flags: cheaper than a reduction and int()
         self._accepted += n_ok
         self._fallback += G - n_ok
+        self.last_plan = plan
+        return plan, mapped
+
+    def _plan_torch(self, counts: torch.Tensor, lp: BalanceLP) -> Plan:
+        """The portable plan: group loads, the LPs by the torch solver, rounding, in tensor ops."""
+        dev = counts.device
+        _, lp_slot, rep_mask, orig_phys, copy_phys, _ = self._maps(dev)
+        total = counts.sum(0)
+        res = lp.solve(*self.group_loads(total), tol=self.tol, max_iter=self.max_iter, use_native=False)
         # Moved share per expert in fixed point; cumulative rounding over sources makes the
         # per-source integers add up to round(share * total) exactly.
         one = 1 << _FRAC_BITS
@@ -273,7 +319,7 @@ class Planner:
         moved_total = cum[-1]
         phys = torch.zeros(self.n_physical, dtype=torch.int64, device=dev)
         phys.index_add_(0, orig_phys, total - moved_total).index_add_(0, copy_phys, moved_total)
-        plan = Plan(
+        return Plan(
             counts=counts,
             keep=res.keep,
             moved=moved,
@@ -282,16 +328,11 @@ class Planner:
             lp_objective=res.objective,
             accepted=res.accepted,
         )
-        self.last_plan = plan
-        return plan
 
     # ---------------------------------------------------------------------- run
     def check_indices(self, indices: torch.Tensor) -> None:
         """Raise TypeError / ValueError naming what is wrong with a batch of logical indices."""
-        if not isinstance(indices, torch.Tensor):
-            raise TypeError(f"indices must be a torch.Tensor of logical expert ids, got {type(indices).__name__}")
-        if indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"indices must be int32 or int64 logical expert ids, got {indices.dtype}")
+        self._check_type(indices)
         if indices.numel() == 0:
             return
         lo, hi = (int(v) for v in torch.aminmax(indices))
@@ -302,25 +343,48 @@ class Planner:
                 f"[0, {self.n_logical}) or -1 for a dropped token"
             )
 
-    def _triton(self, flat: torch.Tensor) -> bool:
+    @staticmethod
+    def _check_type(indices: torch.Tensor) -> None:
+        if not isinstance(indices, torch.Tensor):
+            raise TypeError(f"indices must be a torch.Tensor of logical expert ids, got {type(indices).__name__}")
+        if indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"indices must be int32 or int64 logical expert ids, got {indices.dtype}")
+
+    def _paths(self, device: torch.device) -> tuple[str, bool]:
+        """(who counts and maps: "triton", "native" or "torch"; whether the C path plans) for
+        tensors on ``device``, decided on first use there (the options, then the environment)."""
+        if device not in self._paths_on:
+            native = lplb_native.wanted(self.use_native, device)
+            self._paths_on[device] = ("triton" if self._triton(device) else "native" if native else "torch", native)
+        return self._paths_on[device]
+
+    def _triton(self, device: torch.device) -> bool:
         """Whether to count and map with the Triton kernels for tensors on this device."""
         if self.use_triton is False:
             return False
         from . import lplb_triton  # no triton import unless the device could use it
 
-        why = lplb_triton.why_unavailable(flat.device)
+        why = lplb_triton.why_unavailable(device)
         if self.use_triton and why:
-            raise RuntimeError(f"use_triton=True but Triton cannot run on {flat.device.type}: {why}")
+            raise RuntimeError(f"use_triton=True but Triton cannot run on {device.type}: {why}")
         return not why
 
     def count(self, indices: torch.Tensor) -> torch.Tensor:
         """Tokens per logical expert in this rank's ``indices`` (int64 [E]); -1 entries are ignored."""
-        self.check_indices(indices)
+        self._check_type(indices)
         flat = indices.reshape(-1)
-        return self._bincount(flat, self._triton(flat))[1:]
+        return self._bincount(indices, flat, self._paths(flat.device)[0])[1:]
 
-    def _bincount(self, flat: torch.Tensor, use_triton: bool) -> torch.Tensor:
-        if use_triton:
+    def _bincount(self, indices: torch.Tensor, flat: torch.Tensor, path: str) -> torch.Tensor:
+        """``bincount(flat + 1)`` with the -1 bin first, after checking the range of ``indices``
+        (the native count checks it in the same pass)."""
+        if path == "native":
+            binned, bad = lplb_native.count_experts(flat, self.n_logical)
+            if bad >= 0:
+                self.check_indices(indices)  # raises, naming the entry
+            return binned
+        self.check_indices(indices)
+        if path == "triton":
             from .lplb_triton import count_experts
 
             return count_experts(flat, self.n_logical)
@@ -332,32 +396,33 @@ class Planner:
         Counts this rank's tokens, all-reduces the per-rank counts over the group, solves every
         group's LP, and returns physical ids of the same shape and dtype.
         """
-        self.check_indices(indices)
+        self._check_type(indices)
         flat = indices.reshape(-1)
         dev = flat.device
-        use_triton = self._triton(flat)
-        binned = self._bincount(flat, use_triton)
-        local = binned[1:]
+        path, native = self._paths(dev)
+        binned = self._bincount(indices, flat, path)
         if self.group is not None:
             # Each rank fills its own row: the all-reduce gives every rank every rank's counts,
             # hence the same LP and the same cumulative rounding over ranks.
             counts = torch.zeros(self.ep_size, self.n_logical, dtype=torch.int64, device=dev)
-            counts[self.ep_rank] = local
+            counts[self.ep_rank] = binned[1:]
             self.backend.all_reduce(counts, group=self.group)
             source = self.ep_rank
         else:
-            counts = local.unsqueeze(0)
+            counts = binned[None, 1:]
             source = 0
-        plan = self.plan(counts)
-        moved = plan.moved[source]
-        if use_triton:
-            from .lplb_triton import map_indices
+        # The C path maps in the planning call when it also counted; Triton maps on its own.
+        plan, out = self._plan(counts, native, flat if path == "native" else None, source)
+        if out is None:
+            moved = plan.moved[source]
+            if path == "torch":
+                out = self._map_sorted(flat, binned, moved)
+            else:
+                from .lplb_triton import map_indices
 
-            _, _, _, orig_phys, copy_phys, _ = self._maps(dev)
-            out = map_indices(flat, local - moved, orig_phys, copy_phys)
-        else:
-            out = self._map_sorted(flat, binned, moved)
-        return out.to(indices.dtype).view(indices.shape)
+                _, _, _, orig_phys, copy_phys, _ = self._maps(dev)
+                out = map_indices(flat, binned[1:] - moved, orig_phys, copy_phys)
+        return (out if out.dtype == indices.dtype else out.to(indices.dtype)).view(indices.shape)
 
     def _map_sorted(self, flat: torch.Tensor, binned: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
         """Torch path of the mapping: in stably sorted order the entries of expert e are

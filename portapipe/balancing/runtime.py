@@ -377,7 +377,7 @@ class ExpertBalancer:
             self.rebalancer.placement = placement
         for row, planner in enumerate(self.planners):
             # the planner's layout is a function of each rank's originals (its first local slots)
-            planner._set_layout(placement.phy2log[row].view(self.ep, self.slots_per_rank)[:, : planner.local_logical].clone())
+            planner.set_layout(placement.phy2log[row].view(self.ep, self.slots_per_rank)[:, : planner.local_logical])
         if "loads" in state:
             self.load_window.load_state_dict(state["loads"])
         self._label()
