@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
+from portapipe.balancing import lplb_native
 from portapipe.balancing.eplb import rebalance_experts
 from portapipe.balancing.lp_solver import rank_loads
 from portapipe.balancing.lplb import Planner, occurrence_rank
 from portapipe.balancing.topology import cube, ring, torus
 
 E, EP = 64, 16  # 4 experts per rank, 2 cube groups
+
+
+def require_native() -> None:
+    """Skip where there is no C compiler at all; anywhere else the native path must build."""
+    if not os.environ.get("CC") and not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler (cc, gcc, clang or $CC) on this machine: the native path cannot be built")
+    why = lplb_native.why_unavailable(torch.device("cpu"))
+    assert why == "", why
+
+
+#: the planner's two CPU paths: tensor operations, and the compiled one (skipped without a compiler)
+PATHS = pytest.mark.parametrize("use_native", [False, True], ids=["torch", "native"])
 
 
 def zipf_indices(gen: torch.Generator, tokens: int, n_experts: int, top_k: int, skew: float, perm: torch.Tensor) -> torch.Tensor:
@@ -132,27 +148,36 @@ def test_balance_close_to_lp_optimum_and_better_than_even_split() -> None:
     assert ratio < float(even.max() / mean)
 
 
-def test_fallbacks_are_counted() -> None:
-    p = Planner(cube(), 16 + 16, 16, ep_size=8, max_iter=1)
+@PATHS
+def test_fallbacks_are_counted(use_native: bool) -> None:
+    if use_native:
+        require_native()
+    p = Planner(cube(), 16 + 16, 16, ep_size=8, max_iter=1, use_native=use_native)
     p.run(torch.randint(0, 16, (64, 2), generator=torch.Generator().manual_seed(0)))
     assert p.fallback_solves == 1 and p.accepted_solves == 0
     assert bool((p.last_plan.keep == 0.5).all())
 
 
+@PATHS
 @pytest.mark.parametrize(
     "indices, error, match",
     [
         (torch.tensor([[0, 64]]), ValueError, r"indices\[0, 1\] = 64 is out of range: .* \[0, 64\) or -1"),
         (torch.tensor([[-2, 3]]), ValueError, r"indices\[0, 0\] = -2 is out of range"),
+        (torch.tensor([[3, -2]], dtype=torch.int32), ValueError, r"indices\[0, 1\] = -2 is out of range"),
         (torch.tensor([[0.0, 1.0]]), TypeError, "int32 or int64 .* got torch.float32"),
         (torch.tensor([[0, 1]], dtype=torch.int16), TypeError, "got torch.int16"),
         ([[0, 1]], TypeError, "must be a torch.Tensor"),
     ],
 )
-def test_bad_indices(indices: object, error: type, match: str) -> None:
-    p = Planner(cube(), E + 2 * EP, E, ep_size=EP)
+def test_bad_indices(use_native: bool, indices: object, error: type, match: str) -> None:
+    if use_native:
+        require_native()
+    p = Planner(cube(), E + 2 * EP, E, ep_size=EP, use_native=use_native)
     with pytest.raises(error, match=match):
         p.run(indices)  # type: ignore[arg-type]
+    with pytest.raises(error, match=match):
+        p.count(indices)  # type: ignore[arg-type]
 
 
 def test_bad_construction() -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,18 +14,14 @@ from portapipe.balancing import lplb_native
 from portapipe.balancing.lp_solver import BalanceLP, rank_loads, solve_balance
 from portapipe.balancing.lplb import Planner, occurrence_rank
 from portapipe.balancing.topology import cube, torus
-from tests.test_lplb import zipf_indices
+from tests.test_lplb import require_native, zipf_indices
 
 E, EP = 64, 16
 
 
 @pytest.fixture(scope="module")
 def native() -> None:
-    """Skip where there is no C compiler at all; anywhere else the native path must build."""
-    if not os.environ.get("CC") and not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
-        pytest.skip("no C compiler (cc, gcc, clang or $CC) on this machine: the native path cannot be built")
-    why = lplb_native.why_unavailable(torch.device("cpu"))
-    assert why == "", why
+    require_native()
 
 
 def _indices(n: int, n_experts: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
@@ -176,30 +170,6 @@ def test_multi_source_plan_matches_torch(native: None) -> None:
     assert torch.allclose(plan.lp_objective, ref.lp_objective, rtol=1e-8)
     assert torch.equal(plan.moved, ref.moved) and torch.equal(plan.phys_load, ref.phys_load)
     assert torch.equal(plan.rank_load, ref.rank_load)
-
-
-def test_native_fallbacks_are_counted(native: None) -> None:
-    p = Planner(cube(), 32, 16, ep_size=8, max_iter=1, use_native=True)
-    p.run(torch.randint(0, 16, (64, 2), generator=torch.Generator().manual_seed(0)))
-    assert p.fallback_solves == 1 and p.accepted_solves == 0
-    assert bool((p.last_plan.keep == 0.5).all())
-
-
-@pytest.mark.parametrize(
-    "indices, error, match",
-    [
-        (torch.tensor([[0, 64]]), ValueError, r"indices\[0, 1\] = 64 is out of range: .* \[0, 64\) or -1"),
-        (torch.tensor([[3, -2]], dtype=torch.int32), ValueError, r"indices\[0, 1\] = -2 is out of range"),
-        (torch.tensor([[0.0, 1.0]]), TypeError, "int32 or int64 .* got torch.float32"),
-        ([[0, 1]], TypeError, "must be a torch.Tensor"),
-    ],
-)
-def test_bad_indices_native(native: None, indices: object, error: type, match: str) -> None:
-    p = Planner(cube(), E + 2 * EP, E, ep_size=EP, use_native=True)
-    with pytest.raises(error, match=match):
-        p.run(indices)  # type: ignore[arg-type]
-    with pytest.raises(error, match=match):
-        p.count(indices)  # type: ignore[arg-type]
 
 
 def _fallback_case(reason: str) -> None:
