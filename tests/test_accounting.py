@@ -135,7 +135,7 @@ def test_runtime_step_reports_peak_saved_bytes_per_rank() -> None:
 
 def test_rmsnorm_and_swiglu_keep_only_their_inputs() -> None:
     """RMSNorm keeps x and one scale per row; SwiGLU keeps its gate/up input (nothing else)."""
-    from portapipe.models.moe import RMSNorm, swiglu
+    from portapipe.models.functions import RMSNorm, swiglu
 
     norm = RMSNorm(32, torch.float64)
     x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)

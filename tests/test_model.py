@@ -153,7 +153,7 @@ def test_forward_counts_routed_rows_per_expert() -> None:
 def test_swiglu_function_matches_autograd_of_the_formula_bit_for_bit(dtype: torch.dtype, scaled: bool) -> None:
     """SwiGLU keeps only its input (and the row scale), yet its values and gradients equal
     autograd's on the formula, the scale's gradient included."""
-    from portapipe.models.moe import swiglu, silu
+    from portapipe.models.functions import silu, swiglu
 
     g = torch.Generator().manual_seed(3)
     width = 19
@@ -178,7 +178,7 @@ def test_swiglu_function_matches_autograd_of_the_formula_bit_for_bit(dtype: torc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rmsnorm_function_matches_autograd_of_the_formula_bit_for_bit(dtype: torch.dtype) -> None:
     """RMSNorm keeps x and its row scale only; values and gradients (through a residual too) are autograd's."""
-    from portapipe.models.moe import RMSNorm
+    from portapipe.models.functions import RMSNorm
 
     g = torch.Generator().manual_seed(4)
     norm = RMSNorm(48, dtype)

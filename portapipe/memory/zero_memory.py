@@ -137,7 +137,7 @@ class ExpertRefetch:
         """``fn(x, *args)``; at level1 its output is not kept but recomputed in backward.
 
         ``fn`` keeps only its inputs for its own backward (the model's
-        :class:`~portapipe.models.moe.SwiGLU`, with the rows' router weights as ``args``); what
+        :class:`~portapipe.models.functions.SwiGLU`, with the rows' router weights as ``args``); what
         is dropped here is its output, which the next projection would keep. It is remade from
         the same inputs by the same ``fn``.
         """

@@ -35,101 +35,10 @@ from torch import nn
 from ..backends.base import Backend
 from ..config import ModelConfig
 from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch
+from .functions import RMSNorm, swiglu
 from .linear import Linear, grouped_linear
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    # Written with exp and a division, which round the same whatever the element's position;
-    # torch's fused silu may not (vector body vs scalar tail), and the expert inputs of an EP
-    # run are laid out differently from a single process's.
-    return x / (1 + torch.exp(-x))
-
-
-class SwiGLU(torch.autograd.Function):
-    """``silu(gate) * up`` of a fused gate/up projection output ``gu``, times an optional
-    per-row ``scale``, keeping only ``gu`` (and ``scale``).
-
-    Autograd on the written-out formula would keep ``exp(-gate)``, ``1 + exp(-gate)`` and
-    ``silu(gate)`` as well (three width-sized tensors), and with a scale the unscaled product
-    too. The backward recomputes them with the same operations and applies the same derivative
-    formulas, in the same order, as autograd does for that formula, so the gradients are the
-    same bit for bit.
-
-    The routed experts pass their rows' router weights as ``scale``: weighting the activation
-    instead of the expert's output is the same function (the down projection is linear), and
-    the weight's gradient then needs only ``gu``, where weighting the output would keep the
-    output (hidden-sized, top-k rows per token) for it.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, gu: torch.Tensor, width: int, scale: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(gu, scale)
-        ctx.width = width
-        out = silu(gu[..., :width]) * gu[..., width:]
-        return out if scale is None else out * scale.unsqueeze(-1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-        gu, scale = ctx.saved_tensors
-        g, u = gu[..., : ctx.width], gu[..., ctx.width :]
-        e = torch.exp(-g)
-        d = 1 + e
-        grad_scale = None
-        if scale is not None:
-            grad_scale = (grad * ((g / d) * u)).sum(-1)  # mul: d(p*scale)/dscale = p
-            grad = grad * scale.unsqueeze(-1)  # mul: d(p*scale)/dp = scale
-        grad_s = grad * u  # mul: d(s*u)/ds
-        grad_u = grad * (g / d)  # mul: d(s*u)/du = s
-        grad_d = -grad_s * ((g / d) / d)  # div, denominator: -grad * (a / b) / b
-        grad_g = grad_s / d + (grad_d * e).neg()  # div numerator + exp(-g) through exp and neg
-        return torch.cat([grad_g, grad_u], dim=-1), None, grad_scale
-
-
-def swiglu(gu: torch.Tensor, width: int, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up of a fused gate/up projection output, each row times ``scale`` when given
-    (saves only ``gu`` and ``scale`` for backward)."""
-    return SwiGLU.apply(gu, width, scale)
-
-
-class _RMSNorm(torch.autograd.Function):
-    """``x * rsqrt(mean(x^2) + eps) * weight``, keeping ``x`` and the row scale only.
-
-    Autograd on the formula would keep ``x * rsqrt(...)`` too (as wide as ``x``). The backward
-    recomputes it and applies the derivative formulas autograd uses for the formula, in the same
-    order. ``x`` comes in twice so that its two gradient terms (through the product and through
-    the square) reach ``x`` as two separate terms, as they do from the formula's graph: the sum
-    with ``x``'s other gradients (the residual's) is then formed in the same order.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, x_sq: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        r = torch.rsqrt(x_sq.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, r, weight)
-        return x * r * weight
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        x, r, weight = ctx.saved_tensors
-        grad_xr = grad * weight
-        grad_w = (grad * (x * r)).sum_to_size(weight.shape)
-        grad_x = grad_xr * r
-        grad_r = (grad_xr * x).sum_to_size(r.shape)
-        grad_mean = -0.5 * grad_r * r.pow(3)  # rsqrt; adding eps passes the gradient on
-        grad_sq = grad_mean.expand(x.shape) / x.shape[-1]  # mean over the last dim
-        grad_x_sq = grad_sq * (2.0 * x.pow(1.0))  # pow(2)
-        return grad_x, grad_x_sq, grad_w, None
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, dtype: torch.dtype, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, x, self.weight, self.eps)
 
 
 def rope_tables(seq: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
