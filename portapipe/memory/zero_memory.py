@@ -13,7 +13,8 @@ instead of keeping it:
   waited for only when the experts' backward reads its input.
 - ``level1``: in addition, the activation function's output (the down projection's input) is
   dropped and recomputed from its input (the gate/up projection's output), which the
-  activation function keeps for its own backward anyway.
+  activation function keeps for its own backward anyway; in the routed experts and in the
+  shared expert.
 
 The recomputed tensors are made by the same operations on the same values, so gradients are
 identical to ``off``, bit for bit.
@@ -125,13 +126,25 @@ class ExpertRefetch:
         """
         self._permuted = inputs is not received
         self._watch(inputs, self.expert_inputs)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        with self.recipes():
             yield
         # Neither exchange buffer is read again: index_select's backward needs only the index.
         free_storage(received)
         if self._send is not None:
             free_storage(self._send)
             self._send = None
+
+    @contextlib.contextmanager
+    def recipes(self) -> Iterator[None]:
+        """Within this block, saved tensors this layer can remake (see :meth:`activation`) are
+        kept as recipes; the shared expert runs in it too, so level1 drops its activation as well."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            # Packing is over; a watched storage freed later (the exchange buffers are) may have
+            # its address reused by a tensor that must be saved as it is.
+            self._remakes.clear()
 
     def activation(self, fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any) -> torch.Tensor:
         """``fn(x, *args)``; at level1 its output is not kept but recomputed in backward.

@@ -94,9 +94,10 @@ class DenseFFN(nn.Module):
         self.gate_up = Linear(hidden, 2 * width, dtype)
         self.down = Linear(width, hidden, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, zm: Any = None) -> torch.Tensor:
         gu = self.gate_up(x)
-        return self.down(swiglu(gu, self.width))
+        # zm: zero-memory (portapipe.memory.zero_memory) may recompute the activation in backward.
+        return self.down(swiglu(gu, self.width) if zm is None else zm.activation(swiglu, gu, self.width))
 
 
 class Router(nn.Module):
@@ -238,8 +239,11 @@ class Layer(nn.Module):
         with contextlib.nullcontext() if zm is None else zm.dropping(recv, recv):
             return moe.experts(recv, weights, plan.offs, moe.ep.backend, moe.ep.size, zm)
 
-    def shared_part(self, hn: torch.Tensor) -> torch.Tensor:
-        return self.moe.shared(hn)
+    def shared_part(self, hn: torch.Tensor, zm: Any = None) -> torch.Tensor:
+        if zm is None:
+            return self.moe.shared(hn)
+        with zm.recipes():
+            return self.moe.shared(hn, zm)
 
     def combine_part(self, h: torch.Tensor, shared: torch.Tensor | None, back: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         """Rows back in (token, k) order (already weighted by the experts), summed over k, plus
@@ -277,7 +281,7 @@ class Layer(nn.Module):
         out = tape.part(self.experts_part, dispatch.wait(), dispatch_w.wait(), plan, zm)
         combine = tape.all_to_all(moe.ep, out, plan.send_splits, plan.recv_splits)
         yield combine
-        shared = tape.part(self.shared_part, hn) if moe.shared is not None else None
+        shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
         last = self.combine_part if zm is None else zm.issue_early(self.combine_part)
         return tape.part(last, h, shared, combine.wait(), plan)
 
