@@ -30,9 +30,17 @@ def _rank_indices(rank: int) -> torch.Tensor:
     return idx
 
 
-def plan_on_rank(backend: Backend) -> dict[str, Any]:
+#: the planner's paths: tensor operations, and the default (the compiled one where a C compiler is)
+PATHS = {"torch": False, "default": None}
+
+
+def plan_on_rank(backend: Backend) -> dict[str, dict[str, Any]]:
+    return {name: _plan_on_rank(backend, use_native) for name, use_native in PATHS.items()}
+
+
+def _plan_on_rank(backend: Backend, use_native: bool | None) -> dict[str, Any]:
     group = dist.group.WORLD
-    planner = Planner(cube(), N_PHYSICAL, N_LOGICAL, group=group, backend=backend)
+    planner = Planner(cube(), N_PHYSICAL, N_LOGICAL, group=group, backend=backend, use_native=use_native)
     planner.update_placement(_workload())
     idx = _rank_indices(dist.get_rank())
     out = planner.run(idx)
@@ -51,9 +59,15 @@ def plan_on_rank(backend: Backend) -> dict[str, Any]:
     }
 
 
+@pytest.fixture(scope="module")
+def launched() -> list[dict[str, dict[str, Any]]]:
+    return run_ranks(plan_on_rank, WORLD, wall_timeout_s=120)
+
+
 @pytest.mark.multiproc
-def test_eight_ranks_share_one_plan_and_realise_it_exactly() -> None:
-    results = run_ranks(plan_on_rank, WORLD, wall_timeout_s=120)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_eight_ranks_share_one_plan_and_realise_it_exactly(launched: list[dict[str, dict[str, Any]]], path: str) -> None:
+    results = [by_path[path] for by_path in launched]
     first = results[0]
     for key in ("phy2log", "keep", "moved", "counts", "phys_load"):
         for rank, res in enumerate(results[1:], 1):
@@ -62,7 +76,7 @@ def test_eight_ranks_share_one_plan_and_realise_it_exactly() -> None:
         assert torch.equal(res["received"], first["phys_load"]), f"rank {rank}: redirected loads differ from the plan"
         assert res["accepted"] == 1
     # The same plan and mapping from one process that sees every rank's tokens.
-    ref = Planner(cube(), N_PHYSICAL, N_LOGICAL, ep_size=WORLD)
+    ref = Planner(cube(), N_PHYSICAL, N_LOGICAL, ep_size=WORLD, use_native=PATHS[path])
     ref.update_placement(_workload())
     assert torch.equal(ref.phy2log, first["phy2log"])
     counts = torch.stack([torch.bincount(_rank_indices(r)[_rank_indices(r) >= 0], minlength=N_LOGICAL) for r in range(WORLD)])
