@@ -136,6 +136,9 @@ def run_ranks(
 
     Under torchrun or mpirun this process is one rank already: ``fn`` runs here and the list
     holds this rank's result only. ``fn`` and ``args`` must be picklable (module-level).
+    ``start_method`` is multiprocessing's; ``fork`` starts faster but can hang a rank in its
+    first parallel torch operation when this process already ran threads (their locks are
+    copied held), so the default starts ranks from a clean server process.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

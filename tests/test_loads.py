@@ -114,9 +114,7 @@ def _ep_ranks(backend: Any) -> dict[str, Any]:
 
 @pytest.mark.multiproc
 def test_loads_gathered_over_the_ep_group_and_every_rank_decides_the_same() -> None:
-    # fork: the ranks inherit the imported modules and start in about a second instead of each
-    # importing torch again (tens of seconds on busy shared cores); each rank runs one thread.
-    a, b = run_ranks(_ep_ranks, 2, pg_timeout_s=30, wall_timeout_s=120, start_method="fork")
+    a, b = run_ranks(_ep_ranks, 2, pg_timeout_s=30, wall_timeout_s=120)
     total = torch.tensor([[2.0, 1.0, 3.0, 30.0]]) * 3 + torch.tensor([[1.0, 2.0, 2.0, 20.0]]) * 3
     assert torch.equal(a["window"], total.double()) and torch.equal(b["window"], total.double())
     assert a["applied"] and b["applied"] and torch.equal(a["phy2log"], b["phy2log"])

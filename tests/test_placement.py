@@ -224,9 +224,7 @@ def _migration_ranks(backend: Any) -> dict[str, Any]:
 
 @pytest.mark.multiproc
 def test_migration_on_four_ranks() -> None:
-    # fork: the ranks inherit the imported modules and start in about a second instead of each
-    # importing torch again (tens of seconds on busy shared cores); each rank runs one thread.
-    results = run_ranks(_migration_ranks, RANKS, pg_timeout_s=30, wall_timeout_s=120, start_method="fork")
+    results = run_ranks(_migration_ranks, RANKS, pg_timeout_s=30, wall_timeout_s=120)
     old, new = placements()
     assert not torch.equal(old.phy2log, new.phy2log)
     for rank, out in enumerate(results):
