@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 
 from portapipe.balancing import lplb_native  # noqa: E402
 from portapipe.balancing.eplb import rebalance_experts  # noqa: E402
-from portapipe.balancing.lp_solver import BalanceLP  # noqa: E402
+from portapipe.balancing.lp_balance import BalanceLP  # noqa: E402
 from portapipe.balancing.lplb import Planner  # noqa: E402
 from portapipe.balancing.topology import TOPOLOGIES  # noqa: E402
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from portapipe.balancing.lp_solver import balance_lp, rank_loads, solve_balance, solve_lp
+from portapipe.balancing.lp_balance import balance_lp, rank_loads, solve_balance
+from portapipe.balancing.lp_solver import solve_lp
 from portapipe.balancing.topology import cube, hypercube, ring, torus
 
 linprog = pytest.importorskip("scipy.optimize").linprog
@@ -133,7 +134,8 @@ def test_bad_lp_shapes() -> None:
 
 
 def test_compact_solver_scripted_and_plain_agree_and_move_cost_keeps_optimum() -> None:
-    from portapipe.balancing.lp_solver import BalanceLP, _box_ipm, solve_box_lp
+    from portapipe.balancing.lp_balance import BalanceLP
+    from portapipe.balancing.lp_solver import _box_ipm, solve_box_lp
 
     gen = torch.Generator().manual_seed(5)
     fixed, rep = random_loads(gen, 6, 8, 2)

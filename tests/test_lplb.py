@@ -10,7 +10,7 @@ import torch
 
 from portapipe.balancing import lplb_native
 from portapipe.balancing.eplb import rebalance_experts
-from portapipe.balancing.lp_solver import rank_loads
+from portapipe.balancing.lp_balance import rank_loads
 from portapipe.balancing.lplb import Planner, occurrence_rank
 from portapipe.balancing.topology import cube, ring, torus
 

@@ -11,7 +11,7 @@ import torch
 
 import tests.test_lp_solver as lp_tests  # the HiGHS reference and the random instances (module import: no re-collection)
 from portapipe.balancing import lplb_native
-from portapipe.balancing.lp_solver import BalanceLP, rank_loads, solve_balance
+from portapipe.balancing.lp_balance import BalanceLP, rank_loads, solve_balance
 from portapipe.balancing.lplb import Planner, occurrence_rank
 from portapipe.balancing.topology import cube, torus
 from tests.test_lplb import require_native, zipf_indices

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import lplb_native
-from .lp_solver import ACCEPT_RTOL, STEP_FRAC, BalanceLP
+from .lp_balance import ACCEPT_RTOL, STEP_FRAC, BalanceLP
 from .topology import validate_r2o
 
 __all__ = ["Plan", "Planner", "occurrence_rank"]

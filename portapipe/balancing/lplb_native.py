@@ -264,7 +264,7 @@ def balance(
     accept_rtol: float,
     step_frac: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The C counterpart of ``lp_solver._balance``: fixed [G, g], w [G, g*d] loads, holder [g*d]
+    """The C counterpart of ``lp_balance._balance``: fixed [G, g], w [G, g*d] loads, holder [g*d]
     (the rank hosting each column's copy). Returns (keep [G, g*d], objective [G], lower bound [G],
     accepted [G] bool, iterations), float64."""
     G, g = fixed.shape

@@ -5,8 +5,8 @@
  * counterpart of a torch path that stays the portable implementation:
  *   lplb_count_*  <-> torch.bincount(flat + 1)                      (lplb.Planner._bincount)
  *   lplb_map_*    <-> the stable-sort mapping                       (lplb.Planner._map_sorted)
- *   lplb_balance  <-> lp_solver._balance / _box_ipm / _iterate     (same formulation, start,
- *                     iterations, stopping rule and acceptance checks; see lp_solver.py)
+ *   lplb_balance  <-> lp_balance._balance, lp_solver._box_ipm / _iterate (same formulation, start,
+ *                     iterations, stopping rule and acceptance checks; see lp_balance.py)
  *   lplb_plan     <-> lplb.Planner._plan_torch                     (group loads, the LPs, the
  *                     fixed-point rounding; optionally the mapping in the same call)
  * Sizes come from the arguments, so every topology works. Every index read from an argument is
@@ -258,7 +258,7 @@ static int64_t box_ipm(Box *b, double tol, int64_t max_iter, double step_frac, d
  * (float64), holder [n] the rank hosting column j's copy. Writes keep [G, n], objective [G],
  * bound [G] (in the loads' units) and accepted [G]; returns the iterations of the slowest group,
  * -1 when out of memory, -2 when holder names a rank outside [0, m). Same normalisation, start, iterations and acceptance checks as
- * lp_solver._balance: a group is accepted when it converged, its shares are finite and in
+ * lp_balance._balance: a group is accepted when it converged, its shares are finite and in
  * [0, 1], and its loads are within accept_rtol of the certified lower bound and no worse than
  * the even split; otherwise it gets the even split (keep = 1/2). */
 int64_t lplb_balance(int64_t G, int64_t m, int64_t d, const int64_t *holder, const double *fixed,
