@@ -27,7 +27,7 @@ import torch.distributed.pipelining.schedules as T
 
 from portapipe.scheduling.comms import lower_comms
 from portapipe.scheduling.ir import Action, Kind, Schedule, fb
-from portapipe.scheduling.schedules import build
+from portapipe.scheduling.schedules import build, one_pipeline, v_shape
 from portapipe.scheduling.simulate import Costs, simulate
 from portapipe.scheduling.validate import problems
 
@@ -75,17 +75,8 @@ def to_ir(name: str, order: dict[int, list[Any]], style: str, n_stages: int, pp:
             k = iter(range(m))
             fixed.append([Action(Kind.F, a.stage, next(k)) if a.kind is Kind.F else a for a in acts])
         actions = fixed
-    stage_rank = [s if s < pp else 2 * pp - 1 - s for s in range(n_stages)] if style == "v" else [s % pp for s in range(n_stages)]
-    return Schedule(
-        name=f"torch:{name}",
-        n_ranks=pp,
-        n_microbatches=m,
-        stage_rank=stage_rank,
-        stage_block=list(range(n_stages)),
-        pipelines=[list(range(n_stages))],
-        mb_pipeline=[0] * m,
-        actions=actions,
-    )
+    stage_rank = v_shape(pp) if style == "v" else [s % pp for s in range(n_stages)]
+    return one_pipeline(f"torch:{name}", m, stage_rank, actions)
 
 
 PAIRS = [  # torch class, our schedule, why the two may differ

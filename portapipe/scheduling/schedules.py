@@ -26,19 +26,25 @@ def _check_int(name: str, value: int, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _linear(name: str, pp: int, m: int, actions: list[list[Action]], **meta: object) -> Schedule:
-    """One pipeline, stage v on rank v computing block v (1F1B, ZB1P)."""
+def one_pipeline(name: str, m: int, stage_rank: list[int], actions: list[list[Action]], **meta: object) -> Schedule:
+    """A schedule of one pipeline whose virtual stage v computes block v on rank ``stage_rank[v]``."""
+    n_stages = len(stage_rank)
     return Schedule(
         name=name,
-        n_ranks=pp,
+        n_ranks=len(actions),
         n_microbatches=m,
-        stage_rank=list(range(pp)),
-        stage_block=list(range(pp)),
-        pipelines=[list(range(pp))],
+        stage_rank=list(stage_rank),
+        stage_block=list(range(n_stages)),
+        pipelines=[list(range(n_stages))],
         mb_pipeline=[0] * m,
         actions=actions,
         meta=dict(meta),
     )
+
+
+def v_shape(pp: int) -> list[int]:
+    """Ranks of DualPipeV's 2 * pp stages: down the ranks, then back up (stage s and 2pp-1-s share a rank)."""
+    return [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
 
 
 # ------------------------------------------------------------------------------- 1F1B
@@ -61,7 +67,7 @@ def one_f_one_b(pp: int, m: int) -> Schedule:
             acts += [Action(F, r, warm + i), Action(BW, r, i)]
         acts += [Action(BW, r, i) for i in range(m - warm, m)]
         actions.append(acts)
-    return _linear("1f1b", pp, m, actions)
+    return one_pipeline("1f1b", m, list(range(pp)), actions)
 
 
 # ------------------------------------------------------------------------------- ZB1P
@@ -89,7 +95,7 @@ def zb1p(pp: int, m: int) -> Schedule:
                 acts.append(pending.popleft())
         acts += list(pending)
         actions.append(acts)
-    return _linear("zb1p", pp, m, actions)
+    return one_pipeline("zb1p", m, list(range(pp)), actions)
 
 
 # ------------------------------------------------------------------------- interleaved
@@ -139,17 +145,7 @@ def interleaved(pp: int, m: int, chunks: int = 2) -> Schedule:
             c, mb = unit(k, True)
             acts.append(Action(BW, c * pp + r, mb))
         actions.append(acts)
-    return Schedule(
-        name="interleaved",
-        n_ranks=pp,
-        n_microbatches=m,
-        stage_rank=[s % pp for s in range(n_stages)],
-        stage_block=list(range(n_stages)),
-        pipelines=[list(range(n_stages))],
-        mb_pipeline=[0] * m,
-        actions=actions,
-        meta={"chunks": chunks},
-    )
+    return one_pipeline("interleaved", m, [s % pp for s in range(n_stages)], actions, chunks=chunks)
 
 
 # ----------------------------------------------------------------- DualPipe family
@@ -250,19 +246,9 @@ def dualpipev(pp: int, m: int) -> Schedule:
     if m < 2 * pp:
         raise ValueError(f"dualpipev needs microbatches >= 2*pp, got microbatches={m} < 2*{pp}={2 * pp}")
     n_stages = 2 * pp
-    stage_rank = [s if s < pp else n_stages - 1 - s for s in range(n_stages)]
     mbs = list(range(m))
     actions = [_realise(_dualpipe_program(r, pp, m), (r, n_stages - 1 - r), (mbs, mbs)) for r in range(pp)]
-    return Schedule(
-        name="dualpipev",
-        n_ranks=pp,
-        n_microbatches=m,
-        stage_rank=stage_rank,
-        stage_block=list(range(n_stages)),
-        pipelines=[list(range(n_stages))],
-        mb_pipeline=[0] * m,
-        actions=actions,
-    )
+    return one_pipeline("dualpipev", m, v_shape(pp), actions)
 
 
 def dualpipe(pp: int, m: int) -> Schedule:
