@@ -34,6 +34,7 @@ from torch import nn
 
 from ..backends.base import Backend
 from ..config import ModelConfig
+from ..scheduling.stage import expert_ids, is_expert, mark_expert
 from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch
 from .functions import RMSNorm, swiglu
 from .linear import Linear, grouped_linear
@@ -143,12 +144,19 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, n_local: int, first: int, dtype: torch.dtype, logical: list[int] | None = None) -> None:
         super().__init__()
         self.width, self.first = cfg.moe_hidden, first
-        # Logical expert held by each local slot (a balancer may replicate and reorder them).
-        self.logical = list(range(first, first + n_local)) if logical is None else [int(e) for e in logical]
         self.gate_up = nn.Parameter(torch.empty(n_local, cfg.hidden, 2 * cfg.moe_hidden, dtype=dtype))
         self.down = nn.Parameter(torch.empty(n_local, cfg.moe_hidden, cfg.hidden, dtype=dtype))
+        self.logical = list(range(first, first + n_local)) if logical is None else logical
+
+    @property
+    def logical(self) -> list[int]:
+        """Logical expert held by each local slot (a balancer may replicate and reorder them)."""
+        return expert_ids(self.gate_up)
+
+    @logical.setter
+    def logical(self, ids: list[int]) -> None:
         for p in (self.gate_up, self.down):
-            p.is_expert = True  # reduced over DP only; sharded over EP
+            mark_expert(p, ids)  # sharded over EP, reduced over DP only
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: int = 1, zm: Any = None
@@ -352,7 +360,7 @@ def init_parameters(block: Block, cfg: ModelConfig, seed: int) -> None:
             p.fill_(1.0)
             continue
         std = cfg.init_std * (out_scale if name.endswith(("wo.weight", "down.weight", ".down")) else 1.0)
-        if getattr(p, "is_expert", False):
+        if is_expert(p):
             experts = block.get_submodule(name.rsplit(".", 1)[0])
             for j in range(p.shape[0]):
                 g = _generator(seed, f"{name}[{experts.logical[j]}]")
@@ -366,5 +374,4 @@ def build_blocks(cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertP
     return {b: Block(cfg, b, n_blocks, ep, seed) for b in blocks}
 
 
-def is_expert_param(p: torch.Tensor) -> bool:
-    return bool(getattr(p, "is_expert", False))
+is_expert_param = is_expert

@@ -1,0 +1,77 @@
+"""The stage contract: what a pipeline stage gives the executor, and the names it uses.
+
+A *stage* is one model block placed on a pipeline rank. The executor needs three things of it:
+
+- ``named_parameters()``: its parameters under their **logical names**, the names the same
+  parameter has in the single-process model (global layer indices, never block, rank or slot
+  numbers). Two copies of one block (DualPipe) and data-parallel replicas report the same names;
+  that is what lets a checkpoint written on one layout load on any other.
+- ``program(tape, x, targets)``: its forward for one micro-batch as a generator that runs its
+  parts through ``tape`` and yields at each expert all-to-all (see :mod:`.overlap`).
+- ``has_loss``: True for the stage whose program returns the loss.
+
+Parameters carry their parallel role as attributes, read through the functions below:
+
+- ``is_expert``: a routed expert's weights, stacked along dim 0, one row per *slot*; sharded
+  over the expert-parallel group and reduced over data-parallel replicas only.
+- ``expert_ids``: the logical expert held by each row of an expert parameter (a balancer may
+  replicate and reorder experts, so row j is not expert j in general).
+- ``slot_owned`` (optional): the rows that count as *the* copy of their expert (one per expert
+  over the EP group when experts are replicated); absent means every row.
+
+The logical name of one expert's weights is :func:`expert_key`: ``prefix.{expert}.leaf`` for the
+stacked parameter ``prefix.leaf``, e.g. ``layers.3.moe.experts.5.gate_up`` is logical expert 5
+of ``layers.3.moe.experts.gate_up``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class Stage(Protocol):
+    """One model block as the executor sees it (see the module docstring)."""
+
+    has_loss: bool
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def program(self, tape: Any, x: torch.Tensor, targets: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]: ...
+
+
+def mark_expert(p: torch.Tensor, expert_ids: Sequence[int]) -> None:
+    """Declare ``p`` a stacked expert parameter whose row j holds logical expert ``expert_ids[j]``."""
+    ids = [int(e) for e in expert_ids]
+    if len(ids) != p.shape[0]:
+        raise ValueError(f"an expert parameter of {p.shape[0]} rows cannot hold {len(ids)} experts")
+    p.is_expert = True  # type: ignore[attr-defined]
+    p.expert_ids = ids  # type: ignore[attr-defined]
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds routed experts (sharded over EP, reduced over DP only)."""
+    return bool(getattr(p, "is_expert", False))
+
+
+def expert_ids(p: torch.Tensor) -> list[int]:
+    """Logical expert of each row of the expert parameter ``p``."""
+    ids = getattr(p, "expert_ids", None)
+    if ids is None:
+        raise ValueError("not an expert parameter: it has no expert_ids (see portapipe.scheduling.stage.mark_expert)")
+    return list(ids)
+
+
+def owned_rows(p: torch.Tensor) -> torch.Tensor | None:
+    """Boolean mask of the rows that are their expert's counted copy, or None for all rows."""
+    return getattr(p, "slot_owned", None)
+
+
+def expert_key(name: str, expert: int) -> str:
+    """Logical name of expert ``expert``'s slice of the stacked expert parameter ``name``."""
+    prefix, _, leaf = name.rpartition(".")
+    return f"{prefix}.{int(expert)}.{leaf}" if prefix else f"{int(expert)}.{leaf}"
