@@ -37,3 +37,52 @@ def test_the_model_labels_its_experts_by_logical_id() -> None:
     assert expert_ids(experts.gate_up) == [2, 3] == expert_ids(experts.down)
     experts.logical = [3, 2]
     assert expert_ids(experts.gate_up) == [3, 2]
+
+
+def _ranks_of(n_experts: int, ep: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Each EP rank's named parameters and persistent buffers of a 2-layer model."""
+    from portapipe.backends.cpu import CPUBackend
+    from portapipe.config import load_config
+    from portapipe.models.expert_parallel import ExpertParallel
+    from portapipe.models.moe import build_blocks
+
+    cfg = load_config({"model": {"n_layers": 2, "n_dense": 1, "n_experts": n_experts}, "parallel": {"ep": ep}})
+    out = []
+    for r in range(ep):
+        block = build_blocks(cfg.model, [0], 1, ExpertParallel(CPUBackend(), size=ep, rank=r), seed=seed)[0]
+        out.append(dict(block.named_parameters()) | dict(block.named_buffers()))
+    return out
+
+
+def test_logical_state_is_layout_independent_and_loads_into_any_layout() -> None:
+    from portapipe.scheduling.stage import load_logical_state, logical_state
+
+    whole = logical_state(_ranks_of(4, 1)[0].items())
+    assert "layers.1.moe.experts.3.gate_up" in whole and "layers.1.moe.experts.gate_up" not in whole
+    merged: dict[str, torch.Tensor] = {}
+    for rank in _ranks_of(4, 2):
+        merged |= logical_state(rank.items())
+    assert merged.keys() == whole.keys()
+    assert all(torch.equal(merged[k], whole[k]) for k in whole)
+    # into another seed's model on 2 EP ranks, with rank 1's experts replicated and reordered
+    target = _ranks_of(4, 2, seed=7)[1]
+    target["layers.1.moe.experts.gate_up"].data = target["layers.1.moe.experts.gate_up"].data[[1, 0, 0]]
+    mark_expert(target["layers.1.moe.experts.gate_up"], [3, 2, 2])
+    load_logical_state(target.items(), whole)
+    gu = target["layers.1.moe.experts.gate_up"]
+    assert torch.equal(gu[0], whole["layers.1.moe.experts.3.gate_up"])
+    assert torch.equal(gu[1], whole["layers.1.moe.experts.2.gate_up"]) and torch.equal(gu[2], gu[1])
+    assert torch.equal(target["head.weight"], whole["head.weight"])
+
+
+def test_loading_a_state_that_does_not_fit_copies_nothing() -> None:
+    from portapipe.scheduling.stage import load_logical_state, logical_state
+
+    rank = _ranks_of(4, 2)[0]
+    state = logical_state(_ranks_of(4, 2, seed=5)[0].items())
+    del state["head.weight"]
+    state["embed.weight"] = state["embed.weight"][:3]
+    before = rank["layers.1.attn.wq.weight"].clone()
+    with pytest.raises(ValueError, match=r"1 missing \(first: head.weight\).*embed.weight: \(3, 64\) != \(256, 64\)"):
+        load_logical_state(rank.items(), state)
+    assert torch.equal(rank["layers.1.attn.wq.weight"], before)

@@ -26,7 +26,7 @@ of ``layers.3.moe.experts.gate_up``.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -75,3 +75,46 @@ def expert_key(name: str, expert: int) -> str:
     """Logical name of expert ``expert``'s slice of the stacked expert parameter ``name``."""
     prefix, _, leaf = name.rpartition(".")
     return f"{prefix}.{int(expert)}.{leaf}" if prefix else f"{int(expert)}.{leaf}"
+
+
+def logical_slices(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """``(logical name, tensor, owned)`` for each of this rank's tensors, experts split per expert.
+
+    A whole tensor comes as it is (``owned`` True); a stacked expert parameter row by row, each
+    row a view named :func:`expert_key` by the expert it holds, ``owned`` by :func:`owned_rows`.
+    A replicated expert yields one view per replica, under the same name.
+    """
+    for name, t in named:
+        if not is_expert(t):
+            yield name, t, True
+            continue
+        owned = owned_rows(t)
+        for j, e in enumerate(expert_ids(t)):
+            yield expert_key(name, e), t[j], bool(owned is None or owned[j])
+
+
+@torch.no_grad()
+def logical_state(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """This rank's share of the single-process state: owned tensors by logical name, on the CPU."""
+    return {key: t.detach().to("cpu", copy=True) for key, t, owned in logical_slices(named) if owned}
+
+
+@torch.no_grad()
+def load_logical_state(named: Iterable[tuple[str, torch.Tensor]], state: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``state`` (logical names, e.g. from :func:`logical_state` of any layout) into this rank's tensors.
+
+    Every replica of an expert gets its expert's tensor. Raises ValueError naming the missing
+    names and the shape mismatches (nothing is copied then); names this rank does not hold are ignored.
+    """
+    slices = list(logical_slices(named))
+    missing = sorted({key for key, _, _ in slices if key not in state})
+    wrong = sorted({f"{key}: {tuple(state[key].shape)} != {tuple(t.shape)}" for key, t, _ in slices if key in state and state[key].shape != t.shape})
+    if missing or wrong:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (first: {', '.join(missing[:5])})")
+        if wrong:
+            parts.append(f"{len(wrong)} of another shape (first: {'; '.join(wrong[:5])})")
+        raise ValueError("the state does not fit this model: " + "; ".join(parts))
+    for key, t, _ in slices:
+        t.copy_(state[key])
