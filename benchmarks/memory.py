@@ -43,7 +43,7 @@ from portapipe.config import config_from_dict, load_config
 from portapipe.launch import run_ranks
 from portapipe.memory.accounting import SavedActivations, label_layers
 from portapipe.memory.policy import redispatch_stats, reset_redispatch_stats
-from portapipe.scheduling.executor import PipelineRuntime
+from portapipe.compose import PipelineRuntime
 from portapipe.scheduling.overlap import Tape, run as run_program
 
 OPTIONS: dict[str, dict[str, Any]] = {

@@ -38,8 +38,8 @@ from torch import nn
 from portapipe.config import Config, config_from_dict, load_config
 from portapipe.data import TextData
 from portapipe.launch import run_ranks
+from portapipe.compose import PipelineRuntime, model_end_step
 from portapipe.models.moe import Block
-from portapipe.scheduling.executor import PipelineRuntime
 from portapipe.scheduling.overlap import Tape, run as run_program
 from portapipe.train import rank_threads
 
@@ -107,8 +107,8 @@ class TorchPipeline:
             kwargs["target_mbs"] = [y for _, y in microbatches]
             kwargs["losses"] = losses
         self.schedule.step(return_outputs=False, **kwargs)
-        self.rt._reduce_gradients()
-        self.rt._update_routing()
+        self.rt.reduce_gradients()
+        model_end_step(self.rt)
         total = torch.tensor([float(sum(float(x.detach()) for x in losses))], dtype=torch.float64)
         dist.all_reduce(total)
         return float(total) / len(microbatches)

@@ -3,7 +3,7 @@
 :func:`train` checks the config, the data and the schedule in this process (bad input fails
 before any rank starts), then runs :func:`train_rank` on ``world_size`` ranks through
 :func:`portapipe.launch.run_ranks` and returns rank 0's summary. Each rank builds its
-:class:`~portapipe.scheduling.executor.PipelineRuntime`, which runs one step of the schedule and
+:class:`~portapipe.compose.PipelineRuntime`, which runs one step of the schedule and
 leaves every parameter's ``.grad`` holding the gradient of the global mean loss (DP / EP
 reduction and DualPipe's copy summing included); this loop adds AdamW with warm-up + cosine
 learning rate and clipping by the global gradient norm.
@@ -179,7 +179,7 @@ def train_rank(backend: Any, config_dict: dict[str, Any]) -> dict[str, Any]:
 
     Losses, tokens and step figures agree on every rank; rank 0's also names the files it wrote.
     """
-    from .scheduling.executor import PipelineRuntime
+    from .compose import PipelineRuntime
 
     config = config_from_dict(config_dict)
     tc = config.train

@@ -32,10 +32,11 @@ import torch
 
 from .config import Config, config_from_dict
 from .launch import run_ranks
+from .compose import PipelineRuntime, build_model
 from .models.expert_parallel import ExpertParallel
-from .models.moe import build_blocks, is_expert_param
-from .scheduling.executor import PipelineRuntime, build_schedule, mean_loss
+from .scheduling.executor import build_schedule, mean_loss
 from .scheduling.overlap import Tape, run
+from .scheduling.stage import is_expert
 
 GRAD_TOLERANCE = 1e-12
 
@@ -110,7 +111,7 @@ def step_report(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.T
         "ep_rank": runtime.groups.ep_rank,
         "loss": result.loss,
         "grads": {n: q.grad.detach().cpu().clone() for n, q in params.items()},
-        "experts": sorted(n for n, q in params.items() if is_expert_param(q)),
+        "experts": sorted(n for n, q in params.items() if is_expert(q)),
         # logical expert of each local slot, per expert parameter (a balancer may replicate / reorder)
         "expert_ids": {
             f"layers.{layer.index}.moe.experts.{n}": list(layer.moe.experts.logical)
@@ -144,7 +145,7 @@ def reference(config: Config) -> tuple[float, dict[str, torch.Tensor], dict[str,
     n_blocks = config.n_blocks()
     replicas, m = p.dp * p.ep, config.schedule.microbatches
     scale = 1.0 / (m * replicas)
-    blocks = build_blocks(config.model, list(range(n_blocks)), n_blocks, ExpertParallel(CPUBackend()), config.train.seed)
+    blocks = build_model(config, range(n_blocks), n_blocks, ExpertParallel(CPUBackend()))
     losses = []
     with _threads(1):  # as on the ranks
         for r in range(replicas):

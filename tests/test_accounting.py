@@ -7,8 +7,9 @@ import torch
 
 from portapipe.backends.cpu import CPUBackend
 from portapipe.memory.accounting import SavedActivations, label_layers, region
-from portapipe.models.linear import Linear, WeightGradQueue, deferring
+from portapipe.models.linear import Linear
 from portapipe.scheduling.overlap import Tape, run
+from portapipe.scheduling.wgrad import WeightGradQueue, deferring
 from tests.test_zero_memory import MODEL, one_block
 
 

@@ -84,7 +84,7 @@ def test_merge_takes_each_stage_once_and_adds_dualpipe_copies() -> None:
 # ------------------------------------------------------------------------------ on 4 ranks
 def _fresh(backend: Any, raw: dict[str, Any]) -> Any:
     from portapipe.config import config_from_dict
-    from portapipe.scheduling.executor import PipelineRuntime
+    from portapipe.compose import PipelineRuntime
 
     config = config_from_dict(raw)
     be = type(backend)(backend.options)  # its own pp x dp x ep groups

@@ -9,7 +9,8 @@ import pytest
 
 from portapipe.config import Config, ConfigError, load_config
 from portapipe.launch import LaunchError, run_ranks
-from portapipe.scheduling.executor import PipelineRuntime, build_schedule, mean_loss
+from portapipe.compose import PipelineRuntime
+from portapipe.scheduling.executor import build_schedule, mean_loss
 from portapipe.scheduling.ir import Schedule, parse_action
 from portapipe.verify import compare, microbatches, step_report
 

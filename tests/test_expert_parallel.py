@@ -9,7 +9,8 @@ import torch
 
 from portapipe.backends.cpu import CPUBackend
 from portapipe.launch import run_ranks
-from portapipe.models.expert_parallel import A2AStats, AllToAll, ExpertParallel, Pending, exchange, plan_dispatch
+from portapipe.models.expert_parallel import ExpertParallel, plan_dispatch
+from portapipe.scheduling.exchange import A2AStats, AllToAll, Pending, exchange
 
 
 def test_plan_on_one_rank_groups_rows_by_expert() -> None:

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from portapipe.backends.cpu import CPUBackend
-from portapipe.models.linear import WeightGradQueue, deferring, grouped_linear, linear
+from portapipe.models.linear import grouped_linear, linear
+from portapipe.scheduling.wgrad import WeightGradQueue, deferring
 
 
 def _rand(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -10,9 +10,9 @@ import torch
 from portapipe.backends.cpu import CPUBackend
 from portapipe.config import ModelConfig
 from portapipe.models.expert_parallel import ExpertParallel
-from portapipe.models.linear import WeightGradQueue
 from portapipe.models.moe import Block, Router, build_blocks, layer_range
 from portapipe.scheduling.overlap import Tape, run
+from portapipe.scheduling.wgrad import WeightGradQueue
 
 CFG = dict(
     dtype="float64", vocab_size=32, hidden=16, n_layers=4, n_dense=1, n_heads=2, ffn_hidden=32,

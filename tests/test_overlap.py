@@ -10,9 +10,9 @@ import torch
 from portapipe.backends.cpu import CPUBackend
 from portapipe.config import ModelConfig
 from portapipe.models.expert_parallel import ExpertParallel
-from portapipe.models.linear import WeightGradQueue
 from portapipe.models.moe import build_blocks
 from portapipe.scheduling.overlap import Tape, run, run_pair
+from portapipe.scheduling.wgrad import WeightGradQueue
 
 LOG: list[tuple[str, str]] = []
 LABEL = ["-"]

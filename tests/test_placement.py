@@ -126,7 +126,8 @@ def ep_forward(backend: Any, pl: ExpertPlacement, layer: int, rank: int, x: torc
 def model_dispatch_forward(backend: Any, pl: ExpertPlacement, layer: int, rank: int, x: torch.Tensor, ids: torch.Tensor,
                            gates: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """The same layer through the MoE model's dispatch planner, fed physical slots instead of experts."""
-    from portapipe.models.expert_parallel import ExpertParallel, exchange, plan_dispatch
+    from portapipe.models.expert_parallel import ExpertParallel, plan_dispatch
+    from portapipe.scheduling.exchange import exchange
 
     ep = ExpertParallel(backend, size=pl.num_ranks, rank=rank)
     plan = plan_dispatch(ep, pl.route(layer, ids, offset=rank), pl.num_slots)

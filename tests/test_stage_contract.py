@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -86,3 +88,48 @@ def test_loading_a_state_that_does_not_fit_copies_nothing() -> None:
     with pytest.raises(ValueError, match=r"1 missing \(first: head.weight\).*embed.weight: \(3, 64\) != \(256, 64\)"):
         load_logical_state(rank.items(), state)
     assert torch.equal(rank["layers.1.attn.wq.weight"], before)
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """portapipe modules a source file imports (module level or inside functions), resolved to names."""
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}  # `from .. import models` names a module
+    return {name for name in out if name == "portapipe" or name.startswith("portapipe.")}
+
+
+def test_scheduling_imports_neither_models_nor_balancing() -> None:
+    """The executor runs any stage that follows the contract: nothing under portapipe/scheduling
+    reaches portapipe.models or portapipe.balancing, directly or through another portapipe module."""
+    root = Path(__file__).resolve().parents[1]
+    files = {}
+    for path in (root / "portapipe").rglob("*.py"):
+        rel = path.relative_to(root).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        files[name] = path
+
+    def package_of(name: str) -> str:
+        return name if files[name].name == "__init__.py" else name.rpartition(".")[0]
+
+    start = sorted(n for n in files if n.startswith("portapipe.scheduling"))
+    assert "portapipe.scheduling.executor" in start and "portapipe.scheduling.overlap" in start
+    reached, todo, via = set(start), list(start), {n: n for n in start}
+    while todo:
+        name = todo.pop()
+        for imp in _imports(files[name], package_of(name)):
+            if imp in files and imp not in reached:
+                reached.add(imp)
+                via[imp] = f"{via[name]} -> {imp}"
+                todo.append(imp)
+    bad = sorted(via[n] for n in reached if n.startswith(("portapipe.models", "portapipe.balancing")))
+    assert not bad, bad

@@ -13,9 +13,9 @@ from portapipe.config import load_config
 from portapipe.memory.accounting import SavedActivations, label_layers
 from portapipe.memory.policy import configure
 from portapipe.models.expert_parallel import ExpertParallel
-from portapipe.models.linear import WeightGradQueue
 from portapipe.models.moe import build_blocks
 from portapipe.scheduling.overlap import Tape, run
+from portapipe.scheduling.wgrad import WeightGradQueue
 
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..config import MemoryConfig
-from ..models.expert_parallel import A2AStats
+from ..scheduling.exchange import A2AStats
 from .recompute import Recompute
 from .zero_memory import ZeroMemory
 

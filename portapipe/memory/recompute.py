@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from ..models.expert_parallel import ExpertParallel, Pending
-from ..models.linear import WeightGradQueue
+from ..models.expert_parallel import ExpertParallel
+from ..scheduling.exchange import Pending, issue
 from ..scheduling.overlap import Custom, Program, Tape
-from .zero_memory import dispatch_rows, free_storage, issue_exchange
+from ..scheduling.wgrad import WeightGradQueue
+from .zero_memory import dispatch_rows, free_storage
 
 MODES = ("none", "moe", "full")
 
@@ -44,12 +45,12 @@ class _Forward(Tape):
     def watch(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def part(self, fn: Any, *args: Any) -> Any:
+    def part(self, fn: Any, *args: Any, plain: bool = False) -> Any:
         with torch.no_grad():
             return fn(*args)
 
     def all_to_all(self, ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending:
-        return issue_exchange(ep, x, list(out_splits), list(in_splits), ep.stats)
+        return issue(ep, x, out_splits, in_splits)
 
 
 class _Replay(Tape):
@@ -59,10 +60,10 @@ class _Replay(Tape):
         super().__init__(record=True)
         self._buffers = list(module.buffers())
 
-    def part(self, fn: Any, *args: Any) -> Any:
+    def part(self, fn: Any, *args: Any, plain: bool = False) -> Any:
         before = [b.clone() for b in self._buffers]
         try:
-            return super().part(fn, *args)
+            return super().part(fn, *args, plain=plain)
         finally:
             with torch.no_grad():
                 for b, old in zip(self._buffers, before):

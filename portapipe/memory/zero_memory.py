@@ -34,7 +34,9 @@ from typing import Any
 
 import torch
 
-from ..models.expert_parallel import A2AStats, DispatchPlan, ExpertParallel, Pending
+from ..models.expert_parallel import DispatchPlan, ExpertParallel
+from ..scheduling.exchange import A2AStats, Pending
+from ..scheduling.exchange import issue as issue_exchange
 from . import accounting
 
 
@@ -44,23 +46,6 @@ def dispatch_rows(tokens: torch.Tensor, plan: DispatchPlan, top_k: int) -> torch
     Must match what :meth:`portapipe.models.moe.Layer.attention_part` sends.
     """
     return tokens.reshape(-1, tokens.shape[-1]).index_select(0, plan.order // top_k)
-
-
-def issue_exchange(ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int], stats: A2AStats) -> Pending:
-    """Start an expert all-to-all on the communication stream; its time goes to ``stats``."""
-    from ..scheduling.overlap import ep_comm_stream
-
-    backend = ep.backend
-    x = x.detach().contiguous()
-    out = x.new_empty((int(sum(out_splits)),) + tuple(x.shape[1:]))
-    if ep.size == 1:
-        out.copy_(x)
-        return Pending(out, None, None)
-    comm = ep_comm_stream(ep)
-    comm.wait_stream(backend.compute_stream())
-    with backend.stream(comm):
-        work = backend.expert_all_to_all(out, x, list(out_splits), list(in_splits), group=ep.group, async_op=True)
-    return Pending(out, work, stats)
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -180,7 +165,7 @@ class ExpertRefetch:
         """Start the re-dispatch all-to-all (once); the experts' backward waits for it."""
         if self._pending is None and self._inputs is None:
             rows = dispatch_rows(self.tokens, self.plan, self.top_k)
-            self._pending = issue_exchange(self.ep, rows, self.plan.recv_splits, self.plan.send_splits, self.config.stats)
+            self._pending = issue_exchange(self.ep, rows, self.plan.recv_splits, self.plan.send_splits, stats=self.config.stats)
 
     def expert_inputs(self) -> torch.Tensor:
         """The experts' input rows again: the received rows (in the plan's expert order if permuted)."""

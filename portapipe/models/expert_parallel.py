@@ -5,58 +5,25 @@ each (token, k) row to the rank holding its expert; rows arrive grouped by sourc
 by expert (the all-to-all keeps the sender's order), and run as one grouped matmul whose groups
 are (source, expert) pairs in that order. Combine is the same exchange with the splits swapped.
 
-Two ways to run an exchange share :func:`exchange`:
-
-- :class:`Pending` (``async_op=True``): issue now, ``wait()`` later, so the caller can compute
-  something else while the rows are in flight (the F&B overlap does this, part by part);
-- :class:`AllToAll`: an autograd function (forward and backward each one blocking exchange,
-  the backward with the splits swapped) for code that runs one plain autograd graph.
-
-Each exchange's total time (issue to completion, taken from the work's future) and the time
-the caller spent blocked in ``wait`` are added to :class:`A2AStats`.
+The exchanges themselves (asynchronous with timing, or as an autograd function) are the
+scheduling layer's (:mod:`portapipe.scheduling.exchange`): :class:`ExpertParallel` is an
+:class:`~portapipe.scheduling.exchange.ExchangeGroup` that also knows which experts live where.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..backends.base import Backend
+from ..scheduling.exchange import ExchangeGroup
 
 
 @dataclass
-class A2AStats:
-    """All-to-all time of one step: total (issue -> done) and the part spent blocked waiting."""
+class ExpertParallel(ExchangeGroup):
+    """This rank's place in the EP group, the transport used for dispatch / combine, and the balancer."""
 
-    total_s: float = 0.0
-    wait_s: float = 0.0
-    count: int = 0
-
-    def reset(self) -> None:
-        self.total_s = self.wait_s = 0.0
-        self.count = 0
-
-    @property
-    def hidden_frac(self) -> float:
-        """Share of all-to-all time during which the caller computed instead of waiting."""
-        if self.total_s <= 0:
-            return 0.0
-        return max(0.0, min(1.0, 1.0 - self.wait_s / self.total_s))
-
-
-@dataclass
-class ExpertParallel:
-    """This rank's place in the EP group and the transport used for dispatch / combine."""
-
-    backend: Backend
-    size: int = 1
-    rank: int = 0
-    group: Any = None
-    stats: A2AStats = field(default_factory=A2AStats)
     #: the expert balancer (portapipe.balancing.runtime.ExpertBalancer) when balancer.kind is not
     #: none: it places logical experts in physical slots and routes tokens to them
     balancer: Any = None
@@ -69,70 +36,6 @@ class ExpertParallel:
     def expert_range(self, n_experts: int) -> tuple[int, int]:
         per = self.local_experts(n_experts)
         return self.rank * per, (self.rank + 1) * per
-
-
-class Pending:
-    """An exchange in flight; ``wait()`` returns the received rows (timing the block)."""
-
-    def __init__(self, output: torch.Tensor, work: Any, stats: A2AStats | None) -> None:
-        self.output = output
-        self._work = work
-        self._stats = stats
-        self._issued = time.perf_counter()
-        self._done_at: list[float] = []
-        self._waited = work is None
-        if work is not None and stats is not None and hasattr(work, "get_future"):
-            # Completion time from the communication thread: the true length of the exchange,
-            # whether or not anybody was waiting for it.
-            work.get_future().then(lambda _f: self._done_at.append(time.perf_counter()))
-
-    @property
-    def in_flight(self) -> bool:
-        return not self._waited
-
-    def wait(self) -> torch.Tensor:
-        if not self._waited:
-            t0 = time.perf_counter()
-            self._work.wait()
-            t1 = time.perf_counter()
-            self._waited = True
-            if self._stats is not None:
-                done = min(self._done_at[0], t1) if self._done_at else t1
-                self._stats.wait_s += t1 - t0
-                self._stats.total_s += max(done - self._issued, t1 - t0)
-                self._stats.count += 1
-        return self.output
-
-
-def exchange(
-    ep: ExpertParallel,
-    x: torch.Tensor,
-    out_splits: Sequence[int],
-    in_splits: Sequence[int],
-    async_op: bool = True,
-) -> Pending:
-    """Send ``in_splits[j]`` rows of ``x`` to EP rank j; receive ``out_splits[j]`` rows from each."""
-    x = x.detach().contiguous()
-    out = x.new_empty((int(sum(out_splits)),) + tuple(x.shape[1:]))
-    if ep.size == 1:
-        out.copy_(x)
-        return Pending(out, None, None)
-    work = ep.backend.expert_all_to_all(out, x, list(out_splits), list(in_splits), group=ep.group, async_op=async_op)
-    pending = Pending(out, work if async_op else None, ep.stats if async_op else None)
-    return pending
-
-
-class AllToAll(torch.autograd.Function):
-    """Blocking, differentiable exchange: the backward sends gradients back along the same rows."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, ep: ExpertParallel, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-        ctx.ep, ctx.out_splits, ctx.in_splits = ep, out_splits, in_splits
-        return exchange(ep, x, out_splits, in_splits).wait()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return exchange(ctx.ep, grad, ctx.in_splits, ctx.out_splits).wait(), None, None, None
 
 
 @dataclass

@@ -2,81 +2,21 @@
 
 Zero-bubble schedules split a backward into B (input gradient, needed at once by the previous
 stage) and W (weight gradient, free to fill a bubble later). Here each layer computes its input
-gradient inside autograd's backward and, when a :class:`WeightGradQueue` is active, queues a
-closure that computes and accumulates its weight gradient; the executor runs the queue at the
-matching W action. Without an active queue the weight gradient is computed in the same
-backward. Both paths run the same arithmetic, so results are identical either way.
-
-The queue is scoped with a context variable (:func:`deferring`), set by whoever drives the
-backward; there is no module-level queue.
+gradient inside autograd's backward and hands its weight gradient to
+:func:`~portapipe.scheduling.wgrad.defer_weight_grad`: queued for the matching W action when the
+executor's :class:`~portapipe.scheduling.wgrad.WeightGradQueue` is active, else computed in the
+same backward. Both paths run the same arithmetic, so results are identical either way.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..backends.base import Backend
-
-
-class WeightGradQueue:
-    """Deferred weight-gradient computations of one (stage, micro-batch) backward."""
-
-    def __init__(self) -> None:
-        self._work: list[Callable[[], None]] = []
-
-    def put(self, fn: Callable[[], None]) -> None:
-        self._work.append(fn)
-
-    def __len__(self) -> int:
-        return len(self._work)
-
-    def run(self) -> None:
-        """Compute and accumulate every queued weight gradient, in queue order, then forget them."""
-        work, self._work = self._work, []
-        # Outside autograd's backward grad mode is on: record no graph (it would keep the
-        # layers' inputs alive for nothing).
-        with torch.no_grad():
-            for fn in work:
-                fn()
-
-
-_ACTIVE: contextvars.ContextVar[WeightGradQueue | None] = contextvars.ContextVar("portapipe_wgrad_queue", default=None)
-
-
-@contextlib.contextmanager
-def deferring(queue: WeightGradQueue | None) -> Iterator[WeightGradQueue | None]:
-    """Within this block, backwards of our linear layers queue their weight gradients in ``queue``.
-
-    ``None`` means compute them at once (a full backward).
-    """
-    token = _ACTIVE.set(queue)
-    try:
-        yield queue
-    finally:
-        _ACTIVE.reset(token)
-
-
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add ``grad`` into ``param.grad`` the way autograd's accumulation would."""
-    if param.grad is None:
-        param.grad = grad.detach()
-    else:
-        param.grad.add_(grad)
-
-
-def _finish_weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor | None:
-    """Return the weight gradient now, or queue it and return None (autograd then adds nothing)."""
-    queue = _ACTIVE.get()
-    if queue is None:
-        return compute()
-    queue.put(lambda: accumulate_grad(weight, compute()))
-    return None
+from ..scheduling.wgrad import defer_weight_grad
 
 
 def merge_heads(o: torch.Tensor) -> torch.Tensor:
@@ -114,7 +54,7 @@ class LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             x2 = (merge_heads(x) if heads else x).reshape(-1, weight.shape[1])
-            grad_w = _finish_weight_grad(ctx.param, lambda: g2.t().matmul(x2))
+            grad_w = defer_weight_grad(ctx.param, lambda: g2.t().matmul(x2))
         return grad_x, grad_w, None
 
 
@@ -151,7 +91,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 g = backend.grouped_mm(x.t(), grad_out, offs)
                 return g if tiles == 1 else g.view(tiles, *weight.shape).sum(0)
 
-            grad_w = _finish_weight_grad(ctx.param, weight_grad)
+            grad_w = defer_weight_grad(ctx.param, weight_grad)
         return grad_x, grad_w, None, None, None
 
 

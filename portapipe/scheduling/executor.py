@@ -1,23 +1,28 @@
-"""Run one rank's lowered action list: p2p between stages, F / B / W / BW / F&B on the model.
+"""Run one rank's lowered action list over stages that follow the stage contract.
 
-:class:`PipelineRuntime` builds this rank's model blocks and schedule; :meth:`~PipelineRuntime.step`
-runs one training step's actions in order:
+:class:`PipelineExecutor` takes a schedule, this rank's stages (:mod:`.stage`: anything with
+``named_parameters()``, ``program(tape, x, targets)`` and ``has_loss``), the backend and the
+parallel groups; :meth:`~PipelineExecutor.step` runs one training step's actions in order:
 
 - ``RECV_*`` / ``SEND_*`` are posted without blocking (consecutive ones in one
   ``batch_isend_irecv``); only the compute that consumes a received tensor waits for it.
-  Shapes are derived, not registered: every activation and activation gradient of a micro-batch
-  is ``[batch, seq, hidden]`` of that micro-batch's token tensor. gloo tags are unique per
-  (direction, sending stage, micro-batch), so messages can never pair up wrongly.
+  Shapes are declared, not exchanged: ``boundary(stage, input_shape)`` gives the shape and
+  dtype of what stage ``stage`` sends forward for a micro-batch whose input has that shape
+  (its gradient comes back alike), so a receive is posted before its sender has computed.
+  gloo tags are unique per (direction, sending stage, micro-batch), so messages can never
+  pair up wrongly.
 - ``F`` runs the stage's forward program on a :class:`~portapipe.scheduling.overlap.Tape`;
-  ``B`` its part-wise backward with the linear layers' weight gradients queued for the
-  matching ``W``; ``BW`` the backward with weight gradients at once; ``FB`` the two programs
-  interleaved (:func:`~portapipe.scheduling.overlap.run_pair`) when ``schedule.overlap`` is on,
-  else one after the other. A micro-batch's tape is dropped as soon as its backward ran.
-- After the list: DualPipe's two copies of each block sum their gradients; non-expert
-  gradients are summed over the replica group (dp x ep), routed-expert gradients over dp;
-  each micro-batch's backward was seeded with 1 / (micro-batches x replicas), so ``.grad`` is
-  the gradient of the global mean loss. The router biases take one aux-loss-free step on the
-  global expert loads.
+  ``B`` its part-wise backward with weight gradients queued (:mod:`.wgrad`) for the matching
+  ``W``; ``BW`` the backward with weight gradients at once; ``FB`` the two programs
+  interleaved (:func:`~portapipe.scheduling.overlap.run_pair`) when ``overlap`` is on, else one
+  after the other. A micro-batch's tape is dropped as soon as its backward ran.
+- After the list (:meth:`~PipelineExecutor.reduce_gradients`): DualPipe's two copies of each
+  block sum their gradients; gradients of parameters not marked as experts are summed over the
+  replica group (dp x ep), expert gradients (:func:`~.stage.is_expert`) over dp; each
+  micro-batch's backward was seeded with 1 / (micro-batches x replicas), so ``.grad`` is the
+  gradient of the global mean loss. Then the optional ``end_step`` hook does the model's own
+  end-of-step work (portapipe's model: replica gradients of a balancer, router biases, expert
+  loads; see :mod:`portapipe.compose`) and returns extra :class:`StepResult` fields.
 
 The loss is reported exactly: per-micro-batch losses are gathered and summed in a fixed order
 (replica, then micro-batch), the order :mod:`portapipe.verify`'s reference uses.
@@ -26,7 +31,7 @@ The loss is reported exactly: per-micro-batch losses are gathered and summed in 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +41,12 @@ from torch import nn
 
 from ..backends.base import Backend, ParallelGroups
 from ..config import Config, ConfigError
-from ..models.expert_parallel import A2AStats, ExpertParallel
-from ..models.linear import WeightGradQueue
-from ..memory.policy import configure as configure_memory
-from ..models.moe import DTYPES, Block, build_blocks, is_expert_param
 from . import comms, schedules, validate
+from .exchange import A2AStats
 from .ir import Action, Kind, Schedule
 from .overlap import Program, Tape, run, run_pair
+from .stage import Boundary, Stage, is_expert
+from .wgrad import WeightGradQueue
 
 
 @dataclass
@@ -55,31 +59,46 @@ class StepResult:
     time from issue to completion, ``a2a_wait_s`` the part spent blocked on it,
     ``a2a_hidden_frac`` = 1 - wait / total; ``fb_a2a_*`` the same for the exchanges inside F&B
     pairs (the steady phase); ``peak_activations`` the most micro-batches whose activations
-    were held at once. ``expert_counts[i, e]``: rows routed to logical expert e of MoE layer
+    were held at once. The expert fields come from the model's ``end_step`` hook (None / empty
+    without one): ``expert_counts[i, e]``: rows routed to logical expert e of MoE layer
     ``expert_layers[i]`` this step, summed over the EP group (and DualPipe's two copies).
     """
 
     loss: float
     tokens: int
     timings: dict[str, float]
-    expert_counts: torch.Tensor | None
+    expert_counts: torch.Tensor | None = None
     #: global layer index of each row of ``expert_counts``
     expert_layers: list[int] = field(default_factory=list)
     #: per replica (dp x ep order) per micro-batch losses, identical on every rank
     losses: list[list[float]] = field(default_factory=list)
 
 
+def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 2, w_split: bool = True) -> Schedule:
+    """The lowered, validated schedule ``name`` on ``pp`` pipeline ranks; ValueError (one line per problem) if it cannot run."""
+    try:
+        schedule = schedules.build(name, pp, microbatches, chunks)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name} with pp={pp}, microbatches={microbatches}: {exc}") from None
+    if not w_split:
+        schedule = schedules.without_w_split(schedule)
+    schedule = comms.lower_comms(schedule)
+    problems = [f"{name} (pp={pp}, microbatches={microbatches}): {line}" for line in validate.problems(schedule)]
+    if schedule.n_ranks != pp:
+        problems.append(f"{name} runs on {schedule.n_ranks} ranks, not pp = {pp}")
+    if problems:
+        raise ValueError("\n".join(problems))
+    return schedule
+
+
 def build_schedule(config: Config) -> Schedule:
     """The lowered schedule a config asks for; ConfigError (before any rank starts) if it cannot run."""
     s, p = config.schedule, config.parallel
     try:
-        schedule = schedules.build(s.name, p.pp, s.microbatches, s.chunks)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError([f"schedule: {s.name} with pp={p.pp}, microbatches={s.microbatches}: {exc}"]) from None
-    if not s.w_split:
-        schedule = schedules.without_w_split(schedule)
-    schedule = comms.lower_comms(schedule)
-    problems = [f"schedule: {s.name} (pp={p.pp}, microbatches={s.microbatches}): {line}" for line in validate.problems(schedule)]
+        schedule = make_schedule(s.name, p.pp, s.microbatches, s.chunks, s.w_split)
+    except ValueError as exc:
+        raise ConfigError([f"schedule: {line}" for line in str(exc).splitlines()]) from None
+    problems = []
     n_blocks = config.n_blocks()
     if schedule.n_blocks != n_blocks:
         problems.append(f"schedule: {s.name} places {schedule.n_blocks} model blocks but the config expects {n_blocks}")
@@ -87,8 +106,6 @@ def build_schedule(config: Config) -> Schedule:
         problems.append(
             f"model.n_layers: {config.model.n_layers} layers cannot be cut into the {schedule.n_blocks} blocks of {s.name} with pp={p.pp}"
         )
-    if schedule.n_ranks != p.pp:
-        problems.append(f"schedule: {s.name} runs on {schedule.n_ranks} ranks but parallel.pp = {p.pp}")
     if problems:
         raise ConfigError(problems)
     return schedule
@@ -98,30 +115,49 @@ def _tag(direction: int, stage: int, mb: int, n_stages: int, n_mb: int) -> int:
     return (direction * n_stages + stage) * n_mb + mb
 
 
-class PipelineRuntime:
-    """One rank of a pp x dp x ep job: its model blocks, its actions, and :meth:`step`."""
+def placed(schedule: Schedule, groups: ParallelGroups) -> Schedule:
+    """``schedule`` with its SEND/RECV actions (added unless present), checked against the pipeline group."""
+    if not comms.has_comms(schedule):
+        schedule = comms.lower_comms(schedule)
+    if schedule.n_ranks != groups.pp:
+        raise ValueError(f"schedule {schedule.name} has {schedule.n_ranks} ranks but the pipeline group has {groups.pp}")
+    return schedule
 
-    def __init__(self, config: Config, backend: Backend, groups: ParallelGroups, schedule: Schedule | None = None) -> None:
-        self.config, self.backend, self.groups = config, backend, groups
-        self.schedule = comms.lower_comms(schedule) if schedule is not None else build_schedule(config)
-        s = self.schedule
-        if s.n_ranks != groups.pp:
-            raise ValueError(f"schedule {s.name} has {s.n_ranks} ranks but the pipeline group has {groups.pp}")
-        self.dtype = DTYPES[config.model.dtype]
-        self.overlap = config.schedule.overlap
-        self.ep = ExpertParallel(backend, groups.ep, groups.ep_rank, groups.ep_group)
-        if config.balancer.kind != "none":  # EPLB / LPLB: expert slots, routing, replica gradients
-            from ..balancing.runtime import ExpertBalancer, moe_layer_indices
 
-            layers = moe_layer_indices(config.model, s.blocks_of(groups.pp_rank), s.n_blocks)
-            self.ep.balancer = ExpertBalancer(config, backend, groups, layers)
+#: the model's end-of-step work: gets the executor after its gradient reduction, returns extra
+#: StepResult fields (e.g. ``expert_counts``, ``expert_layers``)
+EndStep = Callable[["PipelineExecutor"], Mapping[str, Any]]
+
+
+class PipelineExecutor:
+    """One rank of a pp x dp x ep job: its stages, its actions, and :meth:`step`.
+
+    ``stages`` maps each model block this rank's schedule places here to its stage (already on
+    the backend's device). ``exchange_stats``: where the stages' exchanges record their time
+    (reported in the timings); ``end_step``: see :data:`EndStep`.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: Mapping[int, Stage],
+        backend: Backend,
+        groups: ParallelGroups,
+        *,
+        boundary: Boundary,
+        overlap: bool = True,
+        exchange_stats: A2AStats | None = None,
+        end_step: EndStep | None = None,
+    ) -> None:
+        self.backend, self.groups = backend, groups
+        self.schedule = s = placed(schedule, groups)
+        self.blocks: dict[int, Stage] = {b: stages[b] for b in sorted(stages)}
+        _check_stages(s, groups.pp_rank, self.blocks)
+        self.boundary = boundary
+        self.overlap = overlap
+        self.exchange_stats = A2AStats() if exchange_stats is None else exchange_stats
+        self.end_step = end_step
         self.device = backend.device()
-        self.blocks: dict[int, Block] = build_blocks(
-            config.model, s.blocks_of(groups.pp_rank), s.n_blocks, self.ep, config.train.seed
-        )
-        configure_memory(self.blocks, config.memory)  # zero-memory / recompute per layer
-        for block in self.blocks.values():
-            block.to(self.device)
         self.actions: list[Action] = s.actions[groups.pp_rank]
         # DualPipe: the other pipeline rank holding the same block (its gradients are summed).
         self.copy_rank: dict[int, int] = {}
@@ -133,21 +169,16 @@ class PipelineRuntime:
             if others:
                 self.copy_rank[b] = others[0]
         self.fb_stats = A2AStats()
-        if self.ep.balancer is not None:
-            self.ep.balancer.attach(self.moe_layers())
+        self._copy_calls: dict[int, int] = {}
 
     # ------------------------------------------------------------- parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for b in sorted(self.blocks):
+        for b in self.blocks:
             yield from self.blocks[b].named_parameters()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
             yield p
-
-    def moe_layers(self) -> list[Any]:
-        layers = [layer for b in sorted(self.blocks) for layer in self.blocks[b].moe_layers()]
-        return sorted(layers, key=lambda layer: layer.index)
 
     # ------------------------------------------------------------------- step
     def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
@@ -157,19 +188,17 @@ class PipelineRuntime:
             raise ValueError(f"step() got {len(microbatches)} micro-batches; schedule {s.name} runs {s.n_microbatches}")
         for p in self.parameters():
             p.grad = None
-        self.ep.stats.reset()
+        self.exchange_stats.reset()
         self.fb_stats.reset()
         run_ = _Step(self, microbatches)
         t0 = time.perf_counter()
         run_.execute()
-        self._reduce_gradients()
-        if self.ep.balancer is not None:  # replicated experts: sum over their replicas
-            self.ep.balancer.reduce_gradients()
+        self.reduce_gradients()
         losses = self._gather_losses(run_.losses)
-        counts, layers = self._update_routing()
+        extra = dict(self.end_step(self)) if self.end_step is not None else {}
         step_s = time.perf_counter() - t0
         tokens = sum(int(t.numel()) for _, t in microbatches) * len(losses)
-        st, fb = self.ep.stats, self.fb_stats
+        st, fb = self.exchange_stats, self.fb_stats
         timings = {
             "step_s": step_s,
             "compute_s": run_.compute_s,
@@ -183,29 +212,28 @@ class PipelineRuntime:
             "fb_a2a_hidden_frac": fb.hidden_frac,
             "peak_activations": float(run_.peak_activations),
         }
-        return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, expert_counts=counts, expert_layers=layers, losses=losses)
+        return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, losses=losses, **extra)
 
     # ---------------------------------------------------------- reductions
-    def _block_params(self, b: int) -> list[nn.Parameter]:
-        return list(self.blocks[b].parameters())
+    def reduce_gradients(self) -> None:
+        """DualPipe copies' sum, then replicated gradients over dp x ep and expert ones over dp.
 
-    def _reduce_gradients(self) -> None:
+        Collective over the pipeline copies and the replica groups; every parameter ends with a
+        ``.grad`` (zeros where no micro-batch reached it).
+        """
         g = self.groups
-        for p in self.parameters():
+        self._copy_calls.clear()  # copy-exchange tags restart every step
+        params = list(self.parameters())
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         # DualPipe: both copies of a block end with the sum of their gradients (a+b == b+a
         # exactly, so the copies stay bitwise identical).
-        if self.copy_rank:
-            for b in sorted(self.blocks):
-                if b not in self.copy_rank:
-                    continue
-                params = self._block_params(b)
-                mine = _flatten([p.grad for p in params])
-                theirs = self._swap(mine, self.copy_rank[b], tag=self._swap_tag(0, b))
-                _unflatten(mine + theirs, [p.grad for p in params])
-        shared = [p for p in self.parameters() if not is_expert_param(p)]
-        experts = [p for p in self.parameters() if is_expert_param(p)]
+        for b in self.copy_rank:
+            grads = [p.grad for _, p in self.blocks[b].named_parameters()]
+            _unflatten(self.sum_over_copies(b, _flatten(grads)), grads)
+        shared = [p for p in params if not is_expert(p)]
+        experts = [p for p in params if is_expert(p)]
         if g.dp * g.ep > 1 and shared:
             self._all_reduce_grads(shared, g.replica_group)
         if g.dp > 1 and experts:
@@ -216,19 +244,22 @@ class PipelineRuntime:
         self.backend.all_reduce(flat, group=group)
         _unflatten(flat, [p.grad for p in params])
 
-    def _swap_tag(self, what: int, block: int) -> int:
-        """Tags above every activation / gradient tag of the step."""
+    def sum_over_copies(self, block: int, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` plus the same-shaped one of the other rank holding ``block`` (DualPipe), or
+        ``tensor`` itself when this rank holds the only copy. Both ranks call it in the same order."""
+        peer = self.copy_rank.get(block)
+        if peer is None:
+            return tensor
         s = self.schedule
-        return 2 * s.n_stages * s.n_microbatches + what * s.n_blocks + block
-
-    def _swap(self, tensor: torch.Tensor, pp_peer: int, tag: int) -> torch.Tensor:
-        """Exchange ``tensor`` with the same-shaped one of pipeline rank ``pp_peer``."""
-        peer = self.groups.global_rank(pp_peer)
+        n = self._copy_calls.get(block, 0)
+        self._copy_calls[block] = n + 1
+        tag = 2 * s.n_stages * s.n_microbatches + n * s.n_blocks + block  # above every activation tag
         other = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, peer, tag=tag), dist.P2POp(dist.irecv, other, peer, tag=tag)]
+        dst = self.groups.global_rank(peer)
+        ops = [dist.P2POp(dist.isend, tensor, dst, tag=tag), dist.P2POp(dist.irecv, other, dst, tag=tag)]
         for work in self.backend.batch_isend_irecv(ops):
             work.wait()
-        return other
+        return tensor + other
 
     def _gather_losses(self, local: dict[int, torch.Tensor]) -> list[list[float]]:
         """Every (replica, micro-batch) loss, on every rank, exactly as computed."""
@@ -245,31 +276,6 @@ class PipelineRuntime:
         out = [torch.empty_like(vec) for _ in range(replicas)]
         self.backend.all_gather(out, vec, group=g.replica_group)
         return [t.tolist() for t in out]
-
-    def _update_routing(self) -> tuple[torch.Tensor | None, list[int]]:
-        """Sum this step's expert loads (DualPipe copies, EP, DP) and step every router's bias."""
-        g = self.groups
-        by_block: dict[int, list[Any]] = {b: self.blocks[b].moe_layers() for b in sorted(self.blocks)}
-        if not any(by_block.values()):
-            return None, []
-        for b, layers in by_block.items():
-            if b in self.copy_rank and layers:
-                mine = torch.stack([layer.moe.step_counts for layer in layers])
-                theirs = self._swap(mine, self.copy_rank[b], tag=self._swap_tag(1, b))
-                for layer, row in zip(layers, mine + theirs):
-                    layer.moe.step_counts.copy_(row)
-        layers = self.moe_layers()
-        counts = torch.stack([layer.moe.step_counts for layer in layers])
-        if g.ep > 1:
-            self.backend.all_reduce(counts, group=g.ep_group)
-        ep_counts = counts.clone()
-        if g.dp > 1:
-            self.backend.all_reduce(counts, group=g.dp_group)
-        for layer, row in zip(layers, counts):
-            layer.moe.router.update_bias(row)
-            layer.moe.step_counts.zero_()
-        return ep_counts, [layer.index for layer in layers]
-
 
 def mean_loss(losses: list[list[float]]) -> float:
     """Mean of per-(replica, micro-batch) losses, summed in one fixed order (exact to reproduce)."""
@@ -295,7 +301,7 @@ def _unflatten(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
 class _Step:
     """The state of one step on one rank: posted receives, saved tapes, queued weight gradients."""
 
-    def __init__(self, rt: PipelineRuntime, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, rt: PipelineExecutor, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.rt = rt
         self.s = rt.schedule
         self.mbs = [(x.to(rt.device), y.to(rt.device)) for x, y in microbatches]
@@ -340,7 +346,7 @@ class _Step:
         if a.kind is Kind.FB:
             f, b = a.pair
             if self.rt.overlap:
-                st = self.rt.ep.stats
+                st = self.rt.exchange_stats
                 total0, wait_0 = st.total_s, st.wait_s
                 fprog, bprog = self._forward(f), self._backward(b)
                 run_pair(fprog, bprog)
@@ -367,8 +373,9 @@ class _Step:
         s, v, m = self.s, a.stage, a.mb
         block = self.rt.blocks[s.stage_block[v]]
         inputs, targets = self.mbs[m]
-        x = inputs if s.is_first(v) else self._take(Kind.RECV_F, v, m)
-        tape = Tape()
+        first = s.is_first(v)
+        x = inputs if first else self._take(Kind.RECV_F, v, m)
+        tape = Tape(input_grad=not first)
         out = yield from block.program(tape, x, targets if s.is_last(v) else None)
         self.tapes[(v, m)] = (tape, out)
         self.peak_activations = max(self.peak_activations, len(self.tapes))
@@ -403,8 +410,10 @@ class _Step:
             self.outbox[(Kind.SEND_B, v, m)] = grad_in
 
     # ------------------------------------------------------------------ p2p
-    def _shape(self, m: int) -> tuple[int, ...]:
-        return tuple(self.mbs[m][0].shape) + (self.rt.config.model.hidden,)
+    def _buffer(self, sender: int, m: int) -> torch.Tensor:
+        """An empty tensor for what stage ``sender`` sends forward for micro-batch m (or its gradient)."""
+        shape, dtype = self.rt.boundary(sender, self.mbs[m][0].shape)
+        return torch.empty(shape, dtype=dtype, device=self.rt.device)
 
     def _peer(self, stage: int) -> int:
         return self.rt.groups.global_rank(self.s.stage_rank[stage])
@@ -417,12 +426,12 @@ class _Step:
             v, m = a.stage, a.mb
             if a.kind is Kind.RECV_F:
                 src = s.prev_stage(v)
-                buf = torch.empty(self._shape(m), dtype=self.rt.dtype, device=self.rt.device)
+                buf = self._buffer(src, m)
                 ops.append(dist.P2POp(dist.irecv, buf, self._peer(src), tag=_tag(0, src, m, s.n_stages, s.n_microbatches)))
                 keys.append(("recv", (a.kind, v, m), buf))
             elif a.kind is Kind.RECV_B:
                 src = s.next_stage(v)
-                buf = torch.empty(self._shape(m), dtype=self.rt.dtype, device=self.rt.device)
+                buf = self._buffer(v, m)  # the gradient of what stage v sent forward
                 ops.append(dist.P2POp(dist.irecv, buf, self._peer(src), tag=_tag(1, src, m, s.n_stages, s.n_microbatches)))
                 keys.append(("recv", (a.kind, v, m), buf))
             else:
@@ -455,3 +464,15 @@ class _Step:
         work.wait()
         self.p2p_wait_s += time.perf_counter() - t0
         return buf
+
+
+def _check_stages(s: Schedule, rank: int, stages: Mapping[int, Stage]) -> None:
+    """The stages fit the schedule: exactly its blocks for this rank, the loss where it ends."""
+    want = s.blocks_of(rank)
+    if sorted(stages) != sorted(want):
+        raise ValueError(f"schedule {s.name} places blocks {sorted(want)} on pipeline rank {rank}, but the stages given are {sorted(stages)}")
+    for v in s.stages_of(rank):
+        b = s.stage_block[v]
+        if bool(stages[b].has_loss) != s.is_last(v):
+            where = "ends a pipeline and must compute the loss (has_loss True)" if s.is_last(v) else "feeds the next stage (has_loss must be False)"
+            raise ValueError(f"block {b} (stage {v} of {s.name}) {where}")

@@ -23,6 +23,12 @@ so device backends overlap on streams with no change here.
 
 With ``Tape(record=False)`` parts are plain calls and exchanges are blocking autograd
 functions: the whole stage is one ordinary autograd graph (used as the reference).
+
+Weight gradients under a W split (a B action passes a :class:`~.wgrad.WeightGradQueue`): a part
+recorded with ``tape.part(fn, *args)`` runs its backward with the queue active, so layers that
+defer themselves (:func:`~.wgrad.defer_weight_grad`) queue their weight gradients; a part
+recorded with ``tape.part(fn, *args, plain=True)`` is ordinary torch code and is split by
+autograd (:func:`~.wgrad.split_backward`).
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ from typing import Any
 
 import torch
 
-from ..models.expert_parallel import AllToAll, ExpertParallel, Pending, exchange
-from ..models.linear import WeightGradQueue, deferring
+from .exchange import AllToAll, ExchangeGroup, Pending, issue
+from .wgrad import WeightGradQueue, deferring, split_backward
 
 Program = Generator[Pending, None, Any]
 
@@ -55,11 +61,12 @@ class Done:
 class _Part:
     leaves: list[tuple[torch.Tensor, torch.Tensor]]  # (detached leaf the part saw, tensor it came from)
     outputs: list[torch.Tensor]
+    plain: bool = False  # ordinary torch code: a W split goes through split_backward
 
 
 @dataclass
 class _Exchange:
-    ep: ExpertParallel
+    group: ExchangeGroup
     source: torch.Tensor
     output: torch.Tensor
     out_splits: list[int]
@@ -87,8 +94,9 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 class Tape:
     """Records one micro-batch's forward through a stage, part by part, for a part-wise backward."""
 
-    def __init__(self, record: bool = True) -> None:
+    def __init__(self, record: bool = True, input_grad: bool = True) -> None:
         self.record = record
+        self.input_grad = input_grad  # False: the stage input's gradient is not wanted (a first stage)
         self._steps: list[_Part | _Exchange | Custom] = []
         self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._input: torch.Tensor | None = None
@@ -96,13 +104,17 @@ class Tape:
     # ------------------------------------------------------------------ forward
     def watch(self, x: torch.Tensor) -> torch.Tensor:
         """Mark the stage input whose gradient the backward returns."""
-        if self.record and x.is_floating_point():
+        if self.record and self.input_grad and x.is_floating_point():
             x = x.detach().requires_grad_(True)
             self._input = x
         return x
 
-    def part(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` as one part; tensor arguments that carry gradients become leaves."""
+    def part(self, fn: Callable[..., Any], *args: Any, plain: bool = False) -> Any:
+        """Run ``fn(*args)`` as one part; tensor arguments that carry gradients become leaves.
+
+        ``plain``: ``fn`` is ordinary torch code whose weight gradients autograd splits off
+        under a W split (see the module docstring).
+        """
         if not self.record:
             return fn(*args)
         leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -115,16 +127,16 @@ class Tape:
             call_args.append(a)
         with torch.enable_grad():
             out = fn(*call_args)
-        self._steps.append(_Part(leaves, _tensors(out)))
+        self._steps.append(_Part(leaves, _tensors(out), plain))
         return out
 
-    def all_to_all(self, ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending | Done:
-        """Issue an expert exchange of ``x``; the caller yields the result, then ``wait()``s on it."""
+    def all_to_all(self, group: ExchangeGroup, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending | Done:
+        """Issue an exchange of ``x`` over ``group``; the caller yields the result, then ``wait()``s on it."""
         if not self.record:
-            return Done(AllToAll.apply(x, ep, list(out_splits), list(in_splits)))
-        pending = _issue(ep, x, out_splits, in_splits)
+            return Done(AllToAll.apply(x, group, list(out_splits), list(in_splits)))
+        pending = issue(group, x, out_splits, in_splits)
         pending.output.requires_grad_(True)
-        self._steps.append(_Exchange(ep, x, pending.output, list(out_splits), list(in_splits)))
+        self._steps.append(_Exchange(group, x, pending.output, list(out_splits), list(in_splits)))
         return pending
 
     def custom(self, step: Custom) -> None:
@@ -146,8 +158,7 @@ class Tape:
     def backward(self, output: torch.Tensor, grad: torch.Tensor, queue: WeightGradQueue | None = None) -> Program:
         """Program: backward of the recorded parts from ``output``'s gradient.
 
-        Weight gradients of our linear layers go to ``queue`` when given (a B action), else are
-        computed at once (BW). Returns the stage input's gradient (None if the input was tokens).
+        Weight gradients go to ``queue`` when given (a B action), else are computed at once (BW). Returns the stage input's gradient (None if the input was tokens).
         Each part's graph and boundaries are dropped as soon as its backward ran.
         """
         if not self.record:
@@ -160,7 +171,7 @@ class Tape:
                 g = self._pop_grad(step.output)
                 if g is None:  # the exchange must still happen: the peers take part in it
                     g = torch.zeros_like(step.output)
-                pending = _issue(step.ep, g, step.in_splits, step.out_splits)
+                pending = issue(step.group, g, step.in_splits, step.out_splits)
                 in_flight[id(step.source)] = (step.source, pending)
                 yield pending
                 continue
@@ -180,12 +191,18 @@ class Tape:
                 if g is not None:
                     outs.append(o)
                     grads.append(g)
-            if outs:
-                with deferring(queue):
-                    torch.autograd.backward(outs, grads)
-            for leaf, src in step.leaves:
-                if leaf.grad is not None:
-                    self._add_grad(src, leaf.grad)
+            if outs and step.plain and queue is not None:
+                leaf_grads = split_backward(outs, grads, [leaf for leaf, _ in step.leaves], queue)
+                for (_, src), g in zip(step.leaves, leaf_grads):
+                    if g is not None:
+                        self._add_grad(src, g)
+            else:
+                if outs:
+                    with deferring(queue):
+                        torch.autograd.backward(outs, grads)
+                for leaf, src in step.leaves:
+                    if leaf.grad is not None:
+                        self._add_grad(src, leaf.grad)
             step.leaves.clear()
             step.outputs.clear()
         for src, pending in in_flight.values():
@@ -194,22 +211,6 @@ class Tape:
         self._grads.clear()
         self._input = None
         return grad_in
-
-
-def _issue(ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending:
-    backend = ep.backend
-    comm = ep_comm_stream(ep)
-    comm.wait_stream(backend.compute_stream())
-    with backend.stream(comm):
-        return exchange(ep, x, out_splits, in_splits, async_op=True)
-
-
-def ep_comm_stream(ep: ExpertParallel) -> Any:
-    stream = getattr(ep, "_comm_stream", None)
-    if stream is None:
-        stream = ep.backend.comm_stream()
-        ep._comm_stream = stream  # type: ignore[attr-defined]
-    return stream
 
 
 # ------------------------------------------------------------------------ drivers

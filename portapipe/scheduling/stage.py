@@ -1,19 +1,31 @@
 """The stage contract: what a pipeline stage gives the executor, and the names it uses.
 
-A *stage* is one model block placed on a pipeline rank. The executor needs three things of it:
+A *stage* is one model block placed on a pipeline rank (docs/models.md shows both kinds below
+with code). The executor (:class:`~.executor.PipelineExecutor`) needs three things of it:
 
 - ``named_parameters()``: its parameters under their **logical names**, the names the same
   parameter has in the single-process model (global layer indices, never block, rank or slot
   numbers). Two copies of one block (DualPipe) and data-parallel replicas report the same names;
   that is what lets a checkpoint written on one layout load on any other.
-- ``program(tape, x, targets)``: its forward for one micro-batch as a generator that runs its
-  parts through ``tape`` and yields at each expert all-to-all (see :mod:`.overlap`).
-- ``has_loss``: True for the stage whose program returns the loss.
+- ``program(tape, x, targets)``: its forward for one micro-batch as a generator. It runs its
+  work through ``tape`` in *parts* (``tape.part(fn, *args)``; ``plain=True`` for ordinary
+  torch code, whose weight gradients autograd splits off for W actions) and, if it exchanges
+  rows with other ranks inside its forward, issues each exchange with ``tape.all_to_all(group,
+  rows, out_splits, in_splits)`` and yields the returned handle before ``wait()``-ing on it, so
+  the executor can run another micro-batch's program while the rows travel (F&B overlap). A
+  stage without exchanges never yields. It returns the tensor it sends on, or, in the last
+  stage, the micro-batch's scalar loss.
+- ``has_loss``: True for the stage whose program returns the loss (it gets the targets).
+
+Beside the stages, the executor gets from whoever composes it: a :data:`Boundary` (the shape and
+dtype of what each stage sends forward), optionally the exchanges' :class:`~.exchange.A2AStats`
+and an end-of-step hook for the model's own work (:data:`~.executor.EndStep`).
 
 Parameters carry their parallel role as attributes, read through the functions below:
 
 - ``is_expert``: a routed expert's weights, stacked along dim 0, one row per *slot*; sharded
-  over the expert-parallel group and reduced over data-parallel replicas only.
+  over the expert-parallel group and reduced over data-parallel replicas only. Every other
+  parameter is replicated over dp x ep and its gradient summed there.
 - ``expert_ids``: the logical expert held by each row of an expert parameter (a balancer may
   replicate and reorder experts, so row j is not expert j in general).
 - ``slot_owned`` (optional): the rows that count as *the* copy of their expert (one per expert
@@ -26,7 +38,7 @@ of ``layers.3.moe.experts.gate_up``.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -42,6 +54,12 @@ class Stage(Protocol):
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
 
     def program(self, tape: Any, x: torch.Tensor, targets: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]: ...
+
+
+#: ``boundary(stage, input_shape) -> (shape, dtype)``: what virtual stage ``stage`` sends to the
+#: next one (and gets back as its gradient) for a micro-batch whose input has ``input_shape``.
+#: Declared rather than exchanged, so every receive can be posted before its sender computes.
+Boundary = Callable[[int, torch.Size], tuple[tuple[int, ...], torch.dtype]]
 
 
 def mark_expert(p: torch.Tensor, expert_ids: Sequence[int]) -> None:

@@ -1,0 +1,112 @@
+"""From a Config to a running pipeline: model blocks, balancer, memory options, executor.
+
+The scheduling core (:mod:`portapipe.scheduling`) runs any stages that follow the stage
+contract and knows nothing of portapipe's model or its balancers; this module is where they
+meet. :class:`PipelineRuntime` is the executor over portapipe's MoE model as one rank of a
+training or verification run builds it:
+
+- the expert-parallel group (:class:`~portapipe.models.expert_parallel.ExpertParallel`), with the
+  balancer (:class:`~portapipe.balancing.runtime.ExpertBalancer`) when ``balancer.kind`` asks for
+  one: it places the experts the blocks are built with and routes their tokens;
+- this rank's model blocks (:func:`build_model`), with the memory options of ``memory`` and on
+  the backend's device;
+- the executor, told the stage boundary (``[*tokens.shape, hidden]`` in the model's dtype) and
+  the model's end-of-step work (:func:`model_end_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .backends.base import Backend, ParallelGroups
+from .config import Config
+from .memory.policy import configure as configure_memory
+from .models.expert_parallel import ExpertParallel
+from .models.moe import DTYPES, Block, Layer, build_blocks
+from .scheduling.executor import PipelineExecutor, build_schedule, placed
+from .scheduling.ir import Schedule
+
+
+def build_model(config: Config, blocks: Iterable[int], n_blocks: int, ep: ExpertParallel) -> dict[int, Block]:
+    """The model blocks ``blocks`` of a model cut into ``n_blocks``, experts placed as ``ep`` says."""
+    return build_blocks(config.model, list(blocks), n_blocks, ep, config.train.seed)
+
+
+class PipelineRuntime(PipelineExecutor):
+    """One rank of a pp x dp x ep job over portapipe's model: its blocks, its actions, :meth:`step`.
+
+    ``schedule`` replaces the config's (hand-written action lists in tests). Beyond the
+    executor: ``config``, ``ep`` (the expert-parallel group), ``balancer`` (None without one)
+    and :meth:`moe_layers`.
+    """
+
+    def __init__(self, config: Config, backend: Backend, groups: ParallelGroups, schedule: Schedule | None = None) -> None:
+        self.config = config
+        s = placed(build_schedule(config) if schedule is None else schedule, groups)
+        self.ep = ExpertParallel(backend, groups.ep, groups.ep_rank, groups.ep_group)
+        if config.balancer.kind != "none":  # EPLB / LPLB: expert slots, routing, replica gradients
+            from .balancing.runtime import ExpertBalancer, moe_layer_indices
+
+            layers = moe_layer_indices(config.model, s.blocks_of(groups.pp_rank), s.n_blocks)
+            self.ep.balancer = ExpertBalancer(config, backend, groups, layers)
+        blocks = build_model(config, s.blocks_of(groups.pp_rank), s.n_blocks, self.ep)
+        configure_memory(blocks, config.memory)  # zero-memory / recompute per layer
+        device = backend.device()
+        for block in blocks.values():
+            block.to(device)
+        hidden, dtype = config.model.hidden, DTYPES[config.model.dtype]
+
+        def boundary(stage: int, tokens: torch.Size) -> tuple[tuple[int, ...], torch.dtype]:
+            return (*tokens, hidden), dtype
+
+        super().__init__(
+            s, blocks, backend, groups,
+            boundary=boundary, overlap=config.schedule.overlap, exchange_stats=self.ep.stats, end_step=model_end_step,
+        )
+        if self.balancer is not None:
+            self.balancer.attach(self.moe_layers())
+
+    @property
+    def balancer(self) -> Any:
+        """The expert balancer (``after_step``, ``state_dict``, ``load_state_dict``), or None."""
+        return self.ep.balancer
+
+    def moe_layers(self) -> list[Layer]:
+        """This rank's MoE layers, by global layer index."""
+        layers = [layer for block in self.blocks.values() for layer in block.moe_layers()]
+        return sorted(layers, key=lambda layer: layer.index)
+
+
+def model_end_step(rt: PipelineRuntime) -> dict[str, Any]:
+    """The model's end of a step, after the executor's gradient reduction (collective).
+
+    A balancer sums each replicated expert's gradient over its replicas; the step's expert
+    loads are summed over DualPipe's copies, the EP group and DP, and every router's
+    aux-loss-free bias takes one step on them. Returns the StepResult fields ``expert_counts``
+    (summed over EP only, this rank's MoE layers) and ``expert_layers``.
+    """
+    if rt.balancer is not None:
+        rt.balancer.reduce_gradients()
+    g = rt.groups
+    by_block = {b: block.moe_layers() for b, block in rt.blocks.items()}
+    if not any(by_block.values()):
+        return {"expert_counts": None, "expert_layers": []}
+    for b, layers in by_block.items():
+        if b in rt.copy_rank and layers:
+            both = rt.sum_over_copies(b, torch.stack([layer.moe.step_counts for layer in layers]))
+            for layer, row in zip(layers, both):
+                layer.moe.step_counts.copy_(row)
+    layers = rt.moe_layers()
+    counts = torch.stack([layer.moe.step_counts for layer in layers])
+    if g.ep > 1:
+        rt.backend.all_reduce(counts, group=g.ep_group)
+    ep_counts = counts.clone()
+    if g.dp > 1:
+        rt.backend.all_reduce(counts, group=g.dp_group)
+    for layer, row in zip(layers, counts):
+        layer.moe.router.update_bias(row)
+        layer.moe.step_counts.zero_()
+    return {"expert_counts": ep_counts, "expert_layers": [layer.index for layer in layers]}

@@ -1,0 +1,223 @@
+"""The W split: input gradient now (B), weight gradient later (W).
+
+Zero-bubble schedules split a backward into B (input gradient, needed at once by the previous
+stage) and W (weight gradient, free to fill a bubble later). The executor gives each B a
+:class:`WeightGradQueue` and runs it at the matching W. Two ways fill the queue:
+
+- **Layers that defer themselves** (portapipe's ``Linear`` and grouped linear): inside
+  autograd's backward each computes its input gradient and hands its weight gradient to
+  :func:`defer_weight_grad`, which queues it when a queue is active (:func:`deferring`, a
+  context variable set by whoever drives the backward; there is no module-level queue) and
+  computes it at once otherwise. Cheap: no graph walk.
+- **Ordinary torch code** (:func:`split_backward`): autograd's input-only backward first, with
+  the gradients reaching the nodes where the weights' branches leave the input's path captured
+  on the way; the queued weight backward then starts from those nodes, so nothing of the
+  input's path is computed twice. (torch.distributed.pipelining splits the same way.)
+
+Both give the same numbers as one full backward: the same operations on the same values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+class WeightGradQueue:
+    """Deferred weight-gradient computations of one (stage, micro-batch) backward."""
+
+    def __init__(self) -> None:
+        self._work: list[Callable[[], None]] = []
+
+    def put(self, fn: Callable[[], None]) -> None:
+        self._work.append(fn)
+
+    def __len__(self) -> int:
+        return len(self._work)
+
+    def run(self) -> None:
+        """Compute and accumulate every queued weight gradient, in queue order, then forget them."""
+        work, self._work = self._work, []
+        # Outside autograd's backward grad mode is on: record no graph (it would keep the
+        # layers' inputs alive for nothing).
+        with torch.no_grad():
+            for fn in work:
+                fn()
+
+
+_ACTIVE: contextvars.ContextVar[WeightGradQueue | None] = contextvars.ContextVar("portapipe_wgrad_queue", default=None)
+
+
+@contextlib.contextmanager
+def deferring(queue: WeightGradQueue | None) -> Iterator[WeightGradQueue | None]:
+    """Within this block, layers using :func:`defer_weight_grad` queue their weight gradients in ``queue``.
+
+    ``None`` means compute them at once (a full backward).
+    """
+    token = _ACTIVE.set(queue)
+    try:
+        yield queue
+    finally:
+        _ACTIVE.reset(token)
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``param.grad`` the way autograd's accumulation would."""
+    if param.grad is None:
+        param.grad = grad.detach()
+    else:
+        param.grad.add_(grad)
+
+
+def defer_weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """For an autograd function's backward: the weight gradient now, or queued (returns None,
+    so autograd adds nothing) when a queue is active; the queued work accumulates into ``weight.grad``."""
+    queue = _ACTIVE.get()
+    if queue is None:
+        return compute()
+    queue.put(lambda: accumulate_grad(weight, compute()))
+    return None
+
+
+# ----------------------------------------------------------------------- ordinary torch code
+def _node(t: torch.Tensor) -> Node | None:
+    """The graph node gradients of ``t`` flow into: its grad_fn, or a leaf's accumulator."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    return t.view_as(t).grad_fn.next_functions[0][0]  # a leaf's AccumulateGrad (made once, then cached)
+
+
+def _graph(roots: Sequence[Node]) -> tuple[dict[Node, list[Node]], list[Node]]:
+    """Consumers of every node reachable from ``roots`` and the accumulators of requires-grad leaves."""
+    users: dict[Node, list[Node]] = {}
+    leaves: list[Node] = []
+    todo = deque(r for r in dict.fromkeys(roots))
+    seen = set(todo)
+    while todo:
+        node = todo.popleft()
+        if hasattr(node, "variable"):
+            leaves.append(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            users.setdefault(nxt, []).append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return users, leaves
+
+
+def _upwards(starts: Sequence[Node], users: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes reached from ``starts`` towards the outputs, not passing ``stop``; and the stop nodes met."""
+    seen, met = set(starts), set()
+    todo = deque(starts)
+    while todo:
+        for user in users.get(todo.popleft(), ()):
+            if user in stop:
+                met.add(user)
+            elif user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen, met
+
+
+def split_backward(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], queue: WeightGradQueue
+) -> list[torch.Tensor | None]:
+    """Input gradients of ``outputs`` now; their weights' gradients put on ``queue``.
+
+    ``inputs`` are leaves (the part's inputs); every other requires-grad leaf the outputs depend
+    on is a weight and gets its gradient accumulated into ``.grad`` when the queue runs.
+    """
+    roots = [n for n in map(_node, outputs) if n is not None]
+    input_nodes = [n for n in map(_node, inputs) if n is not None]
+    if not input_nodes:  # nothing to hand back now: the whole backward is weight work
+        kept_out, kept_grads = list(outputs), list(grads)
+        queue.put(lambda: torch.autograd.backward(kept_out, kept_grads))
+        return [None] * len(inputs)
+    users, leaves = _graph(roots)
+    known = set(input_nodes)
+    weights = [n for n in leaves if n not in known]
+    on_path, _ = _upwards(input_nodes, users, set())  # the input's path: nodes the inputs are reached from
+    # Per weight, the nodes where its branches join the input's path; weights sharing a join
+    # node form one group (one autograd call each, so no branch is walked twice). A weight with
+    # a branch reaching an output off that path takes its gradient from the outputs instead.
+    groups: list[tuple[set[Node], list[Node]]] = []
+    off_path: list[Node] = []
+    top = set(roots)
+    for w in weights:
+        seen, joins = _upwards([w], users, on_path)
+        if seen & top:
+            off_path.append(w)
+            continue
+        merged = [g for g in groups if g[0] & joins]
+        for g in merged:
+            groups.remove(g)
+            joins |= g[0]
+        groups.append((joins, [w] + [x for g in merged for x in g[1]]))
+    captured: dict[Node, dict[int, torch.Tensor]] = {}
+
+    def capture(node: Node) -> Callable[[tuple[Any, ...]], None]:
+        def hook(grad_outputs: tuple[Any, ...]) -> None:
+            captured[node] = {i: g for i, g in enumerate(grad_outputs) if g is not None}
+
+        return hook
+
+    handles = [n.register_prehook(capture(n)) for joins, _ in groups for n in joins]
+    try:
+        wanted = [t for t in inputs if t.requires_grad]
+        got = torch.autograd.grad(list(outputs), wanted, list(grads), retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    by_id = {id(t): g for t, g in zip(wanted, got)}
+    kept_out, kept_grads = (list(outputs), list(grads)) if off_path else ([], [])  # keep outputs only if needed
+
+    def weight_backward() -> None:
+        _from_joins(groups, captured)
+        if off_path:
+            dws = torch.autograd.grad(kept_out, [GradientEdge(w, 0) for w in off_path], kept_grads, retain_graph=True, allow_unused=True)
+            for w, dw in zip(off_path, dws):
+                if dw is not None:
+                    accumulate_grad(w.variable, dw)
+
+    queue.put(weight_backward)
+    return [by_id.get(id(t)) for t in inputs]
+
+
+def _from_joins(groups: list[tuple[set[Node], list[Node]]], captured: dict[Node, dict[int, torch.Tensor]]) -> None:
+    """Each group's weight gradients from the gradients captured at its join nodes."""
+    for joins, weights in groups:
+        edges, seeds = [], []
+        for node in joins:
+            for i, g in captured.get(node, {}).items():
+                edges.append(GradientEdge(node, i))
+                seeds.append(g)
+        if not edges:
+            continue
+        # With several join nodes one may lie above another: pin each to its captured gradient
+        # so a branch's gradient is not counted again through the one above it.
+        handles = [n.register_prehook(_pinned(captured.get(n, {}))) for n in joins] if len(joins) > 1 else []
+        try:
+            dws = torch.autograd.grad(edges, [GradientEdge(w, 0) for w in weights], seeds, retain_graph=True, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        for w, dw in zip(weights, dws):
+            if dw is not None:
+                accumulate_grad(w.variable, dw)
+
+
+def _pinned(saved: dict[int, torch.Tensor]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    def hook(grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(saved.get(i) for i in range(len(grad_outputs)))
+
+    return hook

@@ -1,0 +1,238 @@
+"""Your own model: plain nn.Module stages under every schedule equal one process; the W split by autograd."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from portapipe.launch import run_ranks
+from portapipe.plain import PlainStage
+from portapipe.scheduling.overlap import Tape, run
+from portapipe.scheduling.wgrad import WeightGradQueue, split_backward
+
+ROOT = Path(__file__).resolve().parents[1]
+M = 4  # micro-batches
+
+
+# ------------------------------------------------------------------ the W split by autograd
+class Tied(nn.Module):
+    """Weights on and off the input's path, one used twice (above and below a norm), a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 8, dtype=torch.float64)
+        self.norm = nn.LayerNorm(8, dtype=torch.float64)
+        self.b = nn.Linear(8, 6, dtype=torch.float64)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6, dtype=torch.float64))
+        self.offset = nn.Parameter(torch.full((6,), 0.25, dtype=torch.float64))  # reaches the output without x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.relu(self.a(x)))
+        return self.b(h) * self.scale + 0.5 * (h @ self.a.weight) ** 2 + x + self.offset.exp()
+
+
+def _twins() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    a = Tied()
+    b = Tied()
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def test_split_backward_gives_input_grads_first_and_the_weights_exactly_at_w() -> None:
+    ref, m = _twins()
+    x0 = torch.randn(3, 4, 6, dtype=torch.float64)
+    g = torch.randn(3, 4, 6, dtype=torch.float64)
+    xr = x0.clone().requires_grad_()
+    ref(xr).backward(g)
+    x = x0.clone().requires_grad_()
+    queue = WeightGradQueue()
+    (gx,) = split_backward([m(x)], [g], [x], queue)
+    assert torch.equal(gx, xr.grad)
+    assert all(p.grad is None for p in m.parameters()) and len(queue) == 1
+    queue.run()
+    for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_split_backward_covers_an_output_that_does_not_depend_on_the_input() -> None:
+    torch.manual_seed(1)
+    lin, w = nn.Linear(4, 4, dtype=torch.float64), nn.Parameter(torch.randn(3, dtype=torch.float64))
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    g1, g2 = torch.randn(2, 4, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    torch.autograd.backward([lin(x), (w * lin.bias[:3]).sin()], [g1, g2])
+    want = [t.grad.clone() for t in (x, lin.weight, lin.bias, w)]
+    for t in (x, lin.weight, lin.bias, w):
+        t.grad = None
+    queue = WeightGradQueue()
+    (gx,) = split_backward([lin(x), (w * lin.bias[:3]).sin()], [g1, g2], [x], queue)
+    assert torch.equal(gx, want[0]) and lin.weight.grad is None and w.grad is None
+    queue.run()
+    assert all(torch.allclose(t.grad, g, rtol=1e-15, atol=0) for t, g in zip((lin.weight, lin.bias, w), want[1:]))
+
+
+def test_split_backward_without_an_input_gradient_leaves_all_to_w() -> None:
+    emb = nn.Embedding(10, 4, dtype=torch.float64)
+    out = emb(torch.tensor([[1, 2, 2]]))
+    queue = WeightGradQueue()
+    assert split_backward([out], [torch.ones_like(out)], [], queue) == []
+    assert emb.weight.grad is None
+    queue.run()
+    assert emb.weight.grad[2].tolist() == [2.0] * 4 and emb.weight.grad[0].tolist() == [0.0] * 4
+
+
+def test_a_plain_stage_on_a_tape_splits_b_and_w() -> None:
+    ref, m = _twins()
+    x0, y = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    loss = nn.functional.mse_loss
+    stage = PlainStage(m, 3, loss)
+    assert stage.has_loss and dict(stage.named_parameters()).keys() == {f"3.{k}" for k, _ in m.named_parameters()}
+    tape = Tape()
+    out = run(stage.program(tape, x0, y))
+    queue = WeightGradQueue()
+    gx = run(tape.backward(out, torch.tensor(1.0, dtype=torch.float64), queue))
+    xr = x0.clone().requires_grad_()
+    loss(ref(xr), y).backward()
+    assert torch.equal(out, loss(ref(x0), y)) and torch.equal(gx, xr.grad)
+    assert all(p.grad is None for p in m.parameters())
+    queue.run()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters()))
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
+    stage = PlainStage(nn.Identity(), 0, lambda out, y: (out - y) ** 2)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor .* got \(2, 3\)"):
+        run(stage.program(Tape(), torch.zeros(2, 3), torch.ones(2, 3)))
+
+
+# ------------------------------------------------------------- every schedule on 2 ranks
+def _modules(n: int, tokens: bool, seed: int = 0) -> list[nn.Module]:
+    """n blocks of changing width (the boundary shapes differ), ending in a head; float64."""
+    torch.manual_seed(seed)
+    widths = [12 + 4 * (i % 3) for i in range(n + 1)]
+    blocks: list[nn.Module] = []
+    for i in range(n):
+        layers: list[nn.Module] = [nn.Embedding(20, widths[0])] if tokens and i == 0 else []
+        layers += [nn.Linear(widths[i], widths[i + 1]), nn.Tanh(), nn.LayerNorm(widths[i + 1])]
+        if i == n - 1:
+            layers.append(nn.Linear(widths[i + 1], 20))
+        blocks.append(nn.Sequential(*layers).to(torch.float64))
+    return blocks
+
+
+def _batch(tokens: bool, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + replica)
+    x = torch.randint(0, 20, (8, 5), generator=g) if tokens else torch.randn(8, 5, 12, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 20, (8, 5), generator=g)
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+CASES = [  # (schedule, modules on 2 pipeline ranks, token inputs, w_split)
+    ("1f1b", 2, True, True),
+    ("zb1p", 2, False, True),
+    ("interleaved", 4, True, True),
+    ("dualpipe", 2, False, True),
+    ("dualpipev", 4, True, True),
+    ("dualpipev", 4, False, False),
+]
+
+
+def _reference(n: int, tokens: bool, replicas: int) -> tuple[float, dict[str, torch.Tensor]]:
+    model = nn.Sequential(*_modules(n, tokens))
+    total, losses = 0.0, []
+    for r in range(replicas):
+        x, y = _batch(tokens, r)
+        for xm, ym in zip(x.chunk(M), y.chunk(M)):
+            loss = _loss(model(xm), ym)
+            (loss / (M * replicas)).backward()
+            losses.append(loss.item())
+    for v in losses:
+        total += v
+    return total / len(losses), {n_: p.grad for n_, p in model.named_parameters()}
+
+
+def _rank(backend: Any, cases: list[tuple[str, int, bool, bool]], dp: int) -> dict[str, Any]:
+    """Every case's loss, gradients and whether its schedule had W actions; then the refusals."""
+    import torch.distributed as dist
+
+    import portapipe
+
+    out: dict[str, Any] = {"cases": []}
+    replica = dist.get_rank() % dp  # pp x dp mesh: dp inside pp
+    for schedule, n, tokens, w_split in cases:
+        pipe = portapipe.pipeline(_modules(n, tokens), backend=backend, loss_fn=_loss, schedule=schedule, microbatches=M, dp=dp, w_split=w_split)
+        result = pipe.step(*_batch(tokens, replica))
+        has_w = any(h.kind.value == "W" for acts in pipe.schedule.actions for a in acts for h in a.halves())
+        out["cases"].append((result.loss, {k: p.grad.clone() for k, p in pipe.named_parameters()}, has_w))
+    if dp > 1:
+        return out
+
+    def refusal(**kw: Any) -> str:
+        args: dict[str, Any] = dict(modules=_modules(2, True), backend=backend, loss_fn=_loss, schedule="1f1b", microbatches=M)
+        batch = kw.pop("batch", _batch(True, 0))
+        try:
+            portapipe.pipeline(**(args | kw)).step(*batch)
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
+    out["errors"] = [
+        refusal(modules=_modules(3, True)),
+        refusal(schedule="dualpipev"),
+        refusal(schedule="gpipe"),
+        refusal(schedule="dualpipev", modules=_modules(4, True), microbatches=2),
+        refusal(modules=_modules(2, True, seed=dist.get_rank())),  # each rank built its own model
+        refusal(batch=(torch.zeros(6, 5, dtype=torch.long), torch.zeros(6, 5, dtype=torch.long))),
+    ]
+    return out
+
+
+def _check(results: list[dict[str, Any]], cases: list[tuple[str, int, bool, bool]], dp: int) -> None:
+    for i, (schedule, n, tokens, w_split) in enumerate(cases):
+        ref_loss, ref_grads = _reference(n, tokens, dp)
+        ranks = [r["cases"][i] for r in results]
+        assert all(loss == ref_loss for loss, _, _ in ranks), (schedule, [loss for loss, _, _ in ranks], ref_loss)
+        for loss, named, _ in ranks:  # replicas and DualPipe copies hold identical gradients
+            worst = max(float((g - ref_grads[k]).norm() / ref_grads[k].norm()) for k, g in named.items())
+            assert worst <= 1e-12, (schedule, worst)
+        assert {k for _, named, _ in ranks for k in named} == ref_grads.keys(), schedule
+        assert ranks[0][2] == (w_split and schedule in ("zb1p", "dualpipe", "dualpipev")), schedule
+
+
+@pytest.mark.multiproc
+def test_plain_modules_under_every_schedule_equal_one_process() -> None:
+    results = run_ranks(_rank, 2, CASES, 1)
+    _check(results, CASES, 1)
+    errors = results[0]["errors"]
+    assert errors[0] == "1f1b on pp = 2 ranks runs 2 modules (one per model block); got 3"
+    assert errors[1] == "dualpipev on pp = 2 ranks runs 4 modules (one per model block); got 2"
+    assert errors[2].startswith("unknown schedule 'gpipe'; known: 1f1b, zb1p")
+    assert errors[3].startswith("dualpipev with pp=2, microbatches=2:"), errors[3]
+    assert errors[4].startswith("module 0 differs between ranks 0 and 1: every rank must build the same modules"), errors[4]
+    assert errors[5].startswith("step() needs inputs and targets with the same batch size, a multiple of the 4 micro-batches; got 6 and 6")
+
+
+@pytest.mark.multiproc
+def test_plain_modules_with_data_parallel_replicas_equal_one_process() -> None:
+    cases = [("dualpipev", 4, True, True), ("zb1p", 2, False, True)]
+    _check(run_ranks(_rank, 4, cases, 2), cases, 2)
+
+
+@pytest.mark.multiproc
+def test_the_own_model_example_runs_and_matches_one_process() -> None:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "own_model.py")], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("pipelined loss ") and "one process" in line, line
+    assert len((ROOT / "examples" / "own_model.py").read_text().splitlines()) < 60
