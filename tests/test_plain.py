@@ -236,3 +236,26 @@ def test_the_own_model_example_runs_and_matches_one_process() -> None:
     line = proc.stdout.strip().splitlines()[-1]
     assert line.startswith("pipelined loss ") and "one process" in line, line
     assert len((ROOT / "examples" / "own_model.py").read_text().splitlines()) < 60
+
+
+def test_the_executor_refuses_stages_that_do_not_fit_the_schedule() -> None:
+    from portapipe.backends.base import ParallelGroups
+    from portapipe.backends.cpu import CPUBackend
+    from portapipe.scheduling.executor import PipelineExecutor, make_schedule
+
+    schedule = make_schedule("dualpipev", 1, 2)  # one rank holding blocks 0 and 1
+    ok = {0: PlainStage(nn.Linear(2, 2), 0), 1: PlainStage(nn.Linear(2, 2), 1, _loss)}
+
+    def make(stages: dict[int, PlainStage], pp: int = 1) -> PipelineExecutor:
+        g = ParallelGroups(rank=0, world_size=pp, pp=pp, dp=1, ep=1, pp_rank=0, dp_rank=0, ep_rank=0)
+        return PipelineExecutor(schedule, stages, CPUBackend(), g, boundary=lambda v, s: ((*s, 2), torch.float32))
+
+    assert make(ok).blocks.keys() == {0, 1}
+    with pytest.raises(ValueError, match=r"places blocks \[0, 1\] on pipeline rank 0, but the stages given are \[0\]"):
+        make({0: ok[0]})
+    with pytest.raises(ValueError, match=r"block 1 \(stage 1 of dualpipev\) ends a pipeline and must compute the loss"):
+        make({0: ok[0], 1: PlainStage(nn.Linear(2, 2), 1)})
+    with pytest.raises(ValueError, match=r"block 0 \(stage 0 of dualpipev\) feeds the next stage"):
+        make({0: PlainStage(nn.Linear(2, 2), 0, _loss), 1: ok[1]})
+    with pytest.raises(ValueError, match="schedule dualpipev has 1 ranks but the pipeline group has 2"):
+        make(ok, pp=2)
