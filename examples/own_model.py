@@ -1,6 +1,6 @@
 """Your own model pipelined with DualPipeV on 2 CPU ranks, checked against one process.
 
-    python examples/own_model.py        (or under torchrun --nproc-per-node 2)
+    python examples/own_model.py
 """
 
 import torch

@@ -31,6 +31,7 @@ from .backends.base import Backend, ParallelGroups
 from .scheduling.executor import PipelineExecutor, StepResult, make_schedule
 from .scheduling.ir import Schedule
 from .scheduling.schedules import NAMES
+from .scheduling.stage import Boundary
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -73,13 +74,16 @@ class PlainStage:
 class Pipeline:
     """This rank's part of a pipelined plain model (see :func:`pipeline`)."""
 
-    def __init__(self, modules: Sequence[nn.Module], schedule: Schedule, backend: Backend, groups: ParallelGroups, loss_fn: LossFn) -> None:
-        self.modules, self.schedule = list(modules), schedule
+    def __init__(
+        self, modules: Sequence[nn.Module], schedule: Schedule, backend: Backend, groups: ParallelGroups, loss_fn: LossFn,
+        boundary: Boundary | None = None,
+    ) -> None:
+        self.modules, self.schedule, self._given = list(modules), schedule, boundary
         self._shapes: dict[tuple[int, ...], dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
         last = {schedule.stage_block[v] for v in range(schedule.n_stages) if schedule.is_last(v)}
         device = backend.device()
         stages = {b: PlainStage(modules[b].to(device), b, loss_fn if b in last else None) for b in schedule.blocks_of(groups.pp_rank)}
-        self.executor = PipelineExecutor(schedule, stages, backend, groups, boundary=self.boundary)
+        self.executor = PipelineExecutor(schedule, stages, backend, groups, boundary=boundary or self.boundary)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters by their names in ``nn.Sequential(*modules)``."""
@@ -101,11 +105,13 @@ class Pipeline:
                 f"got {inputs.shape[0]} and {targets.shape[0]}"
             )
         mbs = list(zip(inputs.chunk(m), targets.chunk(m)))
-        for x, _ in mbs:
-            self._infer(x)
+        if self._given is None:
+            for x, _ in mbs:
+                self._infer(x)
         return self.executor.step(mbs)
 
     def boundary(self, stage: int, input_shape: torch.Size) -> tuple[tuple[int, ...], torch.dtype]:
+        """What ``stage`` sends for a micro-batch of ``input_shape``, as inferred (see :meth:`_infer`)."""
         return self._shapes[tuple(input_shape)][stage]
 
     def _infer(self, x: torch.Tensor) -> None:
@@ -124,7 +130,7 @@ class Pipeline:
                 except Exception as exc:
                     raise ValueError(
                         f"cannot infer what stage {v} (module {s.stage_block[v]}) outputs for inputs of shape {list(key)} "
-                        f"on meta tensors ({type(exc).__name__}: {exc}); a stage must return one tensor"
+                        f"on meta tensors ({type(exc).__name__}: {exc}); pass pipeline(..., boundary=...) to say it"
                     ) from exc
                 if not isinstance(h, torch.Tensor):
                     raise ValueError(f"module {s.stage_block[v]} returns {type(h).__name__}; a stage that is not the last must return one tensor")
@@ -141,6 +147,7 @@ def pipeline(
     microbatches: int,
     dp: int = 1,
     w_split: bool = True,
+    boundary: Boundary | None = None,
 ) -> Pipeline:
     """Pipeline ``modules`` (the whole model, one module per block, the same on every rank)
     over the ranks of ``backend``'s process group: ``dp`` replicas of ``world / dp`` pipeline ranks.
@@ -148,6 +155,9 @@ def pipeline(
     Collective: every rank calls it with the same arguments. Raises ValueError naming what does
     not fit (module count, schedule, ranks), and when the modules differ between ranks holding
     the same block (DualPipe copies, replicas): seed torch before building them.
+
+    ``boundary(stage, input_shape) -> (shape, dtype)`` says what each virtual stage sends on;
+    by default it is inferred by running the modules on meta tensors once per input shape.
     """
     import torch.distributed as dist
 
@@ -165,7 +175,7 @@ def pipeline(
         raise ValueError(f"{schedule} on pp = {pp} ranks runs {expected} modules (one per model block); got {n}")
     plan = make_schedule(schedule, pp, microbatches, chunks, w_split)
     _check_identical(modules)
-    return Pipeline(modules, plan, backend, backend.parallel_groups(pp, dp, 1), loss_fn)
+    return Pipeline(modules, plan, backend, backend.parallel_groups(pp, dp, 1), loss_fn, boundary)
 
 
 @torch.no_grad()

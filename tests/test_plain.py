@@ -137,6 +137,26 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
+class ScaledByMax(nn.Module):
+    """Reads a value out of its input (float()): cannot run on meta tensors, so the boundary is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(12, 16, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) / float(x.detach().abs().max())
+
+
+def _scaled_modules() -> list[nn.Module]:
+    torch.manual_seed(3)
+    return [ScaledByMax(), nn.Linear(16, 20, dtype=torch.float64)]
+
+
+def _given_boundary(stage: int, shape: torch.Size) -> tuple[tuple[int, ...], torch.dtype]:
+    return (*shape[:-1], 16), torch.float64
+
+
 CASES = [  # (schedule, modules on 2 pipeline ranks, token inputs, w_split)
     ("1f1b", 2, True, True),
     ("zb1p", 2, False, True),
@@ -186,7 +206,11 @@ def _rank(backend: Any, cases: list[tuple[str, int, bool, bool]], dp: int) -> di
             return str(exc)
         return "no error"
 
+    pipe = portapipe.pipeline(_scaled_modules(), backend=backend, loss_fn=_loss, schedule="zb1p", microbatches=M, boundary=_given_boundary)
+    result = pipe.step(*_batch(False, 0))
+    out["given_boundary"] = (result.loss, {k: p.grad.clone() for k, p in pipe.named_parameters()})
     out["errors"] = [
+        refusal(modules=_scaled_modules(), batch=_batch(False, 0)),
         refusal(modules=_modules(3, True)),
         refusal(schedule="dualpipev"),
         refusal(schedule="gpipe"),
@@ -213,7 +237,16 @@ def _check(results: list[dict[str, Any]], cases: list[tuple[str, int, bool, bool
 def test_plain_modules_under_every_schedule_equal_one_process() -> None:
     results = run_ranks(_rank, 2, CASES, 1)
     _check(results, CASES, 1)
-    errors = results[0]["errors"]
+    model = nn.Sequential(*_scaled_modules())
+    x, y = _batch(False, 0)
+    losses = [_loss(model(xm), ym) for xm, ym in zip(x.chunk(M), y.chunk(M))]
+    (sum(losses) / M).backward()
+    grads = {k: g for r in results for k, g in r["given_boundary"][1].items()}
+    assert all(r["given_boundary"][0] == sum(v.item() for v in losses) / M for r in results)
+    assert all(float((grads[k] - p.grad).norm() / p.grad.norm()) <= 1e-12 for k, p in model.named_parameters())
+    errors = results[0]["errors"][1:]
+    assert results[0]["errors"][0].startswith("cannot infer what stage 0 (module 0) outputs for inputs of shape [2, 5, 12]"), results[0]["errors"][0]
+    assert "pass pipeline(..., boundary=...)" in results[0]["errors"][0]
     assert errors[0] == "1f1b on pp = 2 ranks runs 2 modules (one per model block); got 3"
     assert errors[1] == "dualpipev on pp = 2 ranks runs 4 modules (one per model block); got 2"
     assert errors[2].startswith("unknown schedule 'gpipe'; known: 1f1b, zb1p")
