@@ -117,12 +117,17 @@ def step_report(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.T
             for layer in runtime.moe_layers()
             for n, _ in layer.moe.experts.named_parameters()
         },
-        "biases": {f"{layer.index}": layer.moe.router.bias.detach().cpu().clone() for layer in runtime.moe_layers()},
+        "biases": {f"{layer.index}": b.detach().cpu().clone() for layer in runtime.moe_layers() if (b := _bias(layer)) is not None},
         "timings": result.timings,
         "expert_counts": None if result.expert_counts is None else result.expert_counts.cpu(),
         "expert_layers": result.expert_layers,
         "tokens": result.tokens,
     }
+
+
+def _bias(layer: Any) -> torch.Tensor | None:
+    """The router's load-balancing bias (a softmax router has none)."""
+    return getattr(layer.moe.router, "bias", None)
 
 
 # -------------------------------------------------------------------------- reference
@@ -163,7 +168,8 @@ def reference(config: Config) -> tuple[float, dict[str, torch.Tensor], dict[str,
             grads[name] = q.grad if q.grad is not None else torch.zeros_like(q)
         for layer in blocks[b].moe_layers():
             layer.moe.router.update_bias(layer.moe.step_counts)
-            biases[f"{layer.index}"] = layer.moe.router.bias.clone()
+            if (bias := _bias(layer)) is not None:
+                biases[f"{layer.index}"] = bias.clone()
     return mean_loss(losses), grads, biases
 
 
