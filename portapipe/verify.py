@@ -232,8 +232,14 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0) -> list[Ve
     backends = {c.backend for c in configs}
     if len(backends) != 1:
         raise ValueError(f"verify_many needs one backend per launch, got {sorted(backends)}")
+    from .config import ConfigError
+    from .models.hf_io import init_problems
+
     for c in configs:
         build_schedule(c)  # a schedule or split that cannot run fails here, before any rank starts
+        problems = init_problems(c.model)  # weights to start from that do not fit
+        if problems:
+            raise ConfigError(problems)
     per_rank = run_ranks(
         _rank_step,
         configs[0].world_size,

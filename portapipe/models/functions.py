@@ -78,7 +78,9 @@ class _RMSNorm(torch.autograd.Function):
 
     With a ``compute`` dtype other than ``x``'s, the normalisation runs in it and its result is
     cast back before the gain: ``weight * (xc * rsqrt(mean(xc^2) + eps)).to(x.dtype)`` with
-    ``xc = x.to(compute)`` (transformers' RMSNorm computes in float32 this way).
+    ``xc = x.to(compute)`` (transformers' RMSNorm computes in float32 this way); then the two
+    gradient terms of ``xc`` are summed in the compute dtype before the cast back, as autograd
+    does on that formula.
     """
 
     @staticmethod
@@ -99,7 +101,10 @@ class _RMSNorm(torch.autograd.Function):
         grad_mean = -0.5 * grad_r * r.pow(3)  # rsqrt; adding eps passes the gradient on
         grad_sq = grad_mean.expand(x.shape) / x.shape[-1]  # mean over the last dim
         grad_x_sq = grad_sq * (2.0 * xc.pow(1.0))  # pow(2)
-        return grad_x.to(x.dtype), grad_x_sq.to(x.dtype), grad_w, None, None
+        if xc is x:
+            return grad_x, grad_x_sq, grad_w, None, None
+        # One cast feeds both terms: they meet in the compute dtype, then go back through the cast.
+        return (grad_x + grad_x_sq).to(x.dtype), None, grad_w, None, None
 
 
 class RMSNorm(nn.Module):

@@ -99,24 +99,31 @@ class Rotary:
     _cache: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def tables(self, seq: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[seq, dim]`` (the angles of the pairs, twice over), float32 math cast to ``dtype``."""
+        """cos, sin ``[1, seq, dim]`` (the angles of the pairs, twice over), float32 math cast to ``dtype``."""
         key = (seq, dtype, device)
         if key not in self._cache:
             inv, factor = inverse_frequencies(self.dim, self.theta, self.scaling)
-            angles = torch.arange(seq, dtype=torch.int64).float()[:, None] * inv
+            angles = torch.arange(seq, dtype=torch.int64)[None, :, None].float() * inv
             emb = torch.cat((angles, angles), dim=-1)
             self._cache[key] = ((emb.cos() * factor).to(dtype).to(device), (emb.sin() * factor).to(dtype).to(device))
         return self._cache[key]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x[..., seq, dim]``."""
+        """Rotate ``x[batch, heads, seq, dim]``.
+
+        The tables broadcast as ``[1, 1, seq, dim]``, the shape transformers gives them: the
+        layout of the gradients autograd produces depends on it, and with it the rounding of
+        later float32 reductions (the q/k norms' backward).
+        """
         cos, sin = self.tables(x.shape[-2], x.dtype, x.device)
         if self.interleaved:
             # pairs (x0, x1), (x2, x3), ... each turned by one angle; the result holds the first
             # members, then the second ones (the same permutation for queries and keys).
-            c, s = cos[..., : self.dim // 2], sin[..., : self.dim // 2]
+            c, s = cos[..., : self.dim // 2].unsqueeze(1), sin[..., : self.dim // 2].unsqueeze(1)
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-        half = self.dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        # In transformers' order (the product with cos first, then the halves): the order in
+        # which autograd receives x's gradient terms decides the layout of their sum.
+        straight = x * cos.unsqueeze(1)
+        x1, x2 = x[..., : self.dim // 2], x[..., self.dim // 2 :]
+        return straight + torch.cat((-x2, x1), dim=-1) * sin.unsqueeze(1)
