@@ -26,7 +26,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..scheduling.stage import load_logical_state, logical_slices
-from .hf import config_problems, hf_config, ignored, source
+from .hf import HF_ARCHS, config_problems, hf_config, ignored, source
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -176,6 +176,8 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
     """
     from safetensors.torch import save_file
 
+    if config.arch not in HF_ARCHS:
+        raise ValueError(f"model.arch {config.arch!r} has no Hugging Face form; export needs {' or '.join(HF_ARCHS)}")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty folder; choose another output folder")
