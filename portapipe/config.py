@@ -180,7 +180,13 @@ class TrainConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: str | None = Field(None, description="UTF-8 text file; default: the corpus shipped with portapipe")
+    format: Literal["bytes", "tokens"] = Field(
+        "bytes", description="bytes: a text file, one token per byte; tokens: a flat file of uint16 / uint32 token ids (portapipe tokenize, nanoGPT)"
+    )
+    path: str | None = Field(None, description="the text (bytes) or token file (tokens); default for bytes: the corpus shipped with portapipe")
+    token_dtype: Literal["auto", "uint16", "uint32"] = Field(
+        "auto", description="tokens: width of one id; auto reads it from the sidecar <path>.json that portapipe tokenize writes"
+    )
     val_fraction: float = Field(0.05, ge=0, lt=1)
 
 

@@ -86,8 +86,16 @@ class Folder:
         return out
 
 
+def _safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ValueError("Hugging Face folders need the safetensors library: pip install 'portapipe[hf]'") from None
+    return safetensors
+
+
 def _open(path: Path) -> Any:
-    from safetensors import safe_open
+    safe_open = _safetensors().safe_open
 
     try:
         return safe_open(str(path), framework="pt")
@@ -174,8 +182,7 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
     numbered shards of at most ``max_shard_bytes`` with model.safetensors.index.json. The folder
     is written beside ``out_dir`` and renamed into place; ``out_dir`` must not exist or be empty.
     """
-    from safetensors.torch import save_file
-
+    save_file = _safetensors().torch.save_file
     if config.arch not in HF_ARCHS:
         raise ValueError(f"model.arch {config.arch!r} has no Hugging Face form; export needs {' or '.join(HF_ARCHS)}")
     out = Path(out_dir)
