@@ -143,6 +143,9 @@ def model_keys(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if g.get("quantization_config"):
         bad.append("quantization_config is set (quantized weights, e.g. fp8, must be converted to bf16 / float32 first)")
     theta, scaling = rope_of(g)
+    partial = g.get("partial_rotary_factor", (g.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        bad.append(f"partial_rotary_factor = {partial} (portapipe rotates the whole rotary part)")
     if scaling is not None and scaling["rope_type"] != "yarn":
         bad.append(f"RoPE type {scaling['rope_type']!r} (portapipe supports default and yarn)")
     try:
