@@ -135,3 +135,41 @@ def test_pipelined_loss_equals_transformers_and_verify_is_exact(folders: dict[st
         label = (config.model.arch, config.schedule.name)
         assert report.ok and report.loss_diff == 0.0 and report.max_rel_grad_diff <= 1e-12, (label, report.summary(), report.worst_param)
         assert abs(report.loss - _transformers_loss(hf[0], config)) <= 1e-9, label
+
+
+# ----------------------------------------------------------------------------------- config
+def _problems(**model: Any) -> list[str]:
+    from portapipe.config import ConfigError
+
+    try:
+        load_config({"model": model})
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
+def test_each_architecture_fills_its_own_keys_and_refuses_the_others() -> None:
+    q = load_config({"model": {"arch": "qwen3_moe", "hidden": 48, "n_heads": 6}}).model
+    assert (q.n_shared, q.n_kv_heads, q.head_dim, q.norm_topk_prob, q.kv_lora_rank) == (0, 6, 8, False, None)
+    d = load_config({"model": {"arch": "deepseek_v3"}}).model
+    assert (d.q_lora_rank, d.kv_lora_rank, d.qk_rope_head_dim, d.rope_interleave, d.norm_topk_prob, d.n_kv_heads) == (0, 32, 8, True, True, None)
+    p = load_config({}).model
+    assert p.arch == "portapipe" and p.rope_theta is None and p.n_shared == 1
+    assert _problems(arch="qwen3_moe", kv_lora_rank=8) == ["model.kv_lora_rank: 8 applies to model.arch deepseek_v3 only (model.arch is qwen3_moe)"]
+    assert _problems(head_dim=8) == ["model.head_dim: 8 applies to model.arch qwen3_moe only (model.arch is portapipe)"]
+    assert _problems(rope_theta=1e6)[0].startswith("model.rope_theta: 1000000.0 applies to model.arch deepseek_v3 / qwen3_moe only")
+    assert _problems(arch="llama")[0].startswith("model.arch: 'llama': Input should be 'portapipe', 'deepseek_v3' or 'qwen3_moe'")
+
+
+def test_architecture_rules_name_the_key_and_the_fix() -> None:
+    assert "model.n_shared: 1; qwen3_moe has no shared expert (set 0)" in _problems(arch="qwen3_moe", n_shared=1)
+    assert any(p.startswith("model.n_kv_heads: 3 does not divide model.n_heads = 4") for p in _problems(arch="qwen3_moe", n_kv_heads=3))
+    assert any(p.startswith("model.head_dim: not set") for p in _problems(arch="qwen3_moe", hidden=66))
+    assert any(p.startswith("model.n_groups: 2 / topk_groups: 1; qwen3_moe") for p in _problems(arch="qwen3_moe", n_groups=2))
+    assert any(p.startswith("model.qk_rope_head_dim: 7 is odd") for p in _problems(arch="deepseek_v3", qk_rope_head_dim=7))
+    assert any("scores a group by its top 2 experts" in p for p in _problems(arch="deepseek_v3", n_groups=8))
+    assert any(p.startswith("model.rope_scaling: type 'linear' is not supported") for p in _problems(arch="qwen3_moe", rope_scaling={"type": "linear", "factor": 2.0}))
+    yarn = _problems(arch="deepseek_v3", rope_scaling={"type": "yarn", "factr": 4})
+    assert any("unknown key(s) factr" in p for p in yarn) and any(p.startswith("model.rope_scaling.factor: None") for p in yarn)
+    assert any(p.startswith("model.init_from: loads Hugging Face weights") for p in _problems(init_from="/tmp"))
+    assert _problems(arch="deepseek_v3", hidden=66) == []  # latent attention has its own head widths

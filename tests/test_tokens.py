@@ -145,3 +145,25 @@ def test_tokenize_command_refuses_bad_input_with_exit_2(small: tuple[Tokenizer, 
     err = capsys.readouterr().err
     assert "none.txt does not exist" in err and "holds no tokenizer.json" in err and "is the text itself" in err
     assert not (tmp_path / "o.bin").exists()
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_the_deepseek_example_is_ready_to_launch_with_the_shipped_tokenizer(tmp_path: Path) -> None:
+    """examples/deepseek_v3.yaml: its tokenizer ships (and make_tokenizer.py rebuilds it byte for
+    byte), the vocabulary matches the model, and token data made with it passes the launch checks."""
+    import runpy
+
+    from portapipe.train import check_before_launch
+
+    shipped = EXAMPLES / "tokenizer" / "tokenizer.json"
+    runpy.run_path(str(EXAMPLES / "make_tokenizer.py"), run_name="make")["main"](tmp_path / "again")
+    assert (tmp_path / "again" / "tokenizer.json").read_bytes() == shipped.read_bytes()
+    text = tmp_path / "part.txt"
+    text.write_text(TEXT)
+    meta = tokenize(text, tmp_path / "part.bin", EXAMPLES / "tokenizer")
+    overrides = [f"data.path={tmp_path / 'part.bin'}", f"log.dir={tmp_path / 'run'}"]
+    cfg = load_config(EXAMPLES / "deepseek_v3.yaml", overrides)
+    assert cfg.model.arch == "deepseek_v3" and meta["vocab_size"] == cfg.model.vocab_size == 1024 and meta["dtype"] == "uint16"
+    check_before_launch(cfg)  # raises ConfigError listing any problem
