@@ -1,4 +1,8 @@
-"""A small DeepSeek-V3-style MoE transformer that follows the stage contract.
+"""The MoE transformer that follows the stage contract, for every architecture.
+
+``model.arch`` picks the attention, the router and the norms' precision (:data:`ARCHITECTURES`:
+portapipe, deepseek_v3, qwen3_moe; see docs/models.md); everything below is shared. The
+portapipe architecture is a small DeepSeek-V3-style model:
 
 Layers: RMSNorm -> causal attention (RoPE) -> RMSNorm -> FFN; the first ``n_dense`` layers
 have a dense SwiGLU FFN, the rest an MoE: shared expert(s) plus routed experts chosen by
