@@ -179,7 +179,7 @@ def tokenize(text_path: Path, out_path: Path, tokenizer: Path, piece_chars: int 
     tok = load_tokenizer(Path(tokenizer))
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = dtype_for_vocab(vocab)
-    code = "H" if dtype == "uint16" else ("I" if array("I").itemsize == 4 else "L")
+    code = "H" if dtype == "uint16" else "I"  # 2 and 4 bytes on every platform torch runs on
     text = read_text(Path(text_path))
     if not text:
         raise ValueError(f"{text_path} is empty")
@@ -194,6 +194,9 @@ def tokenize(text_path: Path, out_path: Path, tokenizer: Path, piece_chars: int 
                 ids = array(code, (t for e in tok.encode_batch(pieces[i : i + 64], add_special_tokens=False) for t in e.ids))
                 ids.tofile(f)
                 n += len(ids)
+        # An old description must not outlive the file it described (a stop between the two
+        # renames then leaves no sidecar, which data.token_dtype: auto refuses).
+        sidecar(out_path).unlink(missing_ok=True)
         os.replace(tmp, out_path)
     finally:
         tmp.unlink(missing_ok=True)

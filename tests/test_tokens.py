@@ -67,12 +67,14 @@ def test_tokenize_writes_the_tokenizers_ids_as_uint16_with_a_sidecar(small: tupl
     assert _ids(tmp_path / "pieces.bin", "H") == want
 
 
-def test_a_vocabulary_past_65536_ids_is_written_as_uint32(tmp_path: Path) -> None:
+def test_a_vocabulary_past_65536_ids_is_written_as_uint32(small: tuple[Tokenizer, Path], tmp_path: Path) -> None:
     tok = _train(300, extra=66_000)
     tok.save(str(tmp_path / "tokenizer.json"))
     text = tmp_path / "t.txt"
     text.write_text(TEXT[:2000] + " <extra65900> " + TEXT[2000:4000])
+    assert tokenize(text, tmp_path / "big.bin", small[1])["dtype"] == "uint16"  # then written again, wider
     meta = tokenize(text, tmp_path / "big.bin", tmp_path)
+    assert json.loads((tmp_path / "big.bin.json").read_text()) == meta
     ids = tok.encode(text.read_text(), add_special_tokens=False).ids
     assert meta["dtype"] == "uint32" and max(ids) >= 65_536
     assert _ids(tmp_path / "big.bin", "I") == ids
