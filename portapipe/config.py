@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 DUALPIPE_FAMILY = ("dualpipe", "dualpipev")
@@ -50,7 +50,36 @@ class ScheduleConfig(_Section):
     w_split: bool = Field(True, description="split backward into input-grad (B) and weight-grad (W)")
 
 
+ARCHS = ("portapipe", "deepseek_v3", "qwen3_moe")
+
+#: Keys that belong to one architecture, and the value each takes there when not given.
+#: Unset (None) for every other architecture; setting one there is an error.
+ARCH_KEYS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {
+        "q_lora_rank": 0,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "rope_interleave": True,
+        "norm_topk_prob": True,
+        "rope_theta": 10000.0,
+    },
+    "qwen3_moe": {"n_kv_heads": None, "head_dim": None, "norm_topk_prob": False, "rope_theta": 10000.0},
+}
+#: Architecture-independent keys whose default differs for an architecture.
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3_moe": {"n_shared": 0}}
+
+
 class ModelConfig(_Section):
+    arch: Literal["portapipe", "deepseek_v3", "qwen3_moe"] = Field(
+        "portapipe",
+        description="portapipe (this project's small DeepSeek-style model), deepseek_v3 (multi-head latent attention, "
+        "DeepSeekMoE) or qwen3_moe (grouped-query attention with q/k norm, softmax routing); see docs/models.md",
+    )
+    init_from: str | None = Field(
+        None, description="a Hugging Face model folder (config.json + *.safetensors) to start from; its config must match this section"
+    )
     vocab_size: int = Field(256, ge=2, description="byte-level by default")
     hidden: int = Field(64, ge=1)
     n_layers: int = Field(4, ge=1)
@@ -59,15 +88,56 @@ class ModelConfig(_Section):
     ffn_hidden: int = Field(128, ge=1, description="dense FFN width")
     moe_hidden: int = Field(32, ge=1, description="width of one routed expert")
     n_experts: int = Field(8, ge=1, description="routed experts per MoE layer")
-    n_shared: int = Field(1, ge=0, description="shared experts per MoE layer")
+    n_shared: int = Field(1, ge=0, description="shared experts per MoE layer [qwen3_moe: 0, it has none]")
     top_k: int = Field(2, ge=1)
     n_groups: int = Field(1, ge=1, description="expert groups for group-limited routing")
     topk_groups: int = Field(1, ge=1, description="groups a token may route to")
     bias_update_speed: float = Field(1e-3, ge=0, description="aux-loss-free bias step per update")
-    routed_scale: float = Field(1.0, gt=0)
+    routed_scale: float = Field(1.0, gt=0, description="routed experts' weights are scaled by it (deepseek_v3: routed_scaling_factor)")
     seq_len: int = Field(64, ge=2)
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
     init_std: float = Field(0.02, gt=0)
+    norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon (rms_norm_eps)")
+    # ---- deepseek_v3: multi-head latent attention
+    q_lora_rank: int | None = Field(None, ge=0, description="deepseek_v3: rank of the query's low-rank projection; 0 = a full-rank query [0]")
+    kv_lora_rank: int | None = Field(None, ge=1, description="deepseek_v3: rank of the joint key/value compression [32]")
+    qk_nope_head_dim: int | None = Field(None, ge=1, description="deepseek_v3: per-head query/key width without RoPE [16]")
+    qk_rope_head_dim: int | None = Field(None, ge=2, description="deepseek_v3: per-head query/key width with RoPE (the key's is shared by all heads) [8]")
+    v_head_dim: int | None = Field(None, ge=1, description="deepseek_v3: per-head value width [16]")
+    rope_interleave: bool | None = Field(None, description="deepseek_v3: RoPE over interleaved pairs of dimensions, as DeepSeek's weights are laid out [true]")
+    # ---- qwen3_moe: grouped-query attention
+    n_kv_heads: int | None = Field(None, ge=1, description="qwen3_moe: key/value heads, dividing n_heads [n_heads]")
+    head_dim: int | None = Field(None, ge=2, description="qwen3_moe: per-head width [hidden / n_heads]")
+    # ---- deepseek_v3 and qwen3_moe
+    norm_topk_prob: bool | None = Field(None, description="deepseek_v3 / qwen3_moe: normalise the top-k weights to sum 1 [true / false]")
+    rope_theta: float | None = Field(None, gt=0, description="deepseek_v3 / qwen3_moe: RoPE base [10000]")
+    rope_scaling: dict[str, Any] | None = Field(
+        None, description="deepseek_v3 / qwen3_moe: RoPE scaling as in a Hugging Face config; only type yarn (factor, "
+        "original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim) [none]"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _arch_defaults(cls, data: Any) -> Any:
+        """Fill the chosen architecture's own keys (and defaults that differ for it) where not given."""
+        if not isinstance(data, dict):
+            return data
+        arch = data.get("arch", "portapipe")
+        if arch not in ARCH_KEYS:
+            return data
+        out = dict(data)
+        fields = cls.model_fields
+        for key, value in {**ARCH_DEFAULTS.get(arch, {}), **ARCH_KEYS[arch]}.items():
+            if out.get(key) is None:
+                out[key] = value
+        if arch == "qwen3_moe":
+            heads = out.get("n_heads", fields["n_heads"].default)
+            hidden = out.get("hidden", fields["hidden"].default)
+            if out.get("n_kv_heads") is None:
+                out["n_kv_heads"] = heads
+            if out.get("head_dim") is None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0 and hidden % heads == 0:
+                out["head_dim"] = hidden // heads
+        return out
 
 
 class BalancerConfig(_Section):
@@ -110,7 +180,13 @@ class TrainConfig(_Section):
 
 
 class DataConfig(_Section):
-    path: str | None = Field(None, description="UTF-8 text file; default: the corpus shipped with portapipe")
+    format: Literal["bytes", "tokens"] = Field(
+        "bytes", description="bytes: a text file, one token per byte; tokens: a flat file of uint16 / uint32 token ids (portapipe tokenize, nanoGPT)"
+    )
+    path: str | None = Field(None, description="the text (bytes) or token file (tokens); default for bytes: the corpus shipped with portapipe")
+    token_dtype: Literal["auto", "uint16", "uint32"] = Field(
+        "auto", description="tokens: width of one id; auto reads it from the sidecar <path>.json that portapipe tokenize writes"
+    )
     val_fraction: float = Field(0.05, ge=0, lt=1)
 
 
@@ -193,8 +269,7 @@ def _cross_checks(c: Config) -> list[str]:
         out.append(f"model.top_k: {m.top_k} > model.n_experts = {m.n_experts}")
     if m.n_dense > m.n_layers:
         out.append(f"model.n_dense: {m.n_dense} > model.n_layers = {m.n_layers}")
-    if m.hidden % m.n_heads:
-        out.append(f"model.hidden: {m.hidden} is not divisible by model.n_heads = {m.n_heads}")
+    out += _model_checks(m)
     if m.n_experts % m.n_groups:
         out.append(f"model.n_groups: {m.n_groups} does not divide model.n_experts = {m.n_experts}")
     if m.topk_groups > m.n_groups:
@@ -237,6 +312,65 @@ def _cross_checks(c: Config) -> list[str]:
     transport = c.backend_options.get("ep_transport", "alltoall")
     if transport not in ("alltoall", "nvshmem"):
         out.append(f"backend_options.ep_transport: {transport!r} is not one of alltoall, nvshmem")
+    return out
+
+
+YARN_KEYS = ("type", "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
+
+
+def _model_checks(m: ModelConfig) -> list[str]:
+    """Rules of the model section that depend on the architecture."""
+    out: list[str] = []
+    owners: dict[str, list[str]] = {}
+    for arch, keys in ARCH_KEYS.items():
+        for key in keys:
+            owners.setdefault(key, []).append(arch)
+    for key, archs in owners.items():
+        if m.arch not in archs and getattr(m, key) is not None:
+            out.append(f"model.{key}: {getattr(m, key)!r} applies to model.arch {' / '.join(archs)} only (model.arch is {m.arch})")
+    if m.arch != "portapipe" and m.rope_scaling is not None:
+        out += _rope_scaling_checks(m.rope_scaling)
+    elif m.rope_scaling is not None:
+        out.append(f"model.rope_scaling: applies to model.arch deepseek_v3 / qwen3_moe only (model.arch is {m.arch})")
+    if m.init_from is not None and m.arch == "portapipe":
+        out.append("model.init_from: loads Hugging Face weights of model.arch deepseek_v3 or qwen3_moe; set model.arch")
+    if m.arch == "portapipe" and m.hidden % m.n_heads:
+        out.append(f"model.hidden: {m.hidden} is not divisible by model.n_heads = {m.n_heads}")
+    if m.arch == "qwen3_moe":
+        if m.head_dim is None:
+            out.append(f"model.head_dim: not set, and model.hidden = {m.hidden} is not divisible by model.n_heads = {m.n_heads}; set it")
+        elif m.head_dim % 2:
+            out.append(f"model.head_dim: {m.head_dim} is odd; RoPE rotates pairs of dimensions")
+        if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
+            out.append(f"model.n_kv_heads: {m.n_kv_heads} does not divide model.n_heads = {m.n_heads}")
+        if m.n_shared:
+            out.append(f"model.n_shared: {m.n_shared}; qwen3_moe has no shared expert (set 0)")
+        if m.n_groups != 1 or m.topk_groups != 1:
+            out.append(f"model.n_groups: {m.n_groups} / topk_groups: {m.topk_groups}; qwen3_moe routes by a softmax over all experts (set both to 1)")
+        if m.routed_scale != 1.0:
+            out.append(f"model.routed_scale: {m.routed_scale}; qwen3_moe does not scale the routed weights (set 1.0)")
+    if m.arch == "deepseek_v3":
+        if m.qk_rope_head_dim is not None and m.qk_rope_head_dim % 2:
+            out.append(f"model.qk_rope_head_dim: {m.qk_rope_head_dim} is odd; RoPE rotates pairs of dimensions")
+        if m.n_groups > 1 and m.n_experts % m.n_groups == 0 and m.n_experts // m.n_groups < 2:
+            out.append(f"model.n_groups: {m.n_groups} leaves {m.n_experts // m.n_groups} expert per group; deepseek_v3 scores a group by its top 2 experts")
+    return out
+
+
+def _rope_scaling_checks(d: dict[str, Any]) -> list[str]:
+    out = []
+    kind = d.get("rope_type", d.get("type"))
+    if kind not in ("yarn", "default"):
+        out.append(f"model.rope_scaling: type {kind!r} is not supported; yarn (or default, no scaling) is")
+    unknown = sorted(set(d) - set(YARN_KEYS))
+    if unknown:
+        out.append(f"model.rope_scaling: unknown key(s) {', '.join(unknown)}; known: {', '.join(YARN_KEYS)}")
+    if kind == "yarn":
+        factor, orig = d.get("factor"), d.get("original_max_position_embeddings")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
+            out.append(f"model.rope_scaling.factor: {factor!r}; yarn needs a positive factor")
+        if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
+            out.append(f"model.rope_scaling.original_max_position_embeddings: {orig!r}; yarn needs the pretraining length (a positive integer)")
     return out
 
 

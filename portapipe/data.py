@@ -1,8 +1,10 @@
-"""Training data: a text corpus tokenised at byte level (one token per byte).
+"""Training data: a text corpus tokenised at byte level (one token per byte), or a token file.
 
-The default corpus is the plays of Shakespeare shipped in ``portapipe/data/`` (public domain,
-see ``portapipe/data/SOURCE.txt``); ``data.path`` names another UTF-8 (or any byte) text file,
-plain or gzipped. The last ``data.val_fraction`` of the bytes is the validation split.
+``data.format: bytes`` [default]: the default corpus is the plays of Shakespeare shipped in
+``portapipe/data/`` (public domain, see ``portapipe/data/SOURCE.txt``); ``data.path`` names
+another UTF-8 (or any byte) text file, plain or gzipped. ``data.format: tokens``: ``data.path``
+is a flat file of uint16 / uint32 token ids, memory-mapped (see :mod:`portapipe.tokens`). The
+last ``data.val_fraction`` of the tokens is the validation split.
 
 Batches are random windows of ``seq_len + 1`` bytes (inputs and targets shifted by one),
 drawn from a generator seeded by (seed, split, step, dp_rank, ep_rank): any rank can make any
@@ -20,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from . import tokens as token_files
 from .config import Config
 
 DEFAULT_CORPUS = Path(__file__).with_name("data") / "shakespeare.txt.gz"
@@ -41,12 +44,25 @@ def corpus_path(config: Config) -> Path:
     return Path(config.data.path).expanduser() if config.data.path else DEFAULT_CORPUS
 
 
-def data_problems(config: Config) -> list[str]:
+def token_array(config: Config) -> torch.Tensor:
+    """All tokens of the configured data, one dimension: the bytes of a text, or a token file's ids."""
+    if config.data.format == "tokens":
+        dtype, problems = token_files.file_problems(corpus_path(config), config.data.token_dtype, config.model.vocab_size, check_ids=False)
+        if dtype is None:
+            raise ValueError("; ".join(problems))
+        return token_files.open_tokens(corpus_path(config), dtype)
+    return _read_bytes(str(corpus_path(config)))
+
+
+def data_problems(config: Config, check_ids: bool = True) -> list[str]:
     """What stops the data from serving this config, one line per problem (empty when fine).
 
     Checked before any rank starts: the file exists, its bytes fit the vocabulary, and each
-    split holds at least one window of ``model.seq_len + 1`` bytes.
+    split holds at least one window of ``model.seq_len + 1`` bytes. For a token file: its
+    width, and (``check_ids``: a scan of the file) its largest id below ``model.vocab_size``.
     """
+    if config.data.format == "tokens":
+        return _token_problems(config, check_ids)
     path = corpus_path(config)
     if not path.is_file():
         return [f"data.path: {str(path)!r} does not exist or is not a file"]
@@ -72,6 +88,26 @@ def data_problems(config: Config) -> list[str]:
     return out
 
 
+def _token_problems(config: Config, check_ids: bool) -> list[str]:
+    if config.data.path is None:
+        return ["data.path: not set; data.format tokens reads a token file (write one with portapipe tokenize TEXT OUT --tokenizer DIR)"]
+    path = corpus_path(config)
+    dtype, out = token_files.file_problems(path, config.data.token_dtype, config.model.vocab_size, check_ids)
+    if dtype is None:
+        return out
+    n = token_files.open_tokens(path, dtype).numel()
+    n_val = _n_val(n, config.data.val_fraction)
+    need = config.model.seq_len + 1
+    if n - n_val < need:
+        out.append(f"data.path: the train split of {path.name} has {n - n_val} tokens, fewer than model.seq_len + 1 = {need}")
+    if config.data.val_fraction > 0 and n_val < need:
+        out.append(
+            f"data.val_fraction: {config.data.val_fraction} leaves {n_val} validation tokens of {path.name}, "
+            f"fewer than model.seq_len + 1 = {need}; raise it or set 0 to skip validation"
+        )
+    return out
+
+
 def _n_val(n: int, fraction: float) -> int:
     return int(n * fraction)
 
@@ -86,12 +122,12 @@ class TextData:
     """Byte-level batches from a text corpus, deterministic in (seed, split, step, ranks)."""
 
     def __init__(self, config: Config) -> None:
-        problems = data_problems(config)
+        problems = data_problems(config, check_ids=False)  # the launch checked the ids (a scan of the file)
         if problems:
             raise ValueError("; ".join(problems))
         self.path = corpus_path(config)
         self.seed = config.train.seed
-        tokens = _read_bytes(str(self.path))
+        tokens = token_array(config)
         n_val = _n_val(tokens.numel(), config.data.val_fraction)
         self.splits: dict[str, torch.Tensor] = {"train": tokens[: tokens.numel() - n_val], "val": tokens[tokens.numel() - n_val :]}
 

@@ -326,7 +326,9 @@ def check_before_launch(config: Config) -> None:
     """Everything that can be checked without ranks; raises ConfigError listing each problem."""
     from .scheduling.executor import build_schedule
 
-    problems = list(data_problems(config))
+    from .models.hf_io import init_problems
+
+    problems = list(data_problems(config)) + init_problems(config.model)
     try:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:

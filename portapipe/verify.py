@@ -118,12 +118,17 @@ def step_report(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.T
             for layer in runtime.moe_layers()
             for n, _ in layer.moe.experts.named_parameters()
         },
-        "biases": {f"{layer.index}": layer.moe.router.bias.detach().cpu().clone() for layer in runtime.moe_layers()},
+        "biases": {f"{layer.index}": b.detach().cpu().clone() for layer in runtime.moe_layers() if (b := _bias(layer)) is not None},
         "timings": result.timings,
         "expert_counts": None if result.expert_counts is None else result.expert_counts.cpu(),
         "expert_layers": result.expert_layers,
         "tokens": result.tokens,
     }
+
+
+def _bias(layer: Any) -> torch.Tensor | None:
+    """The router's load-balancing bias (a softmax router has none)."""
+    return getattr(layer.moe.router, "bias", None)
 
 
 # -------------------------------------------------------------------------- reference
@@ -164,7 +169,8 @@ def reference(config: Config) -> tuple[float, dict[str, torch.Tensor], dict[str,
             grads[name] = q.grad if q.grad is not None else torch.zeros_like(q)
         for layer in blocks[b].moe_layers():
             layer.moe.router.update_bias(layer.moe.step_counts)
-            biases[f"{layer.index}"] = layer.moe.router.bias.clone()
+            if (bias := _bias(layer)) is not None:
+                biases[f"{layer.index}"] = bias.clone()
     return mean_loss(losses), grads, biases
 
 
@@ -227,8 +233,14 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0) -> list[Ve
     backends = {c.backend for c in configs}
     if len(backends) != 1:
         raise ValueError(f"verify_many needs one backend per launch, got {sorted(backends)}")
+    from .config import ConfigError
+    from .models.hf_io import init_problems
+
     for c in configs:
         build_schedule(c)  # a schedule or split that cannot run fails here, before any rank starts
+        problems = init_problems(c.model)  # weights to start from that do not fit
+        if problems:
+            raise ConfigError(problems)
     per_rank = run_ranks(
         _rank_step,
         configs[0].world_size,

@@ -75,32 +75,47 @@ class _RMSNorm(torch.autograd.Function):
     order. ``x`` comes in twice so that its two gradient terms (through the product and through
     the square) reach ``x`` as two separate terms, as they do from the formula's graph: the sum
     with ``x``'s other gradients (the residual's) is then formed in the same order.
+
+    With a ``compute`` dtype other than ``x``'s, the normalisation runs in it and its result is
+    cast back before the gain: ``weight * (xc * rsqrt(mean(xc^2) + eps)).to(x.dtype)`` with
+    ``xc = x.to(compute)`` (transformers' RMSNorm computes in float32 this way); then the two
+    gradient terms of ``xc`` are summed in the compute dtype before the cast back, as autograd
+    does on that formula.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, x_sq: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        r = torch.rsqrt(x_sq.pow(2).mean(-1, keepdim=True) + eps)
+    def forward(ctx: Any, x: torch.Tensor, x_sq: torch.Tensor, weight: torch.Tensor, eps: float, compute: torch.dtype) -> torch.Tensor:
+        xc, xc_sq = x.to(compute), x_sq.to(compute)
+        r = torch.rsqrt(xc_sq.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, r, weight)
-        return x * r * weight
+        return (xc * r).to(x.dtype) * weight
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, r, weight = ctx.saved_tensors
-        grad_xr = grad * weight
-        grad_w = (grad * (x * r)).sum_to_size(weight.shape)
+        xc = x.to(r.dtype)
+        grad_xr = (grad * weight).to(r.dtype)
+        grad_w = (grad * (xc * r).to(x.dtype)).sum_to_size(weight.shape)
         grad_x = grad_xr * r
-        grad_r = (grad_xr * x).sum_to_size(r.shape)
+        grad_r = (grad_xr * xc).sum_to_size(r.shape)
         grad_mean = -0.5 * grad_r * r.pow(3)  # rsqrt; adding eps passes the gradient on
         grad_sq = grad_mean.expand(x.shape) / x.shape[-1]  # mean over the last dim
-        grad_x_sq = grad_sq * (2.0 * x.pow(1.0))  # pow(2)
-        return grad_x, grad_x_sq, grad_w, None
+        grad_x_sq = grad_sq * (2.0 * xc.pow(1.0))  # pow(2)
+        if xc is x:
+            return grad_x, grad_x_sq, grad_w, None, None
+        # One cast feeds both terms: they meet in the compute dtype, then go back through the cast.
+        return (grad_x + grad_x_sq).to(x.dtype), None, grad_w, None, None
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, dtype: torch.dtype, eps: float = 1e-6) -> None:
+    """RMSNorm with a gain; ``precision`` (e.g. float32) is the dtype the normalisation runs in
+    (None: the input's)."""
+
+    def __init__(self, dim: int, dtype: torch.dtype, eps: float = 1e-6, precision: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
+        self.precision = precision
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, x, self.weight, self.eps)
+        return _RMSNorm.apply(x, x, self.weight, self.eps, self.precision or x.dtype)

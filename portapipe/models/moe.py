@@ -1,4 +1,8 @@
-"""A small DeepSeek-V3-style MoE transformer that follows the stage contract.
+"""The MoE transformer that follows the stage contract, for every architecture.
+
+``model.arch`` picks the attention, the router and the norms' precision (:data:`ARCHITECTURES`:
+portapipe, deepseek_v3, qwen3_moe; see docs/models.md); everything below is shared. The
+portapipe architecture is a small DeepSeek-V3-style model:
 
 Layers: RMSNorm -> causal attention (RoPE) -> RMSNorm -> FFN; the first ``n_dense`` layers
 have a dense SwiGLU FFN, the rest an MoE: shared expert(s) plus routed experts chosen by
@@ -25,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,55 +40,41 @@ from torch import nn
 from ..backends.base import Backend
 from ..config import ModelConfig
 from ..scheduling.stage import expert_ids, is_expert, mark_expert
+from .attention import HF_PRECISION, Attention, GroupedQueryAttention, LatentAttention
 from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch
 from .functions import RMSNorm, swiglu
 from .linear import Linear, grouped_linear
+from .rope import apply_rope, rope_tables
+from .routing import Router, SoftmaxRouter
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
-
-def rope_tables(seq: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    half = head_dim // 2
-    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float64) / max(half, 1)))
-    ang = torch.outer(torch.arange(seq, dtype=torch.float64), inv)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+__all__ = ["Attention", "Block", "Router", "apply_rope", "build_blocks", "layer_range", "rope_tables"]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = cos.shape[-1]
-    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-    s = x.shape[-2]
-    c, n = cos[:s], sin[:s]
-    return torch.cat([x1 * c - x2 * n, x1 * n + x2 * c, rest], dim=-1)
+@dataclass(frozen=True)
+class Arch:
+    """What differs between architectures: the attention, the router and the norms' precision.
+
+    Everything else (dense FFN, shared experts, routed experts and their dispatch / combine,
+    the memory options' hooks, the balancer's routing, the blocks) is one implementation.
+    """
+
+    attention: Callable[[ModelConfig, torch.dtype], nn.Module]
+    router: Callable[[ModelConfig, torch.dtype], nn.Module]
+    #: dtype the RMSNorms compute in (None: the model's)
+    norm_precision: torch.dtype | None = None
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.head_dim = cfg.hidden // cfg.n_heads
-        self.wq = Linear(cfg.hidden, cfg.hidden, dtype)
-        self.wk = Linear(cfg.hidden, cfg.hidden, dtype)
-        self.wv = Linear(cfg.hidden, cfg.hidden, dtype)
-        self.wo = Linear(cfg.hidden, cfg.hidden, dtype)
-        cos, sin = rope_tables(cfg.seq_len, self.head_dim, dtype)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+ARCHITECTURES: dict[str, Arch] = {
+    "portapipe": Arch(Attention, Router),
+    "deepseek_v3": Arch(LatentAttention, Router, HF_PRECISION),
+    "qwen3_moe": Arch(GroupedQueryAttention, SoftmaxRouter, HF_PRECISION),
+}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        if s > self.cos.shape[0]:
-            raise ValueError(f"sequence length {s} exceeds model.seq_len = {self.cos.shape[0]}")
 
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-
-        q = apply_rope(heads(self.wq(x)), self.cos, self.sin)
-        k = apply_rope(heads(self.wk(x)), self.cos, self.sin)
-        v = heads(self.wv(x))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        # wo merges the heads itself and keeps ``o`` (kept by the attention anyway), not a copy.
-        return self.wo(o, heads=True)
+def norm(cfg: ModelConfig, dim: int, dtype: torch.dtype) -> RMSNorm:
+    return RMSNorm(dim, dtype, cfg.norm_eps, ARCHITECTURES[cfg.arch].norm_precision)
 
 
 class DenseFFN(nn.Module):
@@ -99,43 +90,6 @@ class DenseFFN(nn.Module):
         gu = self.gate_up(x)
         # zm: zero-memory (portapipe.memory.zero_memory) may recompute the activation in backward.
         return self.down(swiglu(gu, self.width) if zm is None else zm.activation(swiglu, gu, self.width))
-
-
-class Router(nn.Module):
-    """Sigmoid top-k routing with the aux-loss-free bias and optional group limit."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
-        self.n_groups, self.topk_groups = cfg.n_groups, cfg.topk_groups
-        self.scale = cfg.routed_scale
-        self.speed = cfg.bias_update_speed
-        self.gate = Linear(cfg.hidden, cfg.n_experts, dtype)
-        self.register_buffer("bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x[T, H] -> (weights[T, k], expert indices[T, k])."""
-        scores = torch.sigmoid(self.gate(x))
-        choice = scores.detach() + self.bias.to(scores.dtype)
-        if self.n_groups > 1:
-            t = x.shape[0]
-            per = self.n_experts // self.n_groups
-            grouped = choice.view(t, self.n_groups, per)
-            group_score = grouped.topk(min(2, per), dim=-1).values.sum(-1)
-            keep = group_score.topk(self.topk_groups, dim=-1).indices
-            mask = torch.zeros(t, self.n_groups, dtype=torch.bool, device=x.device).scatter_(1, keep, True)
-            choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(t, self.n_experts)
-        idx = choice.topk(self.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
-        if self.top_k > 1:
-            w = w / w.sum(-1, keepdim=True)
-        return w * self.scale, idx
-
-    @torch.no_grad()
-    def update_bias(self, counts: torch.Tensor) -> None:
-        """One aux-loss-free step: raise under-loaded experts' bias, lower over-loaded ones'."""
-        load = counts.to(torch.float64)
-        self.bias += (self.speed * torch.sign(load.mean() - load)).to(self.bias.dtype)
 
 
 class Experts(nn.Module):
@@ -175,7 +129,7 @@ class MoE(nn.Module):
         self.ep = ep
         self.index = index
         self.n_experts = cfg.n_experts
-        self.router = Router(cfg, dtype)
+        self.router = ARCHITECTURES[cfg.arch].router(cfg, dtype)
         self.shared = DenseFFN(cfg.hidden, cfg.moe_hidden * cfg.n_shared, dtype) if cfg.n_shared > 0 else None
         if ep.balancer is None:
             first, _ = ep.expert_range(cfg.n_experts)
@@ -205,9 +159,9 @@ class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, ep: ExpertParallel, dtype: torch.dtype) -> None:
         super().__init__()
         self.index = index
-        self.norm1 = RMSNorm(cfg.hidden, dtype)
-        self.attn = Attention(cfg, dtype)
-        self.norm2 = RMSNorm(cfg.hidden, dtype)
+        self.norm1 = norm(cfg, cfg.hidden, dtype)
+        self.attn = ARCHITECTURES[cfg.arch].attention(cfg, dtype)
+        self.norm2 = norm(cfg, cfg.hidden, dtype)
         self.top_k = cfg.top_k
         if index < cfg.n_dense:
             self.ffn: DenseFFN | None = DenseFFN(cfg.hidden, cfg.ffn_hidden, dtype)
@@ -305,11 +259,12 @@ class Block(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=dtype) if block == 0 else None
         self.layers = nn.ModuleDict({str(i): Layer(cfg, i, ep, dtype) for i in range(self.first, self.last)})
         if block == n_blocks - 1:
-            self.final_norm: RMSNorm | None = RMSNorm(cfg.hidden, dtype)
+            self.final_norm: RMSNorm | None = norm(cfg, cfg.hidden, dtype)
             self.head: Linear | None = Linear(cfg.hidden, cfg.vocab_size, dtype)
         else:
             self.final_norm = self.head = None
-        init_parameters(self, cfg, seed)
+        if not next(self.parameters()).is_meta:  # a build on the meta device has shapes only
+            init_parameters(self, cfg, seed)
 
     @property
     def has_loss(self) -> bool:
@@ -318,8 +273,11 @@ class Block(nn.Module):
     def embed_part(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)
 
+    def logits_part(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.final_norm(x))
+
     def loss_part(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.final_norm(x))
+        logits = self.logits_part(x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     def program(self, tape: Any, x: torch.Tensor, targets: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]:
@@ -355,8 +313,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def init_parameters(block: Block, cfg: ModelConfig, seed: int) -> None:
     """Seeded per parameter name (per logical expert for routed experts): split-independent."""
     out_scale = 1.0 / math.sqrt(2 * cfg.n_layers)
+    gains = {f"{n}.weight" for n, m in block.named_modules() if isinstance(m, RMSNorm)}
     for name, p in block.named_parameters():
-        if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.startswith("final_norm"):
+        if name in gains:
             p.fill_(1.0)
             continue
         std = cfg.init_std * (out_scale if name.endswith(("wo.weight", "down.weight", ".down")) else 1.0)
@@ -371,7 +330,13 @@ def init_parameters(block: Block, cfg: ModelConfig, seed: int) -> None:
 
 
 def build_blocks(cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertParallel, seed: int) -> dict[int, Block]:
-    return {b: Block(cfg, b, n_blocks, ep, seed) for b in blocks}
+    """This rank's model blocks, seeded; with ``model.init_from``, holding that folder's weights."""
+    built = {b: Block(cfg, b, n_blocks, ep, seed) for b in blocks}
+    if cfg.init_from is not None and built and not next(built[blocks[0]].parameters()).is_meta:
+        from .hf_io import load_hf_weights
+
+        load_hf_weights(built.values(), cfg)
+    return built
 
 
 is_expert_param = is_expert

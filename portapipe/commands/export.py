@@ -1,0 +1,71 @@
+"""``portapipe export CHECKPOINT OUT --format hf``: a checkpoint as a Hugging Face model folder.
+
+Reads the checkpoint's logical model state and its config
+(:func:`portapipe.checkpoint.load_model_state`) and writes OUT with config.json and
+safetensors (sharded with an index past ``--max-shard-size``), which transformers'
+``from_pretrained`` loads (model.arch deepseek_v3 or qwen3_moe). Prints one JSON line. Exit 0
+on success, 2 for input that cannot be exported (said before anything is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _fail(message: str) -> int:
+    print(f"portapipe: export: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import config_from_dict
+    from ..models.hf_io import export_hf
+
+    ckpt = Path(args.checkpoint)
+    if not ckpt.exists():
+        return _fail(f"{ckpt} does not exist; give a checkpoint folder (e.g. runs/x/checkpoints/step_00000100)")
+    try:
+        from ..checkpoint import load_model_state
+    except ImportError:
+        return _fail("this portapipe cannot read checkpoints by logical name (portapipe.checkpoint.load_model_state is missing)")
+    try:
+        state, raw = load_model_state(ckpt)
+    except (ValueError, FileNotFoundError) as exc:
+        return _fail(f"{ckpt}: {exc}")
+    config = config_from_dict(raw)  # a ConfigError exits 2 through the CLI
+    try:
+        out = export_hf(state, config.model, args.out, max_shard_bytes=args.max_shard_size)
+    except ValueError as exc:
+        return _fail(str(exc))
+    files = sorted(p.name for p in out.iterdir())
+    print(json.dumps({"format": args.format, "arch": config.model.arch, "out": str(out), "tensors": len(state), "files": files}))
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model folder (config.json + safetensors)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="a checkpoint folder written by portapipe train")
+    p.add_argument("out", help="output folder (must not exist, or be empty)")
+    p.add_argument("--format", choices=["hf"], default="hf", help="output format [hf]")
+    p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE", help="largest safetensors file [5GB]")
+    p.set_defaults(func=run)

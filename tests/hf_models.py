@@ -1,0 +1,98 @@
+"""Tiny random deepseek_v3 / qwen3_moe models in transformers and their portapipe model sections.
+
+Each variant is one portapipe ``model`` section and the transformers config that describes the
+same model (built from it with :func:`portapipe.models.hf.hf_config`, so the test also checks that
+config.json form). Weights are random (norm gains around 1, router biases non-zero) and saved in
+float64 with transformers' own ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from portapipe.backends.cpu import CPUBackend
+from portapipe.config import load_config
+from portapipe.models.expert_parallel import ExpertParallel
+from portapipe.models.hf import hf_config
+from portapipe.models.moe import Block, build_blocks
+from portapipe.scheduling.overlap import Tape, run
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+COMMON = dict(vocab_size=64, hidden=32, ffn_hidden=48, moe_hidden=16, n_layers=4, n_experts=8, seq_len=16)
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    # low-rank queries, yarn, interleaved RoPE, group-limited top-3, scaled weights, one shared expert
+    "deepseek_v3": dict(
+        COMMON, arch="deepseek_v3", n_heads=4, n_dense=1, n_shared=1, top_k=3, n_groups=4, topk_groups=2, routed_scale=2.5,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, rope_scaling=YARN,
+    ),
+    # full-rank queries, RoPE over halves, no groups, weights not normalised, two shared experts
+    "deepseek_v3_plain": dict(
+        COMMON, arch="deepseek_v3", n_heads=2, n_dense=2, n_shared=2, top_k=2, q_lora_rank=0, kv_lora_rank=8,
+        qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8, rope_interleave=False, norm_topk_prob=False, rope_theta=500.0,
+    ),
+    # GQA (4 query heads, 2 key/value heads), one dense layer first, normalised top-2
+    "qwen3_moe": dict(COMMON, arch="qwen3_moe", n_heads=4, n_kv_heads=2, head_dim=8, n_dense=1, top_k=2, norm_topk_prob=True),
+    # every layer MoE, yarn, softmax weights as they are
+    "qwen3_moe_yarn": dict(COMMON, arch="qwen3_moe", n_heads=2, head_dim=16, n_dense=0, top_k=3, rope_scaling=YARN),
+}  # fmt: skip
+
+
+def model_section(variant: str, **extra: Any) -> dict[str, Any]:
+    return {**VARIANTS[variant], **extra}
+
+
+def transformers_model(variant: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Any:
+    """A random transformers model of the variant (eager attention and experts, ``dtype``)."""
+    import transformers
+
+    m = load_config({"model": model_section(variant)}).model
+    raw = hf_config(m)
+    cls = getattr(transformers, raw["architectures"][0])
+    config_cls = cls.config_class
+    kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    config = config_cls(**kwargs, attn_implementation="eager", experts_implementation="eager")
+    torch.manual_seed(seed)
+    model = cls(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    return model
+
+
+def save(model: Any, path: Path, **kwargs: Any) -> Path:
+    model.save_pretrained(str(path), **kwargs)
+    return path
+
+
+def portapipe_blocks(variant: str, folder: Path, n_blocks: int = 2, dtype: str = "float64", **extra: Any) -> list[Block]:
+    m = load_config({"model": model_section(variant, init_from=str(folder), dtype=dtype, **extra)}).model
+    blocks = build_blocks(m, list(range(n_blocks)), n_blocks, ExpertParallel(CPUBackend()), seed=1)
+    return [blocks[b] for b in range(n_blocks)]
+
+
+def logits(blocks: list[Block], tokens: torch.Tensor) -> torch.Tensor:
+    """The single-process forward to the logits (one autograd graph)."""
+    tape = Tape(record=False)
+    h = tokens
+    for b in blocks:
+        if b.embed is not None:
+            h = b.embed_part(h)
+        for layer in b.layers.values():
+            h = run(layer.program(tape, h))
+        if b.head is not None:
+            return b.logits_part(h)
+    raise AssertionError("no block ends in the head")
+
+
+def tokens(n: int, seq: int, seed: int = 1, vocab: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
