@@ -14,6 +14,7 @@ import importlib
 import os
 import sys
 import traceback
+from collections.abc import Callable
 
 COMMANDS = ("train", "verify", "simulate", "balance", "bench", "info")
 
@@ -48,11 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    return guarded(lambda: args.func(args))
+
+
+def guarded(run: Callable[[], int | None]) -> int:
+    """``run()``'s exit code, with every error turned into one line and its exit code (2 bad
+    input, 1 a failure, 130 interrupted); for the CLI and the benchmark scripts alike."""
     from .config import ConfigError
     from .backends.base import BackendUnavailable
 
     try:
-        return int(args.func(args) or 0)
+        return int(run() or 0)
     except ConfigError as err:
         for line in err.problems:
             print(f"portapipe: config error: {line}", file=sys.stderr)

@@ -348,7 +348,8 @@ class LocalJob:
     def _end_all(self) -> None:
         """Kill whatever still runs (each rank leads its own process group: its children go too)."""
         for rank, proc in enumerate(self.procs):
-            if proc.pid is None or rank in self.exited or not proc.is_alive():
+            # Not proc.is_alive(): once the fork server is gone it reports every child as dead.
+            if proc.pid is None or rank in self.exited:
                 continue
             self.killed_by_us.add(rank)
             for kill in (os.killpg, os.kill):
