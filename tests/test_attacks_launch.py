@@ -103,7 +103,7 @@ def test_a_stopped_rank_is_named_by_its_heartbeat_and_the_job_ends(tmp_path: Pat
     assert code == 1 and out == "" and len(lines) == 1, lines
     assert lines[0].startswith("portapipe: rank 1 stalled: no heartbeat for "), lines
     assert lines[0].endswith("(launch.stall_timeout_s = 2) and its process is stopped (SIGSTOP or a debugger); every rank was ended")
-    assert stall <= elapsed < stall + 4.0, elapsed
+    assert stall - 0.25 <= elapsed < stall + 4.0, elapsed  # its last beat came up to 0.2 s before the stop
     assert not any(alive(p) for p in pids)
 
 
@@ -118,8 +118,9 @@ def test_the_default_stall_timeout_is_at_most_60_s() -> None:
 
 def test_killing_the_launcher_ends_every_rank_and_the_fork_server_within_5_s(tmp_path: Path) -> None:
     run = tmp_path / "run"
+    small = ["parallel.ep=1", "model.hidden=32", "model.seq_len=16", "train.micro_batch_size=2"]  # 2 ranks, quick steps
     cmd = [sys.executable, "-m", "portapipe.cli", "train", str(EXAMPLE), "--set", f"log.dir={run}", "--set", "train.steps=100000",
-           "--set", "log.progress=false", "--set", "checkpoint.every=5"]
+           "--set", "log.progress=false", "--set", "checkpoint.every=5", *(x for s in small for x in ("--set", s))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     launcher = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     metrics = run / "metrics.jsonl"
@@ -129,7 +130,7 @@ def test_killing_the_launcher_ends_every_rank_and_the_fork_server_within_5_s(tmp
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.1)
     others = descendants(launcher.pid)
-    assert len(others) >= 5  # 4 ranks and the fork server (and its resource tracker)
+    assert len(others) >= 3  # 2 ranks and the fork server (and its resource tracker)
     t0 = time.monotonic()
     launcher.kill()
     launcher.wait()

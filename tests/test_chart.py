@@ -42,7 +42,7 @@ def test_the_help_the_legend_and_the_chart_use_one_vocabulary(tmp_path: Path) ->
     assert "full backward" not in text and "input-grad backward" not in text
 
 
-@pytest.mark.parametrize("name, pp, mbs", [("dualpipev", 2, 4), ("dualpipe", 8, 20), ("1f1b", 8, 64), ("interleaved", 16, 64)])
+@pytest.mark.parametrize("name, pp, mbs", [("dualpipev", 2, 4), ("dualpipe", 8, 20), ("1f1b", 8, 64), ("1f1b", 16, 16)])
 def test_the_chart_width_follows_the_makespan_within_caps_and_numbers_are_legible_or_left_out(tmp_path: Path, name, pp, mbs) -> None:
     result = _sim(name, pp, mbs)
     png = tmp_path / "chart.png"
