@@ -263,25 +263,26 @@ class LocalJob:
         code = self.exited[rank][1]
         return (self.dir / f"rank{rank}.result").is_file() and code in (0, 255, None)
 
-    def _stalled(self, now: float) -> LaunchError | None:
+    def _stalled(self, now: float, quick: bool = False) -> LaunchError | None:
+        """A live rank silent past its limit (``quick``: past a few beats, used once peers failed)."""
         if self.stall <= 0:
             return None
         for rank in range(self.world):
-            if rank in self.exited:
+            if rank in self.exited or (quick and not self.beaten[rank]):
                 continue
             silent = now - self.last_beat[rank]
-            limit = self.stall if self.beaten[rank] else max(self.stall, STARTUP_S)
+            if quick:
+                limit = max(1.0, 8 * self.interval)
+            else:
+                limit = self.stall if self.beaten[rank] else max(self.stall, STARTUP_S)
             if silent > limit:
                 self._drain(rank)  # a beat may be waiting unread
                 if rank in self.exited or time.monotonic() - self.last_beat[rank] <= limit:
                     continue
                 state = _process_state(self.procs[rank].pid)
                 why = " and its process is stopped (SIGSTOP or a debugger)" if state == "T" else ""
-                return LaunchError(
-                    f"rank {rank} stalled: no heartbeat for {silent:.1f} s (launch.stall_timeout_s = {self.stall:g}){why}; "
-                    "every rank was ended",
-                    rank=rank,
-                )
+                limit_text = "while its peers timed out waiting for it" if quick else f"(launch.stall_timeout_s = {self.stall:g})"
+                return LaunchError(f"rank {rank} stalled: no heartbeat for {silent:.1f} s {limit_text}{why}; every rank was ended", rank=rank)
         return None
 
     # ---------------------------------------------------------------- signals
@@ -320,7 +321,9 @@ class LocalJob:
             died = [r for r, (_, code) in self.exited.items() if code is not None and code < 0]
             if died and all(self.exited[r][1] == -self.stop_sig for r in died):
                 return LaunchError(f"stopped by {signal_name(self.stop_sig)} before the ranks could stop gracefully", stop_signal=self.stop_sig)
-        return choose_cause(self._records(), self._abnormal_exits(), self.wall)
+        # Peers whose collective timed out waiting for a stalled rank fail before its heartbeat
+        # limit is reached: the silent rank, not their timeouts, is the cause.
+        return choose_cause(self._records(), self._abnormal_exits(), self.wall, stalled=self._stalled(time.monotonic(), quick=True))
 
     def _records(self) -> dict[int, dict[str, Any]]:
         out = {}
@@ -364,12 +367,18 @@ class LocalJob:
             link.close()
 
 
-def choose_cause(records: dict[int, dict[str, Any]], abnormal: list[tuple[float, int, int | None, str]], wall_timeout_s: float) -> LaunchError:
+def choose_cause(
+    records: dict[int, dict[str, Any]],
+    abnormal: list[tuple[float, int, int | None, str]],
+    wall_timeout_s: float,
+    stalled: LaunchError | None = None,
+) -> LaunchError:
     """The first cause of a failed job.
 
     A rank's own error (an exception that is not a communication error) comes first, then a rank
-    that ended without a Python error (a signal, a crash, its watchdog), then the communication
-    errors that peers of a vanished rank see. Within a kind, the earliest.
+    that ended without a Python error (a signal, a crash, its watchdog), then a rank whose
+    heartbeat stopped, then the communication errors that peers of a vanished or stalled rank
+    see. Within a kind, the earliest.
     """
     own = sorted((r["time_ns"], rank) for rank, r in records.items() if not r.get("comm"))
     comm = sorted((r["time_ns"], rank) for rank, r in records.items() if r.get("comm"))
@@ -386,6 +395,8 @@ def choose_cause(records: dict[int, dict[str, Any]], abnormal: list[tuple[float,
         else:
             msg = f"rank {rank} exited with code {code} without a Python error (a crash or an exit from native code)"
         return LaunchError(msg, rank=rank, traceback=stacks or msg)
+    elif stalled is not None:
+        return stalled
     elif comm:
         rank = comm[0][1]
     else:

@@ -25,10 +25,11 @@ def main() -> int:
     p.add_argument("--stall", type=float, default=60.0)
     p.add_argument("--grace", type=float, default=60.0)
     p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--pg-timeout", type=float, default=120.0)
     a = p.parse_args()
     try:
         results = run_ranks(
-            dist_checks.stepping, a.world, a.pid_dir, a.steps, a.poll_stop, a.step_s, stall_timeout_s=a.stall, stop_grace_s=a.grace, pg_timeout_s=120
+            dist_checks.stepping, a.world, a.pid_dir, a.steps, a.poll_stop, a.step_s, stall_timeout_s=a.stall, stop_grace_s=a.grace, pg_timeout_s=a.pg_timeout
         )
     except LaunchError as err:
         return print_launch_error(err)

@@ -89,9 +89,11 @@ def test_a_rank_killed_with_sigkill_is_named_with_its_signal_not_its_peers(tmp_p
     assert not any(alive(p) for p in pids)
 
 
-def test_a_stopped_rank_is_named_by_its_heartbeat_and_the_job_ends(tmp_path: Path) -> None:
-    stall = 2.0
-    job = Job(tmp_path, "--stall", str(stall))
+@pytest.mark.parametrize("stall, pg_timeout", [(2.0, 120.0), (30.0, 3.0)])
+def test_a_stopped_rank_is_named_by_its_heartbeat_and_the_job_ends(tmp_path: Path, stall: float, pg_timeout: float) -> None:
+    """With the heartbeat limit first, or with its peers' collectives timing out first: either
+    way the stopped rank is named, not the peers that waited for it."""
+    job = Job(tmp_path, "--stall", str(stall), "--pg-timeout", str(pg_timeout))
     pids = job.rank_pids()
     t0 = time.monotonic()
     os.kill(pids[1], signal.SIGSTOP)
@@ -102,8 +104,10 @@ def test_a_stopped_rank_is_named_by_its_heartbeat_and_the_job_ends(tmp_path: Pat
     elapsed = said - t0
     assert code == 1 and out == "" and len(lines) == 1, lines
     assert lines[0].startswith("portapipe: rank 1 stalled: no heartbeat for "), lines
-    assert lines[0].endswith("(launch.stall_timeout_s = 2) and its process is stopped (SIGSTOP or a debugger); every rank was ended")
-    assert stall - 0.25 <= elapsed < stall + 4.0, elapsed  # its last beat came up to 0.2 s before the stop
+    limit = "(launch.stall_timeout_s = 2)" if stall < pg_timeout else "while its peers timed out waiting for it"
+    assert lines[0].endswith(f"{limit} and its process is stopped (SIGSTOP or a debugger); every rank was ended"), lines
+    first = min(stall, pg_timeout)
+    assert first - 0.25 <= elapsed < first + 4.0, elapsed  # its last beat came up to 0.2 s before the stop
     assert not any(alive(p) for p in pids)
 
 
@@ -204,6 +208,9 @@ def test_the_cause_is_a_ranks_own_error_then_a_death_then_a_peers_connection_err
     assert str(choose_cause({0: comm, 2: own}, killed, 600)) == "rank 2 failed: ValueError: boom"
     assert str(choose_cause({0: comm}, killed, 600)) == "rank 3 was killed by SIGKILL"
     assert str(choose_cause({0: comm, 1: {**comm, "time_ns": 0}}, [], 600)) == "rank 1 failed: RuntimeError: Connection closed by peer"
+    stalled = LaunchError("rank 3 stalled: no heartbeat for 2.0 s", rank=3)
+    assert choose_cause({0: comm}, [], 600, stalled=stalled) is stalled  # its peers' timeouts are not the cause
+    assert str(choose_cause({0: comm}, killed, 600, stalled=stalled)) == "rank 3 was killed by SIGKILL"
     watchdog = choose_cause({}, [(1.0, 1, 1, "Thread 0x1 (most recent call first):")], 30)
     assert (str(watchdog), watchdog.rank) == ("rank 1 exceeded its wall-clock limit of 30 s (its stacks were dumped)", 1)
     assert isinstance(watchdog, LaunchError)
