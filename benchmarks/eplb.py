@@ -96,4 +96,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from portapipe.cli import guarded  # errors as one line, as the CLI prints them
+
+    sys.exit(guarded(main))

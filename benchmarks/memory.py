@@ -249,4 +249,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from portapipe.cli import guarded  # errors as one line, as the CLI prints them
+
+    sys.exit(guarded(main))

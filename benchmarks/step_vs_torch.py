@@ -99,14 +99,12 @@ class TorchPipeline:
         """One step; returns the global mean loss (same on every rank)."""
         for p in self.rt.parameters():
             p.grad = None
-        kwargs: dict[str, Any] = {}
+        # The public step() takes the whole batch and splits it along dim 0 into the same
+        # micro-batches (equal sizes); keyword names for pre-split inputs differ between releases.
+        args = (torch.cat([x for x, _ in microbatches]),) if self.first else ()
         losses: list[torch.Tensor] = []
-        if self.first:
-            kwargs["arg_mbs"] = [(x,) for x, _ in microbatches]
-        if self.last:
-            kwargs["target_mbs"] = [y for _, y in microbatches]
-            kwargs["losses"] = losses
-        self.schedule.step(return_outputs=False, **kwargs)
+        kwargs: dict[str, Any] = {"target": torch.cat([y for _, y in microbatches]), "losses": losses} if self.last else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
         self.rt.reduce_gradients()
         model_end_step(self.rt)
         total = torch.tensor([float(sum(float(x.detach()) for x in losses))], dtype=torch.float64)
@@ -259,4 +257,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from portapipe.cli import guarded  # errors as one line, as the CLI prints them
+
+    sys.exit(guarded(main))

@@ -2,14 +2,19 @@
 
 Each sub-command lives in ``portapipe/commands/<name>.py`` with ``register(subparsers)``,
 which adds its parser and sets ``func(args) -> int``. Exit codes: 0 success, 1 a failure
-while running, 2 bad input (config, arguments, a backend that cannot run here).
+while running, 2 bad input (config, arguments, a backend that cannot run here), 130 / 143 a
+job stopped by SIGINT / SIGTERM. Whatever goes wrong, the user sees one line per problem; the
+traceback of an unexpected error only with ``log.level: debug`` or ``PORTAPIPE_DEBUG=1``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
+from collections.abc import Callable
 
 COMMANDS = ("train", "verify", "simulate", "balance", "bench", "info", "export", "tokenize")
 
@@ -44,11 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    return guarded(lambda: args.func(args))
+
+
+def guarded(run: Callable[[], int | None]) -> int:
+    """``run()``'s exit code, with every error turned into one line and its exit code (2 bad
+    input, 1 a failure, 130 interrupted); for the CLI and the benchmark scripts alike."""
     from .config import ConfigError
     from .backends.base import BackendUnavailable
 
     try:
-        return int(args.func(args) or 0)
+        return int(run() or 0)
     except ConfigError as err:
         for line in err.problems:
             print(f"portapipe: config error: {line}", file=sys.stderr)
@@ -56,6 +67,28 @@ def main(argv: list[str] | None = None) -> int:
     except BackendUnavailable as err:
         print(f"portapipe: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("portapipe: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader of our output went away (e.g. `| head`): nothing left to say to anyone.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except Exception as err:
+        return _unexpected(err)
+
+
+def _unexpected(err: Exception) -> int:
+    """An error nobody anticipated: one line, and the traceback only when debugging."""
+    from .launch import DEBUG_HINT, LaunchError, debug_enabled, print_launch_error
+
+    if isinstance(err, LaunchError):
+        return print_launch_error(err)
+    if debug_enabled():
+        traceback.print_exc()
+    text = " ".join(str(err).split()) or "(no message)"
+    print(f"portapipe: {type(err).__name__}: {text}; {DEBUG_HINT}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf / nan in a numeric key are refused: `lr: .inf` would train to NaN silently.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ParallelConfig(_Section):
@@ -174,9 +175,18 @@ class TrainConfig(_Section):
     min_lr: float = Field(3e-4, ge=0)
     warmup_steps: int = Field(10, ge=0)
     weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's betas, each in [0, 1)")
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
     seed: int = 1234
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        # torch.optim.AdamW's own rule, checked here so that ranks never start with it.
+        bad = [f"betas[{i}] = {b:g}" for i, b in enumerate(v) if not 0.0 <= b < 1.0]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} is outside [0, 1), as AdamW requires")
+        return v
 
 
 class DataConfig(_Section):
@@ -204,6 +214,17 @@ class CheckpointConfig(_Section):
     keep: int = Field(2, ge=1)
 
 
+class LaunchConfig(_Section):
+    """How the local launcher watches and stops its ranks (not used under torchrun / mpirun)."""
+
+    stall_timeout_s: float = Field(
+        60.0, ge=0, description="a rank whose heartbeat stops this long (stopped, frozen) is named and the job ended; 0 never"
+    )
+    stop_grace_s: float = Field(
+        60.0, ge=0, description="after SIGINT / SIGTERM, seconds the ranks get to finish their step and checkpoint before they are killed"
+    )
+
+
 class Config(_Section):
     backend: str = Field("auto", description="auto | cpu | cuda | npu | a plug-in name")
     backend_options: dict[str, Any] = Field(default_factory=dict)
@@ -216,6 +237,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     @property
     def world_size(self) -> int:
@@ -417,7 +439,8 @@ def _pydantic_lines(err: ValidationError) -> list[str]:
         else:
             value = e.get("input")
             shown = "" if isinstance(value, dict) else f"{value!r}: "
-            lines.append(f"{path}: {shown}{e['msg']}")
+            msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+            lines.append(f"{path}: {shown}{msg}")
     return lines
 
 
@@ -440,8 +463,20 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError([f"--set {item!r}: expected KEY.PATH=VALUE"])
-        _set_path(raw, key.strip(), yaml.safe_load(text) if text.strip() else None)
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)})"]) from None
+        _set_path(raw, key.strip(), value)
     return raw
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error as one line: what is wrong and where."""
+    problem = getattr(exc, "problem", None) or str(exc)
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -479,6 +514,22 @@ def _drop_path(d: Any, loc: tuple[Any, ...]) -> None:
         d.pop(loc[-1], None)
 
 
+def _read_yaml(path: Path) -> Any:
+    if not path.is_file():
+        what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+        raise ConfigError([f"<file>: {str(path)!r} {what}"])
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ConfigError([f"<file>: cannot read {path}: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"<file>: {path} is not a UTF-8 text file (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); a config is YAML text"]) from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"<file>: {path} is not valid YAML: {yaml_problem(exc)}"]) from None
+
+
 def load_config(source: str | Path | dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML file (or take a dict), apply overrides, validate."""
     if source is None:
@@ -486,13 +537,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, overrides: li
     elif isinstance(source, dict):
         raw = dict(source)
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError([f"<file>: {str(path)!r} does not exist"])
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError([f"<file>: {path} is not valid YAML: {exc}"]) from None
+        raw = _read_yaml(Path(source))
     if isinstance(raw, dict):
         raw = apply_overrides(raw, list(overrides or []))
     return config_from_dict(raw)

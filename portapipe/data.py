@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
+import zlib
 from pathlib import Path
 from typing import Literal
 
@@ -31,12 +32,24 @@ Split = Literal["train", "val"]
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+class DataReadError(ValueError):
+    """The data file cannot be read; the message is one line naming the file and why."""
+
+
 @functools.lru_cache(maxsize=4)
 def _read_bytes(path: str) -> torch.Tensor:
     """The file's bytes as a uint8 tensor; gzip files (by magic number) are decompressed."""
-    raw = Path(path).read_bytes()
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise DataReadError(f"data.path: cannot read {path!r}: {exc.strerror or exc}") from None
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise DataReadError(f"data.path: {path!r} looks gzipped but cannot be decompressed ({exc})") from None
+    if not raw:
+        return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
@@ -66,7 +79,10 @@ def data_problems(config: Config, check_ids: bool = True) -> list[str]:
     path = corpus_path(config)
     if not path.is_file():
         return [f"data.path: {str(path)!r} does not exist or is not a file"]
-    tokens = _read_bytes(str(path))
+    try:
+        tokens = _read_bytes(str(path))
+    except DataReadError as exc:
+        return [str(exc)]
     out = []
     if tokens.numel() == 0:
         return [f"data.path: {str(path)!r} is empty"]

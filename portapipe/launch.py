@@ -1,42 +1,38 @@
-"""Start ranks: locally through torch's elastic launcher, or join torchrun / mpirun's ranks.
+"""Start ranks: locally (:mod:`portapipe.local_job`), or join torchrun / mpirun's ranks.
 
 :func:`run_ranks` is the one way portapipe starts a distributed function, for the CLI, the
 tests and the benchmarks. Each rank gets a ready backend (process group initialised, threads
-pinned) and calls ``fn(backend, *args)``; the return values come back in rank order.
+pinned, SIGINT / SIGTERM recorded for a graceful stop) and calls ``fn(backend, *args)``; the
+return values come back in rank order.
 
-Bounded failure: a rank that raises ends every rank (the elastic agent stops the others) and
-its traceback is raised here as :class:`LaunchError`; every collective has a timeout and every
-rank a wall-clock watchdog, so nothing hangs.
+Bounded failure: a rank that raises, dies or stalls ends every rank and is named in one line
+(:class:`LaunchError`, its traceback attached); every collective has a timeout and every rank a
+wall-clock watchdog, so nothing hangs; a launcher that dies takes its ranks with it.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import json
-import logging
 import os
-import shutil
 import socket
 import sys
-import tempfile
-import time
 import traceback
-import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-log = logging.getLogger("portapipe.launch")
+from .local_job import LaunchError, LocalJob, write_record
+
+__all__ = ["LaunchError", "run_ranks", "under_torchrun", "under_mpirun", "print_launch_error", "debug_enabled"]
+
+DEBUG_HINT = "rerun with log.level: debug (or PORTAPIPE_DEBUG=1) for the traceback"
 
 
-class LaunchError(RuntimeError):
-    """A rank failed; ``rank`` and ``traceback`` say which and why."""
-
-    def __init__(self, message: str, rank: int | None = None, traceback: str = "") -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.traceback = traceback
+def debug_enabled() -> bool:
+    """True when tracebacks and the launcher's internals should be shown (PORTAPIPE_DEBUG=1)."""
+    return os.environ.get("PORTAPIPE_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _free_port() -> int:
@@ -73,6 +69,26 @@ def _env_from_mpi() -> None:
     )
 
 
+#: Messages of the errors a rank sees when a peer vanished (gloo raises a plain RuntimeError).
+_PEER_GONE = (
+    "gloo/transport",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Connection refused",
+    "remote process exited",
+    "communicator was aborted",
+)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """True for a communication failure, the kind a rank sees when a peer died or stalled."""
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, ConnectionError)) and any(marker in text for marker in _PEER_GONE)
+
+
 def _rank_main(
     fn: Callable[..., Any],
     backend_name: str,
@@ -81,44 +97,41 @@ def _rank_main(
     pg_timeout_s: float,
     wall_timeout_s: float,
     args: tuple[Any, ...],
-    error_dir: str | None = None,
+    job_dir: str | None = None,
 ) -> Any:
     """Body of every rank: pin threads, arm the watchdog, init the backend, run ``fn``."""
+    from . import stop
+
+    stop.install()  # first: a stop asked for while this rank starts is not lost
     from .backends import get_backend
 
     torch.set_num_threads(max(1, threads))
-    if wall_timeout_s > 0:
-        # A rank stuck past its budget dumps its stacks and exits; the agent then stops the rest.
-        faulthandler.dump_traceback_later(wall_timeout_s, exit=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    stacks = open(Path(job_dir) / f"rank{rank}.stacks", "w") if job_dir else None
+    if wall_timeout_s > 0:
+        # A rank stuck past its budget dumps its stacks and exits; the launcher then ends the rest.
+        faulthandler.dump_traceback_later(wall_timeout_s, exit=True, file=stacks or sys.stderr)
     backend = None
     try:
         backend = get_backend(backend_name, backend_options)
         backend.init_process_group(rank, world, timeout_s=pg_timeout_s)
         return fn(backend, *args)
-    except BaseException:
-        if error_dir:
-            # The first rank to fail is the cause; the others fail because it is gone. Record
-            # when each failed, to the nanosecond and before its connections close, so the
-            # launcher can show the cause.
-            with open(os.path.join(error_dir, f"rank{rank}.json"), "w") as f:
-                json.dump({"rank": rank, "time_ns": time.time_ns(), "traceback": traceback.format_exc()}, f)
+    except BaseException as exc:
+        if job_dir:
+            # The first rank to fail is the cause; its peers fail because it is gone (communication
+            # errors). Record which kind this is, and when, before this rank's connections close.
+            line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            comm = is_comm_error(exc)
+            write_record(job_dir, rank, line, traceback.format_exc(), comm=comm)
         raise
     finally:
         faulthandler.cancel_dump_traceback_later()
+        if stacks is not None:
+            stacks.close()
+            if os.path.getsize(stacks.name) == 0:
+                os.remove(stacks.name)
         if backend is not None:
             backend.destroy_process_group()
-
-
-def _first_failure(error_dir: str) -> tuple[int, str] | None:
-    records = []
-    for name in os.listdir(error_dir):
-        with open(os.path.join(error_dir, name)) as f:
-            records.append(json.load(f))
-    if not records:
-        return None
-    first = min(records, key=lambda r: r["time_ns"])
-    return int(first["rank"]), str(first["traceback"])
 
 
 def run_ranks(
@@ -130,15 +143,20 @@ def run_ranks(
     threads: int = 1,
     pg_timeout_s: float = 60.0,
     wall_timeout_s: float = 600.0,
+    stall_timeout_s: float = 60.0,
+    stop_grace_s: float = 60.0,
     start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(backend, *args)`` on ``world_size`` ranks; return the results in rank order.
 
     Under torchrun or mpirun this process is one rank already: ``fn`` runs here and the list
     holds this rank's result only. ``fn`` and ``args`` must be picklable (module-level).
-    ``start_method`` is multiprocessing's; ``fork`` starts faster but can hang a rank in its
-    first parallel torch operation when this process already ran threads (their locks are
-    copied held), so the default starts ranks from a clean server process.
+    ``stall_timeout_s``: a local rank silent this long is named and the job ended (0: never);
+    ``stop_grace_s``: after SIGINT / SIGTERM, how long the ranks may take to finish their step
+    before they are killed. On a graceful stop the ranks' results are returned as usual.
+    ``start_method`` is multiprocessing's; ``fork`` can hang a rank in its first parallel torch
+    operation when this process already ran threads (their locks are copied held), so the
+    default starts ranks from a clean server process.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -148,52 +166,19 @@ def run_ranks(
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise LaunchError(f"the config asks for {world_size} ranks but the launcher started {os.environ['WORLD_SIZE']}")
         return [_rank_main(fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args)]
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world_size,
-        run_id=f"portapipe-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method=start_method,
-    )
-    # The agent's own chatter (warnings about OMP threads, stack dumps of healthy ranks being
-    # stopped) would drown the one traceback that matters; it is raised below instead.
-    quiet = ["torch.distributed.elastic", "torch.distributed.launcher"]
-    saved = {name: logging.getLogger(name).level for name in quiet}
-    for name in quiet:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    saved_omp = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(max(1, threads))
-    error_dir = tempfile.mkdtemp(prefix="portapipe-errors-")
-    try:
-        results = elastic_launch(config, _rank_main)(
-            fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args, error_dir
-        )
-    except ChildFailedError as err:
-        found = _first_failure(error_dir)
-        if found is None:
-            rank, failure = err.get_first_failure()
-            tb = f"rank {rank} exited with code {failure.exitcode} (killed, timed out or crashed without a Python traceback)"
-        else:
-            rank, tb = found
-        raise LaunchError(f"rank {rank} failed:\n{tb}", rank=rank, traceback=tb) from None
-    finally:
-        shutil.rmtree(error_dir, ignore_errors=True)
-        for name, level in saved.items():
-            logging.getLogger(name).setLevel(level)
-        if saved_omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved_omp
-    return [results[r] for r in range(world_size)]
+    body_args = (fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args)
+    job = LocalJob(_rank_main, body_args, world_size, threads, stall_timeout_s, stop_grace_s, wall_timeout_s, pg_timeout_s, start_method)
+    return job.run()
 
 
-def print_launch_error(err: LaunchError) -> None:
-    print(f"portapipe: {err}", file=sys.stderr)
+def print_launch_error(err: LaunchError) -> int:
+    """Print one line naming the rank and the cause (the rank's traceback only when debugging);
+    return the exit code: 130 / 143 for a job ended by SIGINT / SIGTERM, else 1."""
+    from . import stop
+
+    line = " ".join(str(err).split())
+    details = bool(err.traceback.strip()) and err.traceback.strip() != str(err).strip()
+    if details and debug_enabled():
+        print(err.traceback.rstrip(), file=sys.stderr)
+    print(f"portapipe: {line}" + (f"; {DEBUG_HINT}" if details and not debug_enabled() else ""), file=sys.stderr)
+    return stop.exit_code(err.stop_signal) if err.stop_signal else 1

@@ -368,5 +368,7 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
         threads=rank_threads(config.world_size),
         pg_timeout_s=300.0,
         wall_timeout_s=wall_timeout_s,
+        stall_timeout_s=config.launch.stall_timeout_s,
+        stop_grace_s=config.launch.stop_grace_s,
     )
     return results[0]

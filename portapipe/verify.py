@@ -248,6 +248,8 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0) -> list[Ve
         backend=configs[0].backend,
         backend_options=configs[0].backend_options,
         wall_timeout_s=wall_timeout_s,
+        stall_timeout_s=configs[0].launch.stall_timeout_s,
+        stop_grace_s=configs[0].launch.stop_grace_s,
     )
     return [compare(c, [ranks[i] for ranks in per_rank]) for i, c in enumerate(configs)]
 

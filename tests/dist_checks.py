@@ -127,3 +127,28 @@ def raise_at_start(backend: Backend, bad_rank: int) -> None:
 def hang_forever(backend: Backend) -> None:
     while True:
         time.sleep(0.1)
+
+
+def stepping(backend: Backend, pid_dir: str, steps: int, poll_stop: bool, step_s: float = 0.05) -> dict[str, Any]:
+    """Steps of a sleep and an all-reduce, as a training loop has; with ``poll_stop`` each step
+    ends by agreeing on a stop (portapipe.stop) and returns early on one.
+
+    Each rank writes ``rank{r}.pid`` once its process group is up, so a test can signal it.
+    """
+    import os
+
+    from portapipe import stop
+
+    rank = dist.get_rank()
+    with open(os.path.join(pid_dir, f"rank{rank}.pid.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(pid_dir, f"rank{rank}.pid.tmp"), os.path.join(pid_dir, f"rank{rank}.pid"))
+    flag = torch.ones(1)
+    for step in range(steps):
+        time.sleep(step_s)
+        backend.all_reduce(flag)
+        if poll_stop:
+            sig = stop.agree(backend)
+            if sig:
+                return {"rank": rank, "stopped": sig, "steps": step + 1}
+    return {"rank": rank, "stopped": None, "steps": steps}

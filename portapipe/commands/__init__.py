@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 
@@ -29,6 +30,8 @@ def load_checked_config(args: argparse.Namespace) -> Any:
     from ..config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    if cfg.log.level == "debug":
+        os.environ["PORTAPIPE_DEBUG"] = "1"  # tracebacks and the launcher's details (portapipe.launch)
     # Constructing the backend also checks its options (e.g. an EP transport the device lacks).
     get_backend(cfg.backend, cfg.backend_options)
     return cfg

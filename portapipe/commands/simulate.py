@@ -4,8 +4,10 @@
     portapipe simulate --schedule dualpipev --pp 4 --microbatches 10 --json
     portapipe simulate --schedule dualpipe --pp 8 --microbatches 20 --plot dualpipe.png
 
-Costs are per action (one virtual stage): F forward, B full backward, W its weight part (an
-input-gradient B costs B-W), FB an overlapped F&B unit, p2p the latency of one transfer.
+Costs are per action (one virtual stage), in the DualPipe paper's terms: F a forward, B a
+backward, W the weight-gradient part of B, FB an overlapped F&B unit, p2p the latency of one
+transfer. The timeline and the chart use the same letters: a backward split in two is a B cell
+(its input-gradient part, B-W) and a W cell; a backward run whole is an X cell (B).
 The lists simulated are the lowered ones (with SEND/RECV), i.e. what the executor runs.
 """
 
@@ -87,8 +89,12 @@ def register(sub: Any) -> None:
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--chunks", type=int, default=2, help="model chunks per rank (interleaved)")
-    p.add_argument("--cost", default="F=1,B=2,W=1", help="per-action costs, e.g. F=1,B=2,W=1,FB=2.5,p2p=0 (B = full backward)")
-    p.add_argument("--no-w-split", action="store_true", help="run every backward whole (no B/W split)")
+    p.add_argument(
+        "--cost", default="F=1,B=2,W=1",
+        help="per-action costs, e.g. F=1,B=2,W=1,FB=2.5,p2p=0: F forward, B a backward (a whole one: an X cell; "
+        "split, its B cell costs B-W), W its weight-gradient part, FB an overlapped F&B unit, p2p one transfer",
+    )
+    p.add_argument("--no-w-split", action="store_true", help="run every backward whole (X cells, no B/W split)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of the timeline")
     p.add_argument("--timeline", action="store_true", help="with --json: include every action's start and end")
     p.add_argument("--plot", metavar="FILE", help="write a Gantt chart (.png, .svg, .pdf)")

@@ -26,8 +26,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = train(config)
     except LaunchError as err:
-        print_launch_error(err)
-        return 1
+        return print_launch_error(err)
     print(json.dumps(summary), file=sys.stdout, flush=True)
     return 0
 

@@ -12,18 +12,18 @@ import argparse
 import json
 from typing import Any
 
+from . import add_config_args, load_checked_config
+
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import load_config
     from ..launch import LaunchError, print_launch_error
     from ..verify import verify
 
-    config = load_config(args.config, args.set)
+    config = load_checked_config(args)
     try:
         result = verify(config)
     except LaunchError as err:
-        print_launch_error(err)
-        return 1
+        return print_launch_error(err)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 
@@ -35,8 +35,5 @@ def register(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config", help="YAML config file")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. --set parallel.pp=4 (repeatable)"
-    )
+    add_config_args(p)
     p.set_defaults(func=run)

@@ -1,10 +1,12 @@
 """Pictures of a simulated schedule: a text timeline for the terminal and a Gantt chart.
 
-Both colour/letter cells by kind: F forward, B input-gradient backward, W weight gradient,
-BW full backward, and F&B units drawn as one cell holding both halves. A rank's second (or
-later) stage is shown in lower case in text and hatched in the chart: for DualPipe that is
-direction 1 (micro-batches entering at the last rank), for DualPipeV the way back up the V,
-for interleaved the later chunks.
+Both use one vocabulary (:data:`VOCABULARY`, also in ``portapipe simulate --help``), with the
+costs of the DualPipe paper: F forward; B backward, of which W is the weight-gradient part. A
+backward split in two shows as a B cell (its input-gradient part, cost B-W) and a W cell (cost
+W); a backward run whole is an X cell (cost B); an F&B unit, one cell holding both halves. A
+rank's second (or later) stage is shown in lower case in text and hatched in the chart: for
+DualPipe that is direction 1 (micro-batches entering at the last rank), for DualPipeV the way
+back up the V, for interleaved the later chunks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from .ir import Action, Kind
 from .simulate import SimResult
 
 _LETTER = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
-LEGEND = "F forward, B input-grad backward, W weight-grad, X full backward, (F;B) overlapped F&B; lower case = rank's 2nd+ stage; . idle"
+#: The one vocabulary of the timeline, the chart and the cost option: cell -> meaning (cost).
+VOCABULARY = {
+    "F": "forward (cost F)",
+    "B": "backward, input-grad part (cost B-W)",
+    "W": "backward, weight-grad part (cost W)",
+    "X": "backward, whole (cost B)",
+    "(F;B)": "F&B, forward and backward overlapped (cost FB)",
+}
+LEGEND = "; ".join(f"{k} {v}" for k, v in VOCABULARY.items()) + "; lower case = rank's 2nd+ stage; . idle"
 
 
 def _chunk_index(result: SimResult) -> dict[int, int]:
@@ -68,8 +78,34 @@ def text_timeline(result: SimResult, width: int | None = None) -> str:
 _COLOUR = {Kind.F: "#f4a259", Kind.B: "#5b8e7d", Kind.W: "#8cb3d9", Kind.BW: "#bc4b51"}
 
 
-def gantt(result: SimResult, path: str, title: str | None = None) -> None:
-    """Write a Gantt chart (PNG, SVG or PDF by the file's suffix)."""
+#: Chart size: as wide as the micro-batch numbers need to be readable, within caps, so a
+#: viewer never has to shrink the picture (and its labels) to fit a screen; rows shrink when
+#: there are many ranks; numbers that would be smaller than ``MIN_LABEL_PT`` are left out.
+CHART_DPI = 125
+CHART_WIDTH_IN = (8.0, 15.0)
+CHART_PLOT_HEIGHT_IN = 9.0
+MIN_LABEL_PT = 6.5
+_LEFT_IN, _RIGHT_IN, _TOP_IN, _XLABEL_IN, _LEGEND_ROW_IN = 0.95, 0.25, 0.45, 0.6, 0.24
+
+
+def chart_layout(span: float, n_ranks: int, min_dur: float, max_mb: int) -> dict[str, float]:
+    """Figure size (inches), legend columns and the micro-batch numbers' font (0: left out)."""
+    digits = len(str(max(max_mb, 0)))
+    per_label = 0.62 * digits + 0.6  # a number's width plus padding, in units of its font size
+    lo, hi = CHART_WIDTH_IN
+    wanted = span * 8.0 * per_label / max(min_dur, 1e-9) / 72 + _LEFT_IN + _RIGHT_IN  # 8 pt numbers
+    width = min(hi, max(lo, wanted))
+    row = min(0.55, CHART_PLOT_HEIGHT_IN / n_ranks)
+    pts_per_unit = (width - _LEFT_IN - _RIGHT_IN) * 72 / span
+    font = min(9.0, pts_per_unit * min_dur / per_label, row * 72 * 0.4 * 0.8)
+    ncol = 3 if width >= 11 else 2
+    legend_rows = -(-6 // ncol)
+    height = row * n_ranks + _TOP_IN + _XLABEL_IN + legend_rows * _LEGEND_ROW_IN
+    return {"width": width, "height": height, "row": row, "ncol": ncol, "label_pt": font if font >= MIN_LABEL_PT else 0.0}
+
+
+def gantt(result: SimResult, path: str, title: str | None = None) -> dict[str, float]:
+    """Write a Gantt chart (PNG, SVG or PDF by the file's suffix); return its layout."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,22 +116,24 @@ def gantt(result: SimResult, path: str, title: str | None = None) -> None:
     chunk = _chunk_index(result)
     n = s.n_ranks
     span = result.makespan or 1.0
-    fig_w = min(40.0, max(10.0, span * 0.22))
-    fig, ax = plt.subplots(figsize=(fig_w, 0.55 * n + 1.6))
-    min_dur = min((x.end - x.start for row in result.timeline for x in row if x.end > x.start), default=1.0)
-    # font size that lets a micro-batch id fit the narrowest cell
-    pts_per_unit = fig_w * 72 * 0.9 / span
-    font = max(4.0, min(9.0, pts_per_unit * min_dur / 2.2))
+    slots = [x for row in result.timeline for x in row if x.end > x.start]
+    min_dur = min((x.end - x.start for x in slots), default=1.0)
+    layout = chart_layout(span, n, min_dur, max((x.action.mb for x in slots), default=0))
+    font, w, h = layout["label_pt"], layout["width"], layout["height"]
+    fig = plt.figure(figsize=(w, h))
+    bottom = h - _TOP_IN - layout["row"] * n
+    ax = fig.add_axes((_LEFT_IN / w, bottom / h, (w - _LEFT_IN - _RIGHT_IN) / w, layout["row"] * n / h))
 
-    def cell(x0: float, x1: float, y0: float, h: float, half: Action) -> None:
+    def cell(x0: float, x1: float, y0: float, height: float, half: Action) -> None:
         second = chunk[half.stage] > 0
         ax.add_patch(
             Rectangle(
-                (x0, y0), x1 - x0, h, facecolor=_COLOUR[half.kind], edgecolor="white", linewidth=0.4,
+                (x0, y0), x1 - x0, height, facecolor=_COLOUR[half.kind], edgecolor="white", linewidth=0.4,
                 hatch="///" if second else None, alpha=0.75 if second else 1.0,
             )
         )
-        ax.text((x0 + x1) / 2, y0 + h / 2, str(half.mb), ha="center", va="center", fontsize=font, color="black")
+        if font:
+            ax.text((x0 + x1) / 2, y0 + height / 2, str(half.mb), ha="center", va="center", fontsize=font, color="black")
 
     for r, row in enumerate(result.timeline):
         y = n - 1 - r  # rank 0 on top
@@ -111,16 +149,17 @@ def gantt(result: SimResult, path: str, title: str | None = None) -> None:
     ax.set_xlim(0, span)
     ax.set_ylim(0, n)
     ax.set_yticks([n - 1 - r + 0.5 for r in range(n)])
-    ax.set_yticklabels([f"rank {r}" for r in range(n)])
-    ax.set_xlabel("time (cost units)")
-    handles = [Patch(facecolor=_COLOUR[k], label=t) for k, t in ((Kind.F, "F forward"), (Kind.B, "B input-grad"), (Kind.W, "W weight-grad"), (Kind.BW, "full backward"))]
-    handles.append(Patch(facecolor="white", edgecolor="black", label="F&B overlapped (black frame)"))
-    handles.append(Patch(facecolor="#cccccc", hatch="///", label=_second_label(s.name)))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 if n > 4 else -0.25), ncol=6, fontsize=8, frameon=False)
-    ax.set_title(title or f"{s.name}: {n} ranks, {s.n_microbatches} micro-batches")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    ax.set_yticklabels([f"rank {r}" for r in range(n)], fontsize=min(9.0, max(5.0, layout["row"] * 72 * 0.6)))
+    ax.tick_params(axis="x", labelsize=9)
+    ax.set_xlabel("time (cost units)" + ("" if font else "; micro-batch numbers left out at this size"), fontsize=9)
+    handles = [Patch(facecolor=_COLOUR[k], label=f"{_LETTER[k]} {VOCABULARY[_LETTER[k]]}") for k in (Kind.F, Kind.B, Kind.W, Kind.BW)]
+    handles.append(Patch(facecolor="white", edgecolor="black", label="frame: " + VOCABULARY["(F;B)"]))
+    handles.append(Patch(facecolor="#cccccc", hatch="///", label="hatched: " + _second_label(s.name)))
+    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=int(layout["ncol"]), fontsize=8.5, frameon=False)
+    fig.suptitle(title or f"{s.name}: {n} ranks, {s.n_microbatches} micro-batches", fontsize=10, y=1 - 0.12 / h, va="top")
+    fig.savefig(path, dpi=CHART_DPI)
     plt.close(fig)
+    return layout
 
 
 def _second_label(name: str) -> str:
