@@ -278,7 +278,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 ckpt.save_training(step + 1, record(), wait=False)  # written while training goes on
                 saved_at = step + 1
             sig = stop.agree(backend)
-            if sig is not None and step + 1 < tc.steps:
+            if sig is not None:
                 path = ckpt.wait() if saved_at == step + 1 else ckpt.save_training(step + 1, record())
                 stopped = {"signal": signal.Signals(sig).name, "step": step + 1, "checkpoint": str(path)}
                 break

@@ -6,7 +6,8 @@ One launch of 4 gloo ranks runs, in float64:
   experts, so the step-3 checkpoint holds a non-identity placement), 13 steps, checkpoints every 3;
 - from A's step-3 checkpoint (``checkpoint.load``, each in a new folder), 10 more steps on
   B1: pp 1, ep 4, 1F1B with LPLB; B2: pp 2, ep 1, dp 2, interleaved, no balancer; B3: pp 4, ep 1,
-  DualPipe (both copies of each block write the same keys), no balancer;
+  DualPipe (both copies of each block write the same keys), no balancer; B4: pp 1, ep 2, dp 2,
+  1F1B, EPLB as in A (A's placement applies as it is: same EP size and slots, other pipeline ranks);
 - and back: from each B's step-10 checkpoint, steps 11..13 on A's layout (EPLB again).
 
 Every continuation's losses equal A's within 1e-9 (the reductions run in other orders, so not bit
@@ -36,6 +37,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
            "train": {"micro_batch_size": 2}},
     "B3": {"parallel": {"pp": 4, "ep": 1, "dp": 1}, "schedule": {"name": "dualpipe", "microbatches": 8},
            "train": {"micro_batch_size": 2}},
+    "B4": {"parallel": {"pp": 1, "ep": 2, "dp": 2}, "schedule": {"name": "1f1b", "microbatches": 2},
+           "train": {"micro_batch_size": 2}, "balancer": {"kind": "eplb", "redundant": 1, "interval": 3, "window": 3}},
 }
 STEPS = 13
 
@@ -75,7 +78,7 @@ def _runs(backend: Any, root: str) -> dict[str, Any]:
 
     run("A", "A", every=3)
     a3 = base / "A" / "checkpoints" / "step_00000003"
-    for name in ("B1", "B2", "B3"):
+    for name in ("B1", "B2", "B3", "B4"):
         run(name, name, every=5, load=str(a3))
     for name in ("B1", "B2", "B3"):
         run("A", f"back_{name}", load=str(base / name / "checkpoints" / "step_00000010"))
@@ -98,7 +101,7 @@ def _close(got: dict[int, float], want: dict[int, float], steps: range) -> float
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["B1", "B2", "B3"])
+@pytest.mark.parametrize("name", ["B1", "B2", "B3", "B4"])
 def test_a_dualpipev_eplb_checkpoint_continues_on_another_layout_with_the_same_losses(runs, name):
     a = runs["A"]["losses"]
     assert sorted(a) == list(range(1, STEPS + 1))

@@ -160,9 +160,15 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         meta = files.read_dcp_metadata(path)
+        reader = dcp.FileSystemReader(str(path))
+        if balancer is not None and any(k.startswith("balancer.") for k in meta):
+            # The placement first: it decides which experts this rank holds, hence which keys it reads.
+            placed = state.balancer_targets(balancer, meta)
+            dcp.load(placed, storage_reader=reader, process_group=self.group)
+            state.restore_balancer(balancer, placed, placement_fits)
         rng_now = backend.get_rng_state()
-        want = state.targets(runtime, optimizer, balancer, sorted(rng_now), meta)
+        want = state.targets(runtime, optimizer, sorted(rng_now), meta)
         dcp.load(want, storage_reader=dcp.FileSystemReader(str(path)), process_group=self.group)
-        state.restore(want, runtime, optimizer, balancer, placement_fits)
+        state.restore(want, runtime, optimizer)
         if "rng" in want:
             backend.set_rng_state({**rng_now, **want["rng"]})

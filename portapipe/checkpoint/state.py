@@ -90,11 +90,26 @@ def balancer_state(balancer: Any) -> dict[str, dict[str, torch.Tensor]]:
 
 
 # ------------------------------------------------------------------------------------ load
-def targets(runtime: Any, optimizer: torch.optim.Optimizer, balancer: Any, rng_kinds: list[str], meta: Mapping[str, Any]) -> dict[str, Any]:
+def balancer_targets(balancer: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Empty tensors for the checkpoint's placement and loads of this rank's MoE layers."""
+    layers = {}
+    for layer in balancer.layers:
+        parts = {}
+        for part in ("phy2log", "log2phy", "loads"):
+            key = f"balancer.{layer}.{part}"
+            if key in meta:
+                parts[part] = torch.empty(tuple(meta[key].size), dtype=meta[key].properties.dtype)
+        if parts:
+            layers[str(layer)] = parts
+    return {"balancer": layers} if layers else {}
+
+
+def targets(runtime: Any, optimizer: torch.optim.Optimizer, rng_kinds: list[str], meta: Mapping[str, Any]) -> dict[str, Any]:
     """Empty CPU tensors for every key this rank needs, to be filled by DCP's load.
 
-    ``meta`` is DCP's index of the checkpoint (key -> size and dtype). Raises ValueError naming
-    missing keys or shape mismatches, so nothing is half-loaded.
+    ``meta`` is DCP's index of the checkpoint (key -> size and dtype). Which experts a rank
+    holds depends on the balancer's placement, so restore that first (:func:`restore_balancer`).
+    Raises ValueError naming missing keys or shape mismatches, so nothing is half-loaded.
     """
     named = named_state(runtime)
     problems: list[str] = []
@@ -124,41 +139,25 @@ def targets(runtime: Any, optimizer: torch.optim.Optimizer, balancer: Any, rng_k
     if problems:
         raise ValueError(f"the checkpoint does not fit this model ({len(problems)} problems; first: {'; '.join(problems[:4])})")
     out: dict[str, Any] = {"model": model, "optim": optim}
-    if balancer is not None:
-        layers = {}
-        for layer in balancer.layers:
-            parts = {}
-            for part in ("phy2log", "log2phy", "loads"):
-                key = f"balancer.{layer}.{part}"
-                if key in meta:
-                    parts[part] = torch.empty(tuple(meta[key].size), dtype=meta[key].properties.dtype)
-            if parts:
-                layers[str(layer)] = parts
-        if layers:
-            out["balancer"] = layers
     rng = {k: torch.empty(tuple(meta[f"rng.{k}"].size), dtype=meta[f"rng.{k}"].properties.dtype) for k in rng_kinds if f"rng.{k}" in meta}
     if rng:
         out["rng"] = rng
     return out
 
 
-def restore(loaded: dict[str, Any], runtime: Any, optimizer: torch.optim.Optimizer, balancer: Any, placement_fits: bool) -> None:
-    """Put what :func:`targets` was filled with into the rank's model, optimizer and balancer.
-
-    The balancer's placement comes first (it decides which expert each slot holds), then the
-    weights by logical name (every replica of an expert gets its expert), then AdamW's state.
-    ``placement_fits``: the checkpoint's placement was made for this balancer kind, EP size and
-    slot count; otherwise the balancer keeps its initial placement (experts are loaded by id
-    either way) and only the recorded loads carry over.
-    """
-    if balancer is not None and "balancer" in loaded:
-        _restore_balancer(balancer, loaded["balancer"], placement_fits)
+def restore(loaded: dict[str, Any], runtime: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Put what :func:`targets` was filled with into the rank's model and optimizer: the weights
+    by logical name (every replica of an expert gets its expert), then AdamW's state."""
     named = named_state(runtime)
     load_logical_state(named, loaded["model"])
     _restore_optimizer(optimizer, _params(named), loaded["optim"])
 
 
-def _restore_balancer(balancer: Any, layers: dict[str, dict[str, torch.Tensor]], placement_fits: bool) -> None:
+def restore_balancer(balancer: Any, loaded: dict[str, Any], placement_fits: bool) -> None:
+    """The checkpoint's placement (when ``placement_fits``: made for this balancer kind, EP size
+    and slot count) and its recorded loads. Otherwise the balancer keeps its initial placement
+    (experts are loaded by id either way) and only the loads carry over."""
+    layers = loaded.get("balancer", {})
     if not balancer.layers or any(str(layer) not in layers for layer in balancer.layers):
         return
     rows = [layers[str(layer)] for layer in balancer.layers]

@@ -1,0 +1,342 @@
+"""One run per folder, what a run starts from, the LR schedule on resume, stops and divergence.
+
+Small float64 runs on 1 or 2 gloo ranks through ``portapipe train`` (the CLI, in this process) or
+``train_rank``; what is decided before any rank starts is checked without starting ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import portapipe.launch
+from portapipe.checkpoint import list_checkpoints
+from portapipe.checkpoint.run import FolderLock, prepare_run
+from portapipe.cli import main
+from portapipe.config import ConfigError, load_config
+
+MODEL = {"hidden": 16, "n_layers": 2, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16, "n_experts": 4, "top_k": 2,
+         "seq_len": 16, "dtype": "float64"}
+
+
+def raw(log_dir: Path, steps: int = 4, pp: int = 1, **over: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "backend": "cpu",
+        "parallel": {"pp": pp, "ep": 1, "dp": 1},
+        "schedule": {"name": "1f1b", "microbatches": 2},
+        "model": dict(MODEL),
+        "train": {"steps": steps, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2},
+        "data": {"val_fraction": 0.0},
+        "log": {"dir": str(log_dir), "progress": False},
+        "checkpoint": {"every": 2, "keep": 2},
+    }
+    for key, value in over.items():
+        section, _, name = key.partition("__")
+        out[section][name] = value
+    return out
+
+
+def write_config(path: Path, config: dict[str, Any]) -> str:
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return str(path)
+
+
+def rows(log_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(log_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in rows(log_dir) if r["kind"] == "train"]
+
+
+def same_steps(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    """Rows of two runs agree bit for bit in what training computes."""
+    keys = ("step", "loss", "lr", "grad_norm", "clipped")
+    assert [tuple(r[k] for k in keys) for r in a] == [tuple(r[k] for k in keys) for r in b]
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("ranks were started although the run must not start")
+
+    monkeypatch.setattr(portapipe.launch, "run_ranks", refuse)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run: 4 steps, checkpoints at 2 and 4 (through the CLI, as `make train` does)."""
+    folder = tmp_path_factory.mktemp("first") / "run"
+    folder.mkdir()
+    assert main(["train", write_config(folder.parent / "a.yaml", raw(folder))]) == 0
+    return folder
+
+
+@pytest.fixture
+def used(first_run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(first_run, copy, ignore=shutil.ignore_patterns(".portapipe.lock"))
+    return copy
+
+
+def _errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if line.startswith("portapipe:")]
+
+
+# ---------------------------------------------------------------------- one run per folder
+@pytest.mark.multiproc
+def test_a_new_run_in_a_used_folder_is_refused_then_moves_the_old_run_aside(used, tmp_path, capsys):
+    """The README path: a finished run in the folder, then a shorter run asked for in the same folder."""
+    old = json.loads((used / "run.json").read_text())["run_id"]
+    config = write_config(tmp_path / "c.yaml", raw(used))
+    assert main(["train", config, "--steps", "2"]) == 2
+    (line,) = _errors(capsys)
+    assert "train.steps: 2 is below step 4 of" in line and "checkpoint.overwrite: true" in line
+
+    assert main(["train", config, "--steps", "2", "--set", "checkpoint.resume=false"]) == 2
+    (line,) = _errors(capsys)
+    assert f"checkpoint.resume: false, but {used / 'checkpoints'} holds run {old}'s checkpoints (newest step_00000004)" in line
+    assert "use another log.dir, or checkpoint.overwrite: true" in line
+
+    assert main(["train", config, "--steps", "2", "--set", "checkpoint.resume=false", "--set", "checkpoint.overwrite=true"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    new = summary["run_id"]
+    assert new != old and Path(summary["checkpoint"]) == used / "checkpoints" / "step_00000002"
+    listed = list_checkpoints(used)
+    assert [(e["step"], e["run_id"], e["complete"]) for e in listed] == [(2, new, True)]  # the new run's final checkpoint kept
+    assert [r["step"] for r in train_rows(used)] == [1, 2] and rows(used)[-1]["run_id"] == new  # metrics of one run
+    aside = used / "previous" / old
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert [r["step"] for r in train_rows(aside)] == [1, 2, 3, 4]
+
+    said: list[str] = []
+    plan, locks = prepare_run(load_config(raw(used, steps=2)), "cpu", said.append)  # the next run resumes the new run
+    locks.release()
+    assert (plan.mode, plan.run_id, plan.step) == ("resume", new, 2) and "nothing left to train" in said[0]
+
+
+def test_leftovers_of_a_run_without_checkpoints_are_moved_aside_with_a_note(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
+    (tmp_path / "run.json").write_text('{"run_id": "crashed-early"}')
+    said: list[str] = []
+    plan, locks = prepare_run(load_config(raw(tmp_path)), "cpu", said.append)
+    locks.release()
+    assert plan.mode == "new" and plan.run_id != "crashed-early"
+    assert (tmp_path / "previous" / "crashed-early" / "metrics.jsonl").is_file() and not (tmp_path / "metrics.jsonl").exists()
+    assert len(said) == 1 and "wrote no checkpoint" in said[0]
+    assert json.loads((tmp_path / "run.json").read_text())["run_id"] == plan.run_id
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_another_model_or_data_stream_is_refused_naming_the_key(used, tmp_path, capsys, no_ranks):
+    config = write_config(tmp_path / "c.yaml", raw(used, steps=8))
+    assert main(["train", config, "--set", "model.hidden=32"]) == 2
+    (line,) = _errors(capsys)
+    assert line.startswith("portapipe: config error: model.hidden: 32, but") and "was written with 16" in line
+    assert main(["train", config, "--set", "train.micro_batch_size=4"]) == 2
+    (line,) = _errors(capsys)
+    assert "the global batch is 8 sequences (dp 1 x ep 1 x 2 micro-batches x 4)" in line and "trained with 4; keep 4" in line
+    assert main(["train", config, "--set", "train.seed=7"]) == 2
+    (line,) = _errors(capsys)
+    assert "train.seed: 7, but" in line and "seed 1234" in line
+
+
+def test_a_second_run_on_a_locked_folder_exits_2_naming_the_holder(tmp_path, capsys, no_ranks):
+    lock = FolderLock(tmp_path, "log.dir")
+    lock.acquire(lambda line: None)
+    try:
+        assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 2
+    finally:
+        lock.release()
+    (line,) = _errors(capsys)
+    assert line == f"portapipe: config error: log.dir: {tmp_path} is in use by another run (pid {os.getpid()}); wait for it to end or use another log.dir"
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / ".portapipe.lock").write_text(f"{dead.pid}\n")
+    said: list[str] = []
+    plan, locks = prepare_run(load_config(raw(tmp_path)), "cpu", said.append)
+    assert (tmp_path / ".portapipe.lock").read_text().strip() == str(os.getpid())
+    locks.release()
+    assert said == [f"log.dir: taking over the lock of {tmp_path} left by pid {dead.pid}, which no longer holds it (a run that was killed)"]
+    assert (tmp_path / ".portapipe.lock").read_text() == ""  # released on exit
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_unwritable_log_or_checkpoint_folders_exit_2_before_ranks_start(tmp_path, capsys, no_ranks, where):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    bad = str(blocker / "runs") if where == "under_a_file" else "/proc/portapipe-x"
+    config = write_config(tmp_path / "c.yaml", raw(tmp_path / "ok"))
+    assert main(["train", config, "--set", f"log.dir={bad}"]) == 2
+    (line,) = _errors(capsys)
+    assert line.startswith(f"portapipe: config error: log.dir: {bad!r} ")
+    assert ("which is a file, not a folder" in line) if where == "under_a_file" else ("cannot be written" in line)
+    assert main(["train", config, "--set", f"checkpoint.dir={bad}"]) == 2
+    (line,) = _errors(capsys)
+    assert line.startswith(f"portapipe: config error: checkpoint.dir: {bad!r} ")
+
+
+# ------------------------------------------------------------------------------ LR schedule
+def _horizons(backend: Any, root: str) -> None:
+    from portapipe.train import train_rank
+
+    base = Path(root)
+    runs = [
+        raw(base / "straight", steps=40),
+        raw(base / "planned", steps=20, train__lr_schedule_steps=40),
+        raw(base / "planned", steps=40),
+        raw(base / "default", steps=20),
+        raw(base / "default", steps=40),
+        raw(base / "asked", steps=20),
+        raw(base / "asked", steps=40, train__lr_schedule_steps=40),
+    ]
+    for config in runs:
+        train_rank(type(backend)(backend.options), config)
+
+
+@pytest.fixture(scope="module")
+def horizons(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from portapipe.launch import run_ranks
+
+    root = tmp_path_factory.mktemp("horizons")
+    run_ranks(_horizons, 1, str(root), wall_timeout_s=300)
+    return root
+
+
+@pytest.mark.multiproc
+def test_20_steps_then_resumed_to_40_equal_40_straight_bit_for_bit(horizons):
+    """A run planned for 40 steps (train.lr_schedule_steps: 40) stopped at 20 and resumed with
+    train.steps: 40 keeps its schedule: steps 21..40 are those of 40 straight steps."""
+    same_steps(train_rows(horizons / "planned"), train_rows(horizons / "straight"))
+
+
+@pytest.mark.multiproc
+def test_a_resume_keeps_the_checkpoints_schedule_unless_asked(horizons):
+    straight = train_rows(horizons / "straight")
+    kept = train_rows(horizons / "default")  # 20 steps (cosine ends at 20), resumed to 40: min_lr after 20
+    assert [r["lr"] for r in kept[20:]] == [1e-3] * 20 and kept[19]["lr"] == 1e-3
+    assert [r["lr"] for r in kept[:20]] != [r["lr"] for r in straight[:20]]
+    asked = train_rows(horizons / "asked")  # the same, resumed with train.lr_schedule_steps: 40
+    assert [r["lr"] for r in asked[20:]] == [r["lr"] for r in straight[20:]]
+
+
+@pytest.mark.multiproc
+def test_one_line_says_what_the_lr_schedule_is_after_a_resume(horizons, tmp_path):
+    folder = tmp_path / "s"
+    shutil.copytree(horizons / "straight", folder, ignore=shutil.ignore_patterns(".portapipe.lock"))
+    for over, want in (
+        ({}, "LR schedule after step 40: warm-up 2 steps to 0.01, then cosine to 0.001 at step 40 "
+             "(kept from the checkpoint; train.lr_schedule_steps changes it); steps 41..60 run at 0.001"),
+        ({"train__lr_schedule_steps": 60}, "LR schedule after step 40: warm-up 2 steps to 0.01, then cosine to 0.001 at step 60 (train.lr_schedule_steps)"),
+    ):
+        said: list[str] = []
+        plan, locks = prepare_run(load_config(raw(folder, steps=60, **over)), "cpu", said.append)
+        locks.release()
+        assert [line for line in said if line.startswith("LR schedule")] == [want]
+
+
+# ------------------------------------------------------------------------------- divergence
+@pytest.mark.multiproc
+def test_a_non_finite_loss_stops_the_run_with_exit_3_and_no_checkpoint_of_it(tmp_path, capsys):
+    config = raw(tmp_path / "run", steps=8, train__lr=1e30, train__warmup_steps=0, train__grad_clip=0.0, checkpoint__every=1)
+    config["model"]["dtype"] = "float32"
+    assert main(["train", write_config(tmp_path / "c.yaml", config)]) == 3
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)  # strict JSON: no NaN
+    bad = summary["diverged"]["step"]
+    assert 1 < bad <= 8 and summary["val_loss"] is None
+    lines = [line for line in captured.err.splitlines() if line.startswith("portapipe:")]
+    assert len(lines) == 1 and f"training stopped at step {bad}: loss" in lines[0] and "Traceback" not in captured.err
+    steps = [e["step"] for e in list_checkpoints(tmp_path / "run")]
+    assert max(steps) == bad - 1  # the last good step; nothing of the broken one
+    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+
+
+# ------------------------------------------------------------------------------- preemption
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """The rank processes of a local launch: children of the launcher's forkserver."""
+    ranks = []
+    for child in _children(launcher):
+        try:
+            if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                ranks += _children(child)
+        except OSError:
+            continue
+    return ranks
+
+
+@pytest.mark.multiproc
+def test_sigterm_to_the_ranks_checkpoints_exits_143_and_resumes_bit_for_bit(tmp_path):
+    """Until the launcher forwards SIGTERM to its ranks, the test signals the rank processes."""
+    steps = 30
+    config = write_config(tmp_path / "c.yaml", raw(tmp_path / "run", steps=steps, pp=2, checkpoint__every=0))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "portapipe.cli", "train", config], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 2:
+            break
+        time.sleep(0.02)
+    ranks = _ranks_of(proc.pid)
+    assert len(ranks) == 2, ranks
+    for pid in ranks:
+        os.kill(pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err.decode()
+    lines = [line for line in err.decode().splitlines() if line.startswith("portapipe:")]
+    summary = json.loads(out)
+    k = summary["stopped"]["step"]
+    assert summary["stopped"]["signal"] == "SIGTERM" and 2 <= k < steps
+    assert lines == [f"portapipe: stopped by SIGTERM after step {k}; checkpoint {tmp_path / 'run' / 'checkpoints' / f'step_{k:08d}'} (the same command resumes)"]
+    assert "Traceback" not in err.decode()
+
+    assert main(["train", config]) == 0  # the same command resumes
+    reference = write_config(tmp_path / "r.yaml", raw(tmp_path / "straight", steps=steps, pp=2, checkpoint__every=0))
+    assert main(["train", reference]) == 0
+    same_steps(train_rows(tmp_path / "run"), train_rows(tmp_path / "straight"))
+
+
+def test_a_stopped_run_exits_with_the_signals_code(monkeypatch, tmp_path, capsys):
+    import portapipe.train
+
+    def stopped(config: Any, wall_timeout_s: float = 0.0) -> dict[str, Any]:
+        return {"run_id": "r", "checkpoint": "c", "stopped": {"signal": "SIGINT", "step": 3, "checkpoint": "c"}}
+
+    monkeypatch.setattr(portapipe.train, "train", stopped)
+    assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 130
+    assert capsys.readouterr().err.strip() == "portapipe: stopped by SIGINT after step 3; checkpoint c (the same command resumes)"
+
+
+@pytest.mark.multiproc
+def test_checkpoint_load_into_a_folder_of_another_run_is_refused(used):
+    source = used / "checkpoints" / "step_00000004"
+    with pytest.raises(ConfigError, match=r"checkpoint.load starts a new run, but .* holds 2 checkpoint\(s\) of run"):
+        prepare_run(load_config(raw(used, checkpoint__load=str(source))), "cpu", print)
