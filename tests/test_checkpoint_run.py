@@ -295,7 +295,7 @@ def _ranks_of(launcher: int) -> list[int]:
 @pytest.mark.multiproc
 def test_sigterm_to_the_ranks_checkpoints_exits_143_and_resumes_bit_for_bit(tmp_path):
     """Until the launcher forwards SIGTERM to its ranks, the test signals the rank processes."""
-    steps = 30
+    steps = 16
     config = write_config(tmp_path / "c.yaml", raw(tmp_path / "run", steps=steps, pp=2, checkpoint__every=0))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "portapipe.cli", "train", config], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

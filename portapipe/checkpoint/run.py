@@ -303,7 +303,10 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
         mode = "load"
         if checkpoints and not ck.overwrite:
             raise ConfigError(
-                [f"checkpoint.load starts a new run, but {root} holds {len(checkpoints)} checkpoint(s) of run {owner or 'another run'}{newest}; {way_out}"]
+                [
+                    f"checkpoint.load starts a new run, but {root} holds {len(checkpoints)} checkpoint(s) of run "
+                    f"{owner or 'another run'}{newest}; {way_out}"
+                ]
             )
     elif ck.resume:
         source = files.newest_complete(root, run_id=owner, warn=say)
@@ -349,7 +352,7 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
     else:
         plan.lr_schedule_steps = int(kept or config.train.steps)
         origin = "kept from the checkpoint; train.lr_schedule_steps changes it"
-    verb = f"resuming run {run_id}" if mode == "resume" else f"new run {run_id} in {log_dir} from run {source.run_id}'s"
+    verb = f"resuming run {run_id} from" if mode == "resume" else f"new run {run_id} in {log_dir} from run {source.run_id}'s"
     note = f"{verb} {source.path} (step {plan.step} of {config.train.steps})"
     if plan.step >= config.train.steps:
         note += "; nothing left to train (raise train.steps to continue)"
@@ -357,11 +360,14 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
     if (line := _layout_line(config, manifest, backend_name)) is not None:
         say(line)
     if manifest["layout"].get("balancer", "none") != "none" and config.balancer.kind != "none" and not plan.placement_fits:
-        say(f"balancer: the checkpoint's expert placement was made for another balancer layout; experts load by id into {config.balancer.kind}'s initial placement, the recorded loads carry over")
-    data = manifest["trainer"].get("data", {})
+        say(
+            "balancer: the checkpoint's expert placement was made for another balancer layout; experts load by id into "
+            f"{config.balancer.kind}'s initial placement, the recorded loads carry over"
+        )
     say(lr_line(config, plan.lr_schedule_steps, origin, plan.step))
-    if data.get("train_bytes") is not None and data.get("train_bytes") != _train_bytes(config):
-        say(f"data: the checkpoint was trained on {data.get('train_bytes')} bytes of training text, this run has {_train_bytes(config)}: the batches differ from an uninterrupted run")
+    then, now = manifest["trainer"].get("data", {}).get("train_bytes"), _train_bytes(config)
+    if then is not None and then != now:
+        say(f"data: the checkpoint was trained on {then} bytes of training text, this run has {now}: the batches differ from an uninterrupted run")
     return plan
 
 
