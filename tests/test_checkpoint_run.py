@@ -152,6 +152,24 @@ def test_a_checkpoint_of_another_model_or_data_stream_is_refused_naming_the_key(
     assert "train.seed: 7, but" in line and "seed 1234" in line
 
 
+@pytest.mark.multiproc
+def test_a_resume_on_other_training_text_says_so(used, tmp_path):
+    text = tmp_path / "other.txt"
+    text.write_text("Another text, long enough for a few windows of sixteen bytes. " * 20)
+    said: list[str] = []
+    plan, locks = prepare_run(load_config(raw(used, steps=8, data__path=str(text))), "cpu", said.append)
+    locks.release()
+    assert plan.mode == "resume" and [line for line in said if line.startswith("data:")] == [
+        f"data: the checkpoint was trained on {plan_bytes(used)} bytes of training text, this run has {len(text.read_bytes())}: "
+        "the batches differ from an uninterrupted run"
+    ]
+
+
+def plan_bytes(run: Path) -> int:
+    manifest = json.loads((run / "checkpoints" / "step_00000004" / "manifest.json").read_text())
+    return manifest["trainer"]["data"]["train_bytes"]
+
+
 def test_a_second_run_on_a_locked_folder_exits_2_naming_the_holder(tmp_path, capsys, no_ranks):
     lock = FolderLock(tmp_path, "log.dir")
     lock.acquire(lambda line: None)
