@@ -356,5 +356,11 @@ def test_a_stopped_run_exits_with_the_signals_code(monkeypatch, tmp_path, capsys
 @pytest.mark.multiproc
 def test_checkpoint_load_into_a_folder_of_another_run_is_refused(used):
     source = used / "checkpoints" / "step_00000004"
+    other = used.parent / "copy"
+    shutil.copytree(used, other, ignore=shutil.ignore_patterns(".portapipe.lock"))
     with pytest.raises(ConfigError, match=r"checkpoint.load starts a new run, but .* holds 2 checkpoint\(s\) of run"):
-        prepare_run(load_config(raw(used, checkpoint__load=str(source))), "cpu", print)
+        prepare_run(load_config(raw(other, checkpoint__load=str(source))), "cpu", print)
+    # loading a folder's own checkpoint would move it aside under checkpoint.overwrite: refused, naming the way
+    with pytest.raises(ConfigError, match="is one of this log.dir's own checkpoints; to continue its run leave checkpoint.load unset"):
+        prepare_run(load_config(raw(used, checkpoint__load=str(source), checkpoint__overwrite=True)), "cpu", print)
+    assert source.is_dir()

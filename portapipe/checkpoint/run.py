@@ -301,6 +301,13 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
         except files.CheckpointError as exc:
             raise ConfigError([f"checkpoint.load: {exc}"]) from None
         mode = "load"
+        if source.path.resolve().is_relative_to(root.resolve()):
+            raise ConfigError(
+                [
+                    f"checkpoint.load: {source.path} is one of this log.dir's own checkpoints; to continue its run leave "
+                    "checkpoint.load unset (checkpoint.resume does it), or load it into another log.dir"
+                ]
+            )
         if checkpoints and not ck.overwrite:
             raise ConfigError(
                 [
