@@ -194,7 +194,6 @@ def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] |
     from; without it rank 0 makes it (and locks the run folder). Losses, tokens and step figures
     agree on every rank; rank 0's also names the files it wrote.
     """
-    from .checkpoint.io import Checkpointer
     from .scheduling.executor import PipelineRuntime
 
     _stop_on_signals()
@@ -205,19 +204,21 @@ def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] |
     rank = groups.rank
     run, locks = plan_on_ranks(config, backend, rank, plan)
     try:
-        return _train(backend, config, groups, run, PipelineRuntime(config, backend, groups), Checkpointer)
+        return _train(backend, config, groups, run, PipelineRuntime(config, backend, groups))
     finally:
         locks.release()
 
 
-def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any, checkpointer: Any) -> dict[str, Any]:
+def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any) -> dict[str, Any]:
+    from .checkpoint.io import Checkpointer
+
     tc, rank = config.train, groups.rank
     named = list(runtime.named_parameters())
     optimizer = make_optimizer(named, tc)
     data = TextData(config)
     balancer = runtime.ep.balancer  # eplb / lplb on the running model (portapipe.balancing.runtime)
     hook = BalancerHook(config, balancer, groups) if config.balancer.kind == "eplb" else None
-    ckpt = checkpointer(run, config, backend, rank, groups.world_size, runtime, optimizer, balancer)
+    ckpt = Checkpointer(run, config, backend, rank, groups.world_size, runtime, optimizer, balancer)
     trainer = ckpt.restore()  # the plan's checkpoint into model, optimizer, balancer, RNG
     progress = Progress(**trainer["progress"]) if trainer else Progress()
     start, horizon = progress.step, run.lr_schedule_steps
