@@ -3,16 +3,18 @@
 One launch of 4 gloo ranks runs, in float64:
 
 - A: pp 2, ep 2, DualPipeV, EPLB with one redundant slot per rank (a rebalance at step 3 moves
-  experts, so the step-3 checkpoint holds a non-identity placement), 13 steps, checkpoints every 3;
+  experts, so the step-3 checkpoint holds a non-identity placement), 13 steps, checkpoints every 3
+  (written in the background while training goes on);
 - from A's step-3 checkpoint (``checkpoint.load``, each in a new folder), 10 more steps on
   B1: pp 1, ep 4, 1F1B with LPLB; B2: pp 2, ep 1, dp 2, interleaved, no balancer; B3: pp 4, ep 1,
   DualPipe (both copies of each block write the same keys), no balancer; B4: pp 1, ep 2, dp 2,
   1F1B, EPLB as in A (A's placement applies as it is: same EP size and slots, other pipeline ranks);
-- and back: from each B's step-10 checkpoint, steps 11..13 on A's layout (EPLB again).
+- and back: from B2's and B3's step-10 checkpoints (no balancer), steps 11..13 on A's layout
+  (EPLB with its redundant slot again).
 
 Every continuation's losses equal A's within 1e-9 (the reductions run in other orders, so not bit
-for bit). The global batch (16 sequences) is the same everywhere: 2 replicas x 4 x 2, 4 x 2 x 2,
-2 x 4 x 2, 1 x 8 x 2.
+for bit). The global batch (16 sequences) is the same everywhere: 2 replicas x 4 micro-batches x 2
+sequences (A), 4 x 2 x 2 (B1, B4), 2 x 2 x 4 (B2), 1 x 8 x 2 (B3).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
           "train": {"micro_batch_size": 2}, "balancer": {"kind": "eplb", "redundant": 1, "interval": 3, "window": 3}},
     "B1": {"parallel": {"pp": 1, "ep": 4, "dp": 1}, "schedule": {"name": "1f1b", "microbatches": 2},
            "train": {"micro_batch_size": 2}, "balancer": {"kind": "lplb", "topology": "ring", "redundant": 1, "interval": 4, "window": 2}},
-    "B2": {"parallel": {"pp": 2, "ep": 1, "dp": 2}, "schedule": {"name": "interleaved", "microbatches": 4, "chunks": 2},
-           "train": {"micro_batch_size": 2}},
+    "B2": {"parallel": {"pp": 2, "ep": 1, "dp": 2}, "schedule": {"name": "interleaved", "microbatches": 2, "chunks": 2},
+           "train": {"micro_batch_size": 4}},
     "B3": {"parallel": {"pp": 4, "ep": 1, "dp": 1}, "schedule": {"name": "dualpipe", "microbatches": 8},
            "train": {"micro_batch_size": 2}},
     "B4": {"parallel": {"pp": 1, "ep": 2, "dp": 2}, "schedule": {"name": "1f1b", "microbatches": 2},
@@ -79,8 +81,8 @@ def _runs(backend: Any, root: str) -> dict[str, Any]:
     run("A", "A", every=3)
     a3 = base / "A" / "checkpoints" / "step_00000003"
     for name in ("B1", "B2", "B3", "B4"):
-        run(name, name, every=5, load=str(a3))
-    for name in ("B1", "B2", "B3"):
+        run(name, name, every=10, load=str(a3))
+    for name in ("B2", "B3"):  # no balancer -> EPLB with a redundant slot, DualPipeV
         run("A", f"back_{name}", load=str(base / name / "checkpoints" / "step_00000010"))
     return out
 
@@ -111,7 +113,7 @@ def test_a_dualpipev_eplb_checkpoint_continues_on_another_layout_with_the_same_l
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["B1", "B2", "B3"])
+@pytest.mark.parametrize("name", ["B2", "B3"])
 def test_and_back_onto_the_first_layout(runs, name):
     assert _close(runs[f"back_{name}"]["losses"], runs["A"]["losses"], range(11, STEPS + 1)) <= 1e-9
 

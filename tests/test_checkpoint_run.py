@@ -213,14 +213,14 @@ def _horizons(backend: Any, root: str) -> None:
     from portapipe.train import train_rank
 
     base = Path(root)
+    once = {"checkpoint__every": 0}  # the final checkpoint is the one resumed
     runs = [
-        raw(base / "straight", steps=40),
-        raw(base / "planned", steps=20, train__lr_schedule_steps=40),
-        raw(base / "planned", steps=40),
-        raw(base / "default", steps=20),
-        raw(base / "default", steps=40),
-        raw(base / "asked", steps=20),
-        raw(base / "asked", steps=40, train__lr_schedule_steps=40),
+        raw(base / "straight", steps=40, **once),
+        raw(base / "planned", steps=20, train__lr_schedule_steps=40, **once),
+        raw(base / "planned", steps=40, **once),
+        raw(base / "default", steps=20, **once),
+        raw(base / "asked", steps=40, train__lr_schedule_steps=40, checkpoint__load=str(base / "default" / "checkpoints" / "step_00000020"), **once),
+        raw(base / "default", steps=40, **once),
     ]
     for config in runs:
         train_rank(type(backend)(backend.options), config)
@@ -248,8 +248,8 @@ def test_a_resume_keeps_the_checkpoints_schedule_unless_asked(horizons):
     kept = train_rows(horizons / "default")  # 20 steps (cosine ends at 20), resumed to 40: min_lr after 20
     assert [r["lr"] for r in kept[20:]] == [1e-3] * 20 and kept[19]["lr"] == 1e-3
     assert [r["lr"] for r in kept[:20]] != [r["lr"] for r in straight[:20]]
-    asked = train_rows(horizons / "asked")  # the same, resumed with train.lr_schedule_steps: 40
-    assert [r["lr"] for r in asked[20:]] == [r["lr"] for r in straight[20:]]
+    asked = train_rows(horizons / "asked")  # the same, continued with train.lr_schedule_steps: 40
+    assert [r["step"] for r in asked] == list(range(21, 41)) and [r["lr"] for r in asked] == [r["lr"] for r in straight[20:]]
 
 
 @pytest.mark.multiproc
@@ -310,11 +310,20 @@ def _ranks_of(launcher: int) -> list[int]:
     return ranks
 
 
+def _resume_and_reference(backend: Any, resume: dict[str, Any], reference: dict[str, Any]) -> None:
+    from portapipe.train import train_rank
+
+    for config in (resume, reference):
+        train_rank(type(backend)(backend.options), config)
+
+
 @pytest.mark.multiproc
-def test_sigterm_to_the_ranks_checkpoints_exits_143_and_resumes_bit_for_bit(tmp_path):
-    """Until the launcher forwards SIGTERM to its ranks, the test signals the rank processes."""
+def test_sigterm_to_a_rank_stops_every_rank_checkpoints_exits_143_and_resumes_bit_for_bit(tmp_path):
+    """Until the launcher forwards SIGTERM to its ranks, the test signals a rank process: one rank
+    receives it, every rank stops after the same step."""
     steps = 16
-    config = write_config(tmp_path / "c.yaml", raw(tmp_path / "run", steps=steps, pp=2, checkpoint__every=0))
+    run = raw(tmp_path / "run", steps=steps, pp=2, checkpoint__every=0)
+    config = write_config(tmp_path / "c.yaml", run)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "portapipe.cli", "train", config], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -325,8 +334,7 @@ def test_sigterm_to_the_ranks_checkpoints_exits_143_and_resumes_bit_for_bit(tmp_
         time.sleep(0.02)
     ranks = _ranks_of(proc.pid)
     assert len(ranks) == 2, ranks
-    for pid in ranks:
-        os.kill(pid, signal.SIGTERM)
+    os.kill(max(ranks), signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err.decode()
     lines = [line for line in err.decode().splitlines() if line.startswith("portapipe:")]
@@ -335,10 +343,12 @@ def test_sigterm_to_the_ranks_checkpoints_exits_143_and_resumes_bit_for_bit(tmp_
     assert summary["stopped"]["signal"] == "SIGTERM" and 2 <= k < steps
     assert lines == [f"portapipe: stopped by SIGTERM after step {k}; checkpoint {tmp_path / 'run' / 'checkpoints' / f'step_{k:08d}'} (the same command resumes)"]
     assert "Traceback" not in err.decode()
+    assert [e["step"] for e in list_checkpoints(tmp_path / "run")] == [k]
 
-    assert main(["train", config]) == 0  # the same command resumes
-    reference = write_config(tmp_path / "r.yaml", raw(tmp_path / "straight", steps=steps, pp=2, checkpoint__every=0))
-    assert main(["train", reference]) == 0
+    from portapipe.launch import run_ranks
+
+    reference = raw(tmp_path / "straight", steps=steps, pp=2, checkpoint__every=0)
+    run_ranks(_resume_and_reference, 2, load_config(run).to_dict(), load_config(reference).to_dict(), wall_timeout_s=300)
     same_steps(train_rows(tmp_path / "run"), train_rows(tmp_path / "straight"))
 
 
