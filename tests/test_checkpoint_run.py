@@ -72,13 +72,45 @@ def no_ranks(monkeypatch):
     monkeypatch.setattr(portapipe.launch, "run_ranks", refuse)
 
 
+def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
+    """Every single-rank run the tests below read, in one launch (each its own folder)."""
+    from portapipe.train import train_rank
+
+    base = Path(root)
+    once = {"checkpoint__every": 0}  # the final checkpoint is the one resumed
+    diverging = raw(base / "diverged", steps=8, train__lr=1e30, train__warmup_steps=0, train__grad_clip=0.0, checkpoint__every=1)
+    diverging["model"]["dtype"] = "float32"
+    runs = {
+        "first": raw(base / "first"),  # a finished run: 4 steps, checkpoints at 2 and 4
+        "straight": raw(base / "straight", steps=40, **once),
+        "planned": raw(base / "planned", steps=20, train__lr_schedule_steps=40, **once),
+        "planned_40": raw(base / "planned", steps=40, **once),
+        "default": raw(base / "default", steps=20, **once),
+        "asked": raw(base / "asked", steps=40, train__lr_schedule_steps=40, checkpoint__load=str(base / "default" / "checkpoints" / "step_00000020"), **once),
+        "default_40": raw(base / "default", steps=40, **once),
+        "diverged": diverging,
+    }
+    return {name: train_rank(type(backend)(backend.options), config) for name, config in runs.items()}
+
+
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished run: 4 steps, checkpoints at 2 and 4 (through the CLI, as `make train` does)."""
-    folder = tmp_path_factory.mktemp("first") / "run"
-    folder.mkdir()
-    assert main(["train", write_config(folder.parent / "a.yaml", raw(folder))]) == 0
-    return folder
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from portapipe.launch import run_ranks
+
+    root = tmp_path_factory.mktemp("one_rank")
+    out = run_ranks(_one_rank_runs, 1, str(root), wall_timeout_s=300)[0]
+    out["root"] = root
+    return out
+
+
+@pytest.fixture(scope="module")
+def first_run(one_rank: dict[str, Any]) -> Path:
+    return one_rank["root"] / "first"
+
+
+@pytest.fixture(scope="module")
+def horizons(one_rank: dict[str, Any]) -> Path:
+    return one_rank["root"]
 
 
 @pytest.fixture
@@ -209,32 +241,6 @@ def test_unwritable_log_or_checkpoint_folders_exit_2_before_ranks_start(tmp_path
 
 
 # ------------------------------------------------------------------------------ LR schedule
-def _horizons(backend: Any, root: str) -> None:
-    from portapipe.train import train_rank
-
-    base = Path(root)
-    once = {"checkpoint__every": 0}  # the final checkpoint is the one resumed
-    runs = [
-        raw(base / "straight", steps=40, **once),
-        raw(base / "planned", steps=20, train__lr_schedule_steps=40, **once),
-        raw(base / "planned", steps=40, **once),
-        raw(base / "default", steps=20, **once),
-        raw(base / "asked", steps=40, train__lr_schedule_steps=40, checkpoint__load=str(base / "default" / "checkpoints" / "step_00000020"), **once),
-        raw(base / "default", steps=40, **once),
-    ]
-    for config in runs:
-        train_rank(type(backend)(backend.options), config)
-
-
-@pytest.fixture(scope="module")
-def horizons(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from portapipe.launch import run_ranks
-
-    root = tmp_path_factory.mktemp("horizons")
-    run_ranks(_horizons, 1, str(root), wall_timeout_s=300)
-    return root
-
-
 @pytest.mark.multiproc
 def test_20_steps_then_resumed_to_40_equal_40_straight_bit_for_bit(horizons):
     """A run planned for 40 steps (train.lr_schedule_steps: 40) stopped at 20 and resumed with
@@ -269,20 +275,31 @@ def test_one_line_says_what_the_lr_schedule_is_after_a_resume(horizons, tmp_path
 
 # ------------------------------------------------------------------------------- divergence
 @pytest.mark.multiproc
-def test_a_non_finite_loss_stops_the_run_with_exit_3_and_no_checkpoint_of_it(tmp_path, capsys):
-    config = raw(tmp_path / "run", steps=8, train__lr=1e30, train__warmup_steps=0, train__grad_clip=0.0, checkpoint__every=1)
-    config["model"]["dtype"] = "float32"
-    assert main(["train", write_config(tmp_path / "c.yaml", config)]) == 3
-    captured = capsys.readouterr()
-    summary = json.loads(captured.out)  # strict JSON: no NaN
+def test_a_non_finite_loss_stops_the_run_at_that_step_with_no_checkpoint_of_it(one_rank):
+    summary, folder = one_rank["diverged"], one_rank["root"] / "diverged"
     bad = summary["diverged"]["step"]
-    assert 1 < bad <= 8 and summary["val_loss"] is None
-    lines = [line for line in captured.err.splitlines() if line.startswith("portapipe:")]
-    assert len(lines) == 1 and f"training stopped at step {bad}: loss" in lines[0] and "Traceback" not in captured.err
-    steps = [e["step"] for e in list_checkpoints(tmp_path / "run")]
-    assert max(steps) == bad - 1  # the last good step; nothing of the broken one
-    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
-        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+    assert 1 < bad <= 8 and summary["val_loss"] is None and summary["final_loss"] is not None
+    json.dumps(summary, allow_nan=False)  # strict JSON
+    assert max(e["step"] for e in list_checkpoints(folder)) == bad - 1  # the last good step; nothing of the broken one
+    lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, bad))
+    assert [r["kind"] for r in lines[-2:]] == ["diverged", "summary"] and lines[-2]["step"] == bad
+
+
+def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
+    import portapipe.train
+
+    def diverged(config: Any, wall_timeout_s: float = 0.0) -> dict[str, Any]:
+        return {"run_id": "r", "checkpoint": "c7", "val_loss": None, "diverged": {"step": 8, "loss": "nan", "grad_norm": "inf"}}
+
+    monkeypatch.setattr(portapipe.train, "train", diverged)
+    assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 3
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["diverged"]["step"] == 8
+    assert captured.err.strip() == (
+        "portapipe: training stopped at step 8: loss nan, gradient norm inf; that step was not applied and no checkpoint was "
+        "written of it (last checkpoint: c7); lower train.lr or keep train.grad_clip on"
+    )
 
 
 # ------------------------------------------------------------------------------- preemption
