@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from portapipe.config import Config, config_from_dict, load_config
-from portapipe.data import TextData
+from portapipe.data import TextData, replica_of
 from portapipe.launch import run_ranks
 from portapipe.compose import PipelineRuntime, model_end_step
 from portapipe.models.moe import Block
@@ -146,8 +146,10 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int) -> d
     data = TextData(probe)
     tc, m = probe.train, probe.schedule.microbatches
 
+    replica, replicas = replica_of(groups)
+
     def batches(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return data.microbatches(i, groups.dp_rank, groups.ep_rank, m, tc.micro_batch_size, probe.model.seq_len)
+        return data.microbatches(i, replica, replicas, m, tc.micro_batch_size, probe.model.seq_len)
 
     variants: dict[str, Any] = {}
     for name in SCHEDULES:

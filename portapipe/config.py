@@ -178,6 +178,12 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's betas, each in [0, 1)")
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
     seed: int = 1234
+    lr_schedule_steps: int | None = Field(
+        None,
+        ge=1,
+        description="step at which the cosine reaches min_lr (default: train.steps for a new run; a resumed or loaded "
+        "run keeps its checkpoint's); steps past it run at min_lr",
+    )
 
     @field_validator("betas")
     @classmethod
@@ -210,8 +216,14 @@ class LogConfig(_Section):
 class CheckpointConfig(_Section):
     dir: str | None = Field(None, description="default: <log.dir>/checkpoints")
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
-    resume: bool = True
-    keep: int = Field(2, ge=1)
+    resume: bool = Field(True, description="continue this log.dir's run from its newest complete checkpoint")
+    keep: int = Field(2, ge=1, description="this run's newest checkpoints kept")
+    load: str | None = Field(
+        None, description="start a new run in log.dir from this checkpoint (or the newest complete one of this folder), step included"
+    )
+    overwrite: bool = Field(
+        False, description="a new run in a folder holding another run's files first moves them aside to <log.dir>/previous/<run id>"
+    )
 
 
 class LaunchConfig(_Section):
@@ -325,6 +337,10 @@ def _cross_checks(c: Config) -> list[str]:
     if bal.kind == "lplb" and bal.topology == "torus" and bal.torus is None:
         out.append("balancer.torus: missing; topology torus needs torus: [m, n]")
     out += _balancer_checks(c)
+    if c.train.lr_schedule_steps is not None and c.train.lr_schedule_steps < c.train.warmup_steps:
+        out.append(f"train.lr_schedule_steps: {c.train.lr_schedule_steps} < train.warmup_steps = {c.train.warmup_steps}")
+    if c.checkpoint.load is not None and not c.checkpoint.load.strip():
+        out.append("checkpoint.load: empty; name a checkpoint folder (step_NNNNNNNN) or a folder of checkpoints")
     if c.train.min_lr > c.train.lr:
         out.append(f"train.min_lr: {c.train.min_lr} > train.lr = {c.train.lr}")
     from .backends.registry import known_backends  # built-ins and plug-ins; imports no device code

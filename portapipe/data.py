@@ -6,10 +6,13 @@ another UTF-8 (or any byte) text file, plain or gzipped. ``data.format: tokens``
 is a flat file of uint16 / uint32 token ids, memory-mapped (see :mod:`portapipe.tokens`). The
 last ``data.val_fraction`` of the tokens is the validation split.
 
-Batches are random windows of ``seq_len + 1`` bytes (inputs and targets shifted by one),
-drawn from a generator seeded by (seed, split, step, dp_rank, ep_rank): any rank can make any
-step's batch on its own, without shared state, and a resumed run sees exactly the batches an
-uninterrupted one would.
+Batches are random windows of ``seq_len + 1`` bytes (inputs and targets shifted by one). A
+step's *global batch* is a fixed set of windows: their starts are drawn from a generator seeded
+by (seed, split, step) only, and the ``dp x ep`` replicas share them out in order (replica r,
+micro-batch m takes the next ``micro_batch_size`` windows). So the data of a step depends on the
+global batch size (replicas x micro-batches x micro-batch size) but not on how it is split:
+any rank can make any step's batch on its own, a resumed run sees exactly the batches of an
+uninterrupted one, and a run resumed on another layout with the same global batch too.
 """
 
 from __future__ import annotations
@@ -153,27 +156,42 @@ class TextData:
     def microbatches(
         self,
         step: int,
-        dp_rank: int,
-        ep_rank: int,
+        replica: int,
+        replicas: int,
         n_microbatches: int,
         micro_batch_size: int,
         seq_len: int,
         split: Split = "train",
     ) -> list[Batch]:
-        """``n_microbatches`` pairs (inputs, targets), each LongTensor[micro_batch_size, seq_len].
+        """Replica ``replica`` of ``replicas``'s share of step ``step``'s global batch.
 
-        targets are the inputs shifted by one byte. Every (dp_rank, ep_rank) gets its own data;
-        all pipeline ranks of one pipeline asking with the same arguments get the same batches.
+        ``n_microbatches`` pairs (inputs, targets), each LongTensor[micro_batch_size, seq_len];
+        targets are the inputs shifted by one byte. The global batch holds ``replicas x
+        n_microbatches x micro_batch_size`` windows; replica r gets the r-th contiguous share.
+        All pipeline ranks of one replica asking with the same arguments get the same batches.
         """
         if split not in self.splits:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if not 0 <= replica < replicas:
+            raise ValueError(f"replica {replica} is outside 0..{replicas - 1}")
         tokens = self.splits[split]
         span = seq_len + 1
         if tokens.numel() < span:
             raise ValueError(f"the {split} split has {tokens.numel()} bytes, fewer than seq_len + 1 = {span}")
-        gen = torch.Generator().manual_seed(_seed(self.seed, split, step, dp_rank, ep_rank))
+        gen = torch.Generator().manual_seed(_seed(self.seed, split, step))
         n = n_microbatches * micro_batch_size
-        starts = torch.randint(0, tokens.numel() - span + 1, (n,), generator=gen)
+        starts = torch.randint(0, tokens.numel() - span + 1, (replicas * n,), generator=gen)[replica * n : (replica + 1) * n]
         windows = tokens[starts[:, None] + torch.arange(span)].long()
         windows = windows.view(n_microbatches, micro_batch_size, span)
         return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
+
+
+def global_batch_size(config: Config) -> int:
+    """Sequences per step over all replicas: what a step's data depends on (besides seed and step)."""
+    p = config.parallel
+    return p.dp * p.ep * config.schedule.microbatches * config.train.micro_batch_size
+
+
+def replica_of(groups: object) -> tuple[int, int]:
+    """(replica index, replica count) of a rank: its place among the dp x ep data replicas."""
+    return groups.dp_rank * groups.ep + groups.ep_rank, groups.dp * groups.ep  # type: ignore[attr-defined]

@@ -37,7 +37,7 @@ class MetricsLog:
         self._file = open(self.path, "a")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(strict(record), allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -72,6 +72,10 @@ class Progress:
         self.train_s += seconds
         self.losses.append(loss)
 
+    def checkpoint(self) -> dict[str, Any]:
+        """What a checkpoint keeps (the summary needs only the last losses)."""
+        return {"step": self.step, "first_loss": self.first_loss, "tokens": self.tokens, "train_s": self.train_s, "losses": self.losses[-5:]}
+
 
 @dataclass
 class Figures:
@@ -100,6 +104,17 @@ class Figures:
             "a2a_hidden_pct": percent(med(self.hidden)),
             "a2a_hidden_steady_pct": percent(med(self.hidden_steady)),
         }
+
+
+def strict(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None: strict JSON (no NaN, no Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
 
 
 def percent(frac: float | None) -> float | None:

@@ -14,7 +14,11 @@ the step over ranks) and the share of all-to-all time hidden behind compute (who
 steady-phase F&B pairs). At the end: the validation loss, a summary line in the metrics file,
 and the same summary returned (the CLI prints it as one JSON line).
 
-Checkpoints (written so that nothing is lost on failure) are in :mod:`portapipe.checkpoint`.
+Checkpoints (logical, resumable on any layout; one run per folder) are in
+:mod:`portapipe.checkpoint`; this loop asks for one every ``checkpoint.every`` steps (written in
+the background), at the end, and when every rank agreed to stop on SIGINT / SIGTERM
+(:mod:`portapipe.stop`). A non-finite loss or gradient norm ends the run at that step, before the
+optimizer applies it, and writes no checkpoint of it.
 """
 
 from __future__ import annotations
@@ -22,35 +26,40 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint import atomic_write, checkpoint_root, latest_checkpoint, load_shard, resume_problems, save_checkpoint
+from . import stop
+from .checkpoint.files import atomic_write
+from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run
 from .config import Config, ConfigError, TrainConfig, config_from_dict
-from .data import TextData, data_problems
-from .metrics import Figures, MetricsLog, Progress, StepStats, gather_step_stats, percent
-from .models.moe import is_expert_param
+from .data import TextData, data_problems, global_batch_size, replica_of
+from .metrics import Figures, MetricsLog, Progress, StepStats, gather_step_stats, percent, strict
+from .scheduling.stage import is_expert
 
 VAL_BATCHES = 4  # validation steps' worth of micro-batches evaluated at the end
 
 
 # ----------------------------------------------------------------------------- learning rate
-def lr_at(step: int, train: TrainConfig) -> float:
-    """Learning rate of optimizer step ``step`` (0-based) of ``train.steps``.
+def lr_at(step: int, train: TrainConfig, horizon: int | None = None) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) of a schedule ending at ``horizon``.
 
     Linear warm-up over ``warmup_steps`` (step 0 gets lr/warmup_steps, step warmup-1 the full
-    lr), then a half cosine from ``lr`` at the first step after warm-up to ``min_lr`` at the last.
+    lr), then a half cosine from ``lr`` at the first step after warm-up to ``min_lr`` at step
+    ``horizon`` (1-based; default ``train.lr_schedule_steps``, else ``train.steps``), ``min_lr``
+    after it.
     """
     if step < train.warmup_steps:
         return train.lr * (step + 1) / train.warmup_steps
-    decay_steps = train.steps - train.warmup_steps
+    end = horizon or train.lr_schedule_steps or train.steps
+    decay_steps = end - train.warmup_steps
     if decay_steps <= 1:
-        return train.lr
+        return train.lr if step < end else train.min_lr
     progress = min(1.0, (step - train.warmup_steps) / (decay_steps - 1))
     return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1.0 + math.cos(math.pi * progress))
 
@@ -91,7 +100,7 @@ def owned_grad_sq(runtime: Any, groups: Any) -> float:
         for p in block.parameters():
             if p.grad is None:
                 continue
-            if is_expert_param(p):
+            if is_expert(p):
                 counted = groups.dp_rank == 0
             else:
                 counted = groups.dp_rank == 0 and groups.ep_rank == 0
@@ -122,9 +131,10 @@ def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -
         return None
     saved = _snapshot_buffers(runtime)
     losses = []
+    replica, replicas = replica_of(groups)
     for i in range(VAL_BATCHES):
         batches = data.microbatches(
-            i, groups.dp_rank, groups.ep_rank, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len, split="val"
+            i, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len, split="val"
         )
         losses.append(float(runtime.step(batches).loss))
         for p in runtime.parameters():
@@ -134,50 +144,49 @@ def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -
 
 
 class BalancerHook:
-    """balancer.kind: eplb: record each step's expert loads and write them out for planning.
+    """balancer.kind: eplb: write the recorded expert loads out for planning.
 
-    Every step's ``StepResult.expert_counts`` (this pipeline rank's MoE layers, summed over the
-    EP group) goes into a sliding window (:class:`portapipe.balancing.loads.LoadWindow`, of
-    ``balancer.window`` steps). Every ``balancer.interval`` steps and at the end, the window's
-    loads of all layers are gathered to rank 0 and written to ``<log.dir>/expert_loads.json``
-    (``{"step", "layers", "loads"}``), which ``portapipe balance`` reads to plan a placement.
+    The balancer records each step's per-expert loads (this pipeline rank's MoE layers, summed
+    over the EP and DP groups) in its window of ``balancer.window`` steps, which checkpoints carry.
+    Every ``balancer.interval`` steps and at the end, the window's loads of all layers are
+    gathered to rank 0 and written to ``<log.dir>/expert_loads.json`` (``{"step", "window",
+    "layers", "loads"}``), which ``portapipe balance`` reads to plan a placement.
     """
 
     FILE = "expert_loads.json"
 
-    def __init__(self, config: Config, runtime: Any, groups: Any) -> None:
-        from .balancing.loads import LoadWindow  # the eplb feature; imported only when asked for
-
-        self.layers = [layer.index for layer in runtime.moe_layers()]
-        self.window = LoadWindow(config.balancer.window, len(self.layers), config.model.n_experts)
+    def __init__(self, config: Config, balancer: Any, groups: Any) -> None:
+        self.balancer = balancer
         self.interval = config.balancer.interval
         self.path = Path(config.log.dir) / self.FILE
         # One copy of each layer's loads is enough: the ranks at dp = ep = 0 hold them all.
         self.writer_group = groups.pp_group if groups.dp_rank == 0 and groups.ep_rank == 0 else None
         self.is_main = groups.rank == 0
 
-    def __call__(self, step: int, result: Any, last: bool) -> None:
-        if result.expert_counts is not None and self.layers:
-            self.window.record(result.expert_counts)
+    def __call__(self, step: int, last: bool) -> None:
+        """After the balancer recorded (0-based) step ``step``."""
         if self.writer_group is not None and ((step + 1) % self.interval == 0 or last):
             self._write(step + 1)
 
     def _write(self, step: int) -> None:
-        mine = dict(zip(self.layers, self.window.loads().tolist()))
+        window = self.balancer.load_window
+        mine = dict(zip(self.balancer.layers, window.loads().tolist()))
         parts: list[Any] = [None] * torch.distributed.get_world_size(self.writer_group)
         torch.distributed.all_gather_object(parts, mine, group=self.writer_group)
         if self.is_main:
             rows = {layer: row for part in parts for layer, row in part.items()}  # DualPipe copies agree
             layers = sorted(rows)
-            record = {"step": step, "window": len(self.window), "layers": layers, "loads": [rows[i] for i in layers]}
+            record = {"step": step, "window": len(window), "layers": layers, "loads": [rows[i] for i in layers]}
             atomic_write(self.path, lambda f: f.write(json.dumps(record).encode()))
 
 
 # ------------------------------------------------------------------------------- rank body
-def train_rank(backend: Any, config_dict: dict[str, Any]) -> dict[str, Any]:
+def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] | None = None) -> dict[str, Any]:
     """One rank of a training run; returns the run's summary.
 
-    Losses, tokens and step figures agree on every rank; rank 0's also names the files it wrote.
+    ``plan`` (a :class:`~portapipe.checkpoint.run.RunPlan` as a dict) says what the run starts
+    from; without it rank 0 makes it (and locks the run folder). Losses, tokens and step figures
+    agree on every rank; rank 0's also names the files it wrote.
     """
     from .compose import PipelineRuntime
 
@@ -186,50 +195,54 @@ def train_rank(backend: Any, config_dict: dict[str, Any]) -> dict[str, Any]:
     backend.manual_seed(tc.seed)
     groups = backend.parallel_groups(config.parallel.pp, config.parallel.dp, config.parallel.ep)
     rank = groups.rank
-    runtime = PipelineRuntime(config, backend, groups)
+    run, locks = plan_on_ranks(config, backend, rank, plan)
+    try:
+        return _train(backend, config, groups, run, PipelineRuntime(config, backend, groups))
+    finally:
+        locks.release()
+
+
+def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any) -> dict[str, Any]:
+    from .checkpoint.io import Checkpointer
+
+    tc, rank = config.train, groups.rank
     named = list(runtime.named_parameters())
     optimizer = make_optimizer(named, tc)
     data = TextData(config)
-    hook = BalancerHook(config, runtime, groups) if config.balancer.kind == "eplb" else None
-    balancer = runtime.ep.balancer  # eplb / lplb on the running model (portapipe.balancing.runtime)
+    balancer = runtime.balancer  # eplb / lplb on the running model (portapipe.balancing.runtime)
+    hook = BalancerHook(config, balancer, groups) if config.balancer.kind == "eplb" else None
+    ckpt = Checkpointer(run, config, backend, rank, groups.world_size, runtime, optimizer, balancer)
+    trainer = ckpt.restore()  # the plan's checkpoint into model, optimizer, balancer, RNG
+    progress = Progress(**trainer["progress"]) if trainer else Progress()
+    start, horizon = progress.step, run.lr_schedule_steps
+    replica, replicas = replica_of(groups)
 
-    root = checkpoint_root(config)
-    progress = Progress()
-    found = latest_checkpoint(root) if config.checkpoint.resume else None
-    if found is not None:
-        shard = load_shard(found[1], rank)
-        for block_id, state in shard["model"].items():
-            runtime.blocks[block_id].load_state_dict(state)
-        optimizer.load_state_dict(shard["optimizer"])
-        if balancer is not None and shard.get("balancer") is not None:
-            balancer.load_state_dict(shard["balancer"])  # the placement the saved expert weights are in
-        backend.set_rng_state(shard["rng"])
-        progress = Progress(**shard["progress"])
-    start = progress.step
+    def record() -> dict[str, Any]:
+        data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_bytes": data.n_bytes("train")}
+        return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "data": data_id}
 
-    def save(step: int) -> Path:
-        state = {
-            "model": {b: m.state_dict() for b, m in runtime.blocks.items()},
-            "optimizer": optimizer.state_dict(),
-            "rng": backend.get_rng_state(),
-            "progress": asdict(progress),
-            "balancer": balancer.state_dict() if balancer is not None else None,
-        }
-        return save_checkpoint(root, step, rank, state, config, backend)
-
-    metrics = MetricsLog(Path(config.log.dir), start if found else None) if rank == 0 else None
+    metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None) if rank == 0 else None
     bar = _progress_bar(tc.steps, start) if rank == 0 and config.log.progress else None
     figures = Figures()
-    last_ckpt: Path | None = found[1] if found else None
+    stopped: dict[str, Any] | None = None
+    diverged: dict[str, Any] | None = None
+    saved_at = start if run.mode == "resume" else None
+    failing = True
     try:
         for step in range(start, tc.steps):
             t0 = time.perf_counter()
-            lr = lr_at(step, tc)
+            lr = lr_at(step, tc, horizon)
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            batches = data.microbatches(step, groups.dp_rank, groups.ep_rank, config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
+            batches = data.microbatches(step, replica, replicas, config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
             result = runtime.step(batches)
             stats = gather_step_stats(backend, owned_grad_sq(runtime, groups), result)
+            if not (math.isfinite(result.loss) and math.isfinite(stats.grad_norm)):
+                # Same figures on every rank, so every rank stops here, before the optimizer applies it.
+                diverged = {"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))}
+                if metrics is not None:
+                    metrics.write({"kind": "diverged", **diverged, "lr": lr})
+                break
             coef = clip_coefficient(stats.grad_norm, tc.grad_clip)
             if coef != 1.0:
                 with torch.no_grad():
@@ -238,43 +251,54 @@ def train_rank(backend: Any, config_dict: dict[str, Any]) -> dict[str, Any]:
                             p.grad.mul_(coef)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if hook is not None:
-                hook(step, result, last=step + 1 == tc.steps)
             # loads recorded; every balancer.interval steps maybe a new placement, weights migrated
             balance = balancer.after_step(step, result, optimizer) if balancer is not None else None
+            if hook is not None:
+                hook(step, last=step + 1 == tc.steps)
             iter_s = time.perf_counter() - t0
 
             progress.record(step + 1, float(result.loss), int(result.tokens), iter_s)
             if step > start:  # the first step of a process pays one-time costs
                 figures.add(stats)
-            record = step_record(step + 1, lr, result, stats, coef, iter_s)
+            row = step_record(step + 1, lr, result, stats, coef, iter_s)
             if balance is not None:
-                record["balancer"] = balance
+                row["balancer"] = balance
             if metrics is not None and ((step + 1) % config.log.every == 0 or step + 1 == tc.steps):
-                metrics.write(record)
+                metrics.write(row)
             if bar is not None:
-                _show(bar, record)
+                _show(bar, row)
             every = config.checkpoint.every
             if every and (step + 1) % every == 0 and step + 1 < tc.steps:
-                last_ckpt = save(step + 1)
-        if start < tc.steps or last_ckpt is None:
-            last_ckpt = save(tc.steps)
+                ckpt.save_training(step + 1, record(), wait=False)  # written while training goes on
+                saved_at = step + 1
+            sig = stop.agree(backend)
+            if sig is not None:
+                path = ckpt.wait() if saved_at == step + 1 else ckpt.save_training(step + 1, record())
+                stopped = {"signal": signal.Signals(sig).name, "step": step + 1, "checkpoint": str(path)}
+                break
+        if stopped is None and diverged is None and start < tc.steps:
+            ckpt.save_training(tc.steps, record())
+        last_ckpt = ckpt.wait()
+        failing = False
     finally:
+        ckpt.close(failing=failing)
         if bar is not None:
             bar.close()
 
     tail = progress.losses[-5:]
     summary = {
+        "run_id": run.run_id,
         "schedule": config.schedule.name,
         "pp": config.parallel.pp,
         "ep": config.parallel.ep,
         "dp": config.parallel.dp,
         "steps": tc.steps,
-        "resumed_from": start if found else None,
+        "resumed_from": start if run.mode == "resume" else None,
+        "loaded_from": run.source if run.mode == "load" else None,
         "first_loss": progress.first_loss,
         "final_loss": progress.losses[-1] if progress.losses else None,
         "final_loss_avg5": sum(tail) / len(tail) if tail else None,
-        "val_loss": validation_loss(runtime, data, config, groups),
+        "val_loss": validation_loss(runtime, data, config, groups) if stopped is None and diverged is None else None,
         "tokens": progress.tokens,
         "train_s": progress.train_s,
         "tokens_per_s": progress.tokens / progress.train_s if progress.train_s else None,
@@ -282,6 +306,11 @@ def train_rank(backend: Any, config_dict: dict[str, Any]) -> dict[str, Any]:
         "metrics": str(metrics.path) if metrics is not None else None,
         "checkpoint": str(last_ckpt) if last_ckpt else None,
     }
+    if stopped is not None:
+        summary["stopped"] = stopped
+    if diverged is not None:
+        summary["diverged"] = diverged
+    summary = strict(summary)
     if metrics is not None:
         metrics.write({"kind": "summary", **summary})
         metrics.close()
@@ -323,7 +352,7 @@ def _show(bar: Any, record: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------------- launcher
 def check_before_launch(config: Config) -> None:
-    """Everything that can be checked without ranks; raises ConfigError listing each problem."""
+    """Everything that can be checked without ranks or folders; raises ConfigError listing each problem."""
     from .scheduling.executor import build_schedule
 
     from .models.hf_io import init_problems
@@ -333,10 +362,6 @@ def check_before_launch(config: Config) -> None:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:
         problems.extend(err.problems)
-    if config.checkpoint.resume:
-        found = latest_checkpoint(checkpoint_root(config))
-        if found is not None:
-            problems.extend(resume_problems(config, found[1]))
     if problems:
         raise ConfigError(problems)
 
@@ -346,29 +371,41 @@ def rank_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
+def _launching_rank() -> int:
+    """This process's rank when a launcher (torchrun, mpirun) made it one rank of the job, else 0."""
+    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
 def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
-    """Check, launch ``world_size`` ranks, train; return the summary (raises LaunchError on a failed rank)."""
+    """Check, prepare the run folder, launch ``world_size`` ranks, train; return the summary.
+
+    Raises ConfigError for bad input (nothing started) and LaunchError for a failed rank.
+    """
     from .backends.registry import check_available
-    from .launch import run_ranks
+    from .checkpoint.run import Locks
+    from .launch import run_ranks, under_mpirun, under_torchrun
 
     check_before_launch(config)
     backend = check_available(config.backend)
-    found = latest_checkpoint(checkpoint_root(config)) if config.checkpoint.resume else None
-    if found is not None:
-        note = f"portapipe: resuming from {found[1]} (step {found[0]} of {config.train.steps})"
-        if found[0] >= config.train.steps:
-            note += "; nothing left to train (--set checkpoint.resume=false or another log.dir trains afresh)"
-        print(note, file=sys.stderr, flush=True)
-    results = run_ranks(
-        train_rank,
-        config.world_size,
-        config.to_dict(),
-        backend=backend,
-        backend_options=config.backend_options,
-        threads=rank_threads(config.world_size),
-        pg_timeout_s=300.0,
-        wall_timeout_s=wall_timeout_s,
-        stall_timeout_s=config.launch.stall_timeout_s,
-        stop_grace_s=config.launch.stop_grace_s,
-    )
+    plan, locks = None, Locks([])
+    if not (under_torchrun() or under_mpirun()) or _launching_rank() == 0:
+        made, locks = prepare_run(config, backend)  # the folder locked until the ranks are done
+        plan = made.to_dict()
+    with locks:
+        results = run_ranks(
+            train_rank,
+            config.world_size,
+            config.to_dict(),
+            plan,
+            backend=backend,
+            backend_options=config.backend_options,
+            threads=rank_threads(config.world_size),
+            pg_timeout_s=300.0,
+            wall_timeout_s=wall_timeout_s,
+            stall_timeout_s=config.launch.stall_timeout_s,
+            stop_grace_s=config.launch.stop_grace_s,
+        )
     return results[0]

@@ -83,7 +83,7 @@ def test_a_vocabulary_past_65536_ids_is_written_as_uint32(small: tuple[Tokenizer
     assert any(p.startswith("model.vocab_size: 512 is too small") and f"up to {max(ids)}" in p for p in small_model)
     cfg = load_config({"model": {"vocab_size": 66_400, "seq_len": 16}, "data": {"format": "tokens", "path": str(tmp_path / "big.bin")}})
     assert data_problems(cfg) == []
-    x, y = TextData(cfg).microbatches(0, 0, 0, 2, 3, 16)[0]
+    x, y = TextData(cfg).microbatches(0, 0, 1, 2, 3, 16)[0]
     assert x.dtype == torch.int64 and x.shape == (3, 16)
 
 

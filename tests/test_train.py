@@ -1,4 +1,4 @@
-"""The training loop: LR schedule, clipping, checkpoint files, metrics file, and real runs on gloo."""
+"""The training loop: LR schedule, clipping, metrics file, and real runs on gloo (checkpoints: test_checkpoint_*.py)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,8 @@ import pytest
 import torch
 
 from portapipe.config import TrainConfig, load_config
-from portapipe.checkpoint import (
-    MANIFEST,
-    atomic_write,
-    latest_checkpoint,
-    list_checkpoints,
-    load_shard,
-    resume_problems,
-    save_checkpoint,
-)
-from portapipe.metrics import MetricsLog
+from portapipe.checkpoint.files import atomic_write
+from portapipe.metrics import MetricsLog, strict
 from portapipe.train import clip_coefficient, lr_at, make_optimizer
 
 
@@ -57,41 +49,20 @@ def test_weight_decay_applies_to_matrices_only():
     assert decayed == {id(lin.weight)}
 
 
-# ------------------------------------------------------------------------------- checkpoints
-class _NoBarrier:
-    def barrier(self) -> None:
-        pass
+def test_lr_schedule_ends_at_its_horizon_not_at_the_last_step():
+    """train.lr_schedule_steps (or a resumed run's horizon) places the end of the cosine; past it, min_lr."""
+    tc = TrainConfig(steps=40, lr=1e-2, min_lr=1e-3, warmup_steps=4)
+    straight = [lr_at(s, tc) for s in range(40)]
+    assert [lr_at(s, tc, horizon=40) for s in range(40)] == straight
+    assert [lr_at(s, TrainConfig(steps=20, lr=1e-2, min_lr=1e-3, warmup_steps=4, lr_schedule_steps=40)) for s in range(20)] == straight[:20]
+    short = [lr_at(s, tc, horizon=20) for s in range(40)]
+    assert short[:20] == [lr_at(s, TrainConfig(steps=20, lr=1e-2, min_lr=1e-3, warmup_steps=4)) for s in range(20)]
+    assert short[19:] == [1e-3] * 21
 
 
-def _config(tmp_path: Path, **train):
-    return load_config({"parallel": {"pp": 1}, "schedule": {"name": "1f1b", "microbatches": 1}, "model": {"n_layers": 1},
-                        "train": {"steps": 10, **train}, "log": {"dir": str(tmp_path / "run")}, "checkpoint": {"keep": 2}})
-
-
-def test_checkpoint_round_trip_and_keep(tmp_path):
-    cfg = _config(tmp_path)
-    root = tmp_path / "ckpt"
-    for step in (2, 4, 6):
-        save_checkpoint(root, step, 0, {"w": torch.full((2,), float(step))}, cfg, _NoBarrier())
-    assert [s for s, _ in list_checkpoints(root)] == [4, 6]  # keep: 2
-    step, path = latest_checkpoint(root)
-    assert step == 6 and torch.equal(load_shard(path, 0)["w"], torch.full((2,), 6.0))
-    manifest = json.loads((path / MANIFEST).read_text())
-    assert manifest["step"] == 6 and manifest["shards"] == ["rank00000.pt"]
-    assert resume_problems(cfg, path) == []
-
-
-def test_checkpoint_without_manifest_is_ignored_and_failed_writes_leave_nothing(tmp_path):
-    cfg = _config(tmp_path)
-    root = tmp_path / "ckpt"
-    save_checkpoint(root, 2, 0, {"w": torch.zeros(1)}, cfg, _NoBarrier())
-    partial = root / "step_00000004"
-    partial.mkdir()
-    (partial / "rank00000.pt").write_bytes(b"half")  # a crash before the manifest
-    assert latest_checkpoint(root)[0] == 2
-
-    target = root / "step_00000002" / "rank00000.pt"
-    before = target.read_bytes()
+def test_atomic_write_leaves_the_old_file_on_failure(tmp_path):
+    target = tmp_path / "f.json"
+    target.write_bytes(b"before")
 
     def crash(f):
         f.write(b"partial")
@@ -99,19 +70,11 @@ def test_checkpoint_without_manifest_is_ignored_and_failed_writes_leave_nothing(
 
     with pytest.raises(OSError, match="disk full"):
         atomic_write(target, crash)
-    assert target.read_bytes() == before
-    assert sorted(p.name for p in target.parent.iterdir()) == ["manifest.json", "rank00000.pt"]
+    assert target.read_bytes() == b"before" and [p.name for p in tmp_path.iterdir()] == ["f.json"]
 
 
-def test_resume_refuses_a_different_layout_naming_the_key(tmp_path):
-    cfg = _config(tmp_path)
-    root = tmp_path / "ckpt"
-    path = save_checkpoint(root, 10, 0, {}, cfg, _NoBarrier())
-    other = load_config({**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "hidden": 32}})
-    problems = resume_problems(other, path)
-    assert len(problems) == 1 and "model" in problems[0] and "checkpoint.resume" in problems[0]
-    shorter = load_config({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "steps": 5}})
-    assert any(p.startswith("train.steps: 5 < step 10") for p in resume_problems(shorter, path))
+def test_metrics_are_strict_json():
+    assert strict({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": -float("inf"), "e": 2}}) == {"a": None, "b": [1.0, None], "c": {"d": None, "e": 2}}
 
 
 def test_metrics_log_drops_steps_after_the_resumed_checkpoint(tmp_path):
@@ -190,7 +153,7 @@ def _train_interrupt_resume(backend, config_dict: dict) -> dict:
     out: dict = {"full": full}
     if backend.parallel_groups(2, 1, 2).rank == 0:
         out["full_metrics"] = _read_metrics(log_dir)
-        out["shards"] = sorted(p.name for p in (log_dir / "checkpoints" / "step_00000004").iterdir())
+        out["files"] = sorted(p.name for p in (log_dir / "checkpoints" / "step_00000004").iterdir())
         out["loads"] = json.loads((log_dir / "expert_loads.json").read_text())
         # An interruption between steps 2 and 4: only the step-2 checkpoint survives.
         for f in (log_dir / "checkpoints" / "step_00000004").iterdir():
@@ -227,8 +190,8 @@ def test_training_on_4_ranks_learns_logs_checkpoints_and_resumes_exactly(tmp_pat
     assert r0["full_metrics"][-1]["kind"] == "summary" and full["val_loss"] is not None
     assert full["val_loss"] < losses[0]
 
-    # checkpoint: one shard per rank and a manifest
-    assert r0["shards"] == ["manifest.json", "rank00000.pt", "rank00001.pt", "rank00002.pt", "rank00003.pt"]
+    # checkpoint: DCP's index, one file per rank and the manifest
+    assert r0["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "manifest.json"]
 
     # resuming from step 2 gives the same steps 3 and 4 as the uninterrupted run
     assert resumed["resumed_from"] == 2

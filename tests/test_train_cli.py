@@ -45,8 +45,8 @@ def test_bad_input_exits_2_before_ranks_start(no_ranks, capsys, tmp_path, overri
 def test_steps_flag_and_overrides_reach_the_ranks_and_the_summary_is_one_json_line(monkeypatch, capsys, tmp_path):
     seen = {}
 
-    def fake_run_ranks(fn, world_size, config_dict, **kwargs):
-        seen.update(fn=fn.__name__, world_size=world_size, config=config_dict, kwargs=kwargs)
+    def fake_run_ranks(fn, world_size, config_dict, plan, **kwargs):
+        seen.update(fn=fn.__name__, world_size=world_size, config=config_dict, plan=plan, kwargs=kwargs)
         return [{"first_loss": 5.5, "final_loss": 2.5, "rank": r} for r in range(world_size)]
 
     monkeypatch.setattr(portapipe.launch, "run_ranks", fake_run_ranks)
@@ -55,6 +55,7 @@ def test_steps_flag_and_overrides_reach_the_ranks_and_the_summary_is_one_json_li
     assert seen["fn"] == "train_rank" and seen["world_size"] == 4
     assert seen["config"]["train"]["steps"] == 7 and seen["config"]["train"]["lr"] == 0.01
     assert seen["kwargs"]["backend"] == "cpu" and seen["kwargs"]["threads"] >= 1
+    assert seen["plan"]["mode"] == "new" and seen["plan"]["root"] == str(tmp_path / "checkpoints")
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and json.loads(out[0]) == {"first_loss": 5.5, "final_loss": 2.5, "rank": 0}
 
@@ -68,18 +69,3 @@ def test_a_failing_rank_exits_1_with_its_traceback(monkeypatch, capsys, tmp_path
     captured = capsys.readouterr()
     assert "rank 2 failed" in captured.err and "ValueError: boom" in captured.err
     assert captured.out == ""
-
-
-def test_resuming_a_checkpoint_of_another_layout_exits_2(no_ranks, capsys, tmp_path):
-    from portapipe.config import load_config
-    from portapipe.checkpoint import save_checkpoint
-
-    class NoBarrier:
-        def barrier(self) -> None:
-            pass
-
-    other = load_config(EXAMPLE, [f"log.dir={tmp_path}", "model.hidden=32"])
-    save_checkpoint(tmp_path / "checkpoints", 3, 0, {}, other, NoBarrier())
-    assert main(["train", str(EXAMPLE), "--set", f"log.dir={tmp_path}"]) == 2
-    err = capsys.readouterr().err
-    assert "checkpoint.resume:" in err and "model" in err and "rank00001.pt" in err

@@ -1,23 +1,29 @@
 """``portapipe train CONFIG [--set KEY=VALUE ...] [--steps N]``: the training job.
 
-Checks the config, backend, data, schedule and any checkpoint to resume before a rank starts
-(a problem exits 2), then starts ``world_size`` ranks. A progress bar goes to stderr, one JSON
-line per step to ``<log.dir>/metrics.jsonl``, and one JSON summary line to stdout. A failing
-rank stops every rank; its traceback is printed and the exit code is 1.
+Checks the config, backend, data, schedule, the run folder and any checkpoint to resume before a
+rank starts (a problem exits 2), then starts ``world_size`` ranks. A progress bar goes to stderr,
+one JSON line per step to ``<log.dir>/metrics.jsonl``, and one JSON summary line to stdout.
+Exit codes: 0 done; 1 a rank failed (its traceback is printed); 2 bad input; 3 the loss or the
+gradient norm stopped being finite (the run stopped at that step, one line says so); 130 / 143
+stopped by SIGINT / SIGTERM after a checkpoint (one line says which; the same command resumes).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any
 
 from . import add_config_args, load_checked_config
 
+DIVERGED = 3
+
 
 def run(args: argparse.Namespace) -> int:
     from ..launch import LaunchError, print_launch_error
+    from ..stop import exit_code
     from ..train import train
 
     if args.steps is not None:
@@ -27,7 +33,22 @@ def run(args: argparse.Namespace) -> int:
         summary = train(config)
     except LaunchError as err:
         return print_launch_error(err)
-    print(json.dumps(summary), file=sys.stdout, flush=True)
+    print(json.dumps(summary, allow_nan=False), file=sys.stdout, flush=True)
+    if "stopped" in summary:
+        s = summary["stopped"]
+        print(f"portapipe: stopped by {s['signal']} after step {s['step']}; checkpoint {s['checkpoint']} (the same command resumes)",
+              file=sys.stderr, flush=True)
+        return exit_code(signal.Signals[s["signal"]])
+    if "diverged" in summary:
+        d = summary["diverged"]
+        print(
+            f"portapipe: training stopped at step {d['step']}: loss {d['loss']}, gradient norm {d['grad_norm']}; that step was not "
+            f"applied and no checkpoint was written of it (last checkpoint: {summary['checkpoint'] or 'none'}); "
+            "lower train.lr or keep train.grad_clip on",
+            file=sys.stderr,
+            flush=True,
+        )
+        return DIVERGED
     return 0
 
 

@@ -1,0 +1,407 @@
+"""One run per folder: run ids, the folder lock, and what a run starts from.
+
+Before any rank starts, :func:`prepare_run` (in the launching process) decides, for a config:
+
+- that ``log.dir`` and ``checkpoint.dir`` can be written, and locks the run folder for this run
+  (``<log.dir>/.portapipe.lock`` holding the pid; a second run on it is refused naming that
+  pid; a lock left by a process that died is taken over with a warning);
+- what the run starts from: ``checkpoint.load`` (a new run from a given checkpoint), else with
+  ``checkpoint.resume`` this folder's newest complete checkpoint (damaged newer ones are named
+  and passed over), else nothing;
+- the run id: the resumed run's, or a new one written to ``<log.dir>/run.json``. A new run in a
+  folder holding another run's checkpoints is refused unless ``checkpoint.overwrite`` is set,
+  which first moves that run's files to ``<log.dir>/previous/<run id>/``; leftovers of a run that
+  never wrote a checkpoint are moved there with a note, so ``metrics.jsonl`` never mixes runs;
+- that the checkpoint fits (same model, same global batch and seed) and the LR schedule.
+
+Problems are ConfigErrors (one line each, exit 2); notes go to ``say`` (one line each).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import Config, ConfigError
+from ..data import global_batch_size
+from . import files
+
+RUN_FILE = "run.json"
+LOCK_FILE = ".portapipe.lock"
+RUN_FILES = ("metrics.jsonl", "expert_loads.json", RUN_FILE)  # a run's own files in its log.dir
+
+
+def checkpoint_root(config: Config) -> Path:
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else Path(config.log.dir) / "checkpoints"
+
+
+def new_run_id() -> str:
+    return f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+def say_stderr(line: str) -> None:
+    print(f"portapipe: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RunPlan:
+    """What the ranks of a run need to know about it (plain data: it travels to every rank)."""
+
+    run_id: str
+    root: str  # checkpoint folder
+    mode: str  # "new" | "resume" | "load"
+    source: str | None = None  # the checkpoint started from
+    step: int = 0  # its step
+    lr_schedule_steps: int = 0  # where the cosine ends
+    placement_fits: bool = False  # its expert placement applies to this balancer as it is
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------ the lock
+class FolderLock:
+    """An exclusive ``flock`` on ``<folder>/.portapipe.lock``, which holds the owner's pid.
+
+    The kernel drops the lock when its process dies, so a lock left by a killed run is free; its
+    pid is still in the file and taking it over says so.
+    """
+
+    def __init__(self, folder: Path, key: str) -> None:
+        self.folder, self.key = folder, key
+        self.path = folder / LOCK_FILE
+        self.fd: int | None = None
+
+    def acquire(self, say: Callable[[str], None]) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(
+                [f"{self.key}: {self.folder} is in use by another run (pid {holder}); wait for it to end or use another {self.key}"]
+            ) from None
+        before = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        if before and before != str(os.getpid()):
+            say(f"{self.key}: taking over the lock of {self.folder} left by pid {before}, which no longer holds it (a run that was killed)")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+
+class Locks:
+    """The run's folder locks, released together (also usable as a context manager)."""
+
+    def __init__(self, locks: list[FolderLock]) -> None:
+        self.locks = locks
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
+
+    def __enter__(self) -> Locks:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+# ------------------------------------------------------------------------- the folders
+def _unwritable(d: Path) -> str | None:
+    """Why folder ``d`` cannot hold a run's files (None when it can); creates it if missing."""
+    a = d
+    while not a.exists() and a != a.parent:
+        a = a.parent
+    if a.exists() and not a.is_dir():
+        return "is a file, not a folder" if a == d else f"lies under {str(a)!r}, which is a file, not a folder"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".portapipe-write-test-"):
+            pass
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc})"
+    return None
+
+
+def writable_problems(config: Config) -> list[str]:
+    """``log.dir`` and ``checkpoint.dir`` can be written: one line per folder that cannot."""
+    out = []
+    log_dir = Path(config.log.dir)
+    why = _unwritable(log_dir)
+    if why:
+        out.append(f"log.dir: {str(log_dir)!r} {why}")
+    if config.checkpoint.dir:
+        root = Path(config.checkpoint.dir)
+        why = _unwritable(root)
+        if why:
+            out.append(f"checkpoint.dir: {str(root)!r} {why}")
+    elif not out:
+        why = _unwritable(checkpoint_root(config))
+        if why:
+            out.append(f"log.dir: {str(checkpoint_root(config))!r} (its checkpoints) {why}")
+    return out
+
+
+def _owner(log_dir: Path) -> str | None:
+    try:
+        record = json.loads((log_dir / RUN_FILE).read_text())
+        return str(record["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _move_aside(log_dir: Path, root: Path, owner: str | None, checkpoints: list[Path], say: Callable[[str], None], why: str) -> None:
+    """Move another run's files out of the way into ``<log.dir>/previous/<run id>/``."""
+    theirs = [log_dir / f for f in RUN_FILES if (log_dir / f).exists()]
+    if not theirs and not checkpoints:
+        return
+    ids = {owner} | {m.get("run_id") for d in checkpoints if (m := files._manifest_or_none(d))}
+    ids.discard(None)
+    label = "-".join(sorted(ids)) if ids else f"unknown-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    aside = log_dir / "previous" / label
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = log_dir / "previous" / f"{label}.{n}"
+    aside.mkdir(parents=True)
+    for f in theirs:
+        shutil.move(str(f), str(aside / f.name))
+    if checkpoints:
+        (aside / "checkpoints").mkdir()
+        for d in checkpoints:
+            shutil.move(str(d), str(aside / "checkpoints" / d.name))
+    say(f"{why}: moved {len(theirs)} file(s) and {len(checkpoints)} checkpoint folder(s) of run {label} to {aside}")
+
+
+# --------------------------------------------------------------------- compatibility
+def resume_problems(config: Config, manifest: dict[str, Any], path: Path, key: str) -> list[str]:
+    """Why checkpoint ``path`` cannot start this config's run (empty when it can).
+
+    Any layout, schedule, balancer and backend may resume any checkpoint; the model must be the
+    same (its tensors are loaded by name) and so must the data stream: a step's batch is drawn
+    from the seed and the global batch size, so changing either would change the data.
+    """
+    out = []
+    theirs = manifest.get("config", {})
+    mine = config.to_dict()
+    for k, v in mine["model"].items():
+        if theirs.get("model", {}).get(k) != v:
+            out.append(f"model.{k}: {v!r}, but {path} was written with {theirs.get('model', {}).get(k)!r}; {key} needs the same model")
+    data = manifest["trainer"].get("data", {})
+    gb = global_batch_size(config)
+    if data.get("global_batch") != gb:
+        p, s, t = config.parallel, config.schedule, config.train
+        out.append(
+            f"train.micro_batch_size: the global batch is {gb} sequences (dp {p.dp} x ep {p.ep} x {s.microbatches} micro-batches x "
+            f"{t.micro_batch_size}) but {path} was trained with {data.get('global_batch')}; keep {data.get('global_batch')} "
+            "(adjust train.micro_batch_size or schedule.microbatches) so each step's data stays the same"
+        )
+    if data.get("seed") != config.train.seed:
+        out.append(f"train.seed: {config.train.seed}, but {path} was trained with seed {data.get('seed')}; the data would change")
+    step = int(manifest["step"])
+    if config.train.steps < step:
+        out.append(
+            f"train.steps: {config.train.steps} is below step {step} of {path}; set train.steps above {step} to continue it, "
+            "or start afresh in another log.dir (or with checkpoint.overwrite: true)"
+        )
+    return out
+
+
+def lr_line(config: Config, horizon: int, origin: str, step: int) -> str:
+    """The one line saying what the LR schedule is after a resume."""
+    t = config.train
+    line = (
+        f"LR schedule after step {step}: warm-up {t.warmup_steps} steps to {t.lr:g}, then cosine to {t.min_lr:g} "
+        f"at step {horizon} ({origin})"
+    )
+    if horizon < t.steps:
+        line += f"; steps {horizon + 1}..{t.steps} run at {t.min_lr:g}"
+    return line
+
+
+def _layout_line(config: Config, manifest: dict[str, Any], backend: str) -> str | None:
+    have = manifest["layout"]
+    p, s, b = config.parallel, config.schedule, config.balancer
+    now = {"pp": p.pp, "ep": p.ep, "dp": p.dp, "schedule": s.name, "balancer": b.kind, "redundant": b.redundant if b.kind != "none" else 0,
+           "backend": backend}
+    then = {k: have.get(k) for k in now}
+    if now == then:
+        return None
+    show = lambda d: ", ".join(f"{k} {d[k]}" for k in now)  # noqa: E731
+    return f"resharding: the checkpoint was written with {show(then)}; this run has {show(now)}"
+
+
+def placement_fits(config: Config, manifest: dict[str, Any]) -> bool:
+    """Whether the checkpoint's expert placement is one for this run's balancer as it is."""
+    have = manifest["layout"]
+    b, p = config.balancer, config.parallel
+    return b.kind != "none" and have.get("balancer") == b.kind and have.get("ep") == p.ep and have.get("redundant") == b.redundant
+
+
+# ------------------------------------------------------------------------- the decision
+def prepare_run(config: Config, backend_name: str, say: Callable[[str], None] = say_stderr) -> tuple[RunPlan, Locks]:
+    """Check the folders, lock them, decide what the run starts from (see the module docstring).
+
+    Raises ConfigError (folders unusable or busy, nothing usable to resume, a checkpoint that does
+    not fit); the locks are then released. Call only in the one process that launches the ranks.
+    """
+    problems = writable_problems(config)
+    if problems:
+        raise ConfigError(problems)
+    log_dir, root = Path(config.log.dir), checkpoint_root(config)
+    folders = [(log_dir, "log.dir")]
+    if not root.resolve().is_relative_to(log_dir.resolve()):
+        folders.append((root, "checkpoint.dir"))
+    locks = Locks([])
+    try:
+        for folder, key in folders:
+            lock = FolderLock(folder, key)
+            lock.acquire(say)
+            locks.locks.append(lock)
+        plan = _decide(config, backend_name, log_dir, root, say)
+    except BaseException:
+        locks.release()
+        raise
+    return plan, locks
+
+
+def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: Callable[[str], None]) -> RunPlan:
+    ck = config.checkpoint
+    owner = _owner(log_dir)
+    checkpoints = [d for d in files.scan(root) if not d.name.startswith(".")]
+    unfinished = [d for d in files.scan(root) if d.name.startswith(".")]
+    newest = f" (newest {checkpoints[-1].name})" if checkpoints else ""
+    way_out = f"use another log.dir, or checkpoint.overwrite: true to move them to {log_dir / 'previous'} first"
+    source: files.Entry | None = None
+    mode = "new"
+    if ck.load is not None:
+        try:
+            source = files.resolve(Path(ck.load).expanduser(), warn=say)
+        except files.CheckpointError as exc:
+            raise ConfigError([f"checkpoint.load: {exc}"]) from None
+        mode = "load"
+        if source.path.resolve().is_relative_to(root.resolve()):
+            raise ConfigError(
+                [
+                    f"checkpoint.load: {source.path} is one of this log.dir's own checkpoints; to continue its run leave "
+                    "checkpoint.load unset (checkpoint.resume does it), or load it into another log.dir"
+                ]
+            )
+        if checkpoints and not ck.overwrite:
+            raise ConfigError(
+                [
+                    f"checkpoint.load starts a new run, but {root} holds {len(checkpoints)} checkpoint(s) of run "
+                    f"{owner or 'another run'}{newest}; {way_out}"
+                ]
+            )
+    elif ck.resume:
+        source = files.newest_complete(root, run_id=owner, warn=say)
+        if source is not None:
+            mode = "resume"
+        elif checkpoints and not ck.overwrite:
+            raise ConfigError(
+                [f"checkpoint.resume: no complete checkpoint left in {root} (`portapipe checkpoints {root}` says why each is not); {way_out}"]
+            )
+    elif checkpoints and not ck.overwrite:
+        raise ConfigError([f"checkpoint.resume: false, but {root} holds run {owner or '?'}'s checkpoints{newest}; {way_out}"])
+
+    if source is not None:
+        problems = resume_problems(config, source.manifest or {}, source.path, "checkpoint.load" if mode == "load" else "checkpoint.resume")
+        if problems:
+            raise ConfigError(problems)
+    if mode == "resume":
+        run_id = source.run_id  # type: ignore[union-attr]
+        for d in unfinished:  # saves of this run that did not finish
+            shutil.rmtree(d, ignore_errors=True)
+        if owner is None:
+            files.write_json(log_dir / RUN_FILE, {"run_id": run_id, "source": None})
+    else:
+        run_id = new_run_id()
+        if checkpoints:
+            _move_aside(log_dir, root, owner, checkpoints + unfinished, say, "checkpoint.overwrite")
+        else:
+            for d in unfinished:
+                shutil.rmtree(d, ignore_errors=True)
+            _move_aside(log_dir, root, owner, [], say, f"new run {run_id} in {log_dir}; the previous run there wrote no checkpoint")
+        parent = None if source is None else {"run_id": source.run_id, "step": source.step, "path": str(source.path)}
+        files.write_json(log_dir / RUN_FILE, {"run_id": run_id, "source": parent})
+
+    plan = RunPlan(run_id=run_id, root=str(root), mode=mode, lr_schedule_steps=config.train.lr_schedule_steps or config.train.steps)
+    if source is None:
+        return plan
+    manifest = source.manifest or {}
+    plan.source, plan.step = str(source.path), int(manifest["step"])
+    plan.placement_fits = placement_fits(config, manifest)
+    kept = manifest["trainer"].get("lr_schedule_steps")
+    if config.train.lr_schedule_steps is not None:
+        plan.lr_schedule_steps, origin = config.train.lr_schedule_steps, "train.lr_schedule_steps"
+    else:
+        plan.lr_schedule_steps = int(kept or config.train.steps)
+        origin = "kept from the checkpoint; train.lr_schedule_steps changes it"
+    verb = f"resuming run {run_id} from" if mode == "resume" else f"new run {run_id} in {log_dir} from run {source.run_id}'s"
+    note = f"{verb} {source.path} (step {plan.step} of {config.train.steps})"
+    if plan.step >= config.train.steps:
+        note += "; nothing left to train (raise train.steps to continue)"
+    say(note)
+    if (line := _layout_line(config, manifest, backend_name)) is not None:
+        say(line)
+    if manifest["layout"].get("balancer", "none") != "none" and config.balancer.kind != "none" and not plan.placement_fits:
+        say(
+            "balancer: the checkpoint's expert placement was made for another balancer layout; experts load by id into "
+            f"{config.balancer.kind}'s initial placement, the recorded loads carry over"
+        )
+    say(lr_line(config, plan.lr_schedule_steps, origin, plan.step))
+    then, now = manifest["trainer"].get("data", {}).get("train_bytes"), _train_bytes(config)
+    if then is not None and then != now:
+        say(f"data: the checkpoint was trained on {then} bytes of training text, this run has {now}: the batches differ from an uninterrupted run")
+    return plan
+
+
+def _train_bytes(config: Config) -> int:
+    from ..data import TextData
+
+    return TextData(config).n_bytes("train")
+
+
+def plan_on_ranks(config: Config, backend: Any, rank: int, plan: dict[str, Any] | None) -> tuple[RunPlan, Locks]:
+    """Every rank gets rank 0's plan (collective). Rank 0 prepares it when the launcher did not
+    (under torchrun, or a rank function called directly): it then also holds the folder locks."""
+    import torch.distributed as dist
+
+    locks = Locks([])
+    box: list[Any] = [None]
+    if rank == 0:
+        if plan is None:
+            try:
+                made, locks = prepare_run(config, backend.name)
+                box = [("plan", made.to_dict())]
+            except ConfigError as err:
+                box = [("error", err.problems)]
+        else:
+            box = [("plan", plan)]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise ConfigError(value)
+    return RunPlan(**value), locks

@@ -1,0 +1,193 @@
+"""A rank's training state as logical tensors (the single-process model's names), and back.
+
+What a rank contributes to a checkpoint (a nested dict that DCP flattens to dotted keys):
+
+- ``model.<name>``: parameters and persistent buffers (the routers' ``bias``), routed experts one
+  per logical expert (``layers.3.moe.experts.5.gate_up``);
+- ``optim.<name>.{exp_avg, exp_avg_sq, step}``: AdamW's state under the same names;
+- ``balancer.<layer>.{phy2log, log2phy, loads}``: the expert placement in force and the window of
+  recorded per-expert loads, per MoE layer (global index);
+- ``rng.<device type>``: rank 0's generator states;
+- ``stamp.<rank>``: the run id and step this rank's part belongs to.
+
+Only a rank's *owned* share is written (one copy of a replicated expert); DualPipe's two copies
+of a block and the data-parallel replicas write the same keys with the same values, and DCP's
+save plan keeps one. Every tensor is a CPU copy, so a checkpoint holds no device tensors and the
+training may go on while it is written. Loading asks DCP for exactly the keys this rank holds, in
+whatever layout: that is the resharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..scheduling.stage import expert_ids, is_expert, load_logical_state, logical_slices, logical_state, mark_expert, owned_rows
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def named_state(runtime: Any) -> list[tuple[str, torch.Tensor]]:
+    """This rank's parameters and persistent buffers under their logical names (markers kept)."""
+    return [item for b in sorted(runtime.blocks) for item in runtime.blocks[b].state_dict(keep_vars=True).items()]
+
+
+def _params(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in named if isinstance(p, nn.Parameter)]
+
+
+def _shaped_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``t`` (an AdamW moment of ``p``) seen with ``p``'s expert markers, so it splits per expert as ``p`` does."""
+    if not is_expert(p):
+        return t
+    v = t.view_as(t)
+    mark_expert(v, expert_ids(p))
+    owned = owned_rows(p)
+    if owned is not None:
+        v.slot_owned = owned  # type: ignore[attr-defined]
+    return v
+
+
+def capture(runtime: Any, optimizer: torch.optim.Optimizer, balancer: Any, rng: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """This rank's share of the logical state (CPU copies; see the module docstring)."""
+    named = named_state(runtime)
+    state: dict[str, Any] = {"model": logical_state(named)}
+    params = [(n, p) for n, p in _params(named) if optimizer.state.get(p)]
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for kind in MOMENTS:
+        moments = [(n, _shaped_like(optimizer.state[p][kind], p)) for n, p in params]
+        for key, t in logical_state(moments).items():
+            optim.setdefault(key, {})[kind] = t
+    for n, p in params:
+        step = torch.as_tensor(optimizer.state[p]["step"]).detach().cpu().reshape(()).clone()
+        for key, _, owned in logical_slices([(n, p)]):
+            if owned:
+                optim[key]["step"] = step
+    state["optim"] = optim
+    if balancer is not None and balancer.layers:
+        state["balancer"] = balancer_state(balancer)
+    if rng is not None:
+        state["rng"] = {kind: t.detach().cpu().clone() for kind, t in rng.items()}
+    return state
+
+
+def balancer_state(balancer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Per MoE layer: the placement in force (``log2phy`` trimmed to that layer's replica count, so
+    every rank holding the layer writes the same tensor) and the recorded loads, oldest step first."""
+    s = balancer.state_dict()
+    steps = s["loads"]["steps"]
+    out = {}
+    for i, layer in enumerate(balancer.layers):
+        width = int(balancer.placement.logcnt[i].max())
+        entry = {"phy2log": s["phy2log"][i].clone(), "log2phy": s["log2phy"][i, :, :width].clone()}
+        if len(steps):
+            entry["loads"] = steps[:, i].clone()
+        out[str(layer)] = entry
+    return out
+
+
+# ------------------------------------------------------------------------------------ load
+def balancer_targets(balancer: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Empty tensors for the checkpoint's placement and loads of this rank's MoE layers."""
+    layers = {}
+    for layer in balancer.layers:
+        parts = {}
+        for part in ("phy2log", "log2phy", "loads"):
+            key = f"balancer.{layer}.{part}"
+            if key in meta:
+                parts[part] = torch.empty(tuple(meta[key].size), dtype=meta[key].properties.dtype)
+        if parts:
+            layers[str(layer)] = parts
+    return {"balancer": layers} if layers else {}
+
+
+def targets(runtime: Any, optimizer: torch.optim.Optimizer, rng_kinds: list[str], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """Empty CPU tensors for every key this rank needs, to be filled by DCP's load.
+
+    ``meta`` is DCP's index of the checkpoint (key -> size and dtype). Which experts a rank
+    holds depends on the balancer's placement, so restore that first (:func:`restore_balancer`).
+    Raises ValueError naming missing keys or shape mismatches, so nothing is half-loaded.
+    """
+    named = named_state(runtime)
+    problems: list[str] = []
+
+    def want(key: str, shape: torch.Size | tuple[int, ...] | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        m = meta.get(key)
+        if m is None or not hasattr(m, "size"):
+            problems.append(f"{key}: not in the checkpoint")
+            return None
+        if shape is not None and tuple(m.size) != tuple(shape):
+            problems.append(f"{key}: {tuple(m.size)} in the checkpoint, {tuple(shape)} here")
+            return None
+        return torch.empty(tuple(m.size), dtype=dtype or m.properties.dtype)
+
+    model: dict[str, torch.Tensor] = {}
+    for key, t, _ in logical_slices(named):
+        if key not in model and (x := want(f"model.{key}", t.shape, t.dtype)) is not None:
+            model[key] = x
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for n, p in _params(named):
+        for key, t, _ in logical_slices([(n, p)]):
+            if key in optim:
+                continue
+            entry = {kind: want(f"optim.{key}.{kind}", t.shape, t.dtype) for kind in MOMENTS}
+            entry["step"] = want(f"optim.{key}.step", ())
+            optim[key] = entry  # type: ignore[assignment]
+    if problems:
+        raise ValueError(f"the checkpoint does not fit this model ({len(problems)} problems; first: {'; '.join(problems[:4])})")
+    out: dict[str, Any] = {"model": model, "optim": optim}
+    rng = {k: torch.empty(tuple(meta[f"rng.{k}"].size), dtype=meta[f"rng.{k}"].properties.dtype) for k in rng_kinds if f"rng.{k}" in meta}
+    if rng:
+        out["rng"] = rng
+    return out
+
+
+def restore(loaded: dict[str, Any], runtime: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Put what :func:`targets` was filled with into the rank's model and optimizer: the weights
+    by logical name (every replica of an expert gets its expert), then AdamW's state."""
+    named = named_state(runtime)
+    load_logical_state(named, loaded["model"])
+    _restore_optimizer(optimizer, _params(named), loaded["optim"])
+
+
+def restore_balancer(balancer: Any, loaded: dict[str, Any], placement_fits: bool) -> None:
+    """The checkpoint's placement (when ``placement_fits``: made for this balancer kind, EP size
+    and slot count) and its recorded loads. Otherwise the balancer keeps its initial placement
+    (experts are loaded by id either way) and only the loads carry over."""
+    layers = loaded.get("balancer", {})
+    if not balancer.layers or any(str(layer) not in layers for layer in balancer.layers):
+        return
+    rows = [layers[str(layer)] for layer in balancer.layers]
+    state = balancer.state_dict()
+    if placement_fits and all("phy2log" in r and "log2phy" in r for r in rows):
+        width = max(r["log2phy"].shape[1] for r in rows)
+        state["phy2log"] = torch.stack([r["phy2log"] for r in rows])
+        state["log2phy"] = torch.stack([torch.nn.functional.pad(r["log2phy"], (0, width - r["log2phy"].shape[1]), value=-1) for r in rows])
+    if all("loads" in r for r in rows) and len({r["loads"].shape[0] for r in rows}) == 1:
+        state["loads"] = {"steps": torch.stack([r["loads"] for r in rows], 1)}
+    balancer.load_state_dict(state)
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]], optim: dict[str, dict[str, torch.Tensor]]) -> None:
+    """AdamW's state per parameter from logical entries, through ``optimizer.load_state_dict``
+    (which puts each moment on its parameter's device and dtype)."""
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    by_kind = {kind: {key: e[kind] for key, e in optim.items()} for kind in MOMENTS}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for n, p in params:
+        if id(p) not in index:
+            continue
+        entry = {}
+        for kind in MOMENTS:
+            buf = torch.zeros(p.shape, dtype=p.dtype)
+            load_logical_state([(n, _shaped_like(buf, p))], by_kind[kind])
+            entry[kind] = buf
+        steps = {float(optim[key]["step"]) for key, _, _ in logical_slices([(n, p)])}
+        if len(steps) != 1:
+            raise ValueError(f"optimizer state of {n}: its experts were saved at different step counts {sorted(steps)}")
+        entry["step"] = torch.tensor(steps.pop(), dtype=optim[next(k for k, _, _ in logical_slices([(n, p)]))]["step"].dtype)
+        state[index[id(p)]] = entry
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})

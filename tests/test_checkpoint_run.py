@@ -1,0 +1,393 @@
+"""One run per folder, what a run starts from, the LR schedule on resume, stops and divergence.
+
+Small float64 runs on 1 or 2 gloo ranks through ``portapipe train`` (the CLI, in this process) or
+``train_rank``; what is decided before any rank starts is checked without starting ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import portapipe.launch
+from portapipe.checkpoint import list_checkpoints
+from portapipe.checkpoint.run import FolderLock, prepare_run
+from portapipe.cli import main
+from portapipe.config import ConfigError, load_config
+
+MODEL = {"hidden": 16, "n_layers": 2, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16, "n_experts": 4, "top_k": 2,
+         "seq_len": 16, "dtype": "float64"}
+
+
+def raw(log_dir: Path, steps: int = 4, pp: int = 1, **over: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "backend": "cpu",
+        "parallel": {"pp": pp, "ep": 1, "dp": 1},
+        "schedule": {"name": "1f1b", "microbatches": 2},
+        "model": dict(MODEL),
+        "train": {"steps": steps, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2},
+        "data": {"val_fraction": 0.0},
+        "log": {"dir": str(log_dir), "progress": False},
+        "checkpoint": {"every": 2, "keep": 2},
+    }
+    for key, value in over.items():
+        section, _, name = key.partition("__")
+        out[section][name] = value
+    return out
+
+
+def write_config(path: Path, config: dict[str, Any]) -> str:
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return str(path)
+
+
+def rows(log_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_rows(log_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in rows(log_dir) if r["kind"] == "train"]
+
+
+def same_steps(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    """Rows of two runs agree bit for bit in what training computes."""
+    keys = ("step", "loss", "lr", "grad_norm", "clipped")
+    assert [tuple(r[k] for k in keys) for r in a] == [tuple(r[k] for k in keys) for r in b]
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("ranks were started although the run must not start")
+
+    monkeypatch.setattr(portapipe.launch, "run_ranks", refuse)
+
+
+def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
+    """Every single-rank run the tests below read, in one launch (each its own folder)."""
+    from portapipe.train import train_rank
+
+    base = Path(root)
+    once = {"checkpoint__every": 0}  # the final checkpoint is the one resumed
+    diverging = raw(base / "diverged", steps=8, train__lr=1e30, train__warmup_steps=0, train__grad_clip=0.0, checkpoint__every=1)
+    diverging["model"]["dtype"] = "float32"
+    runs = {
+        "first": raw(base / "first"),  # a finished run: 4 steps, checkpoints at 2 and 4
+        "straight": raw(base / "straight", steps=40, **once),
+        "planned": raw(base / "planned", steps=20, train__lr_schedule_steps=40, **once),
+        "planned_40": raw(base / "planned", steps=40, **once),
+        "default": raw(base / "default", steps=20, **once),
+        "asked": raw(base / "asked", steps=40, train__lr_schedule_steps=40, checkpoint__load=str(base / "default" / "checkpoints" / "step_00000020"), **once),
+        "default_40": raw(base / "default", steps=40, **once),
+        "diverged": diverging,
+    }
+    return {name: train_rank(type(backend)(backend.options), config) for name, config in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from portapipe.launch import run_ranks
+
+    root = tmp_path_factory.mktemp("one_rank")
+    out = run_ranks(_one_rank_runs, 1, str(root), wall_timeout_s=300)[0]
+    out["root"] = root
+    return out
+
+
+@pytest.fixture(scope="module")
+def first_run(one_rank: dict[str, Any]) -> Path:
+    return one_rank["root"] / "first"
+
+
+@pytest.fixture(scope="module")
+def horizons(one_rank: dict[str, Any]) -> Path:
+    return one_rank["root"]
+
+
+@pytest.fixture
+def used(first_run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(first_run, copy, ignore=shutil.ignore_patterns(".portapipe.lock"))
+    return copy
+
+
+def _errors(capsys: pytest.CaptureFixture[str]) -> list[str]:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return [line for line in err.splitlines() if line.startswith("portapipe:")]
+
+
+# ---------------------------------------------------------------------- one run per folder
+@pytest.mark.multiproc
+def test_a_new_run_in_a_used_folder_is_refused_then_moves_the_old_run_aside(used, tmp_path, capsys):
+    """The README path: a finished run in the folder, then a shorter run asked for in the same folder."""
+    old = json.loads((used / "run.json").read_text())["run_id"]
+    config = write_config(tmp_path / "c.yaml", raw(used))
+    assert main(["train", config, "--steps", "2"]) == 2
+    (line,) = _errors(capsys)
+    assert "train.steps: 2 is below step 4 of" in line and "checkpoint.overwrite: true" in line
+
+    assert main(["train", config, "--steps", "2", "--set", "checkpoint.resume=false"]) == 2
+    (line,) = _errors(capsys)
+    assert f"checkpoint.resume: false, but {used / 'checkpoints'} holds run {old}'s checkpoints (newest step_00000004)" in line
+    assert "use another log.dir, or checkpoint.overwrite: true" in line
+
+    assert main(["train", config, "--steps", "2", "--set", "checkpoint.resume=false", "--set", "checkpoint.overwrite=true"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    new = summary["run_id"]
+    assert new != old and Path(summary["checkpoint"]) == used / "checkpoints" / "step_00000002"
+    listed = list_checkpoints(used)
+    assert [(e["step"], e["run_id"], e["complete"]) for e in listed] == [(2, new, True)]  # the new run's final checkpoint kept
+    assert [r["step"] for r in train_rows(used)] == [1, 2] and rows(used)[-1]["run_id"] == new  # metrics of one run
+    aside = used / "previous" / old
+    assert sorted(p.name for p in (aside / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert [r["step"] for r in train_rows(aside)] == [1, 2, 3, 4]
+
+    said: list[str] = []
+    plan, locks = prepare_run(load_config(raw(used, steps=2)), "cpu", said.append)  # the next run resumes the new run
+    locks.release()
+    assert (plan.mode, plan.run_id, plan.step) == ("resume", new, 2) and "nothing left to train" in said[0]
+
+
+def test_leftovers_of_a_run_without_checkpoints_are_moved_aside_with_a_note(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 5.0}\n')
+    (tmp_path / "run.json").write_text('{"run_id": "crashed-early"}')
+    said: list[str] = []
+    plan, locks = prepare_run(load_config(raw(tmp_path)), "cpu", said.append)
+    locks.release()
+    assert plan.mode == "new" and plan.run_id != "crashed-early"
+    assert (tmp_path / "previous" / "crashed-early" / "metrics.jsonl").is_file() and not (tmp_path / "metrics.jsonl").exists()
+    assert len(said) == 1 and "wrote no checkpoint" in said[0]
+    assert json.loads((tmp_path / "run.json").read_text())["run_id"] == plan.run_id
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_another_model_or_data_stream_is_refused_naming_the_key(used, tmp_path, capsys, no_ranks):
+    config = write_config(tmp_path / "c.yaml", raw(used, steps=8))
+    assert main(["train", config, "--set", "model.hidden=32"]) == 2
+    (line,) = _errors(capsys)
+    assert line.startswith("portapipe: config error: model.hidden: 32, but") and "was written with 16" in line
+    assert main(["train", config, "--set", "train.micro_batch_size=4"]) == 2
+    (line,) = _errors(capsys)
+    assert "the global batch is 8 sequences (dp 1 x ep 1 x 2 micro-batches x 4)" in line and "trained with 4; keep 4" in line
+    assert main(["train", config, "--set", "train.seed=7"]) == 2
+    (line,) = _errors(capsys)
+    assert "train.seed: 7, but" in line and "seed 1234" in line
+
+
+@pytest.mark.multiproc
+def test_a_resume_on_other_training_text_says_so(used, tmp_path):
+    text = tmp_path / "other.txt"
+    text.write_text("Another text, long enough for a few windows of sixteen bytes. " * 20)
+    said: list[str] = []
+    plan, locks = prepare_run(load_config(raw(used, steps=8, data__path=str(text))), "cpu", said.append)
+    locks.release()
+    assert plan.mode == "resume" and [line for line in said if line.startswith("data:")] == [
+        f"data: the checkpoint was trained on {plan_bytes(used)} bytes of training text, this run has {len(text.read_bytes())}: "
+        "the batches differ from an uninterrupted run"
+    ]
+
+
+def plan_bytes(run: Path) -> int:
+    manifest = json.loads((run / "checkpoints" / "step_00000004" / "manifest.json").read_text())
+    return manifest["trainer"]["data"]["train_bytes"]
+
+
+def test_a_second_run_on_a_locked_folder_exits_2_naming_the_holder(tmp_path, capsys, no_ranks):
+    lock = FolderLock(tmp_path, "log.dir")
+    lock.acquire(lambda line: None)
+    try:
+        assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 2
+    finally:
+        lock.release()
+    (line,) = _errors(capsys)
+    assert line == f"portapipe: config error: log.dir: {tmp_path} is in use by another run (pid {os.getpid()}); wait for it to end or use another log.dir"
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / ".portapipe.lock").write_text(f"{dead.pid}\n")
+    said: list[str] = []
+    plan, locks = prepare_run(load_config(raw(tmp_path)), "cpu", said.append)
+    assert (tmp_path / ".portapipe.lock").read_text().strip() == str(os.getpid())
+    locks.release()
+    assert said == [f"log.dir: taking over the lock of {tmp_path} left by pid {dead.pid}, which no longer holds it (a run that was killed)"]
+    assert (tmp_path / ".portapipe.lock").read_text() == ""  # released on exit
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_unwritable_log_or_checkpoint_folders_exit_2_before_ranks_start(tmp_path, capsys, no_ranks, where):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    bad = str(blocker / "runs") if where == "under_a_file" else "/proc/portapipe-x"
+    config = write_config(tmp_path / "c.yaml", raw(tmp_path / "ok"))
+    assert main(["train", config, "--set", f"log.dir={bad}"]) == 2
+    (line,) = _errors(capsys)
+    assert line.startswith(f"portapipe: config error: log.dir: {bad!r} ")
+    assert ("which is a file, not a folder" in line) if where == "under_a_file" else ("cannot be written" in line)
+    assert main(["train", config, "--set", f"checkpoint.dir={bad}"]) == 2
+    (line,) = _errors(capsys)
+    assert line.startswith(f"portapipe: config error: checkpoint.dir: {bad!r} ")
+
+
+# ------------------------------------------------------------------------------ LR schedule
+@pytest.mark.multiproc
+def test_20_steps_then_resumed_to_40_equal_40_straight_bit_for_bit(horizons):
+    """A run planned for 40 steps (train.lr_schedule_steps: 40) stopped at 20 and resumed with
+    train.steps: 40 keeps its schedule: steps 21..40 are those of 40 straight steps."""
+    same_steps(train_rows(horizons / "planned"), train_rows(horizons / "straight"))
+
+
+@pytest.mark.multiproc
+def test_a_resume_keeps_the_checkpoints_schedule_unless_asked(horizons):
+    straight = train_rows(horizons / "straight")
+    kept = train_rows(horizons / "default")  # 20 steps (cosine ends at 20), resumed to 40: min_lr after 20
+    assert [r["lr"] for r in kept[20:]] == [1e-3] * 20 and kept[19]["lr"] == 1e-3
+    assert [r["lr"] for r in kept[:20]] != [r["lr"] for r in straight[:20]]
+    asked = train_rows(horizons / "asked")  # the same, continued with train.lr_schedule_steps: 40
+    assert [r["step"] for r in asked] == list(range(21, 41)) and [r["lr"] for r in asked] == [r["lr"] for r in straight[20:]]
+
+
+@pytest.mark.multiproc
+def test_one_line_says_what_the_lr_schedule_is_after_a_resume(horizons, tmp_path):
+    folder = tmp_path / "s"
+    shutil.copytree(horizons / "straight", folder, ignore=shutil.ignore_patterns(".portapipe.lock"))
+    for over, want in (
+        ({}, "LR schedule after step 40: warm-up 2 steps to 0.01, then cosine to 0.001 at step 40 "
+             "(kept from the checkpoint; train.lr_schedule_steps changes it); steps 41..60 run at 0.001"),
+        ({"train__lr_schedule_steps": 60}, "LR schedule after step 40: warm-up 2 steps to 0.01, then cosine to 0.001 at step 60 (train.lr_schedule_steps)"),
+    ):
+        said: list[str] = []
+        plan, locks = prepare_run(load_config(raw(folder, steps=60, **over)), "cpu", said.append)
+        locks.release()
+        assert [line for line in said if line.startswith("LR schedule")] == [want]
+
+
+# ------------------------------------------------------------------------------- divergence
+@pytest.mark.multiproc
+def test_a_non_finite_loss_stops_the_run_at_that_step_with_no_checkpoint_of_it(one_rank):
+    summary, folder = one_rank["diverged"], one_rank["root"] / "diverged"
+    bad = summary["diverged"]["step"]
+    assert 1 < bad <= 8 and summary["val_loss"] is None and summary["final_loss"] is not None
+    json.dumps(summary, allow_nan=False)  # strict JSON
+    assert max(e["step"] for e in list_checkpoints(folder)) == bad - 1  # the last good step; nothing of the broken one
+    lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, bad))
+    assert [r["kind"] for r in lines[-2:]] == ["diverged", "summary"] and lines[-2]["step"] == bad
+
+
+def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
+    import portapipe.train
+
+    def diverged(config: Any, wall_timeout_s: float = 0.0) -> dict[str, Any]:
+        return {"run_id": "r", "checkpoint": "c7", "val_loss": None, "diverged": {"step": 8, "loss": "nan", "grad_norm": "inf"}}
+
+    monkeypatch.setattr(portapipe.train, "train", diverged)
+    assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 3
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["diverged"]["step"] == 8
+    assert captured.err.strip() == (
+        "portapipe: training stopped at step 8: loss nan, gradient norm inf; that step was not applied and no checkpoint was "
+        "written of it (last checkpoint: c7); lower train.lr or keep train.grad_clip on"
+    )
+
+
+# ------------------------------------------------------------------------------- preemption
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """The rank processes of a local launch: children of the launcher's forkserver."""
+    ranks = []
+    for child in _children(launcher):
+        try:
+            if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+                ranks += _children(child)
+        except OSError:
+            continue
+    return ranks
+
+
+def _resume_and_reference(backend: Any, resume: dict[str, Any], reference: dict[str, Any]) -> None:
+    from portapipe.train import train_rank
+
+    for config in (resume, reference):
+        train_rank(type(backend)(backend.options), config)
+
+
+@pytest.mark.multiproc
+def test_sigterm_to_a_rank_stops_every_rank_checkpoints_exits_143_and_resumes_bit_for_bit(tmp_path):
+    """Until the launcher forwards SIGTERM to its ranks, the test signals a rank process: one rank
+    receives it, every rank stops after the same step."""
+    steps = 16
+    run = raw(tmp_path / "run", steps=steps, pp=2, checkpoint__every=0)
+    config = write_config(tmp_path / "c.yaml", run)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "portapipe.cli", "train", config], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 2:
+            break
+        time.sleep(0.02)
+    ranks = _ranks_of(proc.pid)
+    assert len(ranks) == 2, ranks
+    os.kill(max(ranks), signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err.decode()
+    lines = [line for line in err.decode().splitlines() if line.startswith("portapipe:")]
+    summary = json.loads(out)
+    k = summary["stopped"]["step"]
+    assert summary["stopped"]["signal"] == "SIGTERM" and 2 <= k < steps
+    assert lines == [f"portapipe: stopped by SIGTERM after step {k}; checkpoint {tmp_path / 'run' / 'checkpoints' / f'step_{k:08d}'} (the same command resumes)"]
+    assert "Traceback" not in err.decode()
+    assert [e["step"] for e in list_checkpoints(tmp_path / "run")] == [k]
+
+    from portapipe.launch import run_ranks
+
+    reference = raw(tmp_path / "straight", steps=steps, pp=2, checkpoint__every=0)
+    run_ranks(_resume_and_reference, 2, load_config(run).to_dict(), load_config(reference).to_dict(), wall_timeout_s=300)
+    same_steps(train_rows(tmp_path / "run"), train_rows(tmp_path / "straight"))
+
+
+def test_a_stopped_run_exits_with_the_signals_code(monkeypatch, tmp_path, capsys):
+    import portapipe.train
+
+    def stopped(config: Any, wall_timeout_s: float = 0.0) -> dict[str, Any]:
+        return {"run_id": "r", "checkpoint": "c", "stopped": {"signal": "SIGINT", "step": 3, "checkpoint": "c"}}
+
+    monkeypatch.setattr(portapipe.train, "train", stopped)
+    assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 130
+    assert capsys.readouterr().err.strip() == "portapipe: stopped by SIGINT after step 3; checkpoint c (the same command resumes)"
+
+
+@pytest.mark.multiproc
+def test_checkpoint_load_into_a_folder_of_another_run_is_refused(used):
+    source = used / "checkpoints" / "step_00000004"
+    other = used.parent / "copy"
+    shutil.copytree(used, other, ignore=shutil.ignore_patterns(".portapipe.lock"))
+    with pytest.raises(ConfigError, match=r"checkpoint.load starts a new run, but .* holds 2 checkpoint\(s\) of run"):
+        prepare_run(load_config(raw(other, checkpoint__load=str(source))), "cpu", print)
+    # loading a folder's own checkpoint would move it aside under checkpoint.overwrite: refused, naming the way
+    with pytest.raises(ConfigError, match="is one of this log.dir's own checkpoints; to continue its run leave checkpoint.load unset"):
+        prepare_run(load_config(raw(used, checkpoint__load=str(source), checkpoint__overwrite=True)), "cpu", print)
+    assert source.is_dir()
