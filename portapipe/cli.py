@@ -1,4 +1,4 @@
-"""``portapipe`` command line: train | verify | simulate | balance | bench | info.
+"""``portapipe`` command line: train | verify | simulate | balance | bench | info | profile | plan.
 
 Each sub-command lives in ``portapipe/commands/<name>.py`` with ``register(subparsers)``,
 which adds its parser and sets ``func(args) -> int``. Exit codes: 0 success, 1 a failure
@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("train", "verify", "simulate", "balance", "bench", "info")
+COMMANDS = ("train", "verify", "simulate", "balance", "bench", "info", "profile", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:
