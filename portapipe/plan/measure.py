@@ -4,6 +4,10 @@ Every rank of the config's world joins; the measurements run on as few ranks as 
 while the others wait at a barrier, so ranks sharing a host's processors do not slow each
 other down (the time model adds that sharing back for the layouts it prices):
 
+Compute (parts, the programs' own work, issuing exchanges, the optimizer) is timed as the
+thread's processor time, which other processes on the machine do not inflate; communication
+as the wall time of the least disturbed repetition.
+
 - parts: the whole model as one block on an expert-parallel group of the config's ``ep`` ranks
   (fewer when the host has fewer processors), a few micro-batches of two sizes per memory
   option; every part's forward, input-gradient backward and weight-gradient pass timed through
@@ -76,9 +80,9 @@ class _Note:
     def backward(self, queue: WeightGradQueue | None) -> Iterator[None]:
         if isinstance(queue, TaggedQueue):
             queue.current = self
-        t0 = time.perf_counter()
+        t0 = cpu()
         yield
-        self.timer.add(self.name, "B" if queue is not None else "BW", self.units, time.perf_counter() - t0)
+        self.timer.add(self.name, "B" if queue is not None else "BW", self.units, cpu() - t0)
 
 
 class PartTimer:
@@ -91,17 +95,18 @@ class PartTimer:
     def add(self, name: str, phase: str, units: int, seconds: float) -> None:
         self.samples[(name, phase)].append((units, seconds))
 
-    def total(self) -> float:
-        """Seconds of forwards and backwards seen so far (weight-gradient passes run apart)."""
-        return sum(s for (_, phase), v in self.samples.items() if phase != "W" for _, s in v)
+    def total(self, phase: str) -> tuple[float, int]:
+        """Seconds and calls of ``phase`` (F, or B for input-gradient backwards) seen so far."""
+        got = [s for (_, ph), v in self.samples.items() if ph == phase for _, s in v]
+        return sum(got), len(got)
 
     @contextlib.contextmanager
     def forward(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Iterator[_Note]:
         name = part_name(fn)
         note = _Note(self, name, part_units(name, args))
-        t0 = time.perf_counter()
+        t0 = cpu()
         yield note
-        self.add(name, "F", note.units, time.perf_counter() - t0)
+        self.add(name, "F", note.units, cpu() - t0)
 
 
 class TaggedQueue(WeightGradQueue):
@@ -123,10 +128,10 @@ class TaggedQueue(WeightGradQueue):
         spent: dict[int, tuple[_Note, float]] = {}
         with torch.no_grad():
             for note, fn in work:
-                t0 = time.perf_counter()
+                t0 = cpu()
                 fn()
                 if note is not None:
-                    spent[id(note)] = (note, spent.get(id(note), (note, 0.0))[1] + time.perf_counter() - t0)
+                    spent[id(note)] = (note, spent.get(id(note), (note, 0.0))[1] + cpu() - t0)
         for note, seconds in spent.values():
             note.timer.add(note.name, "W", note.units, seconds)
 
@@ -174,28 +179,40 @@ def _fit(samples_by_size: list[list[tuple[int, float]]]) -> Linear:
     return Linear.fit(points)
 
 
-def _time_parts(config: Config, ep: ExpertParallel, option: str, sizes: list[int], reps: int, warmup: int) -> tuple[dict[str, dict[str, Linear]], list[float], Any]:
-    """Per-part costs under ``option``; the per-action overhead samples; the block (for its loads)."""
+def _time_parts(
+    config: Config, ep: ExpertParallel, option: str, sizes: list[int], reps: int, warmup: int
+) -> tuple[dict[str, dict[str, Linear]], dict[str, list[float]], Any]:
+    """Per-part costs under ``option``; overhead samples of the forward and backward programs
+    (processor time beyond the parts, part calls, exchanges issued); the block."""
     block = _block(config, ep, option)
     per_size: dict[tuple[str, str], list[list[tuple[int, float]]]] = defaultdict(list)
-    overhead: list[float] = []
+    overhead: dict[str, list[tuple[float, int, int]]] = {"F": [], "B": []}
+
+    def program(obs: PartTimer, phase: str, fn: Callable[[], Any]) -> Any:
+        spent0, calls0 = obs.total(phase)
+        issued0 = ep.stats.count
+        t0 = cpu()
+        out = fn()
+        used = cpu() - t0  # waiting for an exchange takes no processor time
+        spent, calls = obs.total(phase)
+        if calls > calls0:
+            overhead[phase].append((used - (spent - spent0), calls - calls0, ep.stats.count - issued0))
+        return out
+
     for size_i, mbs in enumerate(sizes):
         timer = PartTimer()
         for rep in range(warmup + reps):
             keep = rep >= warmup
             obs = timer if keep else PartTimer()  # warm-up rounds are timed but not kept
             x, y = _tokens(config, mbs, 7919 * size_i + rep + 17 * ep.rank)
-            wait0, spent0 = ep.stats.wait_s, obs.total()
-            t0 = time.perf_counter()
+            tape, queue = Tape(), TaggedQueue()
             with observing(obs):
-                tape = Tape()
-                out = run(block.program(tape, x, y))
-                queue = TaggedQueue()
-                run(tape.backward(out, torch.ones_like(out), queue))
-            wall = time.perf_counter() - t0
+                out = program(obs, "F", lambda: run(block.program(tape, x, y)))
+                program(obs, "B", lambda: run(tape.backward(out, torch.ones_like(out), queue)))
             queue.run()
-            if keep:  # what the two actions (F, B) cost beyond their parts and exchange waits
-                overhead.append(max(0.0, wall - (obs.total() - spent0) - (ep.stats.wait_s - wait0)) / 2)
+            if not keep:
+                overhead["F"].pop()
+                overhead["B"].pop()
             for p in block.parameters():
                 p.grad = None
         for key, samples in timer.samples.items():
@@ -230,12 +247,28 @@ def _saved_bytes(config: Config, ep: ExpertParallel, option: str, sizes: list[in
     return {name: _fit(lists) for name, lists in samples.items() if name != "other"}
 
 
-def _median_time(fn: Callable[[], None], reps: int) -> float:
+def cpu() -> float:
+    """This thread's processor time: what a part costs, however busy other processes keep the machine."""
+    return time.thread_time()
+
+
+def _least_time(fn: Callable[[], None], reps: int) -> float:
+    """Wall time of the least disturbed of ``reps`` runs (communication waits, so processor time
+    would not count it; other processes' load only ever adds to it)."""
     out = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+def _cpu_time(fn: Callable[[], None], reps: int) -> float:
+    out = []
+    for _ in range(reps):
+        t0 = cpu()
+        fn()
+        out.append(cpu() - t0)
     return statistics.median(out)
 
 
@@ -244,6 +277,7 @@ def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, 
     rank = dist.get_rank()
     sizes = sorted({n for n in (2, 4, 8, 16, 32, 64, world, ep) if 2 <= n <= world})
     a2a: dict[str, Linear] = {}
+    issue: dict[str, float] = {}  # issuing an all-to-all: what the caller's thread pays before it can go on
     allreduce: dict[str, Linear] = {}
     for n in sizes:
         group = backend.new_group(list(range(n)))
@@ -255,14 +289,22 @@ def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, 
                 x = torch.randn(per * n, hidden, dtype=dtype)
                 splits = [per] * n
                 exchange(ep, x, splits, splits).wait()  # warm up
-                t = _median_time(lambda: exchange(ep, x, splits, splits).wait(), reps)
+                t = _least_time(lambda: exchange(ep, x, splits, splits).wait(), reps)
+                issued = []
+                for _ in range(reps):
+                    t0 = cpu()
+                    pending = exchange(ep, x, splits, splits)
+                    issued.append(cpu() - t0)
+                    pending.wait()
+                issue[str(n)] = statistics.median(issued)
                 pts.append((per * (n - 1) * hidden * x.element_size(), t))
                 flat = torch.zeros(r * hidden, dtype=dtype)
                 backend.all_reduce(flat, group=group)
-                ar.append((flat.numel() * flat.element_size(), _median_time(lambda: backend.all_reduce(flat, group=group), reps)))
+                ar.append((flat.numel() * flat.element_size(), _least_time(lambda: backend.all_reduce(flat, group=group), reps)))
             a2a[str(n)], allreduce[str(n)] = Linear.fit(pts), Linear.fit(ar)
         dist.barrier()
     p2p = Linear()
+    posts: list[float] = []
     if world >= 2:
         pts = []
         for r in (max(2, rows // 16), rows):
@@ -270,7 +312,10 @@ def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, 
 
             def round_trip() -> None:
                 if rank == 0:
-                    for w in backend.batch_isend_irecv([dist.P2POp(dist.isend, buf, 1)]):
+                    t0 = cpu()
+                    works = backend.batch_isend_irecv([dist.P2POp(dist.isend, buf, 1)])
+                    posts.append(cpu() - t0)  # posting alone: what the sender's thread pays
+                    for w in works:
                         w.wait()
                     for w in backend.batch_isend_irecv([dist.P2POp(dist.irecv, buf, 1)]):
                         w.wait()
@@ -282,10 +327,10 @@ def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, 
 
             if rank < 2:
                 round_trip()
-                pts.append((buf.numel() * buf.element_size(), _median_time(round_trip, reps) / 2))
+                pts.append((buf.numel() * buf.element_size(), _least_time(round_trip, reps) / 2))
             dist.barrier()
         p2p = Linear.fit(pts) if rank == 0 else p2p
-    return {"a2a": a2a, "allreduce": allreduce, "p2p": p2p}
+    return {"a2a": a2a, "issue_s": issue, "allreduce": allreduce, "p2p": p2p, "post_s": statistics.median(posts) if posts else 0.0}
 
 
 def _optimizer(dtype: torch.dtype, reps: int) -> Linear:
@@ -295,7 +340,7 @@ def _optimizer(dtype: torch.dtype, reps: int) -> Linear:
         p.grad = torch.full_like(p, 1e-3)
         opt = torch.optim.AdamW([p], lr=1e-3)
         opt.step()
-        pts.append((n, _median_time(opt.step, reps)))
+        pts.append((n, _cpu_time(opt.step, reps)))
     return Linear.fit(pts)
 
 
@@ -327,18 +372,20 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
     out: dict[str, Any] = {}
     if rank < ep_size:
         ep = ExpertParallel(backend, ep_size, rank, group)
-        parts, overhead, loads = {}, [], None
+        parts, loads = {}, None
+        overhead: dict[str, list[tuple[float, int, int]]] = {"F": [], "B": []}
         options = ("off", "level0", "level1") if m.n_layers > m.n_dense else ("off",)
         for option in options:
             parts[option], ov, block = _time_parts(config, ep, option, sizes, reps, warmup)
-            overhead += ov
+            for phase in overhead:
+                overhead[phase] += ov[phase]
             if option == "off" and block.moe_layers():
                 counts = torch.stack([layer.moe.step_counts.to(torch.float64) for layer in block.moe_layers()])
                 if ep_size > 1:
                     backend.all_reduce(counts, group=group)
                 loads = counts.tolist()
         saved = {opt: _saved_bytes(config, ep, opt, sizes) for opt in MEMORY if opt == "off" or m.n_layers > m.n_dense}
-        out = {"parts": parts, "saved_bytes": saved, "action_s": statistics.median(overhead) if overhead else 0.0, "loads": loads or []}
+        out = {"parts": parts, "saved_bytes": saved, "loads": loads or []}
     dist.barrier()
     rows = config.train.micro_batch_size * m.seq_len * m.top_k
     comm = _comm(backend, world, m.hidden, dtype, rows, reps, ep_size)
@@ -348,6 +395,13 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
     together = _busy(0.2)
     if rank != 0:
         return None
+    # the programs' own work per part call, less the cost of issuing their exchanges (measured apart)
+    issue = comm["issue_s"].get(str(ep_size), 0.0) if ep_size > 1 else 0.0
+    if out:
+        out["part_overhead_s"] = {
+            phase: statistics.median(max(0.0, rest - n_issued * issue) / calls for rest, calls, n_issued in v) if v else 0.0
+            for phase, v in overhead.items()
+        }
     if ep_size > 1:  # the attention part's timing includes the routing's blocking exchange of row counts:
         # keep it out of the part (the time model adds it for each layout's EP size)
         count_exchange = comm["a2a"][str(ep_size)](m.n_experts * 8 * (ep_size - 1) / ep_size)

@@ -8,7 +8,10 @@ published figures (H800). A profile holds, for the model shape it was made for:
   (input gradient) and W (weight gradient), options ``off``, ``level0``, ``level1``;
 - ``a2a[str(ep)]``, ``p2p``, ``allreduce[str(n)]``: communication as ``latency_s + per_byte_s *
   bytes`` (an all-to-all counts the bytes a rank sends to the others);
-- ``optimizer``: AdamW per parameter element; ``action_s``: the executor's cost per action;
+- ``issue_s[str(ep)]``: what issuing one all-to-all costs the issuing thread;
+- ``optimizer``: AdamW per parameter element; ``part_overhead_s``: the tape's own work per part
+  call (F and B: graph cuts, gradient bookkeeping); ``post_s``: posting one batch of
+  point-to-point transfers; ``action_s``: any further cost per executor action;
 - ``processors``: compute units the ranks of one host share (measured on CPUs; null when every
   rank has a device of its own);
 - ``saved_bytes[option][part]``: what the accounting measured (``fixed`` + ``per_unit``), beside
@@ -30,6 +33,8 @@ from .shape import PARTS, PHASES, Shape, flops
 
 FORMAT = 1
 TIMED_OPTIONS = ("off", "level0", "level1")
+# the parts whose work a memory option changes; every other part costs what it costs with ``off``
+CHANGED_PARTS = {"level0": ("experts", "combine"), "level1": ("experts", "shared", "combine")}
 
 
 class ProfileError(ValueError):
@@ -77,6 +82,9 @@ class Profile:
     allreduce: dict[str, Linear]
     optimizer: Linear
     action_s: float = 0.0
+    part_overhead_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
+    post_s: float = 0.0
+    issue_s: dict[str, float] = field(default_factory=dict)  # issuing one all-to-all, per group size
     processors: float | None = None
     saved_bytes: dict[str, dict[str, Linear]] = field(default_factory=dict)
     loads: list[list[float]] = field(default_factory=list)
@@ -88,9 +96,12 @@ class Profile:
         """Seconds of ``part`` in ``phase`` (F, B, W; BW = B + W) for ``units`` under ``option``."""
         if phase == "BW":
             return self.time(part, "B", option, units) + self.time(part, "W", option, units)
-        table = self.parts.get(option if option in self.parts else "off", self.parts["off"])
-        cost = table.get(part, {}).get(phase)
-        return cost(units) if cost is not None else 0.0
+        if option not in self.parts or part not in CHANGED_PARTS.get(option, ()):
+            option = "off"
+        cost = self.parts[option].get(part, {}).get(phase)
+        if cost is None:
+            return 0.0
+        return cost(units) + self.part_overhead_s.get(phase, 0.0)
 
     def a2a_time(self, ep: int, nbytes: float) -> float:
         """An all-to-all over ``ep`` ranks in which this rank sends ``nbytes`` in all (its own
@@ -101,6 +112,13 @@ class Profile:
         sizes = sorted(int(k) for k in self.a2a)
         nearest = min(sizes, key=lambda n: (abs(n - ep), -n))
         return self.a2a[str(nearest)](nbytes * (ep - 1) / ep)
+
+    def issue_time(self, ep: int) -> float:
+        """What issuing one all-to-all over ``ep`` ranks costs the caller (nearest measured size)."""
+        if ep <= 1 or not self.issue_s:
+            return 0.0
+        sizes = sorted(int(k) for k in self.issue_s)
+        return self.issue_s[str(min(sizes, key=lambda n: (abs(n - ep), -n)))]
 
     def allreduce_time(self, n: int, nbytes: float) -> float:
         if n <= 1 or not self.allreduce:
@@ -130,7 +148,8 @@ class Profile:
                     parts[option][part][phase] = Linear(cost.fixed, cost.per_unit * ratio)
         return Profile(
             device=dict(self.device), torch=self.torch, shape=shape, parts=parts, a2a=self.a2a, p2p=self.p2p,
-            allreduce=self.allreduce, optimizer=self.optimizer, action_s=self.action_s, processors=self.processors,
+            allreduce=self.allreduce, optimizer=self.optimizer, action_s=self.action_s,
+            part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), processors=self.processors,
             saved_bytes={}, loads=self.loads, tokens=self.tokens,
             source=f"{self.source}; scaled by FLOPs from shape {_short(self.shape)} to {_short(shape)}",
         )
@@ -166,6 +185,9 @@ class Profile:
                 allreduce={str(k): _linear(v, f"{where}: allreduce.{k}") for k, v in d["allreduce"].items()},
                 optimizer=_linear(d["optimizer"], f"{where}: optimizer"),
                 action_s=float(d.get("action_s", 0.0)),
+                part_overhead_s={str(k): float(v) for k, v in d.get("part_overhead_s", {"F": 0.0, "B": 0.0}).items()},
+                post_s=float(d.get("post_s", 0.0)),
+                issue_s={str(k): float(v) for k, v in d.get("issue_s", {}).items()},
                 processors=None if d.get("processors") is None else float(d["processors"]),
                 saved_bytes={o: {p: _linear(c, f"{where}: saved_bytes.{o}.{p}") for p, c in t.items()} for o, t in d.get("saved_bytes", {}).items()},
                 loads=[[float(x) for x in row] for row in d.get("loads", [])],

@@ -47,6 +47,17 @@ class Programs:
     def __init__(self, shape: Shape, tokens: int, rows: float, slots: int | None = None) -> None:
         self.s, self.T, self.R, self.slots = shape, tokens, rows, slots
         self._cache: dict[tuple[StageSpec, str], list[Op]] = {}
+        self.stats: dict[tuple, tuple[float, float, float, float]] = {}  # the memory model's, per program
+
+    @classmethod
+    def of(cls, setup: Any, imbalance: float = 1.0) -> Programs:
+        """The programs of ``setup``'s model and micro-batch, the busiest EP rank receiving
+        ``imbalance`` times the mean routed rows."""
+        m = setup.model
+        tokens = setup.micro_batch_size * m.seq_len
+        bal = getattr(setup, "balancer", None)
+        slots = m.n_experts + bal.redundant * setup.ep if bal is not None and bal.kind != "none" else None
+        return cls(setup.shape, tokens, tokens * m.top_k * imbalance, slots)
 
     # ------------------------------------------------------------------ parts
     def _c(self, part: str, phase: str, option: str, sign: int, layer_key: int = 0) -> Op:

@@ -45,6 +45,13 @@ class Setup:
     train: Any = field(default=None, compare=False, repr=False)
     backend: str = field(default="auto", compare=False)
     backend_options: Any = field(default_factory=dict, compare=False, repr=False)
+    shape: Any = field(default=None, compare=False, repr=False)  # the model's Shape, made once and shared
+
+    def __post_init__(self) -> None:
+        if self.shape is None and self.model is not None:
+            from .shape import Shape
+
+            object.__setattr__(self, "shape", Shape.of(self.model))
 
     @classmethod
     def from_config(cls, c: Any) -> Setup:
@@ -58,6 +65,8 @@ class Setup:
         )
 
     def replace(self, **changes: Any) -> Setup:
+        if "model" in changes:
+            changes["shape"] = None  # made again from the new model
         return dataclasses.replace(self, **changes)
 
     @property

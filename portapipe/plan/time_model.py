@@ -22,11 +22,12 @@ it, until the timeline settles. After the pipeline, the step adds the gradient r
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..scheduling.ir import Action, Kind, Schedule
-from ..scheduling.simulate import simulate
+from ..scheduling.simulate import run_lists
 from .profile import Profile
 from .programs import Programs, StageSpec, interleave, stage_specs
 from .shape import Shape, block_params
@@ -78,6 +79,9 @@ def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int) -> ActionTi
             compute += dt
         elif code == "I":
             dur = profile.a2a_time(ep, op[2]) if ep > 1 else 0.0
+            issue = profile.issue_time(ep)
+            t += issue
+            compute += issue
             start = max(t, comm_free)
             comm_free = start + dur
             ready[(prog, op[1])] = comm_free
@@ -93,22 +97,46 @@ def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int) -> ActionTi
 class TimeModel:
     """Durations of every action of ``schedule`` (lowered) for ``setup`` under ``profile``."""
 
-    def __init__(self, setup: Any, profile: Profile, schedule: Schedule, imbalance: float = 1.0) -> None:
+    def __init__(
+        self, setup: Any, profile: Profile, schedule: Schedule, imbalance: float = 1.0,
+        programs: Programs | None = None, cache: dict[tuple, ActionTime] | None = None, lists: list[list[Any]] | None = None,
+    ) -> None:
+        """``schedule`` is lowered, or its lowered ``lists`` are given (posts as light tuples,
+        see :func:`~portapipe.scheduling.comms.plan`). ``programs`` and ``cache`` may be shared
+        by setups with the same micro-batch size, imbalance, EP size and overlap (the planner
+        does): action times depend on nothing else."""
         self.setup, self.schedule, self.imbalance = setup, schedule, imbalance
-        self.shape = Shape.of(setup.model)
+        self.lists = lists if lists is not None else schedule.actions
+        self.shape = setup.shape
         self.profile = profile.for_shape(self.shape)
         self.tokens = setup.micro_batch_size * setup.model.seq_len
-        self.rows = self.tokens * setup.model.top_k * imbalance
-        slots = None
-        bal = getattr(setup, "balancer", None)
-        if bal is not None and bal.kind != "none":
-            slots = setup.model.n_experts + bal.redundant * setup.ep
-        self.programs = Programs(self.shape, self.tokens, self.rows, slots)
+        self.programs = programs or Programs.of(setup, imbalance)
+        self.rows = self.programs.R
         self.specs = stage_specs(setup, schedule)
         self.switching = setup.ep > 1 and setup.overlap
-        self._cache: dict[tuple, ActionTime] = {}
+        self._cache: dict[tuple, ActionTime] = {} if cache is None else cache
         act = self.tokens * self.shape.hidden * self.shape.e
         self.p2p_s = self.profile.p2p(act)
+        # posting point-to-point transfers costs the posting rank's thread: each batch of posts
+        # (consecutive SEND/RECV actions) is charged to the compute action after it
+        self.posts: dict[tuple[int, Action], float] = {}
+        if self.profile.post_s > 0:
+            for r, acts in enumerate(self.lists):
+                batches, prev_comm, last = 0, False, None
+                for a in acts:
+                    if a.__class__ is tuple or a.kind.is_comm:
+                        batches += not prev_comm
+                        prev_comm = True
+                        continue
+                    prev_comm, last = False, a
+                    if batches:
+                        self.posts[(r, a)] = batches * self.profile.post_s
+                        batches = 0
+                if batches and last is not None:
+                    self.posts[(r, last)] = self.posts.get((r, last), 0.0) + batches * self.profile.post_s
+        self.posts_per_rank = [0.0] * schedule.n_ranks
+        for (r, _), v in self.posts.items():
+            self.posts_per_rank[r] += v
 
     # ----------------------------------------------------------------- actions
     def _ops(self, half: Action) -> list[tuple]:
@@ -123,9 +151,9 @@ class TimeModel:
         """The duration of one compute action with nothing else sharing the processor."""
         if a.pair is not None:
             f, b = a.pair
-            key: tuple = ("FB", f.stage, b.stage, b.kind)
+            key: tuple = ("FB", self.specs[f.stage], self.specs[b.stage], b.kind)
         else:
-            key = (a.kind, a.stage)
+            key = (a.kind, self.specs[a.stage])
         got = self._cache.get(key)
         if got is None:
             if a.pair is not None:
@@ -171,14 +199,14 @@ class TimeModel:
     def predict(self) -> TimeReport:
         sched = self.schedule
         priced = _Priced(self, {})
-        result = simulate(sched, priced, timeline=True)
+        result = run_lists(sched, self.lists, priced, True, True)
         if self.profile.processors is not None and self.setup.devices > self.profile.processors:
             result = self._with_sharing(priced, result)
         per_rank_a2a = [0.0] * sched.n_ranks
         per_rank_exposed = [0.0] * sched.n_ranks
-        for r, acts in enumerate(sched.actions):
+        for r, acts in enumerate(self.lists):
             for a in acts:
-                if a.kind.is_compute:
+                if a.__class__ is not tuple and a.kind.is_compute:
                     t = self.action(a)
                     per_rank_a2a[r] += t.comm
                     per_rank_exposed[r] += t.exposed
@@ -227,13 +255,13 @@ class TimeModel:
                     length = sl.end - sl.start
                     busy = (area(sl.end) - area(sl.start)) / length if length > 0 else procs
                     stretch = max(1.0, max(busy, procs) / p)
-                    want = base.compute * stretch + base.exposed
-                    old = priced.durations.get((r, sl.action), base.wall)
+                    want = (base.compute + self.posts.get((r, sl.action), 0.0)) * stretch + base.exposed
+                    old = priced.of(sl.action, r)
                     dur = 0.5 * (old + want)
                     change = max(change, abs(dur - old) / max(old, 1e-12))
                     new[(r, sl.action)] = dur
             priced.durations = new
-            result = simulate(self.schedule, priced, timeline=True)
+            result = run_lists(self.schedule, self.lists, priced, True, True)
             if change < 1e-3:
                 break
         return result
@@ -248,17 +276,25 @@ class _Priced:
     def __init__(self, model: TimeModel, durations: dict[tuple[int, Action], float]) -> None:
         self.model, self.durations = model, durations
         self.p2p = model.p2p_s
-        self.per_action = False
+        self.per_action = bool(model.posts)
 
     def of(self, action: Action, rank: int) -> float:
-        got = self.durations.get((rank, action)) if self.per_action else None
-        return got if got is not None else self.model.action(action).wall
+        got = self.durations.get((rank, action))
+        if got is not None:
+            return got
+        return self.model.action(action).wall + self.model.posts.get((rank, action), 0.0)
 
 
 def _block_count(setup: Any, s: Shape, block: int, n_blocks: int) -> Any:
+    """Parameters of model block ``block`` of ``n_blocks`` on one EP rank of ``setup``."""
+    bal = getattr(setup, "balancer", None)
+    redundant = bal.redundant if bal is not None and bal.kind != "none" else 0
+    return _block_params(s, block, n_blocks, s.n_experts // setup.ep + redundant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_params(s: Shape, block: int, n_blocks: int, local_slots: int) -> Any:
     from ..models.moe import layer_range
 
     first, last = layer_range(s.n_layers, n_blocks, block)
-    bal = getattr(setup, "balancer", None)
-    redundant = bal.redundant if bal is not None and bal.kind != "none" else 0
-    return block_params(s, range(first, last), block == 0, block == n_blocks - 1, s.n_experts // setup.ep + redundant)
+    return block_params(s, range(first, last), block == 0, block == n_blocks - 1, local_slots)
