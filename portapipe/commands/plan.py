@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         profile = _profile(args, config)
     except (ProfileError, LoadsError) as err:
         return _fail(str(err))
+    if loads is not None and len(loads[0]) != config.model.n_experts:
+        return _fail(f"--loads: {args.loads} has {len(loads[0])} experts per layer, the model {config.model.n_experts}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401

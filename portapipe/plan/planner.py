@@ -236,7 +236,11 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context) -> Candidate:
 
 
 def gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+    """A byte count for people: GiB, or MiB / KiB / bytes when smaller."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def plan(

@@ -124,13 +124,14 @@ class Programs:
     def _layer_backward(self, layer: int, option: str, phase: str) -> list[Op]:
         s = self.s
         ops: list[Op] = []
-        kept = 0.0
-        if option == "recompute_full":  # replay the whole layer, saving as off does, then its backward
+        full = option == "recompute_full"
+        if full:  # replay the whole layer, saving as off does, then its backward
             if s.is_moe(layer):
                 ops += self._attention(layer, "off") + self._moe_forward(layer, option, replay=True)
             else:
                 ops.append(self._c("dense", "F", "off", 1))
-            kept = held_bytes(s, "attention", option, self.T, self.R)  # the layer input, kept for the replay
+            # the replayed attention saves the layer's rotary tables, which nothing else holds
+            ops.insert(1, ("C", "rope", "F", 0, s.rope_bytes(), 0, "off"))
             option = "off"
         if not s.is_moe(layer):
             ops.append(self._c("dense", phase, option, -1))
@@ -139,8 +140,9 @@ class Programs:
                 ops += self._moe_forward(layer, option, replay=True)
             ops += self._moe_backward(layer, option, phase)
             ops.append(self._c("attention", phase, option, -1))
-        if kept:
-            ops.append(("C", "input", phase, self.T, 0, -kept, "off"))
+        if full:  # the rotary tables and the layer input, kept for the replay, are let go
+            kept = held_bytes(s, "attention", "recompute_full", self.T, self.R)
+            ops.append(("C", "input", phase, self.T, -s.rope_bytes(), -kept, "off"))
         return ops
 
     # ----------------------------------------------------------------- stages

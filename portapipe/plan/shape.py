@@ -125,19 +125,25 @@ def held_bytes(s: Shape, part: str, option: str, tokens: int, rows: float) -> fl
 
     Part outputs stay referenced as the roots of the part's backward: the rows to send and
     their router weights, the experts' output, the rows combined back and the shared expert's
-    output. Zero-memory frees the sent rows; a recomputed MoE block keeps its router weights
-    (for the replay) and a recomputed layer its input.
+    output. Zero-memory frees the sent rows but keeps the dispatch plan for the re-dispatch; a
+    recomputed MoE block keeps its router weights and dispatch plan (for the replay) and a
+    recomputed layer its input.
     """
     e, h, k, T = s.e, s.hidden, s.top_k, tokens
     if option == "recompute_full":
         return T * h * e if part in ("attention", "dense") else 0
     if part == "attention":
         sent = 0 if option in ("level0", "level1", "recompute_moe") else T * k * h * e
+        if option == "recompute_moe":  # the replay's dispatch plan: both row orders, counts, offsets
+            sent += (T * k + rows) * INDEX_BYTES + 2 * s.n_experts * INDEX_BYTES
         return sent + T * k * e
     if option == "recompute_moe":
         return 0
     if part == "experts":  # its output, and the combine exchange's output
-        return rows * h * e + T * k * h * e
+        out = rows * h * e + T * k * h * e
+        if option in ("level0", "level1"):  # the dispatch plan kept for the re-dispatch: row order, counts
+            out += rows * INDEX_BYTES + s.n_experts * INDEX_BYTES
+        return out
     if part == "shared" and s.n_shared:
         return T * h * e
     return 0
