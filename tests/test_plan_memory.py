@@ -182,4 +182,5 @@ def test_dualpipe_on_the_deepseek_v3_shape_keeps_two_copies_and_pp_plus_one_in_f
     # other micro-batch's forward saves)
     for r, mem in enumerate(rep_dual.ranks):
         chunk = [sum(op[4] for op in model.programs.forward(model.specs[v]) if op[0] == "C") for v in sched.stages_of(r)]
-        assert pp * min(chunk) <= mem.saved_peak <= (pp + 1) * max(chunk), r
+        tables = sum(model._rope_bytes(model.specs[v]) for v in sched.stages_of(r))  # once per block
+        assert pp * min(chunk) <= mem.saved_peak <= (pp + 1) * max(chunk) + tables, r
