@@ -52,6 +52,14 @@ def run(args: argparse.Namespace) -> int:
     from ..plan.profile import ProfileError
     from ..plan.report import best_yaml, parse_bytes, plot, row, summary, table
 
+    if args.rules:
+        from ..plan.rules import table as rule_table
+
+        for r in rule_table():
+            print(f"{r['name']:<32} {r['scope']:<9} {r['severity']:<6} {r['reason']}")
+        return 0
+    if args.devices is None:
+        return _fail("--devices is required: the number of devices to plan for")
     if args.devices < 1:
         return _fail(f"--devices: {args.devices}; give the number of devices (>= 1)")
     if args.top < 1:
@@ -124,7 +132,7 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", help="YAML config file (its model, batch, balancer and backend are kept)")
-    p.add_argument("--devices", type=int, required=True, help="devices to plan for")
+    p.add_argument("--devices", type=int, help="devices to plan for (required)")
     p.add_argument("--memory", help="memory per device, e.g. 80GiB (default: no budget)")
     p.add_argument("--profile", help="profile JSON from `portapipe profile`, or a published device: h800")
     p.add_argument("--loads", help="recorded expert loads (a run's expert_loads.json) for the expert imbalance")
@@ -133,4 +141,5 @@ def register(sub: Any) -> None:
     p.add_argument("--top", type=int, default=10, help="rows of the table [10]")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--rules", action="store_true", help="print the compatibility rules (name, scope, severity, reason) and exit")
     p.set_defaults(func=run)

@@ -255,7 +255,7 @@ class TimeModel:
                     length = sl.end - sl.start
                     busy = (area(sl.end) - area(sl.start)) / length if length > 0 else procs
                     stretch = max(1.0, max(busy, procs) / p)
-                    want = (base.compute + self.posts.get((r, sl.action), 0.0)) * stretch + base.exposed
+                    want = (base.wall + self.posts.get((r, sl.action), 0.0)) * stretch
                     old = priced.of(sl.action, r)
                     dur = 0.5 * (old + want)
                     change = max(change, abs(dur - old) / max(old, 1e-12))
