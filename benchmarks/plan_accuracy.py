@@ -12,6 +12,9 @@
 3. Plan: ``portapipe plan`` of the base config on its device count with that profile; its top 4
    candidates and the base config itself measured the same way, in turns. The top choice should
    be no slower than any of the others.
+4. DeepSeek-V3: ``portapipe plan examples/plan/deepseek_v3.yaml --devices 2048 --memory 80GiB
+   --profile h800`` timed as a command (interpreter start included), and the memory model's
+   DualPipe figures for that shape (parameters against 1F1B's, micro-batches in flight).
 
 Prints one JSON object (machine, load average before and after, every figure).
 
@@ -151,6 +154,38 @@ def compare(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def deepseek() -> dict[str, Any]:
+    """The DeepSeek-V3 plan's wall time, its top row, and DualPipe's memory properties on that shape."""
+    import subprocess
+
+    path = ROOT / "examples" / "plan" / "deepseek_v3.yaml"
+    cmd = [sys.executable, "-m", "portapipe.cli", "plan", str(path), "--devices", "2048", "--memory", "80GiB", "--profile", "h800", "--json", "--top", "3"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t0
+    out = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-2000:]}
+    cfg = load_config(path)
+    dual = Setup.from_config(cfg)
+    one_cfg = load_config(path, ["schedule.name=1f1b"])
+    rd = MemoryModel(dual, build_schedule(cfg)).report()
+    r1 = MemoryModel(Setup.from_config(one_cfg), build_schedule(one_cfg)).report()
+    tokens_s = out["ranked"][0]["tokens_per_s"] / 2048 if "ranked" in out and out["ranked"] else None
+    return {
+        "command": " ".join(cmd[2:]),
+        "wall_s": wall,
+        "considered": out.get("considered"),
+        "top": out.get("ranked", [None])[0],
+        "your_config": out.get("user"),
+        "top_tokens_per_gpu_s": tokens_s,
+        "published_tokens_per_gpu_s": 14.8e12 / (2.664e6 * 3600),
+        "dualpipe_params_over_1f1b": sum(r.params for r in rd.ranks) / sum(r.params for r in r1.ranks),
+        "dualpipe_microbatches_in_flight": [r.microbatches_peak for r in rd.ranks],
+        "one_f_one_b_microbatches_in_flight": [r.microbatches_peak for r in r1.ranks],
+        "dualpipe_peak_saved_gib": [r.saved_peak / 2**30 for r in rd.ranks],
+        "dualpipe_peak_total_gib": [r.total / 2**30 for r in rd.ranks],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "examples" / "cpu.yaml"), help="base config [examples/cpu.yaml]")
@@ -201,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             "top_not_slower_than_each": all(m[first]["step_s_median"] <= m[n]["step_s_median"] for n in cands),
             "top_within_5pct_of_the_fastest": m[first]["step_s_median"] <= 1.05 * min(m[n]["step_s_median"] for n in cands),
         }
+    if only is None or "deepseek" in only:
+        report["deepseek_v3"] = deepseek()
     report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     return 0

@@ -36,6 +36,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], fragmen
         (["plan", EXAMPLE, "--devices", "4", "--profile", "h800", "--set", "model.n_experts=7"], "model.n_experts: 7"),
         (["profile", EXAMPLE, "--published", "a100", "--out", "/dev/null"], "unknown device 'a100'"),
         (["profile", EXAMPLE, "--reps", "0"], "--reps must be >= 1"),
+        (["plan", EXAMPLE, "--profile", "h800"], "--devices is required"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str) -> None:
@@ -99,3 +100,14 @@ def test_profile_measures_every_part_on_two_ranks(capsys: pytest.CaptureFixture[
     assert "2" in prof.a2a and prof.p2p.fixed > 0 and prof.optimizer.per_unit > 0
     assert len(prof.loads) == cfg.model.n_layers - cfg.model.n_dense and len(prof.loads[0]) == cfg.model.n_experts
     assert sum(prof.loads[0]) > 0
+
+
+def test_rules_are_printed_and_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    from portapipe.plan.rules import RULES
+
+    assert main(["plan", EXAMPLE, "--rules"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == [r.name for r in RULES]
+    doc = (ROOT / "docs" / "plan.md").read_text()
+    for r in RULES:
+        assert f"| `{r.name}` | {r.scope} | {r.severity} | {r.reason} |" in doc, r.name

@@ -6,6 +6,7 @@ shape keeps two copies of the parameters and pp+1 micro-batches in flight."""
 from __future__ import annotations
 
 import gc
+import warnings
 from pathlib import Path
 
 import pytest
@@ -103,11 +104,13 @@ def test_the_tape_holds_what_held_bytes_says() -> None:
 
 def _storages() -> dict:
     out = {}
-    for o in gc.get_objects():
-        if isinstance(o, torch.Tensor):
-            k = accounting.storage_key(o)
-            if k is not None:
-                out[k[0]] = k[1]
+    with warnings.catch_warnings():  # isinstance on every object touches deprecated torch aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for o in tensors:
+        k = accounting.storage_key(o)
+        if k is not None:
+            out[k[0]] = k[1]
     return out
 
 

@@ -15,6 +15,8 @@ as the wall time of the least disturbed repetition.
   ``fixed + per_unit * units``;
 - saved bytes: each part's bytes kept for backward, counted by
   :class:`~portapipe.memory.accounting.SavedActivations` one micro-batch at a time;
+  The attention part's blocking exchange of per-expert row counts waits without using the
+  processor, so its processor time leaves the exchange out; the time model adds it per EP size.
 - communication: all-to-all and all-reduce over groups of 2, 4, ... ranks, point-to-point
   between two ranks, each at two sizes;
 - AdamW's step per parameter element, and the expert loads the profiling batches produced.
@@ -402,13 +404,6 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
             phase: statistics.median(max(0.0, rest - n_issued * issue) / calls for rest, calls, n_issued in v) if v else 0.0
             for phase, v in overhead.items()
         }
-    if ep_size > 1:  # the attention part's timing includes the routing's blocking exchange of row counts:
-        # keep it out of the part (the time model adds it for each layout's EP size)
-        count_exchange = comm["a2a"][str(ep_size)](m.n_experts * 8 * (ep_size - 1) / ep_size)
-        for table in out["parts"].values():
-            if "attention" in table:
-                f = table["attention"]["F"]
-                table["attention"]["F"] = Linear(max(0.0, f.fixed - count_exchange), f.per_unit)
     return Profile.from_dict({
         "format": FORMAT,
         "device": {

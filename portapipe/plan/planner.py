@@ -50,6 +50,7 @@ class Candidate:
     memory: MemoryReport | None = None
     time: TimeReport | None = None
     bound_s: float = 0.0  # lower bound of the step time (the busiest rank's work)
+    model: Any = field(default=None, repr=False, compare=False)  # its time model, until it is simulated
 
     @property
     def kept(self) -> bool:
@@ -231,7 +232,7 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context) -> Candidate:
         return c
     tm = ctx.time_model(x, sched, lists)
     c.bound_s = ctx.busy(tm, sched) + tm.post_step()
-    c._model = tm  # type: ignore[attr-defined]
+    c.model = tm
     return c
 
 
@@ -294,7 +295,7 @@ def plan(
         if len(best) >= keep and c.bound_s >= -best[0] and c is not user_c:
             not_timed += 1
             continue
-        c.time = c._model.predict()  # type: ignore[attr-defined]
+        c.time = c.model.predict()
         timed.append(c)
         heapq.heappush(best, -c.time.step_s)
         if len(best) > keep:
@@ -302,12 +303,12 @@ def plan(
     if user_c is None:  # the user's setup on another device count: judge it on its own
         user_c = evaluate(user, None, ctx)
         if user_c.kept:
-            user_c.time = user_c._model.predict()  # type: ignore[attr-defined]
+            user_c.time = user_c.model.predict()
     elif user_c.kept and user_c.time is None:
-        user_c.time = user_c._model.predict()  # type: ignore[attr-defined]
+        user_c.time = user_c.model.predict()
     timed.sort(key=lambda c: (c.time.step_s, c.memory.peak if c.memory else 0))  # type: ignore[union-attr]
-    for c in timed + [user_c]:
-        c.__dict__.pop("_model", None)
+    for c in kept + timed + [user_c]:
+        c.model = None  # the schedules and caches it holds are not needed any more
     return PlanResult(config, devices, memory_bytes, timed, dropped, total, user_c, not_timed)
 
 
