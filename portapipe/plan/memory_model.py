@@ -127,7 +127,7 @@ class MemoryModel:
 
     def __init__(
         self, setup: Any, schedule: Schedule, imbalance: float = 1.0, programs: Programs | None = None,
-        walks: dict | None = None, lists: list[list[Any]] | None = None,
+        walks: dict | None = None, lists: list[list[Any]] | None = None, specs: list[StageSpec] | None = None,
     ) -> None:
         """``schedule`` is lowered, or its lowered ``lists`` are given (a
         :func:`~portapipe.scheduling.comms.plan`, posts as light tuples). ``programs`` may be shared
@@ -140,17 +140,17 @@ class MemoryModel:
         self.tokens = setup.micro_batch_size * setup.model.seq_len
         self.programs = programs or Programs.of(setup, imbalance)
         self.rows = self.programs.R
-        self.specs = stage_specs(setup, schedule)
+        self.specs = specs if specs is not None else stage_specs(setup, schedule)
         self.switching = setup.ep > 1 and setup.overlap
         self.act = float(self.tokens * s.hidden * s.e)  # one stage input / output / gradient
-        self._wq: dict[StageSpec, float] = {}
         self._rope: dict[StageSpec, float] = {}
 
     def _wqueue(self, spec: StageSpec) -> float:
-        if spec not in self._wq:
+        cache = self.programs.wqueue
+        if spec not in cache:
             ops = self.programs.weights(spec)
-            self._wq[spec] = sum(wqueue_bytes(self.shape, op[1], self.tokens, op[3]) for op in ops)
-        return self._wq[spec]
+            cache[spec] = sum(wqueue_bytes(self.shape, op[1], self.tokens, op[3]) for op in ops)
+        return cache[spec]
 
     def _rope_bytes(self, spec: StageSpec) -> float:
         if spec not in self._rope:

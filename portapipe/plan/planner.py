@@ -27,7 +27,7 @@ from ..scheduling.schedules import NAMES, build, without_w_split
 from .imbalance import imbalance
 from .memory_model import MemoryModel, MemoryReport, static_memory
 from .profile import Profile
-from .programs import Programs
+from .programs import Programs, StageSpec, stage_specs
 from .rules import broken
 from .setup import Setup
 from .time_model import TimeModel, TimeReport
@@ -147,6 +147,14 @@ class _Context:
         self._times: dict[tuple, dict] = {}
         self._counts: dict[int, list[list[tuple[Any, int]]]] = {}
         self.walks: dict = {}  # the memory model's compiled action lists, by (schedule, rank)
+        self._specs: dict[tuple, list[StageSpec]] = {}
+
+    def specs(self, x: Setup, sched: Schedule) -> list[StageSpec]:
+        """Each virtual stage's layers and memory options (placement and option decide them)."""
+        key = (x.schedule, x.pp, x.chunks, x.zero_memory, x.zero_memory_layers, x.recompute, x.recompute_layers)
+        if key not in self._specs:
+            self._specs[key] = stage_specs(x, sched)
+        return self._specs[key]
 
     def schedule(self, x: Setup) -> tuple[Schedule, list[list[Any]]] | str:
         """The schedule and its lowered lists (posts as light tuples: the models read both)."""
@@ -179,7 +187,7 @@ class _Context:
     def time_model(self, x: Setup, sched: Schedule, lists: list[list[Any]]) -> TimeModel:
         key = (x.micro_batch_size, x.ep, x.overlap)
         cache = self._times.setdefault(key, {})
-        return TimeModel(x, self.profile, sched, self.imb(x.ep), programs=self.programs(x), cache=cache, lists=lists)
+        return TimeModel(x, self.profile, sched, self.imb(x.ep), programs=self.programs(x), cache=cache, lists=lists, specs=self.specs(x, sched))
 
     def busy(self, tm: TimeModel, sched: Schedule) -> float:
         """The busiest rank's work: a lower bound of the pipeline's makespan."""
@@ -226,7 +234,9 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context) -> Candidate:
         c.problems.append(built)
         return c
     sched, lists = built
-    c.memory = MemoryModel(x, sched, ctx.imb(x.ep), programs=ctx.programs(x), walks=ctx.walks, lists=lists).report(memory_bytes)
+    c.memory = MemoryModel(
+        x, sched, ctx.imb(x.ep), programs=ctx.programs(x), walks=ctx.walks, lists=lists, specs=ctx.specs(x, sched)
+    ).report(memory_bytes)
     if c.memory.over is not None:
         c.problems.append(f"memory: pipeline rank {c.memory.over} needs {gib(c.memory.over_total)} > budget {gib(memory_bytes)}")
         return c

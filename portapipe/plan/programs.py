@@ -48,6 +48,7 @@ class Programs:
         self.s, self.T, self.R, self.slots = shape, tokens, rows, slots
         self._cache: dict[tuple[StageSpec, str], list[Op]] = {}
         self.stats: dict[tuple, tuple[float, float, float, float]] = {}  # the memory model's, per program
+        self.wqueue: dict[StageSpec, float] = {}  # the memory model's, per stage
 
     @classmethod
     def of(cls, setup: Any, imbalance: float = 1.0) -> Programs:

@@ -100,6 +100,7 @@ class TimeModel:
     def __init__(
         self, setup: Any, profile: Profile, schedule: Schedule, imbalance: float = 1.0,
         programs: Programs | None = None, cache: dict[tuple, ActionTime] | None = None, lists: list[list[Any]] | None = None,
+        specs: list[StageSpec] | None = None,
     ) -> None:
         """``schedule`` is lowered, or its lowered ``lists`` are given (posts as light tuples,
         see :func:`~portapipe.scheduling.comms.plan`). ``programs`` and ``cache`` may be shared
@@ -112,7 +113,7 @@ class TimeModel:
         self.tokens = setup.micro_batch_size * setup.model.seq_len
         self.programs = programs or Programs.of(setup, imbalance)
         self.rows = self.programs.R
-        self.specs = stage_specs(setup, schedule)
+        self.specs = specs if specs is not None else stage_specs(setup, schedule)
         self.switching = setup.ep > 1 and setup.overlap
         self._cache: dict[tuple, ActionTime] = {} if cache is None else cache
         act = self.tokens * self.shape.hidden * self.shape.e
