@@ -19,8 +19,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .plan.setup import DUALPIPE_FAMILY, n_model_blocks  # noqa: F401  (re-exported)
+
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
-DUALPIPE_FAMILY = ("dualpipe", "dualpipev")
 
 
 class ConfigError(ValueError):
@@ -264,99 +265,23 @@ class Config(_Section):
         return self.model_dump(mode="json")
 
 
-def n_model_blocks(schedule: str, pp: int, chunks: int) -> int:
-    if schedule == "interleaved":
-        return pp * chunks
-    if schedule == "dualpipev":
-        return 2 * pp
-    return pp
-
-
 # --------------------------------------------------------------------- checks across sections
 def _cross_checks(c: Config) -> list[str]:
-    out: list[str] = []
-    p, s, m, mem, bal = c.parallel, c.schedule, c.model, c.memory, c.balancer
-    prod = p.pp * p.ep * p.dp
-    if p.world_size is not None and p.world_size != prod:
-        out.append(f"parallel.world_size: {p.world_size} != pp*ep*dp = {p.pp}*{p.ep}*{p.dp} = {prod}")
-    if s.name == "dualpipe" and p.pp % 2:
-        out.append(f"parallel.pp: {p.pp} is odd; schedule dualpipe needs an even number of pipeline ranks")
-    if s.name in DUALPIPE_FAMILY and s.microbatches < 2 * p.pp:
-        out.append(f"schedule.microbatches: {s.microbatches} < 2*pp = {2 * p.pp}, the minimum for {s.name}")
-    if s.name == "dualpipe" and s.microbatches % 2:
-        out.append(f"schedule.microbatches: {s.microbatches} is odd; dualpipe feeds half from each end")
-    if s.name == "interleaved":
-        if s.chunks < 2:
-            out.append(f"schedule.chunks: {s.chunks} < 2; interleaved needs at least 2 chunks per rank (use 1f1b for 1)")
-        if s.microbatches % p.pp:
-            out.append(f"schedule.microbatches: {s.microbatches} is not a multiple of pp = {p.pp}, as interleaved rounds need")
-    elif s.name in ("1f1b", "zb1p") and s.microbatches < p.pp:
-        out.append(f"schedule.microbatches: {s.microbatches} < pp = {p.pp}; {s.name} needs at least one micro-batch per stage")
-    if p.pp == 1 and s.name in DUALPIPE_FAMILY and s.name == "dualpipe":
-        out.append("parallel.pp: 1; dualpipe needs at least 2 pipeline ranks")
-    blocks = c.n_blocks()
-    if m.n_layers < blocks:
-        out.append(f"model.n_layers: {m.n_layers} < {blocks} model blocks that schedule {s.name} with pp={p.pp} needs (one layer each at least)")
-    if m.n_experts % p.ep:
-        out.append(f"model.n_experts: {m.n_experts} is not divisible by parallel.ep = {p.ep}")
-    if m.top_k > m.n_experts:
-        out.append(f"model.top_k: {m.top_k} > model.n_experts = {m.n_experts}")
-    if m.n_dense > m.n_layers:
-        out.append(f"model.n_dense: {m.n_dense} > model.n_layers = {m.n_layers}")
-    out += _model_checks(m)
-    if m.n_experts % m.n_groups:
-        out.append(f"model.n_groups: {m.n_groups} does not divide model.n_experts = {m.n_experts}")
-    if m.topk_groups > m.n_groups:
-        out.append(f"model.topk_groups: {m.topk_groups} > model.n_groups = {m.n_groups}")
-    elif m.top_k <= m.n_experts and m.top_k > m.topk_groups * (m.n_experts // max(m.n_groups, 1)):
-        out.append(
-            f"model.top_k: {m.top_k} > experts reachable in topk_groups = {m.topk_groups} groups of {m.n_experts // max(m.n_groups, 1)}"
-        )
-    n_moe = m.n_layers - m.n_dense
-    layers_per_stage = -(-m.n_layers // blocks)
-    if mem.zero_memory != "off" and n_moe <= 0:
-        out.append(f"memory.zero_memory: {mem.zero_memory} but the model has no MoE layers (n_layers == n_dense)")
-    if mem.recompute == "moe" and n_moe <= 0:
-        out.append("memory.recompute: moe but the model has no MoE layers (n_layers == n_dense)")
-    if mem.recompute_layers is not None and mem.recompute_layers > layers_per_stage:
-        out.append(f"memory.recompute_layers: {mem.recompute_layers} > {layers_per_stage} layers in the largest stage")
-    if mem.zero_memory_layers is not None and mem.zero_memory_layers > layers_per_stage:
-        out.append(f"memory.zero_memory_layers: {mem.zero_memory_layers} > {layers_per_stage} layers in the largest stage")
-    if mem.zero_memory_layers is not None and mem.zero_memory == "off":
-        out.append(f"memory.zero_memory_layers: {mem.zero_memory_layers} is set but memory.zero_memory is off (set level0 or level1)")
-    if mem.recompute_layers is not None and mem.recompute == "none":
-        out.append(f"memory.recompute_layers: {mem.recompute_layers} is set but memory.recompute is none (set moe or full)")
-    if n_moe > 0 and mem.zero_memory != "off" and mem.recompute != "none" and (mem.recompute_layers or layers_per_stage) >= layers_per_stage:
-        # Zero-memory applies to MoE layers that are not recomputed (a recomputed layer keeps nothing).
-        out.append(
-            f"memory.zero_memory: {mem.zero_memory} has no effect: memory.recompute: {mem.recompute} recomputes every layer of each stage; "
-            f"set memory.recompute_layers below {layers_per_stage} or memory.zero_memory: off"
-        )
-    if bal.kind != "none" and n_moe <= 0:
-        out.append(f"balancer.kind: {bal.kind} but the model has no MoE layers")
-    if bal.kind == "lplb" and bal.topology == "torus" and bal.torus is None:
-        out.append("balancer.torus: missing; topology torus needs torus: [m, n]")
-    out += _balancer_checks(c)
-    if c.train.lr_schedule_steps is not None and c.train.lr_schedule_steps < c.train.warmup_steps:
-        out.append(f"train.lr_schedule_steps: {c.train.lr_schedule_steps} < train.warmup_steps = {c.train.warmup_steps}")
+    """Every error rule of the compatibility table (portapipe.plan.rules) the config breaks, and the
+    rules that concern one run only (what a run starts from), which a planner never varies."""
+    from .plan.rules import violations
+    from .plan.setup import Setup
+
+    out = violations(Setup.from_config(c))
     if c.checkpoint.load is not None and not c.checkpoint.load.strip():
         out.append("checkpoint.load: empty; name a checkpoint folder (step_NNNNNNNN) or a folder of checkpoints")
-    if c.train.min_lr > c.train.lr:
-        out.append(f"train.min_lr: {c.train.min_lr} > train.lr = {c.train.lr}")
-    from .backends.registry import known_backends  # built-ins and plug-ins; imports no device code
-
-    if c.backend != "auto" and c.backend not in known_backends():
-        out.append(f"backend: {c.backend!r} is not a known backend; known: auto, {', '.join(known_backends())}")
-    transport = c.backend_options.get("ep_transport", "alltoall")
-    if transport not in ("alltoall", "nvshmem"):
-        out.append(f"backend_options.ep_transport: {transport!r} is not one of alltoall, nvshmem")
     return out
 
 
 YARN_KEYS = ("type", "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
-def _model_checks(m: ModelConfig) -> list[str]:
+def model_problems(m: ModelConfig) -> list[str]:
     """Rules of the model section that depend on the architecture."""
     out: list[str] = []
     owners: dict[str, list[str]] = {}
@@ -409,40 +334,6 @@ def _rope_scaling_checks(d: dict[str, Any]) -> list[str]:
             out.append(f"model.rope_scaling.factor: {factor!r}; yarn needs a positive factor")
         if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
             out.append(f"model.rope_scaling.original_max_position_embeddings: {orig!r}; yarn needs the pretraining length (a positive integer)")
-    return out
-
-
-def _balancer_checks(c: Config) -> list[str]:
-    """The balancer's slots must fit the EP group (see portapipe.balancing.runtime)."""
-    out: list[str] = []
-    bal, p, m = c.balancer, c.parallel, c.model
-    if bal.kind == "lplb":
-        torus = bal.torus or (0, 0)
-        size = {"cube": 8, "hypercube": 16, "ring": p.ep, "torus": torus[0] * torus[1]}[bal.topology]
-        classes = 1 if bal.topology == "ring" else 2
-        if p.ep < 2:
-            out.append(f"parallel.ep: {p.ep}; balancer.kind lplb moves tokens between EP ranks and needs ep >= 2")
-        elif size and p.ep % size:
-            out.append(f"balancer.topology: {bal.topology} groups {size} ranks, which does not divide parallel.ep = {p.ep}")
-        if bal.topology == "torus" and bal.torus is not None and min(bal.torus) < 2:
-            out.append(f"balancer.torus: {list(bal.torus)}; both sides of the torus need at least 2 ranks")
-        if bal.redundant < classes or bal.redundant % classes:
-            out.append(
-                f"balancer.redundant: {bal.redundant}; lplb with topology {bal.topology} needs a positive multiple of "
-                f"{classes} redundant slots per EP rank (each copies another rank's expert)"
-            )
-        elif p.ep and bal.redundant > m.n_experts // p.ep:
-            out.append(
-                f"balancer.redundant: {bal.redundant} > model.n_experts / parallel.ep = {m.n_experts // p.ep}; "
-                "lplb copies each of a rank's experts at most once"
-            )
-    if bal.kind == "eplb":
-        groups = bal.groups or m.n_groups
-        if groups % bal.nodes == 0:  # the hierarchical policy's shape rules
-            if m.n_experts % groups:
-                out.append(f"balancer.groups: {groups} does not divide model.n_experts = {m.n_experts}")
-            if p.ep % bal.nodes:
-                out.append(f"balancer.nodes: {bal.nodes} does not divide parallel.ep = {p.ep}")
     return out
 
 

@@ -28,6 +28,7 @@ experts' MLP, :meth:`ExpertRefetch.activation` for the activation function, and
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,6 +155,7 @@ class ExpertRefetch:
     def issue_early(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Wrap the layer's last part so that its backward starts the re-dispatch first."""
 
+        @functools.wraps(fn)  # still the layer's combine part to whoever names parts (profiling)
         def part(*args: Any) -> Any:
             out = fn(*args)
             return _IssueOnBackward.apply(out, self)

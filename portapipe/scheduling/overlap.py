@@ -29,13 +29,18 @@ recorded with ``tape.part(fn, *args)`` runs its backward with the queue active, 
 defer themselves (:func:`~.wgrad.defer_weight_grad`) queue their weight gradients; a part
 recorded with ``tape.part(fn, *args, plain=True)`` is ordinary torch code and is split by
 autograd (:func:`~.wgrad.split_backward`).
+
+Profiling (``portapipe profile``) times every part's forward and backward through an
+observer installed with :func:`observing`; without one, parts run exactly as above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+import contextlib
+import contextvars
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ContextManager, Protocol
 
 import torch
 
@@ -57,11 +62,39 @@ class Done:
         return self.output
 
 
+class PartNote(Protocol):
+    """What an observer keeps of one part's forward; it also times that part's backward."""
+
+    def backward(self, queue: WeightGradQueue | None) -> ContextManager[Any]: ...
+
+
+class PartObserver(Protocol):
+    """Sees every part a :class:`Tape` runs (see :func:`observing`)."""
+
+    def forward(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> ContextManager[PartNote]: ...
+
+
+_OBSERVER: contextvars.ContextVar[PartObserver | None] = contextvars.ContextVar("portapipe_part_observer", default=None)
+
+
+@contextlib.contextmanager
+def observing(observer: PartObserver) -> Iterator[PartObserver]:
+    """Within this block every recorded part's forward runs inside ``observer.forward(fn, args)``,
+    and its backward later inside ``note.backward(queue)`` of the note that forward yielded
+    (``queue`` is the weight-gradient queue of a B, None for a full backward)."""
+    token = _OBSERVER.set(observer)
+    try:
+        yield observer
+    finally:
+        _OBSERVER.reset(token)
+
+
 @dataclass
 class _Part:
     leaves: list[tuple[torch.Tensor, torch.Tensor]]  # (detached leaf the part saw, tensor it came from)
     outputs: list[torch.Tensor]
     plain: bool = False  # ordinary torch code: a W split goes through split_backward
+    note: PartNote | None = None  # an observer's, when one watched the forward
 
 
 @dataclass
@@ -125,9 +158,15 @@ class Tape:
                 leaves.append((leaf, a))
                 a = leaf
             call_args.append(a)
+        observer = _OBSERVER.get()
+        note = None
         with torch.enable_grad():
-            out = fn(*call_args)
-        self._steps.append(_Part(leaves, _tensors(out), plain))
+            if observer is None:
+                out = fn(*call_args)
+            else:
+                with observer.forward(fn, tuple(call_args)) as note:
+                    out = fn(*call_args)
+        self._steps.append(_Part(leaves, _tensors(out), plain, note))
         return out
 
     def all_to_all(self, group: ExchangeGroup, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending | Done:
@@ -191,14 +230,16 @@ class Tape:
                 if g is not None:
                     outs.append(o)
                     grads.append(g)
+            watch = contextlib.nullcontext() if step.note is None else step.note.backward(queue)
             if outs and step.plain and queue is not None:
-                leaf_grads = split_backward(outs, grads, [leaf for leaf, _ in step.leaves], queue)
+                with watch:
+                    leaf_grads = split_backward(outs, grads, [leaf for leaf, _ in step.leaves], queue)
                 for (_, src), g in zip(step.leaves, leaf_grads):
                     if g is not None:
                         self._add_grad(src, g)
             else:
                 if outs:
-                    with deferring(queue):
+                    with deferring(queue), watch:
                         torch.autograd.backward(outs, grads)
                 for leaf, src in step.leaves:
                     if leaf.grad is not None:

@@ -22,7 +22,7 @@ first, since both halves' tensors are live while they overlap.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from .comms import has_comms
 from .ir import Action, Kind, Schedule, gc_paused
@@ -108,6 +108,19 @@ class Costs:
         return {"F": self.F, "B": self.B, "W": self.W, "FB": self.fb, "p2p": self.p2p}
 
 
+class CostModel(Protocol):
+    """What the simulator asks of its costs. :class:`Costs` is the closed-form one; a model
+    priced from measurements (portapipe.plan.time_model) gives every action its own duration."""
+
+    p2p: float
+    rank_scale: list[float] | None
+    stage_scale: list[float] | None
+    #: True when two micro-batches of one (kind, stage) may cost differently on a rank
+    per_action: bool
+
+    def of(self, action: Action, rank: int) -> float: ...
+
+
 class Slot(NamedTuple):
     start: float
     end: float
@@ -117,7 +130,7 @@ class Slot(NamedTuple):
 @dataclass
 class SimResult:
     schedule: Schedule
-    costs: Costs
+    costs: Costs | CostModel
     makespan: float
     busy: list[float]
     timeline: list[list[Slot]]  # compute actions only, per rank
@@ -151,20 +164,20 @@ _CF, _CB, _CW, _SF, _SB, _RF, _RB = range(7)
 _CLASS = {Kind.F: _CF, Kind.B: _CB, Kind.BW: _CB, Kind.W: _CW, Kind.SEND_F: _SF, Kind.SEND_B: _SB, Kind.RECV_F: _RF, Kind.RECV_B: _RB}
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None, timeline: bool = True) -> SimResult:
+def simulate(schedule: Schedule, costs: Costs | CostModel | None = None, timeline: bool = True) -> SimResult:
     """Run every rank's list under the cost model; raises DeadlockError if they cannot end.
     ``timeline=False`` skips recording per-action slots (the deadlock check needs none)."""
     return run_lists(schedule, schedule.actions, costs, timeline, has_comms(schedule))
 
 
-def run_lists(schedule: Schedule, lists: list[list[Any]], costs: Costs | None, timeline: bool, lowered: bool) -> SimResult:
+def run_lists(schedule: Schedule, lists: list[list[Any]], costs: Costs | CostModel | None, timeline: bool, lowered: bool) -> SimResult:
     """:func:`simulate` on per-rank ``lists`` placed by ``schedule``; comm entries may be
     Actions or (Kind, stage, mb) tuples (a :func:`~portapipe.scheduling.comms.plan`)."""
     with gc_paused():
         return _run_lists(schedule, lists, costs, timeline, lowered)
 
 
-def _run_lists(schedule: Schedule, lists: list[list[Any]], costs: Costs | None, timeline: bool, lowered: bool) -> SimResult:
+def _run_lists(schedule: Schedule, lists: list[list[Any]], costs: Costs | CostModel | None, timeline: bool, lowered: bool) -> SimResult:
     """:func:`simulate` on per-rank ``lists`` placed by ``schedule``; comm entries may be
     Actions or (Kind, stage, mb) tuples (a :func:`~portapipe.scheduling.comms.plan`)."""
     costs = costs or Costs()
@@ -214,6 +227,7 @@ def _run_lists(schedule: Schedule, lists: list[list[Any]], costs: Costs | None, 
     # store absolute keys with mb = 0. Posts have cost None and made = (key,).
     programs: list[list[tuple]] = []
     shared: dict[tuple[Kind, int, int], tuple] = {}  # (kind, stage, rank) -> (cost, deps, made, up, down)
+    per_action = getattr(costs, "per_action", False)  # costs may differ between micro-batches
 
     def single(a: Action, r: int) -> tuple:
         kind = a.kind
@@ -233,7 +247,8 @@ def _run_lists(schedule: Schedule, lists: list[list[Any]], costs: Costs | None, 
                 prog.append((a, None, (), 0, (key(_CLASS[kind], a.stage, a.mb),), 0, 0))
             elif a.pair is None:
                 info = shared.get((kind, a.stage, r)) or single(a, r)
-                prog.append((a, info[0], info[1], a.mb, info[2], info[3], info[4]))
+                cost = costs.of(a, r) if per_action else info[0]
+                prog.append((a, cost, info[1], a.mb, info[2], info[3], info[4]))
             else:
                 deps: list[tuple[int, int, float]] = []
                 made = []
@@ -347,4 +362,4 @@ def bubble_formula(name: str, pp: int, costs: Costs, chunks: int = 2) -> tuple[s
     return None
 
 
-__all__ = ["Costs", "DeadlockError", "SimResult", "Slot", "simulate", "bubble_formula"]
+__all__ = ["CostModel", "Costs", "DeadlockError", "SimResult", "Slot", "simulate", "bubble_formula"]

@@ -1,0 +1,247 @@
+"""How well `portapipe plan` predicts: step time and peak saved activations, predicted vs measured.
+
+1. Profile: ``portapipe profile`` of the base config (examples/cpu.yaml unless ``--config``), on
+   its ranks, here and now (``--profile P`` reuses a file).
+2. Accuracy: for each configuration below (the five schedules, memory off / level0 / level1, 2
+   and 4 ranks, all from the base config), the time model's step time against the median of
+   measured steps (``runtime.step`` plus AdamW's update, the slowest rank, each step started at a
+   barrier; the configurations of one rank count take turns step by step, so a change in the
+   machine's load hits all of them alike), and the memory model's peak saved-activation bytes
+   per pipeline rank against :class:`~portapipe.memory.accounting.SavedActivations` on a tracked
+   step (mean over the EP peers of that pipeline rank).
+3. Plan: ``portapipe plan`` of the base config on its device count with that profile; its top 4
+   candidates and the base config itself measured the same way, in turns. The top choice should
+   be no slower than any of the others.
+4. DeepSeek-V3: ``portapipe plan examples/plan/deepseek_v3.yaml --devices 2048 --memory 80GiB
+   --profile h800`` timed as a command (interpreter start included), and the memory model's
+   DualPipe figures for that shape (parameters against 1F1B's, micro-batches in flight).
+
+Prints one JSON object (machine, load average before and after, every figure).
+
+    python benchmarks/plan_accuracy.py [--steps 8] [--warmup 2] [--profile P] [--only NAME,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from portapipe.config import Config, config_from_dict, load_config
+from portapipe.launch import run_ranks
+from portapipe.memory.accounting import SavedActivations
+from portapipe.plan.imbalance import imbalance
+from portapipe.plan.measure import profile_rank
+from portapipe.plan.memory_model import MemoryModel
+from portapipe.plan.planner import plan
+from portapipe.plan.profile import Profile
+from portapipe.plan.setup import Setup
+from portapipe.plan.time_model import TimeModel
+from portapipe.scheduling.executor import build_schedule
+from portapipe.train import make_optimizer
+from portapipe.verify import runtime_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> overrides of the base config
+CONFIGS: dict[str, list[str]] = {
+    "1f1b-pp2": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b"],
+    "zb1p-pp2": ["parallel.pp=2", "parallel.ep=1", "schedule.name=zb1p"],
+    "interleaved-pp2": ["parallel.pp=2", "parallel.ep=1", "schedule.name=interleaved"],
+    "dualpipe-pp2": ["parallel.pp=2", "parallel.ep=1", "schedule.name=dualpipe"],
+    "dualpipev-pp2-level1": ["parallel.pp=2", "parallel.ep=1", "schedule.name=dualpipev", "memory.zero_memory=level1"],
+    "dualpipev-ep2-level0": ["parallel.pp=1", "parallel.ep=2", "schedule.name=dualpipev", "memory.zero_memory=level0"],
+    "1f1b-ep2": ["parallel.pp=1", "parallel.ep=2", "schedule.name=1f1b"],
+    "dualpipev-pp2-ep2": ["parallel.pp=2", "parallel.ep=2", "schedule.name=dualpipev"],
+    "dualpipe-pp2-ep2-level1": ["parallel.pp=2", "parallel.ep=2", "schedule.name=dualpipe", "memory.zero_memory=level1"],
+    "zb1p-pp4": ["parallel.pp=4", "parallel.ep=1", "schedule.name=zb1p"],
+    "interleaved-pp2-ep2-level0": ["parallel.pp=2", "parallel.ep=2", "schedule.name=interleaved", "memory.zero_memory=level0"],
+    "1f1b-pp2-ep2": ["parallel.pp=2", "parallel.ep=2", "schedule.name=1f1b"],
+}
+
+
+def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:
+    """On every rank: build each config's runtime, track one step's saved bytes, then time steps in turns."""
+    built = {}
+    for name, raw in raws.items():
+        rt, data = runtime_for(backend, raw)
+        built[name] = (rt, data, make_optimizer(list(rt.named_parameters()), config_from_dict(raw).train))
+    out: dict[str, Any] = {}
+    for name, (rt, data, opt) in built.items():
+        tracker = SavedActivations(ignore=rt.parameters())
+        with tracker.step():
+            rt.step(data)
+        opt.zero_grad(set_to_none=True)
+        out[name] = {"pp_rank": rt.groups.pp_rank, "saved_peak": tracker.peak_bytes, "step_s": [], "cpu_s": []}
+    for i in range(warmup + steps):
+        for name, (rt, data, opt) in built.items():
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            rt.step(data)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            if i >= warmup:
+                out[name]["step_s"].append(float(dt[0]))
+                out[name]["cpu_s"].append(float(dt[1]))
+    return out
+
+
+def measure(configs: dict[str, Config], steps: int, warmup: int) -> dict[str, Any]:
+    """Measured figures of every config, one launch per world size."""
+    out: dict[str, Any] = {}
+    by_world: dict[int, dict[str, Config]] = {}
+    for name, c in configs.items():
+        by_world.setdefault(c.world_size, {})[name] = c
+    for world, group in sorted(by_world.items()):
+        backend = next(iter(group.values())).backend
+        per_rank = run_ranks(_rank, world, {n: c.to_dict() for n, c in group.items()}, steps, warmup, backend=backend, wall_timeout_s=3600)
+        for name, c in group.items():
+            saved: dict[int, list[int]] = {}
+            for r in per_rank:
+                saved.setdefault(r[name]["pp_rank"], []).append(r[name]["saved_peak"])
+            times = per_rank[0][name]["step_s"]
+            out[name] = {
+                "world": world,
+                "step_s_median": statistics.median(times),
+                "step_s_min": min(times),
+                "step_s_all": times,
+                # processor time of the busiest rank: what other processes on the machine barely change
+                "cpu_s_median": statistics.median(per_rank[0][name]["cpu_s"]),
+                "saved_peak_per_pp_rank": [statistics.mean(saved[p]) for p in sorted(saved)],
+                "saved_peak_per_rank": [r[name]["saved_peak"] for r in per_rank],
+            }
+    return out
+
+
+def predict(config: Config, profile: Profile) -> dict[str, Any]:
+    setup = Setup.from_config(config)
+    schedule = build_schedule(config)
+    imb = imbalance(profile.loads, setup.ep, config.balancer, config.model.n_groups)
+    t = TimeModel(setup, profile, schedule, imb).predict()
+    mem = MemoryModel(setup, schedule).report()
+    return {"step_s": t.step_s, "time": t.to_dict(), "saved_peak_per_pp_rank": [r.saved_peak for r in mem.ranks]}
+
+
+def compare(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, Any]:
+    time_err = pred["step_s"] / meas["step_s_median"] - 1.0
+    mem_err = [p / m - 1.0 for p, m in zip(pred["saved_peak_per_pp_rank"], meas["saved_peak_per_pp_rank"])]
+    return {
+        "step_s_predicted": pred["step_s"],
+        "step_s_measured_median": meas["step_s_median"],
+        "step_s_measured_min": meas["step_s_min"],
+        "time_error_vs_min": pred["step_s"] / meas["step_s_min"] - 1.0,
+        "cpu_s_measured_median": meas["cpu_s_median"],
+        "time_error": time_err,
+        "time_within_15pct": abs(time_err) <= 0.15,
+        "saved_peak_predicted": pred["saved_peak_per_pp_rank"],
+        "saved_peak_measured": meas["saved_peak_per_pp_rank"],
+        "saved_peak_error_worst": max(mem_err, key=abs),
+        "saved_within_5pct": all(abs(e) <= 0.05 for e in mem_err),
+        "predicted": pred["time"],
+        "world": meas["world"],
+        "step_s_all": meas["step_s_all"],
+    }
+
+
+def deepseek() -> dict[str, Any]:
+    """The DeepSeek-V3 plan's wall time, its top row, and DualPipe's memory properties on that shape."""
+    import subprocess
+
+    path = ROOT / "examples" / "plan" / "deepseek_v3.yaml"
+    cmd = [sys.executable, "-m", "portapipe.cli", "plan", str(path), "--devices", "2048", "--memory", "80GiB", "--profile", "h800", "--json", "--top", "3"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t0
+    out = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-2000:]}
+    cfg = load_config(path)
+    dual = Setup.from_config(cfg)
+    one_cfg = load_config(path, ["schedule.name=1f1b"])
+    rd = MemoryModel(dual, build_schedule(cfg)).report()
+    r1 = MemoryModel(Setup.from_config(one_cfg), build_schedule(one_cfg)).report()
+    tokens_s = out["ranked"][0]["tokens_per_s"] / 2048 if "ranked" in out and out["ranked"] else None
+    return {
+        "command": " ".join(cmd[2:]),
+        "wall_s": wall,
+        "considered": out.get("considered"),
+        "top": out.get("ranked", [None])[0],
+        "your_config": out.get("user"),
+        "top_tokens_per_gpu_s": tokens_s,
+        "published_tokens_per_gpu_s": 14.8e12 / (2.664e6 * 3600),
+        "dualpipe_params_over_1f1b": sum(r.params for r in rd.ranks) / sum(r.params for r in r1.ranks),
+        "dualpipe_microbatches_in_flight": [r.microbatches_peak for r in rd.ranks],
+        "one_f_one_b_microbatches_in_flight": [r.microbatches_peak for r in r1.ranks],
+        "dualpipe_peak_saved_gib": [r.saved_peak / 2**30 for r in rd.ranks],
+        "dualpipe_peak_total_gib": [r.total / 2**30 for r in rd.ranks],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "examples" / "cpu.yaml"), help="base config [examples/cpu.yaml]")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of the base config")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile", help="reuse this profile instead of measuring one")
+    ap.add_argument("--save-profile", help="write the measured profile here")
+    ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan')")
+    args = ap.parse_args(argv)
+    load_before = os.getloadavg()
+    base = load_config(args.config, args.set)
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        profile = Profile.from_dict(run_ranks(profile_rank, base.world_size, base.to_dict(), 5, 1, backend=base.backend, wall_timeout_s=3600)[0])
+        if args.save_profile:
+            profile.save(args.save_profile)
+    only = set(args.only.split(",")) if args.only else None
+    configs = {n: load_config(args.config, args.set + o) for n, o in CONFIGS.items() if only is None or n in only}
+    report: dict[str, Any] = {
+        "benchmark": "plan_accuracy",
+        "command": "python benchmarks/plan_accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(), "torch": torch.__version__},
+        "load_average_before": load_before,
+        "profile": {"source": profile.source, "processors": profile.processors, "device": profile.device},
+    }
+    measured = measure(configs, args.steps, args.warmup)
+    acc = {n: compare(predict(c, profile), measured[n]) for n, c in configs.items()}
+    report["accuracy"] = acc
+    if acc:
+        report["accuracy_summary"] = {
+            "configs": len(acc),
+            "time_within_15pct": sum(a["time_within_15pct"] for a in acc.values()),
+            "saved_within_5pct": sum(a["saved_within_5pct"] for a in acc.values()),
+            "time_error_abs_max": max(abs(a["time_error"]) for a in acc.values()),
+            "saved_error_abs_max": max(abs(a["saved_peak_error_worst"]) for a in acc.values()),
+        }
+    if only is None or "plan" in only:
+        result = plan(base, devices=base.world_size, memory_bytes=None, profile=profile)
+        top = result.ranked[:4]
+        cands = {f"plan#{i + 1} {c.setup.schedule} pp{c.setup.pp} ep{c.setup.ep} dp{c.setup.dp} m{c.setup.microbatches} {c.setup.memory_label()}": result.config_of(c) for i, c in enumerate(top)}
+        cands["example"] = base
+        m = measure(cands, args.steps, args.warmup)
+        first = next(iter(cands))
+        report["plan"] = {
+            "candidates": {n: {"predicted_step_s": (top[i].time.step_s if i < len(top) else predict(base, profile)["step_s"]), "measured_median_s": m[n]["step_s_median"], "measured_all": m[n]["step_s_all"]} for i, n in enumerate(cands)},
+            "top_not_slower_than_each": all(m[first]["step_s_median"] <= m[n]["step_s_median"] for n in cands),
+            "top_within_5pct_of_the_fastest": m[first]["step_s_median"] <= 1.05 * min(m[n]["step_s_median"] for n in cands),
+        }
+    if only is None or "deepseek" in only:
+        report["deepseek_v3"] = deepseek()
+    report["load_average_after"] = os.getloadavg()
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""``portapipe plan CONFIG --devices N --memory 80GiB``: the fastest setup that fits.
+
+Enumerates pp x ep x dp layouts of N devices, the five schedules, micro-batch counts (the
+config's global batch kept) and memory options; drops what breaks a compatibility rule or the
+memory budget (saying why for your own config); ranks the rest by step time predicted from a
+device profile; prints the table (step time, tokens/s, peak memory, bubble, exposed
+all-to-all) and writes the best as a complete config.
+
+    portapipe plan examples/cpu.yaml --devices 4 --memory 2GiB --profile cpu.json --out best.yaml
+    portapipe plan deepseek.yaml --devices 2048 --memory 80GiB --profile h800 --plot plan.png
+
+``--profile`` is a file from ``portapipe profile`` or a published device (h800); without it a
+profile of the config is measured here first. ``--loads`` (a run's expert_loads.json) sets the
+expert imbalance, with the config's balancer applied. Exit codes: 0 a plan was printed, 1
+nothing fits, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _fail(message: str) -> int:
+    print(f"portapipe plan: {message}", file=sys.stderr)
+    return 2
+
+
+def _profile(args: argparse.Namespace, config: Any) -> Any:
+    from ..plan.profile import Profile
+    from ..plan.published import DEVICES, published
+    from ..plan.shape import Shape
+
+    if args.profile and not Path(args.profile).exists() and args.profile in DEVICES:
+        return published(args.profile, Shape.of(config.model))
+    if args.profile:
+        return Profile.load(args.profile)
+    from ..launch import run_ranks
+    from ..plan.measure import profile_rank
+
+    print(f"no --profile: measuring one for {config.world_size} {config.backend} ranks first (portapipe profile)", file=sys.stderr)
+    return Profile.from_dict(run_ranks(profile_rank, config.world_size, config.to_dict(), 5, 1, backend=config.backend, backend_options=config.backend_options))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import load_config
+    from ..plan.imbalance import LoadsError, read_loads
+    from ..plan.planner import plan
+    from ..plan.profile import ProfileError
+    from ..plan.report import best_yaml, parse_bytes, plot, row, summary, table
+
+    if args.rules:
+        from ..plan.rules import table as rule_table
+
+        for r in rule_table():
+            print(f"{r['name']:<32} {r['scope']:<9} {r['severity']:<6} {r['reason']}")
+        return 0
+    if args.devices is None:
+        return _fail("--devices is required: the number of devices to plan for")
+    if args.devices < 1:
+        return _fail(f"--devices: {args.devices}; give the number of devices (>= 1)")
+    if args.top < 1:
+        return _fail(f"--top: {args.top}; show at least 1 row")
+    try:
+        budget = parse_bytes(args.memory) if args.memory is not None else None
+    except ValueError as err:
+        return _fail(str(err))
+    config = load_config(args.config, args.set)
+    try:
+        loads = read_loads(args.loads) if args.loads else None
+        profile = _profile(args, config)
+    except (ProfileError, LoadsError) as err:
+        return _fail(str(err))
+    if loads is not None and len(loads[0]) != config.model.n_experts:
+        return _fail(f"--loads: {args.loads} has {len(loads[0])} experts per layer, the model {config.model.n_experts}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return _fail("--plot needs matplotlib: pip install 'portapipe[viz]'")
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None and total >= 2000:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="plan", unit="setup", file=sys.stderr, mininterval=0.5, leave=False)
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    try:
+        result = plan(config, args.devices, budget, profile, loads=loads, keep=args.top, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    best = result.ranked[0] if result.ranked else None
+    if args.json:
+        print(json.dumps({
+            "devices": args.devices, "memory_bytes": budget, "profile": profile.source, "considered": result.considered,
+            "dropped": result.dropped, "ranked": [row(c) for c in result.ranked[: args.top]], "user": row(result.user),
+        }))
+    else:
+        print(f"model: {config.model.n_layers} layers, {config.model.n_experts} experts top-{config.model.top_k}, hidden {config.model.hidden}; "
+              f"global batch {result.user.setup.global_batch} sequences of {config.model.seq_len}; profile: {profile.source}")
+        for line in summary(result):
+            print(line)
+        if result.ranked:
+            print(table(result, args.top))
+    if best is None:
+        print("portapipe plan: no setup fits; see the reasons above", file=sys.stderr)
+        return 1
+    if args.out:
+        Path(args.out).write_text(best_yaml(result, best))
+        if not args.json:
+            print(f"wrote {args.out}")
+    if args.plot:
+        plot(result, args.plot)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="rank schedules, layouts, micro-batch counts and memory options for a device count and memory budget",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", help="YAML config file (its model, batch, balancer and backend are kept)")
+    p.add_argument("--devices", type=int, help="devices to plan for (required)")
+    p.add_argument("--memory", help="memory per device, e.g. 80GiB (default: no budget)")
+    p.add_argument("--profile", help="profile JSON from `portapipe profile`, or a published device: h800")
+    p.add_argument("--loads", help="recorded expert loads (a run's expert_loads.json) for the expert imbalance")
+    p.add_argument("--out", help="write the best setup as a complete config YAML")
+    p.add_argument("--plot", metavar="FILE", help="draw predicted step time against peak memory (.png, .svg, .pdf)")
+    p.add_argument("--top", type=int, default=10, help="rows of the table [10]")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--rules", action="store_true", help="print the compatibility rules (name, scope, severity, reason) and exit")
+    p.set_defaults(func=run)

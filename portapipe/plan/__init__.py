@@ -1,0 +1,11 @@
+"""Planning: which schedule, layout, micro-batch count and memory option fit a memory budget.
+
+- :mod:`.rules`: the compatibility rules, one table, used by config validation and the planner;
+- :mod:`.shape`: what the model holds and computes per part (parameters, FLOPs, saved bytes);
+- :mod:`.profile`: measured (``portapipe profile``) or published per-part costs of a device;
+- :mod:`.programs`: a stage's forward and backward as the executor runs them, part by part;
+- :mod:`.memory_model` / :mod:`.time_model`: per-rank peak memory and step time of one setup;
+- :mod:`.planner`: enumerate setups, drop what breaks a rule or the budget, rank the rest.
+
+See docs/plan.md.
+"""

@@ -1,0 +1,336 @@
+"""Per-rank peak memory of one setup: what is static plus what the schedule keeps in flight.
+
+Static, per pipeline rank: the parameters of every block the rank holds (DualPipe: two blocks,
+each also held by another rank; routed experts: ``n_experts / ep`` plus the balancer's redundant
+slots), their gradients (same dtype), AdamW's two moments and step counters, the model's
+buffers.
+
+In flight: each rank's lowered action list is walked in order, and each compute action through
+its stage program (:mod:`.programs`), part by part; an F&B interleaves its two programs as the
+executor does. Two running totals:
+
+- ``saved``: what autograd keeps for backward, byte for byte what
+  :class:`~portapipe.memory.accounting.SavedActivations` counts (the rotary tables count once per
+  block while any micro-batch of it is held, as the accounting's storage de-duplication does);
+  recompute's replays count while they last;
+- ``held``: ``saved`` plus what only an allocator sees: part outputs and exchange buffers the
+  tape keeps until the backward, posted receive buffers, every tensor sent (the executor keeps
+  them until the step ends), deferred weight gradients between B and W (an estimate).
+
+The step's peak is the larger of the walk's peak and what is left at its end plus the gradient
+reductions' flat copies and the optimizer's temporaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..scheduling.ir import Action, Kind, Schedule
+from .programs import Programs, StageSpec, interleave, stage_specs
+from .shape import Shape, block_params, layer_buffer_bytes, wqueue_bytes
+from .time_model import _block_count, _block_params
+
+
+@dataclass
+class _Walk:
+    """One rank's action list as arrays over its compute steps (see :meth:`MemoryModel._compile`)."""
+
+    keys: list[tuple]  # per step type: the halves' (kind, stage); type 0 runs no ops
+    tid: torch.Tensor  # step -> type
+    posts: torch.Tensor  # stage-sized buffers posted before the step (receives, sent gradients)
+    consume: torch.Tensor  # received inputs that become a stage's saved input (negative counts)
+    release: torch.Tensor  # received output gradients used up by the step's backwards (negative)
+    rope_on: torch.Tensor  # [step, block]: the block's first micro-batch in flight starts here
+    rope_off: torch.Tensor  # [step, block]: its last one ends here
+    wq: torch.Tensor  # [step, stage]: deferred weight gradients queued (+1) or run (-1)
+    blocks: list[int]
+    stages: list[int]
+    most: int  # most micro-batch chunks held at once
+
+
+@dataclass
+class RankMemory:
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    buffers: float = 0.0
+    saved_peak: float = 0.0  # activations saved for backward (the accounting's figure)
+    held_peak: float = 0.0  # everything the schedule keeps in flight, at its peak
+    post: float = 0.0  # transient after the schedule (reductions, optimizer)
+    microbatches_peak: int = 0  # most micro-batch chunks held at once
+
+    @property
+    def static(self) -> float:
+        return self.params + self.grads + self.optimizer + self.buffers
+
+    @property
+    def total(self) -> float:
+        return self.static + max(self.held_peak, self.post)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "params": self.params, "grads": self.grads, "optimizer": self.optimizer, "buffers": self.buffers,
+            "saved_peak": self.saved_peak, "held_peak": self.held_peak, "post": self.post, "total": self.total,
+            "microbatches_peak": self.microbatches_peak,
+        }
+
+
+@dataclass
+class MemoryReport:
+    ranks: list[RankMemory] = field(default_factory=list)
+    over: int | None = None  # the pipeline rank found over a budget (then ``ranks`` may be partial)
+    over_total: float = 0.0  # and what it needs
+
+    @property
+    def peak(self) -> float:
+        return max(r.total for r in self.ranks)
+
+    @property
+    def worst_rank(self) -> int:
+        if self.over is not None:
+            return self.over
+        return max(range(len(self.ranks)), key=lambda i: self.ranks[i].total)
+
+
+def static_memory(setup: Any, schedule: Schedule, rank: int) -> RankMemory:
+    """Parameters, gradients, AdamW state and buffers of pipeline rank ``rank``."""
+    s = setup.shape
+    bal = getattr(setup, "balancer", None)
+    redundant = bal.redundant if bal is not None and bal.kind != "none" else 0
+    return _static(s, tuple(schedule.blocks_of(rank)), schedule.n_blocks, s.n_experts // setup.ep + redundant, s.n_experts + redundant * setup.ep)
+
+
+@functools.lru_cache(maxsize=8192)
+def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, slots: int) -> RankMemory:
+    from ..models.moe import layer_range
+
+    mem = RankMemory()
+    elements = tensors = 0
+    for b in blocks:
+        c = _block_params(s, b, n_blocks, local_slots)
+        elements += c.elements
+        tensors += c.tensors
+        first, last = layer_range(s.n_layers, n_blocks, b)
+        mem.buffers += sum(layer_buffer_bytes(s, i, slots) for i in range(first, last))
+    mem.params = mem.grads = float(elements * s.e)
+    mem.optimizer = float(2 * elements * s.e + 4 * tensors)  # exp_avg, exp_avg_sq; a float32 step per tensor
+    return mem
+
+
+class MemoryModel:
+    """Peak memory per pipeline rank of ``setup`` running ``schedule`` (lowered)."""
+
+    def __init__(
+        self, setup: Any, schedule: Schedule, imbalance: float = 1.0, programs: Programs | None = None,
+        walks: dict | None = None, lists: list[list[Any]] | None = None, specs: list[StageSpec] | None = None,
+    ) -> None:
+        """``schedule`` is lowered, or its lowered ``lists`` are given (a
+        :func:`~portapipe.scheduling.comms.plan`, posts as light tuples). ``programs`` may be shared
+        by setups with the same micro-batch size and imbalance, and ``walks`` (compiled action
+        lists, by schedule and rank) by setups with the same schedule."""
+        self.walks: dict = {} if walks is None else walks
+        self.lists = lists if lists is not None else schedule.actions
+        self.setup, self.schedule = setup, schedule
+        self.shape = s = setup.shape
+        self.tokens = setup.micro_batch_size * setup.model.seq_len
+        self.programs = programs or Programs.of(setup, imbalance)
+        self.rows = self.programs.R
+        self.specs = specs if specs is not None else stage_specs(setup, schedule)
+        self.switching = setup.ep > 1 and setup.overlap
+        self.act = float(self.tokens * s.hidden * s.e)  # one stage input / output / gradient
+        self._rope: dict[StageSpec, float] = {}
+
+    def _wqueue(self, spec: StageSpec) -> float:
+        cache = self.programs.wqueue
+        if spec not in cache:
+            ops = self.programs.weights(spec)
+            cache[spec] = sum(wqueue_bytes(self.shape, op[1], self.tokens, op[3]) for op in ops)
+        return cache[spec]
+
+    def _rope_bytes(self, spec: StageSpec) -> float:
+        if spec not in self._rope:
+            kept = [o for o in spec.options if o != "recompute_full"]
+            self._rope[spec] = float(len(kept) * self.shape.rope_bytes())
+        return self._rope[spec]
+
+    def _program_stats(self, r: int, halves: tuple[Any, ...]) -> tuple[float, float, float, float]:
+        """(saved delta, held delta, highest saved, highest saved + held) over the ops of one
+        compute action on rank ``r``, relative to where it starts."""
+        sched = self.schedule
+
+        def ops_of(half: Any) -> list[tuple]:
+            spec = self.specs[half.stage]
+            if half.kind is Kind.F:
+                return self.programs.forward(spec)
+            return self.programs.backward(spec, "B" if half.kind is Kind.B else "BW")
+
+        if len(halves) == 2:
+            merged = interleave(ops_of(halves[0]), ops_of(halves[1]), self.switching)
+        else:
+            merged = [(0, op) for op in ops_of(halves[0])]
+        saved = held = top_s = top_t = 0.0
+        for prog, op in merged:
+            if op[0] != "C":
+                continue
+            if op[1] == "output":
+                half = halves[prog]
+                nxt = sched.next_stage(half.stage)
+                if nxt is not None and sched.stage_rank[nxt] == r:
+                    continue  # handed to this rank's next stage, which saves it: counted there
+                if op[5] < 0:
+                    continue  # the send list keeps the stage output until the step ends
+            saved += op[4]
+            held += op[5]
+            top_s = max(top_s, saved)
+            top_t = max(top_t, saved + held)
+        return saved, held, top_s, top_t
+
+    def _compile(self, r: int) -> _Walk:
+        """Rank ``r``'s action list as arrays the walk evaluates for any memory option."""
+        sched = self.schedule
+        blocks = sorted({sched.stage_block[v] for v in sched.stages_of(r)})
+        stages = sched.stages_of(r)
+        bcol = {b: i for i, b in enumerate(blocks)}
+        vcol = {v: i for i, v in enumerate(stages)}
+        cross_in = {v: not sched.is_first(v) and sched.stage_rank[sched.prev_stage(v)] != r for v in stages}
+        cross_out = {v: not sched.is_last(v) and sched.stage_rank[sched.next_stage(v)] != r for v in stages}
+        keys: dict[tuple, int] = {(): 0}  # type 0: no ops (a W, the end)
+        tid: list[int] = []
+        posts: list[float] = []
+        consume: list[float] = []
+        release: list[float] = []
+        rope_on: list[tuple[int, int]] = []  # (step, block column): the block's first micro-batch in flight
+        rope_off: list[tuple[int, int]] = []
+        wq: list[tuple[int, int, float]] = []  # (step, stage column, +1 queued / -1 run)
+        inflight = [0] * len(blocks)
+        pending = 0.0
+        held_mbs = most = 0
+        for a in self.lists[r]:
+            k = a[0] if a.__class__ is tuple else a.kind  # posts may come as (Kind, stage, mb)
+            if k is Kind.RECV_F or k is Kind.RECV_B or k is Kind.SEND_B:
+                pending += 1  # a posted receive; a sent input gradient (kept until the step ends)
+                continue
+            if k is Kind.SEND_F:
+                continue  # the stage output, already held
+            i = len(tid)
+            posts.append(pending)
+            pending = 0.0
+            if k is Kind.W:
+                tid.append(0)
+                consume.append(0.0)
+                release.append(0.0)
+                wq.append((i, vcol[a.stage], -1.0))
+                continue
+            halves = a.pair if a.pair is not None else (a,)
+            key = tuple((h.kind, h.stage) for h in halves)
+            tid.append(keys.setdefault(key, len(keys)))
+            took = gave = 0.0
+            for h in halves:
+                b = bcol[sched.stage_block[h.stage]]
+                if h.kind is Kind.F:
+                    took -= cross_in[h.stage]  # the received input becomes the stage's (saved) input
+                    if inflight[b] == 0:
+                        rope_on.append((i, b))
+                    inflight[b] += 1
+                    held_mbs += 1
+                    most = max(most, held_mbs)
+                else:
+                    gave -= cross_out[h.stage]  # the received output gradient is used up
+                    inflight[b] -= 1
+                    held_mbs -= 1
+                    if inflight[b] == 0:
+                        rope_off.append((i, b))
+                    if h.kind is Kind.B:
+                        wq.append((i, vcol[h.stage], 1.0))
+            consume.append(took)
+            release.append(gave)
+        posts.append(pending)  # trailing posts, after the last step
+        tid.append(0)
+        consume.append(0.0)
+        release.append(0.0)
+        n, f64 = len(tid), torch.float64
+
+        def matrix(entries: list, cols: int) -> torch.Tensor:
+            out = torch.zeros(n, cols, dtype=f64)
+            if entries:
+                rows = torch.tensor([e[0] for e in entries])
+                col = torch.tensor([e[1] for e in entries])
+                vals = torch.tensor([e[2] if len(e) > 2 else 1.0 for e in entries], dtype=f64)
+                out.index_put_((rows, col), vals, accumulate=True)
+            return out
+
+        return _Walk(
+            [k for k, _ in sorted(keys.items(), key=lambda kv: kv[1])], torch.tensor(tid), torch.tensor(posts, dtype=f64),
+            torch.tensor(consume, dtype=f64), torch.tensor(release, dtype=f64), matrix(rope_on, len(blocks)),
+            matrix(rope_off, len(blocks)), matrix(wq, len(stages)), blocks, stages, most,
+        )
+
+    def rank(self, r: int) -> RankMemory:
+        s, sched = self.shape, self.schedule
+        mem = dataclasses.replace(static_memory(self.setup, sched, r))  # a copy: the static part is cached
+        walk = self.walks.get((id(sched), r))
+        if walk is None:
+            walk = self.walks[(id(sched), r)] = self._compile(r)
+        # what becomes of a stage's output: loss (last stage), handed over on this rank, or sent
+        out_mode = {
+            v: "last" if sched.is_last(v) else "cross" if sched.stage_rank[sched.next_stage(v)] != r else "here" for v in walk.stages
+        }
+        stats = self.programs.stats
+        table = []
+        for halves in walk.keys:
+            if not halves:
+                table.append((0.0, 0.0, 0.0, 0.0))
+                continue
+            key = tuple((kind, self.specs[v], out_mode[v]) for kind, v in halves) + (self.switching,)
+            st = stats.get(key)
+            if st is None:
+                st = stats[key] = self._program_stats(r, tuple(Action(kind, v, 0) for kind, v in halves))
+            table.append(st)
+        f64 = torch.float64
+        st = torch.tensor(table, dtype=f64)[walk.tid]  # per step: saved delta, held delta, top saved, top total
+        rope = torch.tensor([self._rope_bytes(self._block_spec(b)) for b in walk.blocks], dtype=f64)
+        wqb = torch.tensor([self._wqueue(self.specs[v]) for v in walk.stages], dtype=f64)
+        act = self.act
+        pre_s = walk.rope_on @ rope
+        post_s = -(walk.rope_off @ rope)
+        posts_h = walk.posts * act
+        pre_h = walk.consume * act
+        post_h = walk.release * act + walk.wq @ wqb
+        ds = pre_s + st[:, 0] + post_s
+        dh = posts_h + pre_h + st[:, 1] + post_h
+        s_end, h_end = torch.cumsum(ds, 0), torch.cumsum(dh, 0)
+        s_start, h_start = s_end - ds, h_end - dh
+        mem.saved_peak = max(0.0, float((s_start + pre_s + st[:, 2]).max()))
+        tops = torch.stack([s_start + h_start + posts_h, s_start + h_start + posts_h + pre_s + pre_h + st[:, 3], s_end + h_end])
+        mem.held_peak = max(0.0, float(tops.max()))
+        mem.microbatches_peak = walk.most
+        # after the schedule: flat gradient copies for the reductions (DualPipe: mine, theirs, sum)
+        # and AdamW's foreach temporaries (about one parameter-sized buffer)
+        c = [_block_count(self.setup, s, b, sched.n_blocks) for b in sched.blocks_of(r)]
+        shared = sum(x.elements - x.expert_elements for x in c) * s.e
+        experts = sum(x.expert_elements for x in c) * s.e
+        swap = 3 * max((x.elements for x in c), default=0) * s.e if sched.name == "dualpipe" else 0
+        mem.post = float(s_end[-1] + h_end[-1]) + max(swap, shared, experts) + mem.params
+        return mem
+
+    def _block_spec(self, block: int) -> StageSpec:
+        return next(spec for v, spec in enumerate(self.specs) if self.schedule.stage_block[v] == block)
+
+    def report(self, budget: float | None = None) -> MemoryReport:
+        """Every pipeline rank's memory. With a ``budget``, stop at the first rank over it (the
+        report then holds the ranks seen)."""
+        order = list(range(self.schedule.n_ranks))  # the first ranks hold the most in the 1F1B family
+        ranks: dict[int, RankMemory] = {}
+        for r in order:
+            ranks[r] = self.rank(r)
+            if budget is not None and ranks[r].total > budget:
+                return MemoryReport([ranks[q] for q in sorted(ranks)], over=r, over_total=ranks[r].total)
+        return MemoryReport([ranks[q] for q in range(self.schedule.n_ranks)])
+
+
+__all__ = ["MemoryModel", "MemoryReport", "RankMemory", "static_memory", "block_params"]

@@ -1,0 +1,325 @@
+"""Enumerate setups for a device count, drop what breaks a rule or the memory budget, rank the rest.
+
+The global batch (sequences per step) stays the user's: every dp x ep rank of a stage runs its
+own micro-batches, so a layout with ``r`` = dp x ep replicas runs ``m`` micro-batches of ``b``
+sequences with ``r * m * b`` equal to the user's. Enumerated: pp x ep x dp layouts of the
+devices, the five schedules (interleaved with the user's chunk count), every micro-batch count
+that divides a replica's share, and the memory options (off, zero-memory level0 / level1,
+recompute moe / full, and full recompute of each stage's first layer with level1 on the rest).
+
+Each candidate is checked against the rule table first, then its per-rank peak memory
+(:mod:`.memory_model`) against the budget; only then is its step time simulated
+(:mod:`.time_model`), best bounds first: a candidate whose time cannot beat the ``keep``-th best
+found so far (the busiest rank's work is a lower bound) is not simulated.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..scheduling import comms
+from ..scheduling.ir import Schedule
+from ..scheduling.schedules import NAMES, build, without_w_split
+from .imbalance import imbalance
+from .memory_model import MemoryModel, MemoryReport, static_memory
+from .profile import Profile
+from .programs import Programs, StageSpec, stage_specs
+from .rules import broken
+from .setup import Setup
+from .time_model import TimeModel, TimeReport
+
+PLANNED = ("layout", "schedule", "memory", "balancer")  # rule scopes a candidate can break
+MEMORY_OPTIONS: tuple[dict[str, Any], ...] = (
+    {},
+    {"zero_memory": "level0"},
+    {"zero_memory": "level1"},
+    {"recompute": "moe"},
+    {"recompute": "full"},
+    {"recompute": "full", "recompute_layers": 1, "zero_memory": "level1"},
+)
+
+
+@dataclass
+class Candidate:
+    setup: Setup
+    problems: list[str] = field(default_factory=list)  # why it was dropped (empty: kept)
+    memory: MemoryReport | None = None
+    time: TimeReport | None = None
+    bound_s: float = 0.0  # lower bound of the step time (the busiest rank's work)
+    model: Any = field(default=None, repr=False, compare=False)  # its time model, until it is simulated
+
+    @property
+    def kept(self) -> bool:
+        return not self.problems
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.setup.global_batch * self.setup.model.seq_len
+
+
+@dataclass
+class PlanResult:
+    base: Any  # the user's Config
+    devices: int
+    memory_bytes: float | None
+    ranked: list[Candidate]  # kept and timed, fastest first
+    dropped: dict[str, int]  # reason -> candidates dropped for it
+    considered: int
+    user: Candidate  # the user's own setup, judged the same way
+    not_timed: int = 0  # kept but provably slower than the ranked ones
+
+    def config_of(self, c: Candidate) -> Any:
+        """The complete config of a candidate: the user's with the candidate's keys set."""
+        from ..config import config_from_dict
+
+        raw = copy.deepcopy(self.base.to_dict())
+        for dotted, value in c.setup.overrides().items():
+            section, key = dotted.split(".")
+            raw[section][key] = value
+        return config_from_dict(raw)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def microbatch_counts(share: int, least: int, also: int | None = None) -> list[int]:
+    """Micro-batch counts to try for a replica's ``share`` of sequences: divisors of it from
+    ``least`` up, each at least twice the one before (the bubble's share halves each time), and
+    the largest; ``also`` (the user's count) when it divides."""
+    picked: list[int] = []
+    target = least
+    divs = [d for d in _divisors(share) if d >= least]
+    for d in divs:
+        if d >= target:
+            picked.append(d)
+            target = 2 * d
+    if divs and divs[-1] not in picked:
+        picked.append(divs[-1])
+    if also is not None and share % also == 0 and also not in picked:
+        picked.append(also)
+    return sorted(picked)
+
+
+def _least_microbatches(name: str, pp: int) -> int:
+    return 2 * pp if name in ("dualpipe", "dualpipev") else pp
+
+
+def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
+    """Every layout, schedule, micro-batch count and memory option for ``devices`` that keeps the user's global batch."""
+    g = user.global_batch
+    m = user.model
+    moe = m.n_layers > m.n_dense
+    options = MEMORY_OPTIONS if moe else (MEMORY_OPTIONS[0], MEMORY_OPTIONS[4])
+    chunks = sorted({2, user.chunks})
+    for pp in _divisors(devices):
+        for ep in _divisors(devices // pp):
+            if m.n_experts % ep:
+                continue
+            dp = devices // (pp * ep)
+            if g % (dp * ep):
+                continue
+            share = g // (dp * ep)  # sequences per replica per step
+            for name in NAMES:
+                for v in chunks if name == "interleaved" else (user.chunks,):
+                    for mb in microbatch_counts(share, _least_microbatches(name, pp), user.microbatches):
+                        for opt in options:
+                            yield user.replace(
+                                pp=pp, ep=ep, dp=dp, world_size=None, schedule=name, chunks=v, microbatches=mb,
+                                micro_batch_size=share // mb, zero_memory=opt.get("zero_memory", "off"),
+                                zero_memory_layers=None, recompute=opt.get("recompute", "none"),
+                                recompute_layers=opt.get("recompute_layers"),
+                            )
+
+
+class _Context:
+    """What candidates share: schedules, placements, stage programs and action times."""
+
+    def __init__(self, profile: Profile, imb: Callable[[int], float]) -> None:
+        self.profile, self.imb = profile, imb
+        self._schedules: dict[tuple, Schedule | str] = {}
+        self._placements: dict[tuple, Schedule | str] = {}
+        self._programs: dict[tuple, Programs] = {}
+        self._times: dict[tuple, dict] = {}
+        self._counts: dict[int, list[list[tuple[Any, int]]]] = {}
+        self.walks: dict = {}  # the memory model's compiled action lists, by (schedule, rank)
+        self._specs: dict[tuple, list[StageSpec]] = {}
+
+    def specs(self, x: Setup, sched: Schedule) -> list[StageSpec]:
+        """Each virtual stage's layers and memory options (placement and option decide them)."""
+        key = (x.schedule, x.pp, x.chunks, x.zero_memory, x.zero_memory_layers, x.recompute, x.recompute_layers)
+        if key not in self._specs:
+            self._specs[key] = stage_specs(x, sched)
+        return self._specs[key]
+
+    def schedule(self, x: Setup) -> tuple[Schedule, list[list[Any]]] | str:
+        """The schedule and its lowered lists (posts as light tuples: the models read both)."""
+        key = (x.schedule, x.pp, x.microbatches, x.chunks, x.w_split)
+        if key not in self._schedules:
+            try:
+                s = build(x.schedule, x.pp, x.microbatches, x.chunks)
+                s = s if x.w_split else without_w_split(s)
+                self._schedules[key] = (s, comms.plan(s))
+            except (ValueError, TypeError) as exc:
+                self._schedules[key] = f"schedule: {exc}"
+        return self._schedules[key]
+
+    def placement(self, x: Setup) -> Schedule | str:
+        """A schedule with the fewest micro-batches: which blocks each rank holds."""
+        key = (x.schedule, x.pp, x.chunks)
+        if key not in self._placements:
+            try:
+                self._placements[key] = build(x.schedule, x.pp, _least_microbatches(x.schedule, x.pp), x.chunks)
+            except (ValueError, TypeError) as exc:
+                self._placements[key] = f"schedule: {exc}"
+        return self._placements[key]
+
+    def programs(self, x: Setup) -> Programs:
+        key = (x.micro_batch_size, x.ep)
+        if key not in self._programs:
+            self._programs[key] = Programs.of(x, self.imb(x.ep))
+        return self._programs[key]
+
+    def time_model(self, x: Setup, sched: Schedule, lists: list[list[Any]]) -> TimeModel:
+        key = (x.micro_batch_size, x.ep, x.overlap)
+        cache = self._times.setdefault(key, {})
+        return TimeModel(x, self.profile, sched, self.imb(x.ep), programs=self.programs(x), cache=cache, lists=lists, specs=self.specs(x, sched))
+
+    def busy(self, tm: TimeModel, sched: Schedule) -> float:
+        """The busiest rank's work: a lower bound of the pipeline's makespan."""
+        if id(sched) not in self._counts:  # one action of each kind and stage(s), and how many there are
+            per_rank = []
+            for acts in sched.actions:
+                kinds: dict[tuple, list[Any]] = {}
+                for a in acts:
+                    if a.kind.is_compute:
+                        key = tuple((h.kind, h.stage) for h in a.halves())
+                        kinds.setdefault(key, [a, 0])[1] += 1
+                per_rank.append([(a, n) for a, n in kinds.values()])
+            self._counts[id(sched)] = per_rank
+        worst = 0.0
+        for r, counts in enumerate(self._counts[id(sched)]):
+            worst = max(worst, sum(n * tm.action(a).wall for a, n in counts) + tm.posts_per_rank[r])
+        return worst
+
+
+def _reason(line: str) -> str:
+    """A problem line without its values, to count candidates per reason."""
+    return line.split(":")[0]
+
+
+def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context) -> Candidate:
+    """Rules, then memory (parameters first, then the schedule's activations); a time bound.
+    The time itself is left to :func:`plan`."""
+    c = Candidate(x)
+    for _rule, lines in broken(x, PLANNED):  # the model, train and backend rules hold for every candidate
+        c.problems += lines
+    if c.problems:
+        return c
+    place = ctx.placement(x)
+    if isinstance(place, str):
+        c.problems.append(place)
+        return c
+    if memory_bytes is not None:
+        static = max(static_memory(x, place, r).static for r in range(place.n_ranks))
+        if static > memory_bytes:
+            c.problems.append(f"memory: parameters, gradients and optimizer state alone need {gib(static)} > budget {gib(memory_bytes)}")
+            return c
+    built = ctx.schedule(x)
+    if isinstance(built, str):
+        c.problems.append(built)
+        return c
+    sched, lists = built
+    c.memory = MemoryModel(
+        x, sched, ctx.imb(x.ep), programs=ctx.programs(x), walks=ctx.walks, lists=lists, specs=ctx.specs(x, sched)
+    ).report(memory_bytes)
+    if c.memory.over is not None:
+        c.problems.append(f"memory: pipeline rank {c.memory.over} needs {gib(c.memory.over_total)} > budget {gib(memory_bytes)}")
+        return c
+    tm = ctx.time_model(x, sched, lists)
+    c.bound_s = ctx.busy(tm, sched) + tm.post_step()
+    c.model = tm
+    return c
+
+
+def gib(nbytes: float) -> str:
+    """A byte count for people: GiB, or MiB / KiB / bytes when smaller."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def plan(
+    config: Any,
+    devices: int,
+    memory_bytes: float | None,
+    profile: Profile,
+    loads: list[list[float]] | None = None,
+    keep: int = 10,
+    progress: Callable[[int, int], None] | None = None,
+) -> PlanResult:
+    """Rank every setup of ``config``'s model on ``devices`` by predicted step time.
+
+    ``loads`` (recorded expert loads) set the expert imbalance; default: the profile's.
+    ``progress(done, total)`` is called as candidates are evaluated.
+    """
+    user = Setup.from_config(config)
+    loads = loads if loads is not None else profile.loads
+    cache: dict[int, float] = {}
+
+    def imb(ep: int) -> float:
+        if ep not in cache:
+            cache[ep] = imbalance(loads, ep, config.balancer, config.model.n_groups) if loads else 1.0
+        return cache[ep]
+
+    ctx = _Context(profile, imb)
+    setups = list(enumerate_setups(user, devices))
+    if user.devices == devices and user not in setups:
+        setups.append(user)
+    total = len(setups)
+    kept: list[Candidate] = []
+    dropped: dict[str, int] = {}
+    user_c: Candidate | None = None
+    for i, x in enumerate(setups):
+        c = evaluate(x, memory_bytes, ctx)
+        if x == user:
+            user_c = c
+        if c.kept:
+            kept.append(c)
+        else:
+            reason = _reason(c.problems[0])
+            dropped[reason] = dropped.get(reason, 0) + 1
+        if progress is not None and (i % 64 == 0 or i == total - 1):
+            progress(i + 1, total)
+    # simulate best bounds first; stop once a bound cannot beat the keep-th best time
+    kept.sort(key=lambda c: c.bound_s)
+    timed: list[Candidate] = []
+    best: list[float] = []  # the keep fastest times so far, negated (a max-heap)
+    not_timed = 0
+    for c in kept:
+        if len(best) >= keep and c.bound_s >= -best[0] and c is not user_c:
+            not_timed += 1
+            continue
+        c.time = c.model.predict()
+        timed.append(c)
+        heapq.heappush(best, -c.time.step_s)
+        if len(best) > keep:
+            heapq.heappop(best)
+    if user_c is None:  # the user's setup on another device count: judge it on its own
+        user_c = evaluate(user, None, ctx)
+        if user_c.kept:
+            user_c.time = user_c.model.predict()
+    elif user_c.kept and user_c.time is None:
+        user_c.time = user_c.model.predict()
+    timed.sort(key=lambda c: (c.time.step_s, c.memory.peak if c.memory else 0))  # type: ignore[union-attr]
+    for c in kept + timed + [user_c]:
+        c.model = None  # the schedules and caches it holds are not needed any more
+    return PlanResult(config, devices, memory_bytes, timed, dropped, total, user_c, not_timed)
+
+
+__all__ = ["Candidate", "PlanResult", "enumerate_setups", "evaluate", "gib", "plan", "MEMORY_OPTIONS"]

@@ -1,0 +1,235 @@
+"""A device profile: what each part of the model costs on one kind of device, as JSON.
+
+``portapipe profile CONFIG`` measures one (:mod:`.measure`); :func:`published` builds one from
+published figures (H800). A profile holds, for the model shape it was made for:
+
+- ``parts[option][part][phase]``: time of one part as ``fixed_s + per_unit_s * units`` (units:
+  tokens of the micro-batch; routed rows received for ``experts``), phases F (forward), B
+  (input gradient) and W (weight gradient), options ``off``, ``level0``, ``level1``;
+- ``a2a[str(ep)]``, ``p2p``, ``allreduce[str(n)]``: communication as ``latency_s + per_byte_s *
+  bytes`` (an all-to-all counts the bytes a rank sends to the others);
+- ``issue_s[str(ep)]``: what issuing one all-to-all costs the issuing thread;
+- ``optimizer``: AdamW per parameter element; ``part_overhead_s``: the tape's own work per part
+  call (F and B: graph cuts, gradient bookkeeping); ``post_s``: posting one batch of
+  point-to-point transfers; ``action_s``: any further cost per executor action;
+- ``processors``: compute units the ranks of one host share (measured on CPUs; null when every
+  rank has a device of its own);
+- ``saved_bytes[option][part]``: what the accounting measured (``fixed`` + ``per_unit``), beside
+  what :mod:`.shape` predicts;
+- ``loads``: expert loads (tokens per expert per layer) seen while profiling, for imbalance.
+
+:meth:`Profile.for_shape` rescales a profile to another model shape by FLOP count per part and
+phase (fixed costs unchanged): the way a shipped or published profile serves another model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .shape import PARTS, PHASES, Shape, flops
+
+FORMAT = 1
+TIMED_OPTIONS = ("off", "level0", "level1")
+# the parts whose work a memory option changes; every other part costs what it costs with ``off``
+CHANGED_PARTS = {"level0": ("experts", "combine"), "level1": ("experts", "shared", "combine")}
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message says what is wrong."""
+
+
+@dataclass
+class Linear:
+    """``fixed + per_unit * units``."""
+
+    fixed: float = 0.0
+    per_unit: float = 0.0
+
+    def __call__(self, units: float) -> float:
+        return self.fixed + self.per_unit * units
+
+    @classmethod
+    def fit(cls, samples: list[tuple[float, float]]) -> Linear:
+        """Least squares through ``(units, value)`` samples; clamped to be non-negative.
+        With one distinct unit count everything goes to ``per_unit``."""
+        xs = [u for u, _ in samples]
+        if not samples:
+            return cls()
+        n = len(samples)
+        mx, my = sum(xs) / n, sum(v for _, v in samples) / n
+        var = sum((x - mx) ** 2 for x in xs)
+        if var <= 1e-12 * max(mx * mx, 1.0):
+            return cls(0.0, my / mx if mx else 0.0)
+        slope = sum((x - mx) * (v - my) for x, v in samples) / var
+        slope = max(slope, 0.0)
+        fixed = my - slope * mx
+        if fixed < 0:  # no negative overhead: put it all in the slope through the mean
+            return cls(0.0, my / mx if mx else 0.0)
+        return cls(fixed, slope)
+
+
+@dataclass
+class Profile:
+    device: dict[str, Any]
+    torch: str
+    shape: Shape
+    parts: dict[str, dict[str, dict[str, Linear]]]
+    a2a: dict[str, Linear]
+    p2p: Linear
+    allreduce: dict[str, Linear]
+    optimizer: Linear
+    action_s: float = 0.0
+    part_overhead_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
+    post_s: float = 0.0
+    issue_s: dict[str, float] = field(default_factory=dict)  # issuing one all-to-all, per group size
+    processors: float | None = None
+    saved_bytes: dict[str, dict[str, Linear]] = field(default_factory=dict)
+    loads: list[list[float]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    source: str = ""
+
+    # ------------------------------------------------------------------ costs
+    def time(self, part: str, phase: str, option: str, units: float) -> float:
+        """Seconds of ``part`` in ``phase`` (F, B, W; BW = B + W) for ``units`` under ``option``."""
+        if phase == "BW":
+            return self.time(part, "B", option, units) + self.time(part, "W", option, units)
+        if option not in self.parts or part not in CHANGED_PARTS.get(option, ()):
+            option = "off"
+        cost = self.parts[option].get(part, {}).get(phase)
+        if cost is None:
+            return 0.0
+        return cost(units) + self.part_overhead_s.get(phase, 0.0)
+
+    def a2a_time(self, ep: int, nbytes: float) -> float:
+        """An all-to-all over ``ep`` ranks in which this rank sends ``nbytes`` in all (its own
+        share stays local). Measured group sizes are used as they are; another size takes
+        the nearest measured one (a documented limit)."""
+        if ep <= 1 or not self.a2a:
+            return 0.0
+        sizes = sorted(int(k) for k in self.a2a)
+        nearest = min(sizes, key=lambda n: (abs(n - ep), -n))
+        return self.a2a[str(nearest)](nbytes * (ep - 1) / ep)
+
+    def issue_time(self, ep: int) -> float:
+        """What issuing one all-to-all over ``ep`` ranks costs the caller (nearest measured size)."""
+        if ep <= 1 or not self.issue_s:
+            return 0.0
+        sizes = sorted(int(k) for k in self.issue_s)
+        return self.issue_s[str(min(sizes, key=lambda n: (abs(n - ep), -n)))]
+
+    def allreduce_time(self, n: int, nbytes: float) -> float:
+        if n <= 1 or not self.allreduce:
+            return 0.0
+        sizes = sorted(int(k) for k in self.allreduce)
+        nearest = min(sizes, key=lambda k: (abs(k - n), -k))
+        # ring all-reduce moves 2(n-1)/n of the bytes; the fitted size's factor is divided out
+        factor = (2 * (n - 1) / n) / (2 * (nearest - 1) / nearest)
+        cost = self.allreduce[str(nearest)]
+        return cost.fixed + cost.per_unit * nbytes * factor
+
+    # --------------------------------------------------------------- scaling
+    def for_shape(self, shape: Shape) -> Profile:
+        """This profile for another model shape: per-unit times scaled by the FLOPs (bytes for
+        data-moving parts) per unit of each part and phase; fixed costs, communication and
+        the optimizer's per-element time unchanged. The same shape returns ``self``."""
+        if shape == self.shape:
+            return self
+        parts: dict[str, dict[str, dict[str, Linear]]] = {}
+        for option, table in self.parts.items():
+            parts[option] = {}
+            for part, phases in table.items():
+                parts[option][part] = {}
+                for phase, cost in phases.items():
+                    old, new = flops(self.shape, part, phase), flops(shape, part, phase)
+                    ratio = new / old if old > 0 else 1.0
+                    parts[option][part][phase] = Linear(cost.fixed, cost.per_unit * ratio)
+        return Profile(
+            device=dict(self.device), torch=self.torch, shape=shape, parts=parts, a2a=self.a2a, p2p=self.p2p,
+            allreduce=self.allreduce, optimizer=self.optimizer, action_s=self.action_s,
+            part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), processors=self.processors,
+            saved_bytes={}, loads=self.loads, tokens=self.tokens,
+            source=f"{self.source}; scaled by FLOPs from shape {_short(self.shape)} to {_short(shape)}",
+        )
+
+    # ---------------------------------------------------------------------- io
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["format"] = FORMAT
+        return d
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "profile") -> Profile:
+        if not isinstance(d, dict):
+            raise ProfileError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        if d.get("format") != FORMAT:
+            raise ProfileError(f"{where}: format {d.get('format')!r} is not {FORMAT}; make it again with `portapipe profile`")
+        missing = [k for k in ("device", "torch", "shape", "parts", "a2a", "p2p", "allreduce", "optimizer") if k not in d]
+        if missing:
+            raise ProfileError(f"{where}: missing {', '.join(missing)}")
+        try:
+            shape = Shape(**d["shape"])
+            parts = {
+                opt: {part: {ph: _linear(c, f"{where}: parts.{opt}.{part}.{ph}") for ph, c in phases.items()} for part, phases in table.items()}
+                for opt, table in d["parts"].items()
+            }
+            prof = cls(
+                device=dict(d["device"]), torch=str(d["torch"]), shape=shape, parts=parts,
+                a2a={str(k): _linear(v, f"{where}: a2a.{k}") for k, v in d["a2a"].items()},
+                p2p=_linear(d["p2p"], f"{where}: p2p"),
+                allreduce={str(k): _linear(v, f"{where}: allreduce.{k}") for k, v in d["allreduce"].items()},
+                optimizer=_linear(d["optimizer"], f"{where}: optimizer"),
+                action_s=float(d.get("action_s", 0.0)),
+                part_overhead_s={str(k): float(v) for k, v in d.get("part_overhead_s", {"F": 0.0, "B": 0.0}).items()},
+                post_s=float(d.get("post_s", 0.0)),
+                issue_s={str(k): float(v) for k, v in d.get("issue_s", {}).items()},
+                processors=None if d.get("processors") is None else float(d["processors"]),
+                saved_bytes={o: {p: _linear(c, f"{where}: saved_bytes.{o}.{p}") for p, c in t.items()} for o, t in d.get("saved_bytes", {}).items()},
+                loads=[[float(x) for x in row] for row in d.get("loads", [])],
+                tokens=[int(t) for t in d.get("tokens", [])],
+                source=str(d.get("source", "")),
+            )
+        except ProfileError:
+            raise
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:
+            raise ProfileError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
+        if "off" not in prof.parts:
+            raise ProfileError(f"{where}: parts has no 'off' entry (the times without memory options)")
+        unknown = sorted({p for t in prof.parts.values() for p in t} - set(PARTS))
+        if unknown:
+            raise ProfileError(f"{where}: unknown parts {', '.join(unknown)}; known: {', '.join(PARTS)}")
+        bad = sorted({ph for t in prof.parts.values() for phases in t.values() for ph in phases} - set(PHASES))
+        if bad:
+            raise ProfileError(f"{where}: unknown phases {', '.join(bad)}; known: {', '.join(PHASES)}")
+        if prof.processors is not None and prof.processors <= 0:
+            raise ProfileError(f"{where}: processors must be > 0 or null, got {prof.processors}")
+        return prof
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        p = Path(path)
+        if not p.is_file():
+            raise ProfileError(f"--profile: {str(p)!r} does not exist (make one with `portapipe profile CONFIG --out {p}`)")
+        try:
+            data = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ProfileError(f"--profile: {p} is not JSON: {exc}") from None
+        return cls.from_dict(data, where=f"--profile {p}")
+
+
+def _linear(v: Any, where: str) -> Linear:
+    if not isinstance(v, dict) or set(v) - {"fixed", "per_unit"}:
+        raise ProfileError(f"{where}: expected {{\"fixed\": seconds, \"per_unit\": seconds}}, got {v!r}")
+    out = Linear(float(v.get("fixed", 0.0)), float(v.get("per_unit", 0.0)))
+    if out.fixed < 0 or out.per_unit < 0 or out.fixed != out.fixed or out.per_unit != out.per_unit:
+        raise ProfileError(f"{where}: costs must be finite and >= 0, got {v!r}")
+    return out
+
+
+def _short(s: Shape) -> str:
+    return f"h{s.hidden}/w{s.moe_hidden}/E{s.n_experts}/k{s.top_k}/s{s.seq_len}/{s.dtype}"

@@ -1,0 +1,235 @@
+"""A stage's forward and backward as the executor runs them: parts, exchanges, switch points.
+
+The executor runs a stage's forward as a program of parts that yields at each expert
+all-to-all (:mod:`portapipe.scheduling.overlap`); its backward walks the recorded parts in
+reverse, issuing each reverse exchange and waiting only when the part needing its gradient
+comes up. This module writes those programs down as op lists, from the model's shape and each
+layer's memory option, so the memory and time models follow the same order the executor does:
+
+- ``("C", part, phase, units, saved, held, timing)``: a part's compute (phase F, B, BW or W;
+  ``units`` tokens, or routed rows for ``experts``), the bytes it adds (forward, replay) or
+  releases (backward, negative) in what autograd saves and in what the tape holds besides, and
+  the memory option whose measured time applies (``off``, ``level0``, ``level1``);
+- ``("I", key, nbytes)``: an exchange issued (``nbytes`` sent by this rank);
+- ``("Y", key)``: the program yields after issuing it: an F&B switches to the other program;
+- ``("A", key)``: the program waits for the exchange.
+
+:func:`interleave` merges a forward and a backward program the way
+:func:`~portapipe.scheduling.overlap.run_pair` does; with one EP rank exchanges are plain copies
+that are never in flight, so the pair runs one program after the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from dataclasses import dataclass
+
+from .shape import Shape, held_bytes, saved_bytes
+
+Op = tuple
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One model block as placed on a rank: its layers and their memory options."""
+
+    layers: tuple[int, ...]
+    options: tuple[str, ...]  # per layer: off, level0, level1, recompute_moe, recompute_full
+    first: bool  # holds the embedding
+    last: bool  # holds the head and the loss
+
+
+class Programs:
+    """Op lists of the stages of one setup, per micro-batch of ``tokens`` tokens whose EP rank
+    receives ``rows`` routed rows per MoE layer (``slots`` grouped-matmul groups)."""
+
+    def __init__(self, shape: Shape, tokens: int, rows: float, slots: int | None = None) -> None:
+        self.s, self.T, self.R, self.slots = shape, tokens, rows, slots
+        self._cache: dict[tuple[StageSpec, str], list[Op]] = {}
+        self.stats: dict[tuple, tuple[float, float, float, float]] = {}  # the memory model's, per program
+        self.wqueue: dict[StageSpec, float] = {}  # the memory model's, per stage
+
+    @classmethod
+    def of(cls, setup: Any, imbalance: float = 1.0) -> Programs:
+        """The programs of ``setup``'s model and micro-batch, the busiest EP rank receiving
+        ``imbalance`` times the mean routed rows."""
+        m = setup.model
+        tokens = setup.micro_batch_size * m.seq_len
+        bal = getattr(setup, "balancer", None)
+        slots = m.n_experts + bal.redundant * setup.ep if bal is not None and bal.kind != "none" else None
+        return cls(setup.shape, tokens, tokens * m.top_k * imbalance, slots)
+
+    # ------------------------------------------------------------------ parts
+    def _c(self, part: str, phase: str, option: str, sign: int, layer_key: int = 0) -> Op:
+        s, T, R = self.s, self.T, self.R
+        units = R if part == "experts" else T
+        saved = saved_bytes(s, part, option, T, R, self.slots)
+        held = held_bytes(s, part, option, T, R)
+        return ("C", part, phase, units, sign * saved, sign * held, option if option in ("level0", "level1") else "off")
+
+    def _moe_forward(self, layer: int, option: str, replay: bool = False) -> list[Op]:
+        """Dispatch -> experts -> combine -> shared expert -> combine part, as ``moe_program``.
+        ``replay``: the recompute replay, which saves what ``off`` saves."""
+        s, T, R, e, h = self.s, self.T, self.R, self.s.e, self.s.hidden
+        opt = "off" if replay else option
+        ops: list[Op] = [
+            ("I", ("dw", layer), T * s.top_k * e),
+            ("I", ("d", layer), T * s.top_k * h * e),
+            ("Y", ("d", layer)),
+            ("A", ("d", layer)),
+            ("A", ("dw", layer)),
+            self._c("experts", "F", opt, 1),
+            ("I", ("c", layer), R * h * e),
+            ("Y", ("c", layer)),
+        ]
+        if s.n_shared:
+            ops.append(self._c("shared", "F", opt, 1))
+        ops += [("A", ("c", layer)), self._c("combine", "F", opt, 1)]
+        return ops
+
+    def _moe_backward(self, layer: int, option: str, phase: str) -> list[Op]:
+        """The reverse walk over the MoE parts (combine, shared, experts) and their exchanges."""
+        s, T, R, e, h = self.s, self.T, self.R, self.s.e, self.s.hidden
+        opt = "off" if option.startswith("recompute") else option
+        ops: list[Op] = []
+        if opt in ("level0", "level1"):  # the re-dispatch starts as the layer's backward begins
+            ops.append(("I", ("r", layer), T * s.top_k * h * e))
+        ops.append(self._c("combine", phase, opt, -1))
+        if s.n_shared:
+            ops.append(self._c("shared", phase, opt, -1))
+        ops += [("I", ("c'", layer), T * s.top_k * h * e), ("Y", ("c'", layer)), ("A", ("c'", layer))]
+        if opt in ("level0", "level1"):
+            ops.append(("A", ("r", layer)))
+        ops += [
+            self._c("experts", phase, opt, -1),
+            ("I", ("d'", layer), R * h * e),
+            ("Y", ("d'", layer)),
+            ("I", ("dw'", layer), R * e),
+            ("Y", ("dw'", layer)),
+            ("A", ("d'", layer)),
+            ("A", ("dw'", layer)),
+        ]
+        return ops
+
+    def _attention(self, layer: int, option: str) -> list[Op]:
+        """The attention part, with the routing's blocking exchange of per-expert row counts."""
+        counts = ("n", layer)
+        return [self._c("attention", "F", option, 1), ("I", counts, self.s.n_experts * 8), ("A", counts)]
+
+    def _layer_forward(self, layer: int, option: str) -> list[Op]:
+        if not self.s.is_moe(layer):
+            return [self._c("dense", "F", option, 1)]
+        return self._attention(layer, option) + self._moe_forward(layer, option)
+
+    def _layer_backward(self, layer: int, option: str, phase: str) -> list[Op]:
+        s = self.s
+        ops: list[Op] = []
+        full = option == "recompute_full"
+        if full:  # replay the whole layer, saving as off does, then its backward
+            if s.is_moe(layer):
+                ops += self._attention(layer, "off") + self._moe_forward(layer, option, replay=True)
+            else:
+                ops.append(self._c("dense", "F", "off", 1))
+            # the replayed attention saves the layer's rotary tables, which nothing else holds
+            ops.insert(1, ("C", "rope", "F", 0, s.rope_bytes(), 0, "off"))
+            option = "off"
+        if not s.is_moe(layer):
+            ops.append(self._c("dense", phase, option, -1))
+        else:
+            if option == "recompute_moe":
+                ops += self._moe_forward(layer, option, replay=True)
+            ops += self._moe_backward(layer, option, phase)
+            ops.append(self._c("attention", phase, option, -1))
+        if full:  # the rotary tables and the layer input, kept for the replay, are let go
+            kept = held_bytes(s, "attention", "recompute_full", self.T, self.R)
+            ops.append(("C", "input", phase, self.T, -s.rope_bytes(), -kept, "off"))
+        return ops
+
+    # ----------------------------------------------------------------- stages
+    def forward(self, stage: StageSpec) -> list[Op]:
+        key = (stage, "F")
+        if key not in self._cache:
+            ops: list[Op] = [self._c("embed", "F", "off", 1)] if stage.first else []
+            for layer, option in zip(stage.layers, stage.options):
+                ops += self._layer_forward(layer, option)
+            if stage.last:
+                ops.append(self._c("head", "F", "off", 1))
+            else:  # the stage output, held until the backward
+                ops.append(("C", "output", "F", self.T, 0, self.T * self.s.hidden * self.s.e, "off"))
+            self._cache[key] = ops
+        return self._cache[key]
+
+    def backward(self, stage: StageSpec, phase: str) -> list[Op]:
+        """``phase`` B (weight gradients deferred to a W) or BW (computed at once)."""
+        key = (stage, phase)
+        if key not in self._cache:
+            ops: list[Op] = []
+            if stage.last:
+                ops.append(self._c("head", phase, "off", -1))
+            else:
+                ops.append(("C", "output", phase, self.T, 0, -self.T * self.s.hidden * self.s.e, "off"))
+            for layer, option in reversed(list(zip(stage.layers, stage.options))):
+                ops += self._layer_backward(layer, option, phase)
+            if stage.first:
+                ops.append(self._c("embed", phase, "off", -1))
+            self._cache[key] = ops
+        return self._cache[key]
+
+    def weights(self, stage: StageSpec) -> list[Op]:
+        """The W pass: every part's deferred weight gradients, in the order the backward queued them."""
+        key = (stage, "W")
+        if key not in self._cache:
+            self._cache[key] = [("C", op[1], "W", op[3], 0, 0, op[6]) for op in self.backward(stage, "B") if op[0] == "C" and op[2] == "B"]
+        return self._cache[key]
+
+
+def interleave(forward: Sequence[Op], backward: Sequence[Op], switching: bool) -> list[tuple[int, Op]]:
+    """The order :func:`~portapipe.scheduling.overlap.run_pair` runs two programs in, as
+    (program index, op) pairs: each runs until it yields an exchange in flight, then the other
+    resumes. ``switching`` is False when exchanges are never in flight (one EP rank)."""
+    progs = [list(forward), list(backward)]
+    pos = [0, 0]
+    out: list[tuple[int, Op]] = []
+    cur = 0
+    while pos[0] < len(progs[0]) or pos[1] < len(progs[1]):
+        prog, i = progs[cur], pos[cur]
+        other_left = pos[1 - cur] < len(progs[1 - cur])
+        while i < len(prog):
+            op = prog[i]
+            out.append((cur, op))
+            i += 1
+            if op[0] == "Y" and switching and other_left:
+                break
+        pos[cur] = i
+        cur = 1 - cur
+    return out
+
+
+def layer_option(opts: Any) -> str:
+    """A layer's memory option (a :class:`~portapipe.memory.policy.LayerMemory` or None) by name."""
+    if opts is None:
+        return "off"
+    if opts.recompute is not None:
+        return f"recompute_{opts.recompute.mode}"
+    return opts.zero_memory.level if opts.zero_memory is not None else "off"
+
+
+def stage_specs(setup: Any, schedule: Any) -> list[StageSpec]:
+    """Every virtual stage's block, as :class:`StageSpec` (layers, options, embedding, head)."""
+    from ..memory.policy import plan_layers
+    from ..models.moe import layer_range
+
+    m = setup.model
+    n_blocks = schedule.n_blocks
+    specs: dict[int, StageSpec] = {}
+    out = []
+    for v in range(schedule.n_stages):
+        b = schedule.stage_block[v]
+        if b not in specs:
+            first, last = layer_range(m.n_layers, n_blocks, b)
+            layers = tuple(range(first, last))
+            options = tuple(layer_option(o) for o in plan_layers(setup, [i >= m.n_dense for i in layers]))
+            specs[b] = StageSpec(layers, options, b == 0, b == n_blocks - 1)
+        out.append(specs[b])
+    return out

@@ -1,0 +1,132 @@
+"""What `portapipe plan` prints and writes: the table, the user's own setup, the YAML, the plot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from .planner import Candidate, PlanResult, gib
+from .rules import violations
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """``80GiB``, ``80 GB``, ``512MiB``, ``1e9`` -> bytes; ValueError naming the accepted forms."""
+    t = str(text).strip().lower().replace(" ", "")
+    i = len(t)
+    while i > 0 and t[i - 1].isalpha():
+        i -= 1
+    number, unit = t[:i], t[i:]
+    try:
+        value = float(number)
+    except ValueError:
+        value = float("nan")
+    if unit not in UNITS or not value > 0 or value == float("inf"):
+        raise ValueError(f"--memory: {text!r} is not a size; use e.g. 80GiB, 80GB, 512MiB or a number of bytes")
+    return value * UNITS[unit]
+
+
+def row(c: Candidate) -> dict[str, Any]:
+    x, t, m = c.setup, c.time, c.memory
+    out: dict[str, Any] = {
+        "schedule": x.schedule + (f" v{x.chunks}" if x.schedule == "interleaved" else ""),
+        "layout": f"{x.pp}x{x.ep}x{x.dp}",
+        "pp": x.pp, "ep": x.ep, "dp": x.dp, "microbatches": x.microbatches, "micro_batch_size": x.micro_batch_size,
+        "memory_option": x.memory_label(),
+    }
+    if t is not None:
+        out.update(step_s=t.step_s, tokens_per_s=c.tokens_per_step / t.step_s if t.step_s > 0 else None, bubble_s=t.bubble_s,
+                   a2a_exposed_s=t.a2a_exposed_s, a2a_s=t.a2a_s)
+    if m is not None:
+        out.update(peak_bytes=m.peak, worst_rank=m.worst_rank, saved_peak_bytes=max(r.saved_peak for r in m.ranks),
+                   params_bytes=max(r.params for r in m.ranks))
+    if c.problems:
+        out["problems"] = list(c.problems)
+    return out
+
+
+def table(result: PlanResult, top: int) -> str:
+    head = f"{'#':>3}  {'schedule':<14} {'pp x ep x dp':<12} {'m x b':<8} {'memory':<24} {'step s':>9} {'tokens/s':>10} {'peak':>11} {'bubble s':>9} {'a2a exp s':>9}"
+    lines = [head, "-" * len(head)]
+    shown = result.ranked[:top]
+    if result.user.kept and result.user not in shown and result.user.time is not None:
+        shown = shown + [result.user]
+    for c in shown:
+        r = row(c)
+        rank = result.ranked.index(c) + 1 if c in result.ranked else "-"
+        mark = " <- your config" if c is result.user else ""
+        lines.append(
+            f"{rank:>3}  {r['schedule']:<14} {r['layout']:<12} {str(r['microbatches']) + 'x' + str(r['micro_batch_size']):<8} "
+            f"{r['memory_option']:<24} {r['step_s']:>9.4g} {r['tokens_per_s']:>10.4g} {gib(r['peak_bytes']):>11} "
+            f"{r['bubble_s']:>9.3g} {r['a2a_exposed_s']:>9.3g}{mark}"
+        )
+    return "\n".join(lines)
+
+
+def summary(result: PlanResult) -> list[str]:
+    """Lines about the enumeration and the user's own setup."""
+    out = []
+    budget = gib(result.memory_bytes) if result.memory_bytes is not None else "no budget"
+    out.append(
+        f"{result.considered} setups on {result.devices} devices ({budget} each): {len(result.ranked) + result.not_timed} fit, "
+        f"{sum(result.dropped.values())} dropped" + (f", {result.not_timed} not simulated (cannot beat the table)" if result.not_timed else "")
+    )
+    for reason, n in sorted(result.dropped.items(), key=lambda kv: -kv[1]):
+        out.append(f"  dropped {n}: {reason}")
+    u = result.user
+    if u.setup.devices != result.devices:
+        out.append(f"your config runs on {u.setup.devices} devices, not {result.devices}; judged on its own:")
+    if u.problems:
+        out.append("your config is dropped: " + "; ".join(u.problems))
+    elif u.time is not None:
+        pos = result.ranked.index(u) + 1 if u in result.ranked else None
+        where = f"ranks {pos} of {len(result.ranked)}" if pos else "is not among the ranked"
+        best = result.ranked[0].time.step_s if result.ranked and result.ranked[0].time else u.time.step_s
+        out.append(f"your config {where}: {u.time.step_s:.4g} s per step ({u.time.step_s / best:.2f}x the best), peak {gib(u.memory.peak)}")  # type: ignore[union-attr]
+    for note in violations(u.setup, severity="note"):
+        out.append(f"note on your config: {note}")
+    return out
+
+
+def best_yaml(result: PlanResult, c: Candidate) -> str:
+    config = result.config_of(c)
+    t = c.time
+    head = (
+        f"# written by `portapipe plan` for {result.devices} devices"
+        + (f" of {gib(result.memory_bytes)}" if result.memory_bytes is not None else "")
+        + (f": predicted {t.step_s:.4g} s per step, peak {gib(c.memory.peak)} per device\n" if t is not None and c.memory is not None else "\n")
+    )
+    return head + yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+def plot(result: PlanResult, path: str) -> None:
+    """Predicted step time against peak memory of every simulated candidate."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'portapipe[viz]'") from None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = sorted({c.setup.schedule for c in result.ranked})
+    for name in names:
+        cs = [c for c in result.ranked if c.setup.schedule == name]
+        ax.scatter([c.memory.peak / 2**30 for c in cs], [c.time.step_s for c in cs], s=14, label=name, alpha=0.7)  # type: ignore[union-attr]
+    if result.ranked:
+        b = result.ranked[0]
+        ax.scatter([b.memory.peak / 2**30], [b.time.step_s], s=120, facecolors="none", edgecolors="black", label="best")  # type: ignore[union-attr]
+    u = result.user
+    if u.time is not None and u.memory is not None:
+        ax.scatter([u.memory.peak / 2**30], [u.time.step_s], marker="x", s=80, color="red", label="your config")
+    if result.memory_bytes is not None:
+        ax.axvline(result.memory_bytes / 2**30, color="grey", linestyle="--", linewidth=1, label="budget")
+    ax.set_xlabel("peak memory per device (GiB)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title(f"portapipe plan: {result.devices} devices, {len(result.ranked)} simulated setups")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

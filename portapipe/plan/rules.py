@@ -1,0 +1,276 @@
+"""Which settings combine: one table of rules, each with its reason.
+
+Config validation (:func:`portapipe.config.load_config`) reports every ``error`` rule a config
+breaks, one line each naming the key; the planner drops every candidate that breaks one and
+says which rules dropped the user's own setup. ``note`` rules never reject a config: they say
+when a combination runs but wastes something (the planner prints them for the user's setup).
+
+A rule's ``check(setup)`` returns its problem lines (none when the rule holds); ``setup`` is a
+:class:`~portapipe.plan.setup.Setup` (config validation builds one from the config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .setup import DUALPIPE_FAMILY, Setup
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    scope: str  # layout | schedule | model | memory | balancer | backend | train
+    reason: str
+    check: Callable[[Setup], list[str]]
+    severity: str = "error"  # error: the setup cannot run; note: it runs, but see the reason
+
+
+def _one(cond: bool, line: str) -> list[str]:
+    return [line] if cond else []
+
+
+# ------------------------------------------------------------------------------ checks
+def _world(x: Setup) -> list[str]:
+    prod = x.pp * x.ep * x.dp
+    return _one(x.world_size is not None and x.world_size != prod, f"parallel.world_size: {x.world_size} != pp*ep*dp = {x.pp}*{x.ep}*{x.dp} = {prod}")
+
+
+def _dualpipe_even_pp(x: Setup) -> list[str]:
+    return _one(x.schedule == "dualpipe" and x.pp % 2 == 1, f"parallel.pp: {x.pp} is odd; schedule dualpipe needs an even number of pipeline ranks")
+
+
+def _dualpipe_family_mb(x: Setup) -> list[str]:
+    return _one(
+        x.schedule in DUALPIPE_FAMILY and x.microbatches < 2 * x.pp,
+        f"schedule.microbatches: {x.microbatches} < 2*pp = {2 * x.pp}, the minimum for {x.schedule}",
+    )
+
+
+def _dualpipe_even_mb(x: Setup) -> list[str]:
+    return _one(x.schedule == "dualpipe" and x.microbatches % 2 == 1, f"schedule.microbatches: {x.microbatches} is odd; dualpipe feeds half from each end")
+
+
+def _interleaved(x: Setup) -> list[str]:
+    if x.schedule != "interleaved":
+        return []
+    out = _one(x.chunks < 2, f"schedule.chunks: {x.chunks} < 2; interleaved needs at least 2 chunks per rank (use 1f1b for 1)")
+    return out + _one(x.microbatches % x.pp != 0, f"schedule.microbatches: {x.microbatches} is not a multiple of pp = {x.pp}, as interleaved rounds need")
+
+
+def _one_per_stage(x: Setup) -> list[str]:
+    return _one(
+        x.schedule in ("1f1b", "zb1p") and x.microbatches < x.pp,
+        f"schedule.microbatches: {x.microbatches} < pp = {x.pp}; {x.schedule} needs at least one micro-batch per stage",
+    )
+
+
+def _dualpipe_two_ranks(x: Setup) -> list[str]:
+    return _one(x.pp == 1 and x.schedule == "dualpipe", "parallel.pp: 1; dualpipe needs at least 2 pipeline ranks")
+
+
+def _layers_per_block(x: Setup) -> list[str]:
+    blocks = x.n_blocks
+    return _one(
+        x.model.n_layers < blocks,
+        f"model.n_layers: {x.model.n_layers} < {blocks} model blocks that schedule {x.schedule} with pp={x.pp} needs (one layer each at least)",
+    )
+
+
+def _experts_over_ep(x: Setup) -> list[str]:
+    return _one(x.model.n_experts % x.ep != 0, f"model.n_experts: {x.model.n_experts} is not divisible by parallel.ep = {x.ep}")
+
+
+def _routing(x: Setup) -> list[str]:
+    m = x.model
+    out = _one(m.top_k > m.n_experts, f"model.top_k: {m.top_k} > model.n_experts = {m.n_experts}")
+    out += _one(m.n_dense > m.n_layers, f"model.n_dense: {m.n_dense} > model.n_layers = {m.n_layers}")
+    out += _one(m.n_experts % m.n_groups != 0, f"model.n_groups: {m.n_groups} does not divide model.n_experts = {m.n_experts}")
+    if m.topk_groups > m.n_groups:
+        out.append(f"model.topk_groups: {m.topk_groups} > model.n_groups = {m.n_groups}")
+    elif m.top_k <= m.n_experts and m.top_k > m.topk_groups * (m.n_experts // max(m.n_groups, 1)):
+        out.append(f"model.top_k: {m.top_k} > experts reachable in topk_groups = {m.topk_groups} groups of {m.n_experts // max(m.n_groups, 1)}")
+    return out
+
+
+def _n_moe(x: Setup) -> int:
+    return x.model.n_layers - x.model.n_dense
+
+
+def _memory_needs_moe(x: Setup) -> list[str]:
+    out = _one(x.zero_memory != "off" and _n_moe(x) <= 0, f"memory.zero_memory: {x.zero_memory} but the model has no MoE layers (n_layers == n_dense)")
+    return out + _one(x.recompute == "moe" and _n_moe(x) <= 0, "memory.recompute: moe but the model has no MoE layers (n_layers == n_dense)")
+
+
+def _memory_layers_fit(x: Setup) -> list[str]:
+    per = x.layers_per_stage
+    out = _one(x.recompute_layers is not None and x.recompute_layers > per, f"memory.recompute_layers: {x.recompute_layers} > {per} layers in the largest stage")
+    return out + _one(
+        x.zero_memory_layers is not None and x.zero_memory_layers > per, f"memory.zero_memory_layers: {x.zero_memory_layers} > {per} layers in the largest stage"
+    )
+
+
+def _memory_layers_need_option(x: Setup) -> list[str]:
+    out = _one(
+        x.zero_memory_layers is not None and x.zero_memory == "off",
+        f"memory.zero_memory_layers: {x.zero_memory_layers} is set but memory.zero_memory is off (set level0 or level1)",
+    )
+    return out + _one(
+        x.recompute_layers is not None and x.recompute == "none",
+        f"memory.recompute_layers: {x.recompute_layers} is set but memory.recompute is none (set moe or full)",
+    )
+
+
+def _zero_memory_not_all_recomputed(x: Setup) -> list[str]:
+    per = x.layers_per_stage
+    return _one(
+        _n_moe(x) > 0 and x.zero_memory != "off" and x.recompute != "none" and (x.recompute_layers or per) >= per,
+        f"memory.zero_memory: {x.zero_memory} has no effect: memory.recompute: {x.recompute} recomputes every layer of each stage; "
+        f"set memory.recompute_layers below {per} or memory.zero_memory: off",
+    )
+
+
+def _balancer_needs_moe(x: Setup) -> list[str]:
+    b = x.balancer
+    out = _one(b.kind != "none" and _n_moe(x) <= 0, f"balancer.kind: {b.kind} but the model has no MoE layers")
+    return out + _one(b.kind == "lplb" and b.topology == "torus" and b.torus is None, "balancer.torus: missing; topology torus needs torus: [m, n]")
+
+
+def _lplb_slots(x: Setup) -> list[str]:
+    b, m = x.balancer, x.model
+    if b.kind != "lplb":
+        return []
+    out: list[str] = []
+    torus = b.torus or (0, 0)
+    size = {"cube": 8, "hypercube": 16, "ring": x.ep, "torus": torus[0] * torus[1]}[b.topology]
+    classes = 1 if b.topology == "ring" else 2
+    if x.ep < 2:
+        out.append(f"parallel.ep: {x.ep}; balancer.kind lplb moves tokens between EP ranks and needs ep >= 2")
+    elif size and x.ep % size:
+        out.append(f"balancer.topology: {b.topology} groups {size} ranks, which does not divide parallel.ep = {x.ep}")
+    if b.topology == "torus" and b.torus is not None and min(b.torus) < 2:
+        out.append(f"balancer.torus: {list(b.torus)}; both sides of the torus need at least 2 ranks")
+    if b.redundant < classes or b.redundant % classes:
+        out.append(
+            f"balancer.redundant: {b.redundant}; lplb with topology {b.topology} needs a positive multiple of "
+            f"{classes} redundant slots per EP rank (each copies another rank's expert)"
+        )
+    elif x.ep and b.redundant > m.n_experts // x.ep:
+        out.append(f"balancer.redundant: {b.redundant} > model.n_experts / parallel.ep = {m.n_experts // x.ep}; lplb copies each of a rank's experts at most once")
+    return out
+
+
+def _eplb_shape(x: Setup) -> list[str]:
+    b, m = x.balancer, x.model
+    if b.kind != "eplb":
+        return []
+    groups = b.groups or m.n_groups
+    if groups % b.nodes:  # the global policy: no shape rules
+        return []
+    out = _one(m.n_experts % groups != 0, f"balancer.groups: {groups} does not divide model.n_experts = {m.n_experts}")
+    return out + _one(x.ep % b.nodes != 0, f"balancer.nodes: {b.nodes} does not divide parallel.ep = {x.ep}")
+
+
+def _architecture(x: Setup) -> list[str]:
+    from ..config import model_problems
+
+    return model_problems(x.model)
+
+
+def _lr(x: Setup) -> list[str]:
+    t = x.train
+    out = _one(t.min_lr > t.lr, f"train.min_lr: {t.min_lr} > train.lr = {t.lr}")
+    s = t.lr_schedule_steps
+    return out + _one(s is not None and s < t.warmup_steps, f"train.lr_schedule_steps: {s} < train.warmup_steps = {t.warmup_steps}")
+
+
+def _known_backend(x: Setup) -> list[str]:
+    from ..backends.registry import known_backends  # built-ins and plug-ins; imports no device code
+
+    known = known_backends()
+    return _one(x.backend != "auto" and x.backend not in known, f"backend: {x.backend!r} is not a known backend; known: auto, {', '.join(known)}")
+
+
+def _transport(x: Setup) -> list[str]:
+    t = x.backend_options.get("ep_transport", "alltoall")
+    if t not in ("alltoall", "nvshmem"):
+        return [f"backend_options.ep_transport: {t!r} is not one of alltoall, nvshmem"]
+    return _one(
+        t == "nvshmem" and x.backend in ("cpu", "npu"),
+        f"backend_options.ep_transport: nvshmem needs backend cuda (NVSHMEM is NVIDIA's), not {x.backend}; use alltoall",
+    )
+
+
+def _overlap_needs_pairs(x: Setup) -> list[str]:
+    return _one(
+        x.ep > 1 and x.overlap and x.schedule in ("1f1b", "zb1p"),
+        f"schedule.overlap: {x.schedule} has no F&B pairs, so the all-to-all is hidden only by the shared expert",
+    )
+
+
+def _extra_exchange_needs_pairs(x: Setup) -> list[str]:
+    pairs = x.overlap and x.schedule not in ("1f1b", "zb1p")
+    extra = x.zero_memory != "off" or x.recompute != "none"
+    return _one(
+        x.ep > 1 and extra and not pairs,
+        f"memory: {x.memory_label()} adds all-to-alls that only F&B pairs hide (dualpipe, dualpipev, interleaved with overlap on); "
+        f"with {x.schedule}{'' if x.overlap else ', overlap off'} they run exposed",
+    )
+
+
+def _overlap_without_ep(x: Setup) -> list[str]:
+    return _one(x.ep == 1 and x.overlap and _n_moe(x) > 0, "schedule.overlap: with ep = 1 the experts are local: no all-to-all to hide")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("world-size", "layout", "the launcher starts pp*ep*dp ranks, one per mesh position", _world),
+    Rule("dualpipe-even-pp", "schedule", "DualPipe feeds micro-batches from both ends: two halves of pp/2 ranks", _dualpipe_even_pp),
+    Rule("dualpipe-family-microbatches", "schedule", "DualPipe and DualPipeV fill both directions of the pipeline before the steady F&B phase: at least 2*pp micro-batches", _dualpipe_family_mb),
+    Rule("dualpipe-even-microbatches", "schedule", "DualPipe sends half the micro-batches down each direction", _dualpipe_even_mb),
+    Rule("interleaved-rounds", "schedule", "interleaved 1F1B sends micro-batches through each chunk in rounds of pp; one chunk is plain 1F1B", _interleaved),
+    Rule("one-microbatch-per-stage", "schedule", "1F1B and ZB1P keep every stage busy only with at least one micro-batch per stage", _one_per_stage),
+    Rule("dualpipe-two-ranks", "schedule", "DualPipe needs a rank at each end", _dualpipe_two_ranks),
+    Rule("layers-per-block", "layout", "each model block (pp, 2*pp for DualPipeV, pp*chunks for interleaved) holds at least one layer", _layers_per_block),
+    Rule("experts-over-ep", "layout", "routed experts are sharded evenly over the EP ranks", _experts_over_ep),
+    Rule("routing", "model", "top-k routing chooses among the experts of the allowed groups", _routing),
+    Rule("architecture", "model", "each architecture has its own keys and shapes (heads, RoPE widths, its router's groups)", _architecture),
+    Rule("memory-needs-moe", "memory", "zero-memory and MoE recompute act on MoE layers only", _memory_needs_moe),
+    Rule("memory-layers-fit", "memory", "the layer counts are per stage, so they cannot exceed a stage's layers", _memory_layers_fit),
+    Rule("memory-layers-need-option", "memory", "a layer count without its option does nothing", _memory_layers_need_option),
+    Rule("zero-memory-not-all-recomputed", "memory", "a recomputed layer keeps nothing that zero-memory could drop", _zero_memory_not_all_recomputed),
+    Rule("balancer-needs-moe", "balancer", "balancers place routed experts", _balancer_needs_moe),
+    Rule("lplb-slots", "balancer", "LPLB moves tokens to a copy on a neighbouring EP rank of its topology", _lplb_slots),
+    Rule("eplb-shape", "balancer", "EPLB's hierarchical policy packs expert groups onto nodes, then nodes' slots onto ranks", _eplb_shape),
+    Rule("lr-range", "train", "the schedule decays the learning rate from lr to min_lr, after the warm-up", _lr),
+    Rule("known-backend", "backend", "backends are built in or registered as plug-ins", _known_backend),
+    Rule("ep-transport", "backend", "NVSHMEM is a CUDA transport; every backend has all-to-all", _transport),
+    Rule("overlap-needs-pairs", "schedule", "the F&B overlap hides one micro-batch's all-to-all behind another's compute; 1F1B and ZB1P run no pairs", _overlap_needs_pairs, "note"),
+    Rule("extra-exchange-needs-pairs", "memory", "zero-memory's re-dispatch and recompute's replayed all-to-alls are hidden by the other micro-batch of an F&B pair", _extra_exchange_needs_pairs, "note"),
+    Rule("overlap-without-ep", "schedule", "with one EP rank the experts need no all-to-all", _overlap_without_ep, "note"),
+)
+
+
+def violations(setup: Setup, severity: str = "error", scopes: tuple[str, ...] | None = None) -> list[str]:
+    """Problem lines of every rule of ``severity`` (and ``scopes``, default all) that ``setup`` breaks, in table order."""
+    out: list[str] = []
+    for rule in RULES:
+        if rule.severity == severity and (scopes is None or rule.scope in scopes):
+            out += rule.check(setup)
+    return out
+
+
+def broken(setup: Setup, scopes: tuple[str, ...] | None = None) -> list[tuple[Rule, list[str]]]:
+    """The error rules ``setup`` breaks, with their lines (for saying why a candidate was dropped)."""
+    out = []
+    for rule in RULES:
+        if rule.severity == "error" and (scopes is None or rule.scope in scopes):
+            lines = rule.check(setup)
+            if lines:
+                out.append((rule, lines))
+    return out
+
+
+def table() -> list[dict[str, Any]]:
+    """The rules as rows: name, scope, severity, reason (docs and ``portapipe plan --rules``)."""
+    return [{"name": r.name, "scope": r.scope, "severity": r.severity, "reason": r.reason} for r in RULES]

@@ -1,0 +1,112 @@
+"""One training setup as the rules and the models read it: layout, schedule, batch and memory
+option, plus the config sections a plan does not change (model, balancer, train, backend).
+
+The planner makes thousands of these; a full config is built only for the one it writes out.
+Nothing here imports torch: config validation reads setups too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DUALPIPE_FAMILY = ("dualpipe", "dualpipev")
+
+
+def n_model_blocks(schedule: str, pp: int, chunks: int) -> int:
+    """Model blocks (contiguous layer slices) the schedule cuts the model into."""
+    if schedule == "interleaved":
+        return pp * chunks
+    if schedule == "dualpipev":
+        return 2 * pp
+    return pp
+
+
+@dataclass(frozen=True)
+class Setup:
+    pp: int
+    ep: int
+    dp: int
+    schedule: str
+    microbatches: int
+    chunks: int = 2
+    micro_batch_size: int = 4
+    zero_memory: str = "off"
+    zero_memory_layers: int | None = None
+    recompute: str = "none"
+    recompute_layers: int | None = None
+    overlap: bool = True
+    w_split: bool = True
+    world_size: int | None = None
+    # sections a plan keeps as they are (compared by identity: shared by every candidate)
+    model: Any = field(default=None, compare=False, repr=False)
+    balancer: Any = field(default=None, compare=False, repr=False)
+    train: Any = field(default=None, compare=False, repr=False)
+    backend: str = field(default="auto", compare=False)
+    backend_options: Any = field(default_factory=dict, compare=False, repr=False)
+    shape: Any = field(default=None, compare=False, repr=False)  # the model's Shape, made once and shared
+
+    def __post_init__(self) -> None:
+        if self.shape is None and self.model is not None:
+            from .shape import Shape
+
+            object.__setattr__(self, "shape", Shape.of(self.model))
+
+    @classmethod
+    def from_config(cls, c: Any) -> Setup:
+        p, s, mem = c.parallel, c.schedule, c.memory
+        return cls(
+            pp=p.pp, ep=p.ep, dp=p.dp, schedule=s.name, microbatches=s.microbatches, chunks=s.chunks,
+            micro_batch_size=c.train.micro_batch_size, zero_memory=mem.zero_memory, zero_memory_layers=mem.zero_memory_layers,
+            recompute=mem.recompute, recompute_layers=mem.recompute_layers, overlap=s.overlap, w_split=s.w_split,
+            world_size=p.world_size, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
+            backend_options=c.backend_options,
+        )
+
+    def replace(self, **changes: Any) -> Setup:
+        if "model" in changes:
+            changes["shape"] = None  # made again from the new model
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def devices(self) -> int:
+        return self.pp * self.ep * self.dp
+
+    @property
+    def n_blocks(self) -> int:
+        return n_model_blocks(self.schedule, self.pp, self.chunks)
+
+    @property
+    def layers_per_stage(self) -> int:
+        return -(-self.model.n_layers // self.n_blocks)
+
+    @property
+    def replicas(self) -> int:
+        """Micro-batch streams per step: every dp x ep rank of a stage runs its own micro-batches."""
+        return self.dp * self.ep
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step."""
+        return self.replicas * self.microbatches * self.micro_batch_size
+
+    def memory_label(self) -> str:
+        """The memory option in a few words: ``off``, ``level1``, ``recompute full x1 + level1``."""
+        parts = []
+        if self.recompute != "none":
+            parts.append(f"recompute {self.recompute}" + (f" x{self.recompute_layers}" if self.recompute_layers else ""))
+        if self.zero_memory != "off":
+            parts.append(self.zero_memory + (f" x{self.zero_memory_layers}" if self.zero_memory_layers else ""))
+        return " + ".join(parts) or "off"
+
+    def overrides(self) -> dict[str, Any]:
+        """The config keys this setup sets, as dotted paths."""
+        return {
+            "parallel.pp": self.pp, "parallel.ep": self.ep, "parallel.dp": self.dp, "parallel.world_size": None,
+            "schedule.name": self.schedule, "schedule.microbatches": self.microbatches, "schedule.chunks": self.chunks,
+            "schedule.overlap": self.overlap, "schedule.w_split": self.w_split,
+            "train.micro_batch_size": self.micro_batch_size,
+            "memory.zero_memory": self.zero_memory, "memory.zero_memory_layers": self.zero_memory_layers,
+            "memory.recompute": self.recompute, "memory.recompute_layers": self.recompute_layers,
+        }

@@ -1,0 +1,301 @@
+"""Step time of one setup: the schedule simulator priced action by action from a profile.
+
+Each action's duration comes from running its stage program (:mod:`.programs`) against the
+profile: parts cost their measured time, exchanges are issued on one communication channel per
+rank (in order) and take the all-to-all's latency plus bytes over bandwidth; a wait costs what
+is left of its exchange. A lone F, B or BW therefore hides an exchange only behind the work its
+own program does before waiting (the shared expert hides the combine); an F&B runs the two
+programs as the executor does, switching at every exchange in flight, so one micro-batch's
+compute hides the other's all-to-all. Zero-memory's re-dispatch and recompute's replays are
+steps of those programs, so their cost and what hides them follow.
+
+The routed rows an EP rank computes are the mean (tokens x top-k) times the imbalance of the
+recorded loads: every all-to-all waits for the busiest EP rank, so its pace is everyone's.
+
+The pipeline is then simulated with these durations (p2p transfers cost latency plus bytes over
+bandwidth). Ranks that share a host's processors (a CPU profile) slow each other down: the
+simulation is repeated with each action's compute stretched by how many ranks computed beside
+it, until the timeline settles. After the pipeline, the step adds the gradient reductions
+(DualPipe's copies, dp x ep replicas), the loss and load gathers, and AdamW's update.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..scheduling.ir import Action, Kind, Schedule
+from ..scheduling.simulate import run_lists
+from .profile import Profile
+from .programs import Programs, StageSpec, interleave, stage_specs
+from .shape import Shape, block_params
+
+
+@dataclass(frozen=True)
+class ActionTime:
+    wall: float  # seconds from start to end with nothing else sharing the processor
+    compute: float  # of which the rank computes
+    exposed: float  # of which it waits for exchanges
+    comm: float  # exchange time issued by the action (hidden or not)
+
+
+@dataclass
+class TimeReport:
+    step_s: float
+    pipeline_s: float  # the schedule's makespan
+    post_s: float  # gradient reductions, gathers and the optimizer after the schedule
+    bubble_s: float  # the largest idle time of a rank within the makespan
+    a2a_s: float  # all-to-all time per step on the busiest rank
+    a2a_exposed_s: float  # of which not hidden behind compute
+    imbalance: float
+    per_rank_busy: list[float] = field(default_factory=list)
+
+    @property
+    def a2a_hidden_frac(self) -> float:
+        return 1.0 - self.a2a_exposed_s / self.a2a_s if self.a2a_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_s": self.step_s, "pipeline_s": self.pipeline_s, "post_s": self.post_s, "bubble_s": self.bubble_s,
+            "a2a_s": self.a2a_s, "a2a_exposed_s": self.a2a_exposed_s, "a2a_hidden_frac": self.a2a_hidden_frac,
+            "imbalance": self.imbalance,
+        }
+
+
+def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int) -> ActionTime:
+    """Time one merged program (``(program index, op)`` pairs, see :func:`~.programs.interleave`)."""
+    t = comm_free = compute = exposed = comm = 0.0
+    ready: dict[Any, float] = {}
+    for prog, op in ops:
+        code = op[0]
+        if code == "C":
+            part, phase, units = op[1], op[2], op[3]
+            if part in ("output", "input", "rope"):  # bookkeeping, no work
+                continue
+            dt = profile.time(part, phase, op[6], units)
+            t += dt
+            compute += dt
+        elif code == "I":
+            dur = profile.a2a_time(ep, op[2]) if ep > 1 else 0.0
+            issue = profile.issue_time(ep)
+            t += issue
+            compute += issue
+            start = max(t, comm_free)
+            comm_free = start + dur
+            ready[(prog, op[1])] = comm_free
+            comm += dur
+        elif code == "A":
+            done = ready.pop((prog, op[1]), t)
+            if done > t:
+                exposed += done - t
+                t = done
+    return ActionTime(t, compute, exposed, comm)
+
+
+class TimeModel:
+    """Durations of every action of ``schedule`` (lowered) for ``setup`` under ``profile``."""
+
+    def __init__(
+        self, setup: Any, profile: Profile, schedule: Schedule, imbalance: float = 1.0,
+        programs: Programs | None = None, cache: dict[tuple, ActionTime] | None = None, lists: list[list[Any]] | None = None,
+        specs: list[StageSpec] | None = None,
+    ) -> None:
+        """``schedule`` is lowered, or its lowered ``lists`` are given (posts as light tuples,
+        see :func:`~portapipe.scheduling.comms.plan`). ``programs`` and ``cache`` may be shared
+        by setups with the same micro-batch size, imbalance, EP size and overlap (the planner
+        does): action times depend on nothing else."""
+        self.setup, self.schedule, self.imbalance = setup, schedule, imbalance
+        self.lists = lists if lists is not None else schedule.actions
+        self.shape = setup.shape
+        self.profile = profile.for_shape(self.shape)
+        self.tokens = setup.micro_batch_size * setup.model.seq_len
+        self.programs = programs or Programs.of(setup, imbalance)
+        self.rows = self.programs.R
+        self.specs = specs if specs is not None else stage_specs(setup, schedule)
+        self.switching = setup.ep > 1 and setup.overlap
+        self._cache: dict[tuple, ActionTime] = {} if cache is None else cache
+        act = self.tokens * self.shape.hidden * self.shape.e
+        self.p2p_s = self.profile.p2p(act)
+        # posting point-to-point transfers costs the posting rank's thread: each batch of posts
+        # (consecutive SEND/RECV actions) is charged to the compute action after it
+        self.posts: dict[tuple[int, Action], float] = {}
+        if self.profile.post_s > 0:
+            for r, acts in enumerate(self.lists):
+                batches, prev_comm, last = 0, False, None
+                for a in acts:
+                    if a.__class__ is tuple or a.kind.is_comm:
+                        batches += not prev_comm
+                        prev_comm = True
+                        continue
+                    prev_comm, last = False, a
+                    if batches:
+                        self.posts[(r, a)] = batches * self.profile.post_s
+                        batches = 0
+                if batches and last is not None:
+                    self.posts[(r, last)] = self.posts.get((r, last), 0.0) + batches * self.profile.post_s
+        self.posts_per_rank = [0.0] * schedule.n_ranks
+        for (r, _), v in self.posts.items():
+            self.posts_per_rank[r] += v
+
+    # ----------------------------------------------------------------- actions
+    def _ops(self, half: Action) -> list[tuple]:
+        spec: StageSpec = self.specs[half.stage]
+        if half.kind is Kind.F:
+            return self.programs.forward(spec)
+        if half.kind is Kind.W:
+            return self.programs.weights(spec)
+        return self.programs.backward(spec, "B" if half.kind is Kind.B else "BW")
+
+    def action(self, a: Action) -> ActionTime:
+        """The duration of one compute action with nothing else sharing the processor."""
+        if a.pair is not None:
+            f, b = a.pair
+            key: tuple = ("FB", self.specs[f.stage], self.specs[b.stage], b.kind)
+        else:
+            key = (a.kind, self.specs[a.stage])
+        got = self._cache.get(key)
+        if got is None:
+            if a.pair is not None:
+                merged = interleave(self._ops(a.pair[0]), self._ops(a.pair[1]), self.switching)
+                halves = 2
+            else:
+                merged = [(0, op) for op in self._ops(a)]
+                halves = 1
+            t = run_ops(merged, self.profile, self.setup.ep)
+            extra = halves * self.profile.action_s
+            got = ActionTime(t.wall + extra, t.compute + extra, t.exposed, t.comm)
+            self._cache[key] = got
+        return got
+
+    # --------------------------------------------------------------- the step
+    def post_step(self) -> float:
+        """After the schedule: DualPipe's gradient swap, replica all-reduces, gathers, AdamW."""
+        s, x, prof = self.shape, self.setup, self.profile
+        sched = self.schedule
+        worst = 0.0
+        for r in range(sched.n_ranks):
+            blocks = sched.blocks_of(r)
+            elements = experts = 0
+            for b in blocks:
+                c = _block_count(x, s, b, sched.n_blocks)
+                elements += c.elements
+                experts += c.expert_elements
+            t = prof.optimizer(elements)
+            if sched.name == "dualpipe":  # the two copies of each block exchange their gradients
+                t += prof.p2p(elements * s.e)
+            t += prof.allreduce_time(x.dp * x.ep, (elements - experts) * s.e) + prof.allreduce_time(x.dp, experts * s.e)
+            small = 64.0
+            t += prof.allreduce_time(x.pp, small) + prof.allreduce_time(x.dp * x.ep, small) + prof.allreduce_time(x.ep, small) + prof.allreduce_time(x.dp, small)
+            worst = max(worst, t)
+        share = self._share(x.devices)
+        return worst * share
+
+    def _share(self, busy_procs: float) -> float:
+        """How much slower compute runs with ``busy_procs`` processes on the profile's processors."""
+        p = self.profile.processors
+        return 1.0 if p is None else max(1.0, busy_procs / p)
+
+    def predict(self) -> TimeReport:
+        sched = self.schedule
+        priced = _Priced(self, {})
+        result = run_lists(sched, self.lists, priced, True, True)
+        if self.profile.processors is not None and self.setup.devices > self.profile.processors:
+            result = self._with_sharing(priced, result)
+        per_rank_a2a = [0.0] * sched.n_ranks
+        per_rank_exposed = [0.0] * sched.n_ranks
+        for r, acts in enumerate(self.lists):
+            for a in acts:
+                if a.__class__ is not tuple and a.kind.is_compute:
+                    t = self.action(a)
+                    per_rank_a2a[r] += t.comm
+                    per_rank_exposed[r] += t.exposed
+        post = self.post_step()
+        busiest = max(range(sched.n_ranks), key=lambda r: per_rank_exposed[r])
+        return TimeReport(
+            step_s=result.makespan + post, pipeline_s=result.makespan, post_s=post, bubble_s=result.max_bubble,
+            a2a_s=per_rank_a2a[busiest], a2a_exposed_s=per_rank_exposed[busiest], imbalance=self.imbalance,
+            per_rank_busy=list(result.busy),
+        )
+
+    def _with_sharing(self, priced: _Priced, result: Any) -> Any:
+        """Re-simulate with each action's compute stretched by the processes computing beside it."""
+        procs = self.setup.ep * self.setup.dp  # identical EP / DP peers of every pipeline rank
+        p = float(self.profile.processors)
+        priced.per_action = True
+        for _ in range(12):
+            edges: list[tuple[float, int]] = []
+            for slots in result.timeline:
+                for sl in slots:
+                    edges += [(sl.start, procs), (sl.end, -procs)]
+            edges.sort()
+            times, integral, active, last, acc = [], [], 0, 0.0, 0.0
+            for when, delta in edges:
+                acc += active * (when - last)
+                times.append(when)
+                integral.append(acc)
+                active += delta
+                last = when
+
+            def area(t: float) -> float:  # integral of active processes from 0 to t
+                i = bisect.bisect_right(times, t) - 1
+                if i < 0:
+                    return 0.0
+                # the count between breakpoints i and i+1 is constant
+                nxt_i = min(i + 1, len(times) - 1)
+                span = times[nxt_i] - times[i]
+                slope = (integral[nxt_i] - integral[i]) / span if span > 0 else 0.0
+                return integral[i] + slope * (t - times[i])
+
+            change = 0.0
+            new: dict[tuple[int, Action], float] = {}
+            for r, slots in enumerate(result.timeline):
+                for sl in slots:
+                    base = self.action(sl.action)
+                    length = sl.end - sl.start
+                    busy = (area(sl.end) - area(sl.start)) / length if length > 0 else procs
+                    stretch = max(1.0, max(busy, procs) / p)
+                    want = (base.wall + self.posts.get((r, sl.action), 0.0)) * stretch
+                    old = priced.of(sl.action, r)
+                    dur = 0.5 * (old + want)
+                    change = max(change, abs(dur - old) / max(old, 1e-12))
+                    new[(r, sl.action)] = dur
+            priced.durations = new
+            result = run_lists(self.schedule, self.lists, priced, True, True)
+            if change < 1e-3:
+                break
+        return result
+
+
+class _Priced:
+    """The simulator's cost model: each action's duration (per rank and action once stretched)."""
+
+    rank_scale = None
+    stage_scale = None
+
+    def __init__(self, model: TimeModel, durations: dict[tuple[int, Action], float]) -> None:
+        self.model, self.durations = model, durations
+        self.p2p = model.p2p_s
+        self.per_action = bool(model.posts)
+
+    def of(self, action: Action, rank: int) -> float:
+        got = self.durations.get((rank, action))
+        if got is not None:
+            return got
+        return self.model.action(action).wall + self.model.posts.get((rank, action), 0.0)
+
+
+def _block_count(setup: Any, s: Shape, block: int, n_blocks: int) -> Any:
+    """Parameters of model block ``block`` of ``n_blocks`` on one EP rank of ``setup``."""
+    bal = getattr(setup, "balancer", None)
+    redundant = bal.redundant if bal is not None and bal.kind != "none" else 0
+    return _block_params(s, block, n_blocks, s.n_experts // setup.ep + redundant)
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_params(s: Shape, block: int, n_blocks: int, local_slots: int) -> Any:
+    from ..models.moe import layer_range
+
+    first, last = layer_range(s.n_layers, n_blocks, block)
+    return block_params(s, range(first, last), block == 0, block == n_blocks - 1, local_slots)

@@ -1,0 +1,113 @@
+"""`portapipe profile` and `portapipe plan`: what they write, and bad input refused with exit 2
+and one line, before anything runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from portapipe.cli import main
+from portapipe.config import load_config
+from portapipe.plan.profile import Profile
+from portapipe.plan.setup import Setup
+from portapipe.plan.shape import Shape, saved_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "cpu.yaml")
+TINY = ["--set", "parallel.pp=1", "--set", "parallel.ep=2", "--set", "schedule.name=1f1b", "--set", "model.hidden=32",
+        "--set", "model.n_layers=2", "--set", "model.seq_len=16", "--set", "train.micro_batch_size=2"]
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0] and "Traceback" not in err[0], err
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["plan", EXAMPLE, "--devices", "4", "--memory", "12XB", "--profile", "h800"], "--memory: '12XB' is not a size"),
+        (["plan", EXAMPLE, "--devices", "0", "--profile", "h800"], "--devices: 0"),
+        (["plan", EXAMPLE, "--devices", "4", "--profile", "/no/such/profile.json"], "does not exist"),
+        (["plan", EXAMPLE, "--devices", "4", "--profile", "h800", "--top", "0"], "--top: 0"),
+        (["plan", EXAMPLE, "--devices", "4", "--profile", "h800", "--set", "model.n_experts=7"], "model.n_experts: 7"),
+        (["profile", EXAMPLE, "--published", "a100", "--out", "/dev/null"], "unknown device 'a100'"),
+        (["profile", EXAMPLE, "--reps", "0"], "--reps must be >= 1"),
+        (["plan", EXAMPLE, "--profile", "h800"], "--devices is required"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str) -> None:
+    _one_line_error(capsys, argv, fragment)
+
+
+def test_bad_profile_and_loads_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": 1}')
+    _one_line_error(capsys, ["plan", EXAMPLE, "--devices", "4", "--profile", str(bad)], "missing device")
+    loads = tmp_path / "loads.json"
+    loads.write_text(json.dumps({"loads": [[1, 2, 3]]}))
+    _one_line_error(capsys, ["plan", EXAMPLE, "--devices", "4", "--profile", "h800", "--loads", str(loads)], "3 experts per layer, the model 8")
+
+
+def test_plan_prints_the_table_writes_the_best_and_the_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out, png = tmp_path / "best.yaml", tmp_path / "plan.png"
+    assert main(["plan", EXAMPLE, "--devices", "4", "--memory", "64MiB", "--profile", "h800", "--out", str(out), "--plot", str(png), "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "step s" in text and "<- your config" in text and f"wrote {out}" in text
+    rows = [line for line in text.splitlines() if line[:3].strip() in ("1", "2", "3")]
+    assert len(rows) == 3
+    best = load_config(out)
+    assert best.world_size == 4 and Setup.from_config(best).global_batch == Setup.from_config(load_config(EXAMPLE)).global_batch
+    assert png.stat().st_size > 1000
+
+
+def test_plan_json_and_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", EXAMPLE, "--devices", "4", "--profile", "h800", "--json", "--top", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["ranked"]) == 2 and data["ranked"][0]["step_s"] <= data["ranked"][1]["step_s"]
+    assert data["user"]["schedule"] == "dualpipev" and data["considered"] > 100
+    assert main(["plan", EXAMPLE, "--devices", "4", "--memory", "1KiB", "--profile", "h800"]) == 1
+    captured = capsys.readouterr()
+    assert "no setup fits" in captured.err and "your config is dropped: memory" in captured.out
+
+
+def test_published_profile_is_written_for_the_configs_shape(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "h800.json"
+    assert main(["profile", str(ROOT / "examples" / "plan" / "deepseek_v3.yaml"), "--published", "h800", "--out", str(out)]) == 0
+    prof = Profile.load(out)
+    assert prof.shape.hidden == 7168 and prof.processors is None and "2048" not in prof.source
+    tokens = 4096
+    assert prof.time("experts", "F", "off", tokens * 8) > prof.time("shared", "F", "off", tokens) > 0
+
+
+@pytest.mark.multiproc
+def test_profile_measures_every_part_on_two_ranks(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "cpu.json"
+    assert main(["profile", EXAMPLE, *TINY, "--out", str(out), "--reps", "2", "--warmup", "0", "--timeout", "300"]) == 0
+    prof = Profile.load(out)
+    cfg = load_config(EXAMPLE, TINY[1::2])
+    s = Shape.of(cfg.model)
+    assert prof.shape == s and prof.device["ep_profiled"] == 2 and prof.tokens == [32, 64]
+    for part in ("embed", "attention", "dense", "experts", "shared", "combine", "head"):
+        assert prof.time(part, "F", "off", 32) > 0 and prof.time(part, "B", "off", 32) > 0, part
+    for option in ("off", "level0", "level1", "recompute_moe", "recompute_full"):
+        for part, cost in prof.saved_bytes[option].items():
+            slope = saved_bytes(s, part, option, 2, 2) - saved_bytes(s, part, option, 1, 1)  # per token (per row: experts)
+            assert cost.per_unit == pytest.approx(slope), (option, part)
+    assert "2" in prof.a2a and prof.p2p.fixed > 0 and prof.optimizer.per_unit > 0
+    assert len(prof.loads) == cfg.model.n_layers - cfg.model.n_dense and len(prof.loads[0]) == cfg.model.n_experts
+    assert sum(prof.loads[0]) > 0
+
+
+def test_rules_are_printed_and_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    from portapipe.plan.rules import RULES
+
+    assert main(["plan", EXAMPLE, "--rules"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == [r.name for r in RULES]
+    doc = (ROOT / "docs" / "plan.md").read_text()
+    for r in RULES:
+        assert f"| `{r.name}` | {r.scope} | {r.severity} | {r.reason} |" in doc, r.name

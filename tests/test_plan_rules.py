@@ -1,0 +1,72 @@
+"""The compatibility rules live in one table: config validation reports exactly its error
+lines, every rule has a reason, notes never reject a config, and the planner drops by them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from portapipe.config import ConfigError, _cross_checks, load_config
+from portapipe.plan import rules
+from portapipe.plan.setup import Setup
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
+
+
+def test_every_rule_has_a_name_scope_reason_and_severity() -> None:
+    names = [r.name for r in rules.RULES]
+    assert len(names) == len(set(names))
+    for row in rules.table():
+        assert row["reason"] and row["scope"] in ("layout", "schedule", "model", "memory", "balancer", "backend", "train")
+        assert row["severity"] in ("error", "note")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["schedule.name=dualpipe", "parallel.pp=3", "parallel.ep=1", "schedule.microbatches=5"],
+        ["schedule.name=interleaved", "schedule.microbatches=5", "schedule.chunks=1"],
+        ["model.n_dense=4", "memory.zero_memory=level0", "memory.recompute=moe"],
+        ["balancer.kind=lplb", "parallel.ep=2", "balancer.topology=cube"],
+        ["backend_options.ep_transport=nvshmem"],
+    ],
+)
+def test_config_validation_reports_the_tables_error_lines(overrides: list[str]) -> None:
+    """load_config's problems are the rule table's error lines for the config, in table order."""
+    raw = load_config(EXAMPLE).to_dict()
+    from portapipe.config import Config, apply_overrides
+
+    cfg = Config.model_validate(apply_overrides(raw, overrides))  # pydantic only: no cross checks yet
+    want = rules.violations(Setup.from_config(cfg))
+    assert _cross_checks(cfg) == want
+    if want:
+        with pytest.raises(ConfigError) as info:
+            load_config(EXAMPLE, overrides)
+        assert info.value.problems == want
+    else:
+        load_config(EXAMPLE, overrides)
+
+
+def test_nvshmem_is_refused_before_any_rank_starts_on_cpu_and_npu() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(EXAMPLE, ["backend_options.ep_transport=nvshmem"])
+    assert info.value.problems == ["backend_options.ep_transport: nvshmem needs backend cuda (NVSHMEM is NVIDIA's), not cpu; use alltoall"]
+    load_config(EXAMPLE, ["backend=cuda", "backend_options.ep_transport=nvshmem"])  # a config, not a device check
+
+
+def test_notes_never_reject_a_config_but_say_what_is_wasted() -> None:
+    cfg = load_config(EXAMPLE, ["schedule.name=1f1b", "memory.zero_memory=level0"])  # loads
+    notes = rules.violations(Setup.from_config(cfg), severity="note")
+    assert any(n.startswith("schedule.overlap:") and "no F&B pairs" in n for n in notes)
+    assert any(n.startswith("memory:") and "run exposed" in n for n in notes)
+    assert rules.violations(Setup.from_config(load_config(EXAMPLE)), severity="note") == []
+
+
+def test_broken_names_the_rule_and_its_lines() -> None:
+    x = Setup.from_config(load_config(EXAMPLE)).replace(schedule="dualpipe", pp=3, microbatches=5)
+    got = {rule.name: lines for rule, lines in rules.broken(x)}
+    assert set(got) == {"dualpipe-even-pp", "dualpipe-family-microbatches", "dualpipe-even-microbatches"}
+    assert got["dualpipe-even-pp"] == ["parallel.pp: 3 is odd; schedule dualpipe needs an even number of pipeline ranks"]
+    assert rules.broken(x, scopes=("memory",)) == []

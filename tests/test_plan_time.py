@@ -1,0 +1,180 @@
+"""The time model: exchanges exposed or hidden as the executor runs them, the simulator priced
+per action (closed forms come back), ranks sharing processors, imbalance from recorded loads,
+and profiles (fit, scale, bad files)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from portapipe.config import load_config
+from portapipe.plan.imbalance import LoadsError, imbalance, read_loads
+from portapipe.plan.profile import FORMAT, Linear, Profile, ProfileError
+from portapipe.plan.programs import Programs, StageSpec, interleave
+from portapipe.plan.published import published
+from portapipe.plan.setup import Setup
+from portapipe.plan.shape import Shape, flops
+from portapipe.plan.time_model import TimeModel, run_ops
+from portapipe.scheduling.executor import build_schedule
+from portapipe.scheduling.simulate import Costs, simulate
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
+
+
+def profile(shape: Shape, parts: dict, a2a: float = 0.0, processors: float | None = None) -> Profile:
+    """A made-up profile: ``parts[part][phase]`` seconds per call (fixed), all-to-all ``a2a`` seconds."""
+    return Profile.from_dict({
+        "format": FORMAT, "device": {"backend": "test"}, "torch": "-", "shape": shape.to_dict(),
+        "parts": {"off": {p: {ph: {"fixed": v, "per_unit": 0.0} for ph, v in t.items()} for p, t in parts.items()}},
+        "a2a": {"2": {"fixed": a2a, "per_unit": 0.0}}, "p2p": {"fixed": 0.0, "per_unit": 0.0},
+        "allreduce": {}, "optimizer": {"fixed": 0.0, "per_unit": 0.0}, "processors": processors,
+    })
+
+
+MOE = {"attention": {"F": 4.0, "B": 4.0, "W": 2.0}, "experts": {"F": 3.0, "B": 3.0, "W": 1.0},
+       "shared": {"F": 1.0, "B": 1.0, "W": 0.5}, "combine": {"F": 0.5, "B": 0.5}}
+
+
+def _one_layer() -> tuple[Shape, Programs, StageSpec]:
+    cfg = load_config(EXAMPLE, ["parallel.pp=1", "model.n_layers=2", "model.n_dense=1"])
+    s = Shape.of(cfg.model)
+    return s, Programs(s, 256, 512), StageSpec((1,), ("off",), False, False)
+
+
+def test_a_lone_forward_waits_for_its_dispatch_and_the_shared_expert_hides_the_combine() -> None:
+    s, progs, spec = _one_layer()
+    prof = profile(s, MOE, a2a=2.0)
+    t = run_ops([(0, op) for op in progs.forward(spec)], prof, ep=2)
+    # attention 4; counts, weights and rows exchanged in turn on one channel (2 s each): the
+    # rows arrive at 4 + 6 = 10; experts 3; the combine (2 s) hides behind the shared expert (1)
+    assert t.compute == pytest.approx(4 + 3 + 1 + 0.5)
+    assert t.exposed == pytest.approx(2 + 4 + 1)
+    assert t.wall == pytest.approx(t.compute + t.exposed)
+    assert t.comm == pytest.approx(8.0)
+
+
+def test_an_fb_pair_hides_one_micro_batchs_exchanges_behind_the_other_and_ep1_runs_them_in_turn() -> None:
+    s, progs, spec = _one_layer()
+    prof = profile(s, MOE, a2a=2.0)
+    f, b = progs.forward(spec), progs.backward(spec, "BW")
+    lone = run_ops([(0, op) for op in f], prof, 2).wall + run_ops([(0, op) for op in b], prof, 2).wall
+    pair = run_ops(interleave(f, b, switching=True), prof, 2)
+    assert pair.wall < lone
+    assert pair.exposed < run_ops([(0, op) for op in f], prof, 2).exposed + run_ops([(0, op) for op in b], prof, 2).exposed
+    in_turn = interleave(f, b, switching=False)
+    assert [op for _, op in in_turn] == list(f) + list(b)
+    assert run_ops(in_turn, prof, 1).wall == pytest.approx(run_ops([(0, op) for op in f], prof, 1).wall + run_ops([(0, op) for op in b], prof, 1).wall)
+
+
+def test_zero_memorys_re_dispatch_hides_behind_the_combine_and_shared_backward_then_shows() -> None:
+    s, progs, _ = _one_layer()
+    off, lvl0 = StageSpec((1,), ("off",), False, False), StageSpec((1,), ("level0",), False, False)
+    before_combine_exchange = MOE["combine"]["B"] + MOE["shared"]["B"] + MOE["shared"]["W"]  # 2.0 s of full backward
+    for a2a in (2.0, 5.0):
+        prof = profile(s, MOE, a2a=a2a)
+        lone_off = run_ops([(0, op) for op in progs.backward(off, "BW")], prof, 2)
+        lone_l0 = run_ops([(0, op) for op in progs.backward(lvl0, "BW")], prof, 2)
+        assert lone_l0.comm == pytest.approx(lone_off.comm + a2a)
+        assert lone_l0.wall - lone_off.wall == pytest.approx(max(0.0, a2a - before_combine_exchange))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev"])
+def test_priced_per_action_the_simulator_gives_the_uniform_costs_makespan(name: str) -> None:
+    """Dense layers only, one per stage, no exchanges: every action costs what Costs(F, B, W) says."""
+    blocks = {"interleaved": 8, "dualpipev": 8}.get(name, 4)
+    cfg = load_config(EXAMPLE, ["parallel.pp=4", "parallel.ep=1", f"schedule.name={name}", "schedule.microbatches=8",
+                                f"model.n_layers={blocks}", f"model.n_dense={blocks}", "schedule.overlap=false"])
+    s = Shape.of(cfg.model)
+    prof = profile(s, {"dense": {"F": 1.0, "B": 1.5, "W": 0.5}})
+    sched = build_schedule(cfg)
+    got = TimeModel(Setup.from_config(cfg), prof, sched).predict()
+    want = simulate(sched, Costs(F=1.0, B=2.0, W=0.5))
+    assert got.pipeline_s == pytest.approx(want.makespan)
+    assert got.bubble_s == pytest.approx(want.max_bubble)
+
+
+def test_ranks_sharing_processors_slow_each_other_down() -> None:
+    cfg = load_config(EXAMPLE, ["parallel.ep=1", "schedule.name=1f1b", "model.n_dense=4", "schedule.microbatches=4"])
+    s = Shape.of(cfg.model)
+    sched = build_schedule(cfg)
+    x = Setup.from_config(cfg)
+    own = TimeModel(x, profile(s, {"dense": {"F": 1.0, "B": 2.0, "W": 0.0}}), sched).predict()
+    two = TimeModel(x, profile(s, {"dense": {"F": 1.0, "B": 2.0, "W": 0.0}}, processors=2), sched).predict()
+    one = TimeModel(x, profile(s, {"dense": {"F": 1.0, "B": 2.0, "W": 0.0}}, processors=1), sched).predict()
+    assert two.pipeline_s == pytest.approx(own.pipeline_s)  # as many processors as ranks
+    # two ranks on one processor: at least all the work one after the other, at most twice the time
+    busy = sum(own.per_rank_busy)
+    assert busy * 0.98 <= one.pipeline_s <= 2 * own.pipeline_s
+
+
+def test_imbalance_from_recorded_loads() -> None:
+    loads = [[10.0, 0.0, 0.0, 0.0], [4.0, 4.0, 4.0, 4.0]]
+    assert imbalance(loads, 1) == 1.0
+    assert imbalance(loads, 2) == pytest.approx((2.0 + 1.0) / 2)  # rank loads [10, 0] and [8, 8]
+    assert imbalance(loads, 4) == pytest.approx((4.0 + 1.0) / 2)
+    skewed = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86]]
+    cfg = load_config(EXAMPLE, ["model.n_experts=12", "balancer.kind=eplb", "balancer.redundant=2"])
+    none = imbalance(skewed, 4)
+    eplb = imbalance(skewed, 4, cfg.balancer)
+    assert 1.0 <= eplb < none
+    lplb_cfg = load_config(EXAMPLE, ["model.n_experts=12", "balancer.kind=lplb", "balancer.redundant=1", "parallel.ep=4", "parallel.pp=1"])
+    assert 1.0 <= imbalance(skewed, 4, lplb_cfg.balancer) < none
+
+
+def test_loads_files(tmp_path: Path) -> None:
+    good = tmp_path / "expert_loads.json"
+    good.write_text(json.dumps({"step": 10, "layers": [1, 2], "loads": [[1, 2], [3, 4]]}))
+    assert read_loads(good) == [[1.0, 2.0], [3.0, 4.0]]
+    for bad, text in (("ragged", [[1, 2], [3]]), ("negative", [[1, -2]]), ("empty", [])):
+        path = tmp_path / f"{bad}.json"
+        path.write_text(json.dumps(text))
+        with pytest.raises(LoadsError, match="--loads"):
+            read_loads(path)
+    with pytest.raises(LoadsError, match="does not exist"):
+        read_loads(tmp_path / "missing.json")
+
+
+# ------------------------------------------------------------------------------ profiles
+def test_linear_fit_recovers_a_line_and_never_goes_negative() -> None:
+    fit = Linear.fit([(100, 1.5), (300, 3.5)])
+    assert (fit.fixed, fit.per_unit) == pytest.approx((0.5, 0.01))
+    steep = Linear.fit([(100, 0.5), (200, 2.0)])  # would need a negative fixed cost: through the mean instead
+    assert steep.fixed == 0.0 and steep(150) == pytest.approx(1.25)
+
+
+def test_a_profile_scales_to_another_shape_by_flops() -> None:
+    cfg = load_config(EXAMPLE)
+    s = Shape.of(cfg.model)
+    prof = published("h800", s)
+    assert prof.for_shape(s) is prof
+    big = Shape.of(load_config(EXAMPLE, ["model.hidden=128", "model.moe_hidden=64"]).model)
+    scaled = prof.for_shape(big)
+    for part in ("attention", "experts", "head"):
+        ratio = flops(big, part, "F") / flops(s, part, "F")
+        assert scaled.parts["off"][part]["F"].per_unit == pytest.approx(prof.parts["off"][part]["F"].per_unit * ratio)
+        assert scaled.parts["off"][part]["F"].fixed == prof.parts["off"][part]["F"].fixed
+    assert "scaled by FLOPs" in scaled.source
+
+
+def test_bad_profiles_are_refused_naming_what_is_wrong(tmp_path: Path) -> None:
+    s = Shape.of(load_config(EXAMPLE).model)
+    good = published("h800", s).to_dict()
+    cases = {
+        "format": {**good, "format": 0},
+        "missing": {k: v for k, v in good.items() if k != "a2a"},
+        "negative": {**good, "p2p": {"fixed": -1.0, "per_unit": 0.0}},
+        "part": {**good, "parts": {"off": {"gpu": {"F": {"fixed": 0, "per_unit": 0}}}}},
+    }
+    for name, data in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(ProfileError, match=f"--profile {path}"):
+            Profile.load(path)
+    (tmp_path / "text.json").write_text("not json")
+    with pytest.raises(ProfileError, match="is not JSON"):
+        Profile.load(tmp_path / "text.json")
+    round_trip = tmp_path / "ok.json"
+    published("h800", s).save(round_trip)
+    assert Profile.load(round_trip).to_dict() == good
