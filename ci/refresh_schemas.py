@@ -2,7 +2,7 @@
 """Re-read the declarations of every torch / torch_npu API the backends call into test data.
 
 The conformance tests (tests/test_backend_conformance.py) and the strict test doubles
-(tests/standin_torch_npu.py, tests/standin_symm_mem.py) check each call portapipe's backends
+(tests/standin_torch_npu.py, tests/standin_nvshmem.py) check each call portapipe's backends
 make against these declarations, copied from real releases. A new release is one command:
 
     # torch: run with the python whose torch should be recorded (a CUDA build: it has the

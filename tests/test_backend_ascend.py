@@ -17,10 +17,16 @@ import types
 import pytest
 import torch
 
-from portapipe.backends.ascend import NPU_GMM_INNER_LIMIT, NPU_GMM_MAX_GROUPS, AscendBackend
+from portapipe.backends.ascend import AscendBackend
 from portapipe.backends.base import BackendUnavailable, grouped_mm_reference
 
 from .standin_torch_npu import make_standin
+
+
+# npu_grouped_matmul limits (torch_npu 2.14.0 docstring, CANN aclnnGroupedMatmulV5): groups per call
+# with a single-tensor weight, and the bound every x and weight's innermost dim stays below.
+NPU_GMM_MAX_GROUPS = 1024
+NPU_GMM_INNER_LIMIT = 65536
 
 
 def _install(monkeypatch: pytest.MonkeyPatch, mod: types.ModuleType) -> types.ModuleType:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from portapipe.backends.base import grouped_mm_fused_ok, grouped_mm_reference
+from portapipe.backends.grouped_mm import grouped_mm_fused_ok, grouped_mm_reference
 from portapipe.backends.cpu import CPUBackend
 from portapipe.backends.cuda import CUDABackend, fused_path_ok
 from portapipe.models.linear import grouped_linear

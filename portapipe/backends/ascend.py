@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .base import Backend, BackendUnavailable, EventTimer, Timer, grouped_mm_reference
+from .base import Backend, BackendUnavailable, EventTimer, Timer
+from .grouped_mm import grouped_mm_reference
 
 log = logging.getLogger("portapipe.backends")
 

@@ -14,14 +14,8 @@ from typing import Any
 
 import torch
 
-from .base import (
-    Backend,
-    _fused_grouped_mm,
-    fused_offs,
-    grouped_mm_fused_ok,
-    grouped_mm_reference,
-    zero_rows_past_end,
-)
+from .base import Backend
+from .grouped_mm import _fused_grouped_mm, fused_offs, grouped_mm_fused_ok, grouped_mm_reference, zero_rows_past_end
 
 
 class CPUBackend(Backend):

@@ -18,11 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import (
-    Backend,
-    BackendUnavailable,
-    EventTimer,
-    Timer,
+from .base import Backend, BackendUnavailable, EventTimer, Timer
+from .grouped_mm import (
     _fused_grouped_mm,
     fused_offs,
     grouped_mm_layout_ok,
