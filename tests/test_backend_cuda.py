@@ -159,22 +159,28 @@ def test_timer_is_event_based(monkeypatch) -> None:
 
 
 def test_expert_all_to_all_routes_by_transport(monkeypatch) -> None:
+    """alltoall goes to NCCL; nvshmem to the NVSHMEM transport, except on a one-rank group
+    (nothing to send, no symmetric buffers made for it)."""
+    from portapipe.backends import nvshmem
+
     from .standin_nvshmem import SymmMemDouble, install
 
-    double = SymmMemDouble()
-    install(monkeypatch.setattr, double)
-    nccl_calls = []
+    install(monkeypatch.setattr, SymmMemDouble())
+    nccl_calls, nvshmem_calls = [], []
     monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: nccl_calls.append(k))
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)  # the double's group: one rank
-    x, out = torch.randn(4, 2), torch.empty(4, 2)
-    CUDABackend().expert_all_to_all(out, x, [4], [4])
-    assert len(nccl_calls) == 1
+    monkeypatch.setattr(nvshmem.NvshmemTransport, "all_to_all", lambda self, *a, **k: nvshmem_calls.append(a))
+    world = {"size": 2}
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world["size"])
+    x, out, group = torch.randn(4, 2), torch.empty(4, 2), types.SimpleNamespace(group_name="g")
+    CUDABackend().expert_all_to_all(out, x, [4], [4], group=group)
+    assert (len(nccl_calls), len(nvshmem_calls)) == (1, 0)
     be = CUDABackend({"ep_transport": "nvshmem", "nvshmem_buffer_mb": 1})
-    group = types.SimpleNamespace(group_name="g")
-    be._nvshmem_transport().setup(group)  # what parallel_groups does on every rank
     be.expert_all_to_all(out, x, [4], [4], group=group)
-    assert len(nccl_calls) == 1 and double.op_calls == ["g"]
+    assert (len(nccl_calls), len(nvshmem_calls)) == (1, 1)
     assert be._nvshmem.capacity_bytes == 2**20
+    world["size"] = 1
+    be.expert_all_to_all(out, x, [4], [4], group=group)
+    assert (len(nccl_calls), len(nvshmem_calls)) == (2, 1)
 
 
 # ------------------------------------------------------------------------------ GPU tests

@@ -212,7 +212,8 @@ class CUDABackend(Backend):
         group: Any = None,
         async_op: bool = False,
     ) -> Any:
-        if self.ep_transport != "nvshmem":
+        if self.ep_transport != "nvshmem" or dist.get_world_size(group) == 1:
+            # A one-rank group has nothing to send: no symmetric buffers are made for it.
             return super().expert_all_to_all(output, input, output_split_sizes, input_split_sizes, group, async_op)
         return self._nvshmem_transport().all_to_all(output, input, output_split_sizes, input_split_sizes, group, async_op)
 
