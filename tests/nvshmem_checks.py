@@ -13,13 +13,13 @@ from portapipe.backends.base import Backend
 from . import standin_nvshmem
 
 
-def pipeline_exchanges(backend: Backend, widths: list[int], repeats: int, collective_timeout_s: float) -> list[bool]:
+def pipeline_exchanges(backend: Backend, widths: list[int], repeats: int, collective_timeout_s: float) -> dict[str, Any]:
     """pp 2 x ep 2 with ``ep_transport: nvshmem`` on the doubles, shaped like a pipeline step:
     stage 1 receives from stage 0 before each of its expert exchanges, stage 0 sends after its own.
 
     Float32 rows of ``width`` columns (20 and 40 bytes for 5 and 10), uneven splits, each
     exchange compared with gloo's ``all_to_all_single``; ``repeats`` exchanges per width back to
-    back on the same buffers.
+    back on the same buffers. Returns what setup allocated and whether each exchange was right.
     """
     from portapipe.backends.cuda import CUDABackend
 
@@ -27,6 +27,11 @@ def pipeline_exchanges(backend: Backend, widths: list[int], repeats: int, collec
     standin_nvshmem.install(setattr, double)
     be = CUDABackend({"ep_transport": "nvshmem", "dist_backend": "gloo", "nvshmem_buffer_mb": 1})
     groups = be.parallel_groups(2, 1, 2)
+    at_setup = {
+        "allocs": [(tuple(t.shape), str(t.dtype)) for t in double.allocs],
+        "rendezvous": len(double.rendezvoused),
+        "ep_ranks": groups.ep_ranks,
+    }
     rank, ep = groups.rank, groups.ep
     peer_stage = groups.global_rank(1 - groups.pp_rank)
     same: list[bool] = []
@@ -50,19 +55,4 @@ def pipeline_exchanges(backend: Backend, widths: list[int], repeats: int, collec
             same.append(bool(torch.equal(got, want)))
             if groups.pp_rank == 0:
                 dist.send(got.sum().reshape(1), dst=peer_stage)
-    return same
-
-
-def allocation_log(backend: Backend, collective_timeout_s: float) -> dict[str, Any]:
-    """What each rank allocated and rendezvoused at setup (parallel_groups), before any exchange."""
-    from portapipe.backends.cuda import CUDABackend
-
-    double = standin_nvshmem.SymmMemDouble(world_group=standin_nvshmem.world_group(collective_timeout_s))
-    standin_nvshmem.install(setattr, double)
-    be = CUDABackend({"ep_transport": "nvshmem", "dist_backend": "gloo", "nvshmem_buffer_mb": 1})
-    groups = be.parallel_groups(2, 1, 2)
-    return {
-        "allocs": [(tuple(t.shape), str(t.dtype)) for t in double.allocs],
-        "rendezvous": len(double.rendezvoused),
-        "ep_ranks": groups.ep_ranks,
-    }
+    return {**at_setup, "same": same, "allocs_after": len(double.allocs), "op_calls": len(double.op_calls)}
