@@ -234,3 +234,23 @@ def test_npu_extra_pins_the_torch_npu_and_torch_of_the_declarations() -> None:
     decl = declared.load("torch_npu")
     assert f"torch_npu=={decl.version}" in extra
     assert decl.requires in extra  # torch_npu installs only beside the torch it was built for
+
+
+def test_refresh_script_reads_the_installed_torch_as_recorded(tmp_path) -> None:
+    """ci/refresh_schemas.py on the torch this suite runs with: the ops the backends call come out
+    as recorded, and every Python declaration it writes parses."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("refresh_schemas", ROOT / "ci" / "refresh_schemas.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    version, lines = script.torch_lines()
+    assert version == torch.__version__
+    recorded = declared.load("torch")
+    ops = [line[4:] for line in lines if line.startswith("op: ")]
+    assert ops == [str(s) for schemas in recorded.ops.values() for s in schemas]
+    py = {line[4:].split("(", 1)[0] for line in lines if line.startswith("py: ")}
+    assert py == set(recorded.py)
+    assert script.main(["torch", "--out", str(tmp_path)]) == 0
+    (written,) = tmp_path.glob("torch-*.schemas")
+    assert f"# version: {torch.__version__}" in written.read_text()
