@@ -1,15 +1,16 @@
 """Ascend backend against the STAND-IN torch_npu (tests/standin_torch_npu.py), on CPU.
 
-These tests check that the backend calls the documented torch_npu API with the right
-arguments (streams and events, the hccl process-group backend, npu_grouped_matmul's
-argument mapping, memory figures) and that the grouped matmul it builds, forward and
-backward, equals the CPU reference. They cannot show that the real kernels behave as
-documented: real Ascend hardware with torch_npu and CANN is needed to prove the backend
+These tests check that the backend calls the torch_npu API as torch_npu 2.14.0 declares it
+(the stand-in binds every call against the release's schemas and enforces the documented
+layout rules and limits of npu_grouped_matmul), and that the grouped matmul it builds,
+forward and backward, equals the CPU reference. They cannot show that the real kernels behave
+as documented: real Ascend hardware with torch_npu and CANN is needed to prove the backend
 (the tests marked ``npu`` at the end do that, and run under ``ci/test.sh npu``).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 
@@ -22,12 +23,28 @@ from portapipe.backends.base import BackendUnavailable, grouped_mm_reference
 from .standin_torch_npu import make_standin
 
 
-@pytest.fixture
-def standin(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    mod = make_standin()
+# npu_grouped_matmul limits (torch_npu 2.14.0 docstring, CANN aclnnGroupedMatmulV5): groups per call
+# with a single-tensor weight, and the bound every x and weight's innermost dim stays below.
+NPU_GMM_MAX_GROUPS = 1024
+NPU_GMM_INNER_LIMIT = 65536
+
+
+def _install(monkeypatch: pytest.MonkeyPatch, mod: types.ModuleType) -> types.ModuleType:
     monkeypatch.setitem(sys.modules, "torch_npu", mod)
     monkeypatch.setitem(sys.modules, "torch_npu.npu", mod.npu)
     return mod
+
+
+@pytest.fixture
+def standin(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    return _install(monkeypatch, make_standin())
+
+
+def _backend(k_grouping: bool | None = True) -> AscendBackend:
+    """A backend whose group_type 2 probe is already answered (None: left to probe)."""
+    be = AscendBackend()
+    be._k_grouping = k_grouping
+    return be
 
 
 def _offs(counts: list[int]) -> torch.Tensor:
@@ -70,20 +87,22 @@ def test_process_group_uses_hccl_and_binds_device_first(standin, monkeypatch) ->
 def test_streams_and_events_map_to_torch_npu(standin) -> None:
     be = AscendBackend()
     npu = standin.npu
-    assert be.compute_stream() is npu.current_stream()
+    # torch_npu's current_stream() wraps the current stream anew on every call: equal, not identical.
+    assert be.compute_stream() == npu.current_stream()
+    assert be.compute_stream() is not be.compute_stream()
     comm = be.comm_stream()
-    assert comm is not be.compute_stream()
+    assert comm != be.compute_stream()
     assert be.comm_stream() is comm  # one communication stream per backend
     ev = be.event(enable_timing=True)
     assert standin.recorder.of("Event")[-1] == {"event": ev, "enable_timing": True}
     # Work issued under the comm stream is recorded on it; the compute stream then waits on it.
     with be.stream(comm):
-        assert npu.current_stream() is comm
+        assert npu.current_stream() == comm
         ev.record()
-    assert ev.recorded_on is comm
-    assert npu.current_stream() is npu._default
+    assert ev.recorded_on == comm
+    assert npu.current_stream().stream_id == npu.default_stream_id()
     be.compute_stream().wait_event(ev)
-    assert npu._default.waited_on == [ev]
+    assert npu.waited_on(npu.current_stream()) == [ev]
     be.synchronize()
     assert "synchronize" in standin.recorder.names()
 
@@ -128,12 +147,13 @@ def test_rng_state_round_trip_includes_npu(standin) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_grouped_matmul_forward_argument_mapping(standin, dtype) -> None:
-    be = AscendBackend()
+    be = _backend()
     counts = [3, 0, 5, 2]
     a, b, offs = _operands(dtype, counts)
     out = be.grouped_mm(a, b, offs)
     (call,) = standin.recorder.of("npu_grouped_matmul")
-    assert call["x"][0] is a and call["weight"][0] is b
+    assert call["overload"] == ""  # the tensor group_list overload
+    assert torch.equal(call["x"][0], a) and call["weight"][0] is b
     assert call["group_list"].dtype == torch.int64
     assert call["group_list"].tolist() == [3, 3, 8, 10]  # cumulative ends, as torch's offs
     assert (call["split_item"], call["group_type"], call["group_list_type"]) == (3, 0, 0)
@@ -143,15 +163,20 @@ def test_grouped_matmul_forward_argument_mapping(standin, dtype) -> None:
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
-def test_grouped_matmul_weight_gradient_form_maps_to_k_grouping(standin) -> None:
-    be = AscendBackend()
+@pytest.mark.parametrize("layout", ["transposed", "row-major"])
+def test_grouped_matmul_weight_gradient_form_maps_to_k_grouping(standin, layout) -> None:
+    """group_type 2 needs x transposed: ``x.t()`` (what the layers pass) goes as it is, a
+    row-major x through the generic API is stored transposed first."""
+    be = _backend()
     g = torch.Generator().manual_seed(1)
-    a = torch.randn(6, 10, generator=g)
+    a = torch.randn(10, 6, generator=g).t() if layout == "transposed" else torch.randn(6, 10, generator=g)
     b = torch.randn(10, 4, generator=g)
     offs = _offs([4, 0, 6])
     out = be.grouped_mm(a, b, offs)
     (call,) = standin.recorder.of("npu_grouped_matmul")
     assert (call["split_item"], call["group_type"], call["group_list_type"]) == (3, 2, 0)
+    assert call["x"][0].stride() == (1, 6)
+    assert (call["x"][0].data_ptr() == a.data_ptr()) is (layout == "transposed")  # no copy when the layout is right
     assert out.shape == (3, 6, 4)
     torch.testing.assert_close(out, grouped_mm_reference(a, b, offs))
 
@@ -159,7 +184,7 @@ def test_grouped_matmul_weight_gradient_form_maps_to_k_grouping(standin) -> None
 @pytest.mark.parametrize("form", ["2d3d", "2d2d"])
 def test_grouped_matmul_backward_equals_reference_gradients(standin, form) -> None:
     """The backward is built from the same kernel; its gradients must equal autograd's on the loop."""
-    be = AscendBackend()
+    be = _backend()
     g = torch.Generator().manual_seed(2)
     if form == "2d3d":
         a0, b0, offs = torch.randn(9, 5, generator=g), torch.randn(3, 5, 7, generator=g), _offs([2, 4, 3])
@@ -179,15 +204,137 @@ def test_grouped_matmul_backward_equals_reference_gradients(standin, form) -> No
 
 
 def test_grouped_matmul_falls_back_where_the_kernel_does_not_apply(standin) -> None:
-    be = AscendBackend()
+    be = _backend()
     a, b, offs = _operands(torch.float64, [2, 3])  # float64: no NPU kernel
     torch.testing.assert_close(be.grouped_mm(a, b, offs), grouped_mm_reference(a, b, offs))
-    a, b, _ = _operands(torch.float32, [2, 3])
-    short = torch.tensor([2, 4])  # offs ends before the last row: kernel's group_list may not
-    torch.testing.assert_close(be.grouped_mm(a, b, short), grouped_mm_reference(a, b, short))
-    a, b, offs = _operands(torch.float32, [1] * 130, k=4, n=4)  # more groups than one call takes
+    n = NPU_GMM_MAX_GROUPS + 1
+    a, b, offs = _operands(torch.float32, [1] * n, k=4, n=4)  # more groups than one call takes
     torch.testing.assert_close(be.grouped_mm(a, b, offs), grouped_mm_reference(a, b, offs))
+    a, b, offs = _operands(torch.float16, [1, 1], k=NPU_GMM_INNER_LIMIT, n=2)  # K at the inner-dim limit
+    torch.testing.assert_close(be.grouped_mm(a, b, offs), grouped_mm_reference(a, b, offs))
+    a, b, offs = _operands(torch.float16, [0, 0], k=4, n=2)  # no rows at all
+    assert be.grouped_mm(a, b, offs).shape == (0, 2)
     assert standin.recorder.of("npu_grouped_matmul") == []
+
+
+def test_up_to_1024_groups_take_the_kernel(standin) -> None:
+    """1024 groups is the limit for a single-tensor weight (128 is the weight-list limit)."""
+    be = _backend()
+    for groups in (130, NPU_GMM_MAX_GROUPS):
+        a, b, offs = _operands(torch.float32, [1] * groups, k=4, n=4)
+        torch.testing.assert_close(be.grouped_mm(a, b, offs), grouped_mm_reference(a, b, offs))
+    calls = standin.recorder.of("npu_grouped_matmul")
+    assert [c["group_list"].numel() for c in calls] == [130, NPU_GMM_MAX_GROUPS]
+
+
+def test_short_offs_runs_the_kernel_on_the_covered_rows_and_zeroes_the_rest(standin) -> None:
+    """group_list must end at the grouped axis; torch's offs may stop short (rows after it belong
+    to no group): the kernel gets the covered rows, the rest of the result is zero."""
+    be = _backend()
+    a, b, _ = _operands(torch.float32, [2, 3])
+    short = torch.tensor([2, 4], dtype=torch.int32)
+    a.requires_grad_()
+    out = be.grouped_mm(a, b, short)
+    torch.testing.assert_close(out, grouped_mm_reference(a.detach(), b, short))
+    assert torch.equal(out[4:], torch.zeros(1, 16))
+    (call,) = standin.recorder.of("npu_grouped_matmul")
+    assert call["x"][0].shape == (4, 8)
+    assert call["group_list"].dtype == torch.int64 and call["group_list"].tolist() == [2, 4]
+    out.sum().backward()
+    assert torch.equal(a.grad[4:], torch.zeros(1, 8))
+
+
+def test_strict_standin_refuses_what_torch_npu_refuses(standin) -> None:
+    """What the 2.14.0 declarations and checks refuse; a lenient stand-in would let each through."""
+    gmm = standin.npu_grouped_matmul
+    x, w, gl = [torch.randn(4, 8)], [torch.randn(2, 8, 3)], torch.tensor([1, 4])
+    with pytest.raises(TypeError, match="unexpected keyword argument.*group_lst"):
+        gmm(x, w, group_lst=gl, split_item=3, group_type=0)
+    with pytest.raises(RuntimeError, match="group_type only supports -1, 0 and 2, but got None"):
+        gmm(x, w, group_list=gl, split_item=3)  # group_type's default is None, not -1
+    with pytest.raises(TypeError, match="output_dtype"):
+        gmm(x, w, group_list=gl, split_item=3, group_type=0, output_dtype=torch.float32)  # an int enum here
+    with pytest.raises(ValueError, match="list group_list needs group_type None"):
+        gmm(x, w, group_list=[1, 4], split_item=3, group_type=0)
+    with pytest.raises(TypeError, match="1-D int64"):
+        gmm(x, w, group_list=gl.int(), split_item=3, group_type=0)
+    with pytest.raises(ValueError, match="must end at the grouped axis length 4"):
+        gmm(x, w, group_list=torch.tensor([1, 3]), split_item=3, group_type=0)
+    with pytest.raises(TypeError):
+        standin.npu.Event(enable_timing=True, external=True)  # torch.cuda's keyword, not torch_npu's
+    assert standin.npu.current_stream() is not standin.npu.current_stream()
+    assert standin.npu.current_stream() == standin.npu.current_stream()
+
+
+def test_layout_rules_per_group_type(standin) -> None:
+    """group_type 0: x not transposed; group_type 2: x transposed and the weight not."""
+    gmm = standin.npu_grouped_matmul
+    gl = torch.tensor([1, 4])
+    x_t = torch.randn(8, 4).t()  # [4, 8] stored transposed
+    with pytest.raises(ValueError, match="group_type 0 does not take a transposed"):
+        gmm([x_t.t().t()], [torch.randn(2, 8, 3)], group_list=gl, split_item=3, group_type=0)
+    gmm([torch.randn(4, 8)], [torch.randn(2, 3, 8).transpose(1, 2)], group_list=gl, split_item=3, group_type=0)
+    with pytest.raises(ValueError, match="group_type 2 needs x transposed"):
+        gmm([torch.randn(5, 4)], [torch.randn(4, 3)], group_list=gl, split_item=3, group_type=2)
+    with pytest.raises(ValueError, match="group_type 2 does not take a transposed or strided weight"):
+        gmm([torch.randn(4, 5).t()], [torch.randn(3, 4).t()], group_list=gl, split_item=3, group_type=2)
+    gmm([torch.randn(4, 5).t()], [torch.randn(4, 3)], group_list=gl, split_item=3, group_type=2)
+    with pytest.raises(ValueError, match="inner dim 65536"):
+        gmm([torch.randn(1, NPU_GMM_INNER_LIMIT, dtype=torch.float16)], [torch.randn(1, NPU_GMM_INNER_LIMIT, 1, dtype=torch.float16)],
+            group_list=torch.tensor([1]), split_item=3, group_type=0)
+
+
+@pytest.mark.parametrize("form", ["2d3d", "2d2d"])
+@pytest.mark.parametrize("a_layout", ["row-major", "transposed"])
+def test_every_layout_through_the_generic_api_reaches_the_kernel_conformant(standin, form, a_layout) -> None:
+    """Forward and backward of both forms, whichever layout the caller's operand has."""
+    be = _backend()
+    g = torch.Generator().manual_seed(7)
+    rows, cols = (9, 5) if form == "2d3d" else (5, 9)
+    a0 = torch.randn(rows, cols, generator=g) if a_layout == "row-major" else torch.randn(cols, rows, generator=g).t()
+    b0 = torch.randn(3, 5, 7, generator=g) if form == "2d3d" else torch.randn(9, 7, generator=g)
+    offs = _offs([2, 4, 3])
+    a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+    a_ref, b_ref = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+    out, ref = be.grouped_mm(a, b, offs), grouped_mm_reference(a_ref, b_ref, offs)
+    torch.testing.assert_close(out, ref)
+    w = torch.randn(ref.shape, generator=g)
+    (out * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(a.grad, a_ref.grad)
+    torch.testing.assert_close(b.grad, b_ref.grad)
+    assert len(standin.recorder.of("npu_grouped_matmul")) == 3
+
+
+def test_group_type_2_support_is_probed_once_with_one_log_line(monkeypatch, caplog) -> None:
+    """An older CANN without k-axis grouping: the weight-gradient form runs the loop, said once."""
+    standin = _install(monkeypatch, make_standin(k_grouping=False))
+    be = _backend(k_grouping=None)
+    g = torch.Generator().manual_seed(8)
+    caplog.set_level(logging.WARNING, logger="portapipe.backends")
+    for _ in range(3):
+        x, dy, offs = torch.randn(10, 6, generator=g), torch.randn(10, 4, generator=g), _offs([4, 0, 6])
+        torch.testing.assert_close(be.grouped_mm(x.t(), dy, offs), grouped_mm_reference(x.t(), dy, offs))
+    a = torch.randn(10, 6, generator=g)
+    b = torch.randn(3, 6, 4, generator=g, requires_grad=True)
+    be.grouped_mm(a, b, _offs([4, 0, 6])).sum().backward()  # its weight gradient is the k form too
+    a_ref = b.detach().clone().requires_grad_()
+    grouped_mm_reference(a, a_ref, _offs([4, 0, 6])).sum().backward()
+    torch.testing.assert_close(b.grad, a_ref.grad)
+    lines = [r for r in caplog.records if "group_type 2" in r.getMessage()]
+    assert len(lines) == 1 and "not supported by this CANN" in lines[0].getMessage()
+    probes = [c for c in standin.recorder.of("npu_grouped_matmul") if c["group_type"] == 2]
+    assert len(probes) == 1  # the probe; the kernel is not asked again
+    assert be.k_grouping_supported(None, torch.device("cpu"), torch.float32) is False
+
+
+def test_group_type_2_probe_passes_where_cann_supports_it(standin, caplog) -> None:
+    be = _backend(k_grouping=None)
+    caplog.set_level(logging.WARNING, logger="portapipe.backends")
+    x, dy, offs = torch.randn(10, 6), torch.randn(10, 4), _offs([4, 0, 6])
+    torch.testing.assert_close(be.grouped_mm(x.t(), dy, offs), grouped_mm_reference(x.t(), dy, offs))
+    assert be._k_grouping is True and not caplog.records
+    assert [c["group_type"] for c in standin.recorder.of("npu_grouped_matmul")] == [2, 2]  # probe, call
 
 
 def test_unavailable_reason_names_package_cann_and_autoload(monkeypatch) -> None:

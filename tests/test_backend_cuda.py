@@ -158,126 +158,29 @@ def test_timer_is_event_based(monkeypatch) -> None:
     assert made == [{"enable_timing": True}, {"enable_timing": True}]
 
 
-def test_element_splits_scale_rows_to_elements() -> None:
-    assert cuda_mod.element_splits([2, 0, 3], 7) == [14, 0, 21]
+def test_expert_all_to_all_routes_by_transport(monkeypatch) -> None:
+    """alltoall goes to NCCL; nvshmem to the NVSHMEM transport, except on a one-rank group
+    (nothing to send, no symmetric buffers made for it)."""
+    from portapipe.backends import nvshmem
 
+    from .standin_nvshmem import SymmMemDouble, install
 
-class _FakeSymmMem:
-    """One-rank model of torch's symmetric memory and all_to_all_vdev (documented semantics)."""
-
-    def __init__(self) -> None:
-        self.backend = None
-        self.allocs: list[torch.Tensor] = []
-        self.rendezvous: list[str] = []
-        self.op_calls: list[str] = []
-
-    def get_backend(self, device):
-        return self.backend
-
-    def set_backend(self, name):
-        assert not self.allocs, "set_backend after an allocation"
-        self.backend = name
-
-    def empty(self, *size, dtype, device):
-        shape = size[0] if len(size) == 1 and isinstance(size[0], tuple) else size
-        t = torch.full(tuple(shape), -7, dtype=dtype)  # garbage-filled, as fresh memory is
-        self.allocs.append(t)
-        return t
-
-    def rendezvous_(self, t, group_name):
-        self.rendezvous.append(group_name)
-
-    def all_to_all_vdev(self, inp, out, in_splits, out_splits_offsets, group_name):
-        # With one rank everything sent comes back: received splits = sent, offsets exclusive.
-        n = int(in_splits.sum())
-        out[:n] = inp[:n]
-        out_splits_offsets[0] = in_splits
-        out_splits_offsets[1] = torch.cumsum(in_splits, 0) - in_splits
-        self.op_calls.append(group_name)
-
-
-class _FakeEvent:
-    def __init__(self, **kwargs) -> None:
-        self.recorded_on = None
-
-    def record(self, stream=None) -> None:
-        self.recorded_on = stream
-
-    def query(self) -> bool:
-        return True
-
-
-class _FakeStream:
-    def __init__(self) -> None:
-        self.waited: list[_FakeEvent] = []
-
-    def wait_event(self, ev) -> None:
-        self.waited.append(ev)
-
-
-@pytest.fixture
-def fake_nvshmem(monkeypatch):
-    symm = _FakeSymmMem()
-    stream = _FakeStream()
-    fake_module = types.SimpleNamespace(
-        get_backend=symm.get_backend, set_backend=symm.set_backend, empty=symm.empty, rendezvous=symm.rendezvous_
-    )
-    monkeypatch.setattr(cuda_mod.NvshmemTransport, "_symm_mem", staticmethod(lambda: fake_module))
-    monkeypatch.setattr(cuda_mod.NvshmemTransport, "_all_to_all_vdev", staticmethod(lambda: symm.all_to_all_vdev))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
-    return symm, stream
-
-
-def test_nvshmem_transport_staging_on_one_rank(fake_nvshmem) -> None:
-    """Copy-in, split scaling, the op's arguments, copy-out, buffer reuse and stream ordering."""
-    symm, stream = fake_nvshmem
-    tr = cuda_mod.NvshmemTransport(torch.device("cpu"), capacity_bytes=4 * 64)
-    group = types.SimpleNamespace(group_name="ep0")
-    x = torch.arange(15, dtype=torch.float32).reshape(5, 3)
-    out = torch.empty(5, 3)
-    assert tr.all_to_all(out, x, [5], [5], group=group) is None
-    assert torch.equal(out, x)
-    assert symm.backend == "NVSHMEM" and symm.op_calls == ["ep0"]
-    assert len(symm.allocs) == 4 and symm.rendezvous == ["ep0"] * 4  # inp, out, in_splits, out_splits_offsets
-    inp_buf, _, in_splits, _ = symm.allocs
-    assert inp_buf.numel() == 64 and in_splits.tolist() == [15]  # rows x 3 elements
-    first_done = tr._buffers[("ep0", torch.float32)].last_use
-    y = torch.randn(2, 3)
-    out2 = torch.empty(2, 3)
-    work = tr.all_to_all(out2, y, [2], [2], group=group, async_op=True)
-    assert len(symm.allocs) == 4  # buffers reused
-    assert stream.waited == [first_done]  # the second use waited for the first one's read-out
-    work.wait()
-    assert stream.waited[-1] is tr._buffers[("ep0", torch.float32)].last_use
-    assert work.is_completed() and torch.equal(out2, y)
-
-
-def test_nvshmem_transport_refuses_overflow_and_bad_splits(fake_nvshmem) -> None:
-    tr = cuda_mod.NvshmemTransport(torch.device("cpu"), capacity_bytes=4 * 16)
-    group = types.SimpleNamespace(group_name="ep0")
-    with pytest.raises(ValueError, match="nvshmem_buffer_mb"):
-        tr.all_to_all(torch.empty(6, 3), torch.randn(6, 3), [6], [6], group=group)
-    with pytest.raises(ValueError, match="splits cover 6 input / 6 output elements but the tensors hold 6 / 9"):
-        tr.all_to_all(torch.empty(3, 3), torch.randn(2, 3), [2], [2], group=group)
-
-
-def test_expert_all_to_all_routes_by_transport(usable_gpu, monkeypatch, fake_nvshmem) -> None:
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    monkeypatch.setattr(symm_mem, "is_nvshmem_available", lambda: True)
-    monkeypatch.setattr(CUDABackend, "device", lambda self, local_rank=None: torch.device("cpu"))
-    nccl_calls = []
+    install(monkeypatch.setattr, SymmMemDouble())
+    nccl_calls, nvshmem_calls = [], []
     monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: nccl_calls.append(k))
-    x, out = torch.randn(4, 2), torch.empty(4, 2)
-    CUDABackend().expert_all_to_all(out, x, [4], [4])
-    assert len(nccl_calls) == 1
+    monkeypatch.setattr(nvshmem.NvshmemTransport, "all_to_all", lambda self, *a, **k: nvshmem_calls.append(a))
+    world = {"size": 2}
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world["size"])
+    x, out, group = torch.randn(4, 2), torch.empty(4, 2), types.SimpleNamespace(group_name="g")
+    CUDABackend().expert_all_to_all(out, x, [4], [4], group=group)
+    assert (len(nccl_calls), len(nvshmem_calls)) == (1, 0)
     be = CUDABackend({"ep_transport": "nvshmem", "nvshmem_buffer_mb": 1})
-    be.expert_all_to_all(out, x, [4], [4], group=types.SimpleNamespace(group_name="g"))
-    assert len(nccl_calls) == 1 and torch.equal(out, x)
-    assert be._nvshmem is not None and be._nvshmem.capacity_bytes == 2**20
+    be.expert_all_to_all(out, x, [4], [4], group=group)
+    assert (len(nccl_calls), len(nvshmem_calls)) == (1, 1)
+    assert be._nvshmem.capacity_bytes == 2**20
+    world["size"] = 1
+    be.expert_all_to_all(out, x, [4], [4], group=group)
+    assert (len(nccl_calls), len(nvshmem_calls)) == (2, 1)
 
 
 # ------------------------------------------------------------------------------ GPU tests
@@ -420,7 +323,9 @@ def nvshmem_vs_nccl_all_to_all(backend: CUDABackend) -> bool:
     out_splits = [j + rank + 1 for j in range(world)]
     inp = torch.randn(sum(in_splits), 5, device=backend.device()) + 100 * rank
     got = torch.empty(sum(out_splits), 5, device=backend.device())
-    backend.expert_all_to_all(got, inp, out_splits, in_splits, async_op=True).wait()
+    backend.setup_expert_transport(None)  # collective at setup, on every rank
+    for _ in range(3):  # the same buffers again and again, as the expert layers use them
+        backend.expert_all_to_all(got, inp, out_splits, in_splits, async_op=True).wait()
     want = torch.empty_like(got)
     backend.all_to_all_single(want, inp, out_splits, in_splits)
     backend.synchronize()

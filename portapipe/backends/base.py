@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .grouped_mm import grouped_mm_reference
+
 
 class BackendUnavailable(RuntimeError):
     """Raised when a backend is asked for on a machine that cannot run it."""
@@ -225,6 +227,9 @@ class Backend(ABC):
             if rank in ranks:
                 g.replica_group, g.replica_ranks = grp, ranks
         self._groups = g
+        # Every rank is here, at setup, before any schedule: the place for collective setup of
+        # the expert transport (NVSHMEM allocation spans the whole job).
+        self.setup_expert_transport(g.ep_group)
         return g
 
     # ------------------------------------------------------- streams and events
@@ -271,6 +276,10 @@ class Backend(ABC):
             group=group,
             async_op=async_op,
         )
+
+    def setup_expert_transport(self, group: Any = None) -> None:
+        """Prepare the expert transport of ``group`` (None: the world). Collective over the whole
+        job: every rank calls it at the same point of setup (``parallel_groups`` does)."""
 
     def expert_all_to_all(
         self,
@@ -348,41 +357,3 @@ class Backend(ABC):
             "available": self.is_available(),
             "device_count": self.device_count(),
         }
-
-
-def _fused_grouped_mm() -> Any:
-    return getattr(torch.nn.functional, "grouped_mm", None)
-
-
-def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Loop implementation of grouped matmul: the CPU reference every kernel must match."""
-    ends = [int(x) for x in offs.tolist()]
-    starts = [0] + ends[:-1]
-    if a.dim() == 2 and b.dim() == 3:
-        if b.shape[0] != len(ends):
-            raise ValueError(f"grouped_mm: b has {b.shape[0]} groups but offs has {len(ends)}")
-        out = a.new_empty(a.shape[0], b.shape[2])
-        for g, (s, e) in enumerate(zip(starts, ends)):
-            out[s:e] = a[s:e] @ b[g]
-        if ends:
-            out[ends[-1]:] = 0
-        return out
-    if a.dim() == 2 and b.dim() == 2:
-        out = a.new_empty(len(ends), a.shape[0], b.shape[1])
-        for g, (s, e) in enumerate(zip(starts, ends)):
-            out[g] = a[:, s:e] @ b[s:e]
-        return out
-    raise ValueError(f"grouped_mm: unsupported shapes {tuple(a.shape)} x {tuple(b.shape)}")
-
-
-def grouped_mm_fused_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether torch's fused grouped_mm accepts these operands (dtype and 16-byte strides)."""
-    if _fused_grouped_mm() is None or a.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if b.dtype != a.dtype:
-        return False
-    elem = a.element_size()
-    for t in (a, b):
-        if any((s * elem) % 16 for s in t.stride()[:-1] if s != 1) or (t.shape[-1] * elem) % 16:
-            return False
-    return True

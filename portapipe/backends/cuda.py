@@ -5,30 +5,29 @@ Importing this module touches no GPU: presence is judged from ``torch.cuda.devic
 
 Expert-parallel transport: ``alltoall`` (NCCL ``all_to_all_single``) by default;
 ``backend_options: {ep_transport: nvshmem}`` sends expert dispatch/combine through NVSHMEM
-symmetric memory (``torch.ops.symm_mem.all_to_all_vdev``) where torch reports NVSHMEM
+symmetric memory (:mod:`portapipe.backends.nvshmem`) where torch (>= 2.9) reports NVSHMEM
 available, and is refused with :class:`BackendUnavailable` where it is not.
 """
 
 from __future__ import annotations
 
 import glob
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .base import (
-    Backend,
-    BackendUnavailable,
-    EventTimer,
-    Timer,
+from .base import Backend, BackendUnavailable, EventTimer, Timer
+from .grouped_mm import (
     _fused_grouped_mm,
-    grouped_mm_fused_ok,
+    fused_offs,
+    grouped_mm_layout_ok,
     grouped_mm_reference,
+    zero_empty_groups,
+    zero_rows_past_end,
 )
+from .nvshmem import NVSHMEM_MIN_TORCH, NvshmemTransport, nvshmem_api_missing
 
 EP_TRANSPORTS = ("alltoall", "nvshmem")
 #: Default size of each NVSHMEM staging buffer (input and output, per group and dtype).
@@ -40,13 +39,26 @@ def fused_grouped_mm_supported(dtype: torch.dtype, capability: tuple[int, int]) 
 
     torch's fast path is bf16 on compute capability 9.x / 10.x (Hopper, Blackwell); elsewhere
     it loops over groups itself, so the portable loop is used instead and behaves the same.
+    On 10.x the 2d x 2d form (the weight gradient) gives non-zero results for groups without
+    rows (pytorch issue 172439, seen on B200); :func:`empty_groups_need_zeroing` makes the
+    backend zero those groups after the call.
     """
     return dtype == torch.bfloat16 and capability[0] in (9, 10)
 
 
+def empty_groups_need_zeroing(capability: tuple[int, int]) -> bool:
+    """Compute capability 10.x: empty groups of the fused 2d x 2d result are not zero (pytorch issue 172439)."""
+    return capability[0] == 10
+
+
 def fused_path_ok(a: torch.Tensor, b: torch.Tensor, capability: tuple[int, int]) -> bool:
-    """Operands (dtype, 16-byte strides) and architecture both allow the fused kernel."""
-    return grouped_mm_fused_ok(a, b) and fused_grouped_mm_supported(a.dtype, capability)
+    """Operands (dtype, strides decided as torch does) and architecture allow the fused kernel."""
+    return (
+        _fused_grouped_mm() is not None
+        and b.dtype == a.dtype
+        and fused_grouped_mm_supported(a.dtype, capability)
+        and grouped_mm_layout_ok(a, b)
+    )
 
 
 def _nvidia_device_files() -> list[str]:
@@ -131,6 +143,10 @@ class CUDABackend(Backend):
     def nvshmem_unavailable_reason(cls) -> str | None:
         """Why ``ep_transport: nvshmem`` cannot run here, or None when it can."""
         fix = "Use backend_options: {ep_transport: alltoall} (the default), which runs everywhere."
+        missing = nvshmem_api_missing()
+        if missing:
+            need = ".".join(map(str, NVSHMEM_MIN_TORCH))
+            return f"backend_options.ep_transport: nvshmem needs torch >= {need}: {missing}. {fix}"
         if not cls.is_available():
             return f"backend_options.ep_transport: nvshmem needs a usable NVIDIA GPU: {cls.unavailable_reason()} {fix}"
         try:
@@ -196,12 +212,22 @@ class CUDABackend(Backend):
         group: Any = None,
         async_op: bool = False,
     ) -> Any:
-        if self.ep_transport != "nvshmem":
+        if self.ep_transport != "nvshmem" or dist.get_world_size(group) == 1:
+            # A one-rank group has nothing to send: no symmetric buffers are made for it.
             return super().expert_all_to_all(output, input, output_split_sizes, input_split_sizes, group, async_op)
+        return self._nvshmem_transport().all_to_all(output, input, output_split_sizes, input_split_sizes, group, async_op)
+
+    def _nvshmem_transport(self) -> NvshmemTransport:
         if self._nvshmem is None:
             mb = float(self.options.get("nvshmem_buffer_mb", DEFAULT_NVSHMEM_BUFFER_MB))
             self._nvshmem = NvshmemTransport(self.device(), int(mb * 2**20))
-        return self._nvshmem.all_to_all(output, input, output_split_sizes, input_split_sizes, group, async_op)
+        return self._nvshmem
+
+    def setup_expert_transport(self, group: Any = None) -> None:
+        # NVSHMEM allocation is collective over the whole job: every rank allocates here, at
+        # setup, never at its first exchange (see portapipe/backends/nvshmem.py).
+        if self.ep_transport == "nvshmem" and dist.get_world_size(group) > 1:
+            self._nvshmem_transport().setup(group)
 
     # ------------------------------------------------------------------ kernels
     def grouped_mm_fused(self, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -211,9 +237,14 @@ class CUDABackend(Backend):
         return fused_path_ok(a, b, torch.cuda.get_device_capability(a.device))
 
     def grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        if self.grouped_mm_fused(a, b):
-            return _fused_grouped_mm()(a, b, offs=offs.to(device=a.device, dtype=torch.int32))
-        return grouped_mm_reference(a, b, offs)
+        if not self.grouped_mm_fused(a, b):
+            return grouped_mm_reference(a, b, offs)
+        out = _fused_grouped_mm()(a, b, offs=fused_offs(offs, a.device))
+        if b.dim() == 3:
+            return zero_rows_past_end(out, offs)
+        if empty_groups_need_zeroing(torch.cuda.get_device_capability(a.device)):
+            return zero_empty_groups(out, offs)
+        return out
 
     # ------------------------------------------------------------------- memory
     def memory_allocated(self) -> int | None:
@@ -246,131 +277,3 @@ class CUDABackend(Backend):
             out["device_name"] = props.name
             out["capability"] = f"{props.major}.{props.minor}"
         return out
-
-
-# ---------------------------------------------------------------- NVSHMEM transport
-@dataclass
-class _SymmetricBuffers:
-    """Symmetric-memory staging tensors of one (group, dtype): same size on every rank."""
-
-    inp: torch.Tensor
-    out: torch.Tensor
-    in_splits: torch.Tensor  # [group size] int64, elements sent to each peer
-    out_splits_offsets: torch.Tensor  # [2, group size] int64, filled by the op: received splits, offsets
-    last_use: Any = None  # event after the last read of ``out``; the next use waits for it
-
-
-class StreamWork:
-    """Handle of a stream-ordered operation, shaped like a torch.distributed work handle."""
-
-    def __init__(self, done: Any) -> None:
-        self._done = done
-
-    def wait(self, timeout: Any = None) -> bool:
-        # Make the waiting stream depend on the operation, as NCCL's work.wait() does.
-        torch.cuda.current_stream().wait_event(self._done)
-        return True
-
-    def is_completed(self) -> bool:
-        return bool(self._done.query())
-
-
-def element_splits(split_rows: Sequence[int], row_numel: int) -> list[int]:
-    """Row splits of an all-to-all as element counts of the flattened tensor."""
-    return [int(s) * row_numel for s in split_rows]
-
-
-class NvshmemTransport:
-    """Expert all-to-all through NVSHMEM symmetric memory (``all_to_all_vdev``).
-
-    The op needs its input, output and split tensors in symmetric memory of equal size on
-    every rank. Buffers of ``capacity_bytes`` each are made once per (group, dtype) with a
-    collective allocation, so every rank must make its first call for a group and dtype at
-    the same point of the program (as the expert layers do). Splits count rows of the
-    input; the op itself counts elements, so rows are flattened and splits scaled.
-    """
-
-    def __init__(self, device: torch.device, capacity_bytes: int) -> None:
-        self.device = device
-        self.capacity_bytes = capacity_bytes
-        self._buffers: dict[tuple[str, torch.dtype], _SymmetricBuffers] = {}
-
-    @staticmethod
-    def _symm_mem() -> Any:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        return symm_mem
-
-    @staticmethod
-    def _all_to_all_vdev() -> Any:
-        return torch.ops.symm_mem.all_to_all_vdev
-
-    def _get_buffers(self, group: Any, group_name: str, dtype: torch.dtype) -> _SymmetricBuffers:
-        key = (group_name, dtype)
-        if key in self._buffers:
-            return self._buffers[key]
-        symm_mem = self._symm_mem()
-        if symm_mem.get_backend(self.device) != "NVSHMEM":
-            symm_mem.set_backend("NVSHMEM")  # must precede the process's first symmetric allocation
-        world = dist.get_world_size(group)
-        numel = self.capacity_bytes // torch.empty((), dtype=dtype).element_size()
-        bufs = _SymmetricBuffers(
-            inp=symm_mem.empty(numel, dtype=dtype, device=self.device),
-            out=symm_mem.empty(numel, dtype=dtype, device=self.device),
-            in_splits=symm_mem.empty(world, dtype=torch.int64, device=self.device),
-            out_splits_offsets=symm_mem.empty((2, world), dtype=torch.int64, device=self.device),
-        )
-        for t in (bufs.inp, bufs.out, bufs.in_splits, bufs.out_splits_offsets):
-            symm_mem.rendezvous(t, group_name)  # collective: peers map each other's buffers
-        self._buffers[key] = bufs
-        return bufs
-
-    def all_to_all(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        output_split_sizes: Sequence[int],
-        input_split_sizes: Sequence[int],
-        group: Any = None,
-        async_op: bool = False,
-    ) -> StreamWork | None:
-        group = group if group is not None else dist.group.WORLD
-        group_name = group.group_name
-        if input.dtype != output.dtype:
-            raise ValueError(f"expert all-to-all: input dtype {input.dtype} != output dtype {output.dtype}")
-        if not output.is_contiguous():
-            raise ValueError("expert all-to-all over nvshmem needs a contiguous output tensor")
-        row_numel = math.prod(input.shape[1:])
-        in_elems = element_splits(input_split_sizes, row_numel)
-        n_in, n_out = sum(in_elems), sum(output_split_sizes) * row_numel
-        if n_in != input.numel() or n_out != output.numel():
-            raise ValueError(
-                f"expert all-to-all: splits cover {n_in} input / {n_out} output elements but the tensors hold "
-                f"{input.numel()} / {output.numel()}"
-            )
-        bufs = self._get_buffers(group, group_name, input.dtype)
-        if max(n_in, n_out) > bufs.inp.numel():
-            need_mb = max(n_in, n_out) * input.element_size() / 2**20
-            raise ValueError(
-                f"expert all-to-all needs {need_mb:.1f} MiB of NVSHMEM buffer but backend_options.nvshmem_buffer_mb "
-                f"is {self.capacity_bytes / 2**20:.1f}; raise it to at least {math.ceil(need_mb)} on every rank"
-            )
-        stream = torch.cuda.current_stream(self.device)
-        if input.is_cuda:
-            # The caller's tensors may come from another stream's pool (compute vs communication):
-            # keep the allocator from reusing them before this stream is done with them.
-            input.record_stream(stream)
-            output.record_stream(stream)
-        if bufs.last_use is not None:
-            stream.wait_event(bufs.last_use)  # the previous call's output may still be read on another stream
-        bufs.inp[:n_in].copy_(input.reshape(-1), non_blocking=True)
-        # Pinned host memory keeps the copy asynchronous; torch's host allocator keeps it alive until done.
-        bufs.in_splits.copy_(torch.tensor(in_elems, dtype=torch.int64).pin_memory(), non_blocking=True)
-        # The op exchanges the splits among peers before any data moves, so a peer cannot
-        # write into ``out`` before this rank's previous read of it (ordered above) is done.
-        self._all_to_all_vdev()(bufs.inp, bufs.out, bufs.in_splits, bufs.out_splits_offsets, group_name)
-        output.view(-1).copy_(bufs.out[:n_out], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-        bufs.last_use = done
-        return StreamWork(done) if async_op else None
