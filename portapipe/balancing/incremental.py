@@ -124,8 +124,13 @@ def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Ten
     holds = torch.zeros(a, num_gpus * e, dtype=torch.bool).scatter_(1, gpu * e + phy, True)  # [A, P*E]
     on_g = holds.view(a, num_gpus, e).gather(1, hot[:, :, None].expand(a, m, e))  # [A, M, E]
     # the other holders of each slot's expert, were that slot's replica dropped
+    # what dropping a slot's replica does to the other holders of its expert: the GPUs that are
+    # not hot rise by ``rise`` (``others``: the highest of them); the hot GPUs are followed one by
+    # one below, so a hot GPU that also loses load in the same move is credited for it
     rise = torch.where(cnt > 1, w / (cnt - 1).clamp(min=1) - x, math.inf)  # [A, E]
-    others = _holder_max(ls, phy, e) + rise.gather(1, phy)  # [A, R]
+    is_hot = torch.zeros(a, num_gpus, dtype=torch.bool).scatter_(1, hot, True)[:, gpu]  # [A, R]
+    others = _holder_max(ls.masked_fill(is_hot, -math.inf), phy, e) + rise.gather(1, phy)  # [A, R]
+    t_is = torch.eye(m, dtype=torch.bool)  # [M, M'] the hot GPU itself
     multi = (cnt > 1).gather(1, phy)  # [A, R] the slot's expert has another replica
     y = w / (cnt + 1)  # [A, E] load per replica with one more
     ya = y.gather(1, ea.view(a, -1)).view(a, m, s)
@@ -165,18 +170,29 @@ def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Ten
     q = min(ADD_SLOTS, k * s)
     jq = js.view(a, m, k * s).gather(2, key.view(a, m, k * s).topk(q, dim=2, largest=False).indices)  # [A, M, Q]
     bq, lq, oq, mq, chq, curq = (t.gather(1, jq.view(a, -1)).view(a, m, 1, q) for t in (phy, ls - xs, others, multi, ch, cur))
-    gain = T - torch.maximum(torch.maximum(rest + ya[..., None], lq + ya[..., None]), oq)
+    # each hot GPU t' holding b rises by rise[b], and if it holds a it sheds a's share x_a - y_a
+    hb = on_g.gather(2, bq.reshape(a, 1, m * q).expand(a, m, m * q)).view(a, m, m, 1, q)  # [A, M', M, 1, Q]
+    ha = on_g.gather(2, ea.reshape(a, 1, m * s).expand(a, m, m * s)).view(a, m, m, s, 1)  # [A, M', M, S, 1]
+    hot_new = top.view(a, m, 1, 1, 1) + rise.gather(1, bq.view(a, -1)).view(a, 1, m, 1, q) * hb - (xa - ya).view(a, 1, m, s, 1) * ha
+    hot_new = hot_new.masked_fill_(~(hb | ha | t_is.view(1, m, m, 1, 1)), -math.inf).amax(1)  # [A, M, S, Q]
+    gain = T - torch.maximum(torch.maximum(hot_new, lq + ya[..., None]), oq)
     twice = holds.gather(1, ((jq // s * e)[:, :, None, :] + ea[..., None]).view(a, -1)).view(a, m, s, q)
     cost = (ea[..., None] != curq).float() - chq
     ad = best(gain.masked_fill_(twice | ~mq, -math.inf), cost)
 
     # drop: slot i (a has other replicas) becomes a replica of the expert not on g with the least
     # load per replica, or of the slot's original expert (a restore)
-    light = y[:, None, :].masked_fill(on_g, math.inf).min(2)  # [A, M]
+    few = y.topk(min(s + 1, e), dim=1, largest=False)  # g holds s experts: one of these is not on it
+    light = few.values[:, None, :].masked_fill(on_g.gather(2, few.indices[:, None, :].expand(a, m, -1)), math.inf).min(2)
+    light_f = few.indices.gather(1, light.indices)  # [A, M]
     y_cur = y.gather(1, cur_m.view(a, -1)).view(a, m, s).masked_fill_(on_g.gather(2, cur_m), math.inf)
     y_new = torch.stack([light.values[:, :, None].expand(a, m, s), y_cur], 3)  # [A, M, S, 2]
-    f = torch.stack([light.indices[:, :, None].expand(a, m, s), cur_m], 3)
-    gain = T - torch.maximum(rest + y_new, others.gather(1, flat_m).view(a, m, s, 1))
+    f = torch.stack([light_f[:, :, None].expand(a, m, s), cur_m], 3)
+    # the other hot GPUs holding a rise by rise[a]
+    h_a = ha.view(a, m, m, s)  # [A, M', M, S]
+    hot_rise = (top.view(a, m, 1, 1) + rise.gather(1, ea.view(a, -1)).view(a, 1, m, s)).masked_fill_(~h_a | t_is.view(1, m, m, 1), -math.inf)
+    worst_other = torch.maximum(others.gather(1, flat_m).view(a, m, s), hot_rise.amax(1))[..., None]
+    gain = T - torch.maximum(rest + y_new, worst_other)
     cost = (f != cur_m[..., None]).float() - ch_m[..., None]
     dr = best(gain.masked_fill_(~multi.gather(1, flat_m).view(a, m, s, 1), -math.inf), cost)
 

@@ -465,6 +465,7 @@ def merge_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
         n = sum(weight)
         out["rebalance"] = {
             "step": evs[0]["step"],
+            "policy": evs[0]["policy"],
             "before": sum(w * e["before"] for w, e in zip(weight, evs)) / n,
             "after": sum(w * e["after"] for w, e in zip(weight, evs)) / n,
             "applied": any(e["applied"] for e in evs),
