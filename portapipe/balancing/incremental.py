@@ -48,7 +48,7 @@ HOT = 4
 PARTNERS = 2
 
 #: add candidates: the slots of those GPUs that lose least by giving up their replica
-ADD_SLOTS = 8
+ADD_SLOTS = 4
 
 
 def check_current(current: torch.Tensor | object, layers: int, experts: int, num_replicas: int, num_gpus: int) -> torch.Tensor:
@@ -69,30 +69,13 @@ def check_current(current: torch.Tensor | object, layers: int, experts: int, num
     return cur
 
 
-def _holder_max(load_of_slot: torch.Tensor, phy: torch.Tensor, experts: int) -> torch.Tensor:
-    """For each slot, the largest load among the *other* GPUs holding the slot's expert (-inf if none).
-
-    One replica per GPU, so "other holders" = the expert's slots minus this one: the expert's
-    maximum, or its runner-up when this slot is the only one at the maximum.
-    """
-    a = phy.shape[0]
-    neg = torch.full((a, experts), -math.inf, dtype=load_of_slot.dtype)
-    top1 = neg.scatter_reduce(1, phy, load_of_slot, "amax")
-    at_top = load_of_slot == top1.gather(1, phy)
-    n_top = torch.zeros(a, experts, dtype=torch.int64).scatter_add_(1, phy, at_top.long())
-    top2 = neg.scatter_reduce(1, phy, load_of_slot.masked_fill(at_top, -math.inf), "amax")
-    alone = at_top & (n_top.gather(1, phy) == 1)
-    return torch.where(alone, top2.gather(1, phy), top1.gather(1, phy))
-
-
 def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Tensor, num_gpus: int, room: torch.Tensor):
     """One round of moves for every layer: (accept[A, M], slots[A, M, 2], values[A, M, 2], dec[A, M], inc[A, M]).
 
-    Each of the ``M`` most loaded GPUs of a layer gets its best move; the moves are then taken
-    hottest first unless one touches a GPU or an expert an earlier move of the round touched (so
-    every estimate stays valid), or exceeds ``room`` [A] (changed slots the layer may still
-    spend). A single-slot move repeats its slot and value in both columns; ``dec`` / ``inc`` lose /
-    gain a replica (equal for a swap).
+    Each of the ``M`` most loaded GPUs of a layer proposes its best move; :func:`_resolve` keeps
+    those that do not interact with a hotter proposal and fit ``room`` [A] (changed slots the
+    layer may still spend). A single-slot move repeats its slot and value in both columns;
+    ``dec`` / ``inc`` lose / gain a replica (equal for a swap).
 
     Partners: the t-th hottest GPU's are ``PARTNERS`` of the least loaded GPUs (the t-th, the
     (t + M)-th, ...), so no two hot GPUs compete for one. For a swap of slot i (expert a) of hot GPU
@@ -123,13 +106,13 @@ def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Ten
     cur_m, ch_m = cur.gather(1, flat_m).view(a, m, s), ch.gather(1, flat_m).view(a, m, s)
     holds = torch.zeros(a, num_gpus * e, dtype=torch.bool).scatter_(1, gpu * e + phy, True)  # [A, P*E]
     on_g = holds.view(a, num_gpus, e).gather(1, hot[:, :, None].expand(a, m, e))  # [A, M, E]
-    # the other holders of each slot's expert, were that slot's replica dropped
     # what dropping a slot's replica does to the other holders of its expert: the GPUs that are
     # not hot rise by ``rise`` (``others``: the highest of them); the hot GPUs are followed one by
     # one below, so a hot GPU that also loses load in the same move is credited for it
     rise = torch.where(cnt > 1, w / (cnt - 1).clamp(min=1) - x, math.inf)  # [A, E]
     is_hot = torch.zeros(a, num_gpus, dtype=torch.bool).scatter_(1, hot, True)[:, gpu]  # [A, R]
-    others = _holder_max(ls.masked_fill(is_hot, -math.inf), phy, e) + rise.gather(1, phy)  # [A, R]
+    top_holder = torch.full((a, e), -math.inf).scatter_reduce_(1, phy, ls.masked_fill(is_hot, -math.inf), "amax")
+    others = (top_holder + rise).gather(1, phy)  # [A, R] (counts the slot's own GPU too: conservative)
     t_is = torch.eye(m, dtype=torch.bool)  # [M, M'] the hot GPU itself
     multi = (cnt > 1).gather(1, phy)  # [A, R] the slot's expert has another replica
     y = w / (cnt + 1)  # [A, E] load per replica with one more
@@ -170,11 +153,12 @@ def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Ten
     q = min(ADD_SLOTS, k * s)
     jq = js.view(a, m, k * s).gather(2, key.view(a, m, k * s).topk(q, dim=2, largest=False).indices)  # [A, M, Q]
     bq, lq, oq, mq, chq, curq = (t.gather(1, jq.view(a, -1)).view(a, m, 1, q) for t in (phy, ls - xs, others, multi, ch, cur))
-    # each hot GPU t' holding b rises by rise[b], and if it holds a it sheds a's share x_a - y_a
+    # g sheds a's share x_a - y_a; each other hot GPU t' holding b rises by rise[b], less a's share
+    # if it holds a too (hot GPUs holding only a lose load and cannot break the move)
     hb = on_g.gather(2, bq.reshape(a, 1, m * q).expand(a, m, m * q)).view(a, m, m, 1, q)  # [A, M', M, 1, Q]
     ha = on_g.gather(2, ea.reshape(a, 1, m * s).expand(a, m, m * s)).view(a, m, m, s, 1)  # [A, M', M, S, 1]
     hot_new = top.view(a, m, 1, 1, 1) + rise.gather(1, bq.view(a, -1)).view(a, 1, m, 1, q) * hb - (xa - ya).view(a, 1, m, s, 1) * ha
-    hot_new = hot_new.masked_fill_(~(hb | ha | t_is.view(1, m, m, 1, 1)), -math.inf).amax(1)  # [A, M, S, Q]
+    hot_new = hot_new.masked_fill_(~(hb | t_is.view(1, m, m, 1, 1)), -math.inf).amax(1)  # [A, M, S, Q]
     gain = T - torch.maximum(torch.maximum(hot_new, lq + ya[..., None]), oq)
     twice = holds.gather(1, ((jq // s * e)[:, :, None, :] + ea[..., None]).view(a, -1)).view(a, m, s, q)
     cost = (ea[..., None] != curq).float() - chq
@@ -217,9 +201,9 @@ def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Ten
 
 
 def _resolve(valid, hot, gpu, holds, s1, v1, s2, v2, dec, inc, spent, room):
-    """Take each layer's proposed moves hottest first, skipping any that would interact with an
-    earlier one: a common GPU (a slot's GPU, the hot GPU, or a holder an add / drop raises) or a
-    common expert. Every accepted move's estimate then holds as computed."""
+    """Take each layer's proposed moves hottest first, skipping any that would interact with a
+    hotter proposal (a common GPU: a slot's GPU, the hot GPU, or a holder an add / drop raises; or
+    a common expert) and any past the layer's budget. Every accepted move's estimate then holds."""
     a, m = valid.shape
     p, e = holds.shape[1], holds.shape[2]
     touched = torch.zeros(a, m, p).scatter_(2, torch.stack([hot, gpu[s1], gpu[s2]], 2), 1.0)
@@ -227,12 +211,9 @@ def _resolve(valid, hot, gpu, holds, s1, v1, s2, v2, dec, inc, spent, room):
     touched = touched.masked_fill_(raised, 1.0)
     experts = torch.zeros(a, m, e).scatter_(2, torch.stack([dec, inc, v1], 2), 1.0)
     clash = (torch.bmm(touched, touched.transpose(1, 2)) + torch.bmm(experts, experts.transpose(1, 2))) > 0  # [A, M, M]
-    accept = torch.zeros(a, m, dtype=torch.bool)
-    room = room.to(spent.dtype).clone()
-    for t in range(m):
-        take = valid[:, t] & (spent[:, t] <= room) & ~(clash[:, t, :t] & accept[:, :t]).any(1)
-        accept[:, t] = take
-        room -= spent[:, t] * take
+    earlier = torch.ones(m, m, dtype=torch.bool).tril(-1)  # [t, t']: t' is hotter than t
+    accept = valid & ~(clash & earlier & valid[:, None, :]).any(2)
+    accept &= (spent * accept).cumsum(1) <= room[:, None]
     return accept, torch.stack([s1, s2], 2), torch.stack([v1, v2], 2), dec, inc
 
 

@@ -116,6 +116,10 @@ def replicate_experts(w: torch.Tensor, num_slots: int, cap: int | None = None) -
     b, n = w.shape
     if cap is not None and cap * n < num_slots:
         raise ValueError(f"{num_slots} slots cannot be filled by {n} experts of at most {cap} replicas each")
+    if cap is not None:  # the capped greedy differs from the published one only once an expert passes the cap
+        uncapped = replicate_experts(w, num_slots)
+        if int(uncapped[2].max()) <= cap:
+            return uncapped
     count = torch.ones(b, n, dtype=torch.int64)
     one = torch.ones(b, 1, dtype=torch.int64)
     picks, ranks = [torch.arange(n).expand(b, n)], [torch.zeros(b, n, dtype=torch.int64)]

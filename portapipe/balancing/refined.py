@@ -22,13 +22,6 @@ from .slots import duplicated
 REFINE_ROUNDS = 48
 
 
-def _holdings(expert: torch.Tensor, num_gpus: int, num_experts: int) -> torch.Tensor:
-    """[B, P * E] bool: GPU p holds expert e at p * E + e (``expert`` [B, P, S])."""
-    b, p, s = expert.shape
-    gpu = torch.arange(p).repeat_interleave(s)
-    return torch.zeros(b, p * num_experts, dtype=torch.bool).scatter_(1, gpu * num_experts + expert.reshape(b, -1), True)
-
-
 def refine_swaps(item: torch.Tensor, expert: torch.Tensor, num_experts: int, rounds: int = REFINE_ROUNDS) -> torch.Tensor:
     """Lower each row's maximum GPU load by swapping items between the worst GPU and another.
 
@@ -41,6 +34,8 @@ def refine_swaps(item: torch.Tensor, expert: torch.Tensor, num_experts: int, rou
     b, p, s = item.shape
     flat_item, flat_exp = item.reshape(b, p * s).clone(), expert.reshape(b, p * s).clone()
     gpu = torch.arange(p).repeat_interleave(s)
+    # holds[row, h * E + e]: GPU h holds expert e; kept up to date swap by swap
+    holds = torch.zeros(b, p * num_experts, dtype=torch.bool).scatter_(1, gpu * num_experts + flat_exp, True)
     active = torch.arange(b)
     for _ in range(rounds):
         it, ex = flat_item[active].view(-1, p, s), flat_exp[active]
@@ -49,16 +44,17 @@ def refine_swaps(item: torch.Tensor, expert: torch.Tensor, num_experts: int, rou
         top, g = load.max(dim=1)
         mine = it[torch.arange(n), g]  # [A, S]
         mine_e = ex.view(n, p, s)[torch.arange(n), g]
-        holds = _holdings(ex.view(n, p, s), p, num_experts)
-        h_has = holds.gather(1, ((gpu * num_experts)[None, None, :] + mine_e[:, :, None]).flatten(1)).view(n, s, p * s)
-        g_has = holds.view(n, p, num_experts)[torch.arange(n), g].gather(1, ex)  # [A, P*S]
+        row = active[:, None]
+        h_has = holds[row[:, :, None], (torch.arange(p) * num_experts)[None, None, :] + mine_e[:, :, None]]  # [A, S, P]
+        g_has = holds[row, g[:, None] * num_experts + ex]  # [A, P*S]: g holds the item's expert
         # swapping mine[i] for it[h, j] moves d = mine[i] - it[h, j] off g; the pair's larger load
         # becomes max(top - d, load[h] + d) = (top + load[h]) / 2 + |d - (top - load[h]) / 2|.
         # Useless swaps (d <= 0, d >= the gap, or h == g) cost >= top and are never taken.
         half = (top[:, None] - load) / 2
         cost = (mine[:, :, None, None] - (it + half[:, :, None])[:, None]).abs_()
         cost += ((top[:, None] + load) / 2)[:, None, :, None]  # [A, S, P, S]
-        cost = cost.view(n, s, p * s).masked_fill_(h_has | g_has[:, None, :], math.inf)
+        cost.masked_fill_(h_has[..., None], math.inf)
+        cost = cost.view(n, s, p * s).masked_fill_(g_has[:, None, :], math.inf)
         best, pick = cost.flatten(1).min(dim=1)
         ok = best < top * (1 - 1e-6)  # strict gain beyond float32 noise
         if not bool(ok.any()):
@@ -66,9 +62,13 @@ def refine_swaps(item: torch.Tensor, expert: torch.Tensor, num_experts: int, rou
         active, pick = active[ok], pick[ok]
         a = g[ok] * s + pick // (p * s)  # flat position of the item leaving the worst GPU
         c = pick % (p * s)  # flat position of its partner
+        ea, ec = flat_exp[active, a], flat_exp[active, c]
+        ga, gc = gpu[a] * num_experts, gpu[c] * num_experts
         rows, pos, src = active.repeat(2), torch.cat([a, c]), torch.cat([c, a])
         flat_item[rows, pos] = flat_item[rows, src]
         flat_exp[rows, pos] = flat_exp[rows, src]
+        holds[rows, torch.cat([ga + ea, gc + ec])] = False
+        holds[rows, torch.cat([gc + ea, ga + ec])] = True
     return flat_exp.view(b, p, s)
 
 
