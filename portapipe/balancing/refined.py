@@ -19,7 +19,7 @@ from .published import balanced_packing, gpu_loads, hierarchical_plan, replicate
 from .slots import duplicated
 
 #: pairwise-swap rounds of the refined policy; each round improves every layer's worst GPU or stops
-REFINE_ROUNDS = 48
+REFINE_ROUNDS = 32
 
 
 def refine_swaps(item: torch.Tensor, expert: torch.Tensor, num_experts: int, rounds: int = REFINE_ROUNDS) -> torch.Tensor:
