@@ -10,13 +10,16 @@ worth. Each round, in every layer that can still improve, each of its ``HOT`` mo
 - **drop** a replica held by ``g`` (its expert has others), giving the slot to another expert;
 - **add** a replica of one of ``g``'s experts on another GPU, in a slot whose expert has others.
 
-A move is proposed only if every GPU it changes ends strictly below ``g``'s load, so a layer's
-sorted GPU loads only fall and its maximum never rises. The gain of a move is how far it brings
-the highest load among the GPUs it changes below ``g``'s, estimated conservatively (a GPU whose
-share of an expert shrinks is not credited). The cost of a move is the change in the number of
-slots that differ from ``current`` (a move that restores a slot's original expert costs nothing
-or less). A round's proposals are taken hottest first, skipping any that touches a GPU or an
-expert an earlier one touched, so each estimate holds. Rounds stop at ``max_moved`` * R changed
+A move is proposed only if every GPU whose load it raises ends strictly below ``g``'s load and
+``g`` falls, so a layer's sorted GPU loads only fall and its maximum never rises. The gain of a
+move is how far it brings the highest of those loads below ``g``'s, estimated conservatively (a
+lightly loaded GPU whose share of an expert shrinks is not credited, and neither is the partner
+GPU of an add when it also holds the expert losing a replica). The cost of a move is the change in
+the number of slots that differ from ``current`` (a move that restores a slot's original expert
+costs nothing or less). Partners are the slots of the least loaded GPUs, ``PARTNERS`` of them per
+hot GPU and different for each, so the hot GPUs of a round never compete for one. A round keeps
+the proposals that share no GPU (including the holders an add or drop raises) and no expert with
+a hotter one, within the budget, so each estimate holds. Rounds stop at ``max_moved`` * R changed
 slots per layer or when no move gains.
 
 Every round's placement is a candidate: per layer the policy returns the round that maximises
