@@ -146,11 +146,19 @@ class BalancerConfig(_Section):
     kind: Literal["none", "eplb", "lplb"] = "none"
     interval: int = Field(50, ge=1, description="eplb: rebalance every N steps")
     window: int = Field(10, ge=1, description="eplb: steps of recorded loads used")
-    min_gain: float = Field(0.0, ge=0, description="eplb: skip a rebalance gaining less balancedness")
+    min_gain: float = Field(
+        0.0, ge=0,
+        description="adopt a rebalance only if mean balancedness (mean / max EP-rank load) gains at least "
+        "min_gain x the fraction of expert slots whose rows it moves; i.e. the gain a full migration must win",
+    )
     redundant: int = Field(0, ge=0, description="eplb: extra expert slots per EP rank")
     groups: int | None = Field(None, ge=1, description="eplb: expert groups (default: model.n_groups)")
-    nodes: int = Field(1, ge=1, description="eplb: nodes the EP ranks span")
-    policy: Literal["hierarchical", "global", "refined"] = "refined"
+    nodes: int = Field(1, ge=1, description="nodes the EP ranks span (consecutive ranks per node)")
+    policy: Literal["incremental", "refined", "hierarchical", "global"] = Field(
+        "incremental",
+        description="eplb: incremental (first placement refined, then move few slots), refined, hierarchical, global",
+    )
+    max_moved: float = Field(0.1, gt=0, le=1, description="eplb incremental: at most this fraction of a layer's slots change per rebalance")
     topology: Literal["cube", "hypercube", "ring", "torus"] = "ring"
     torus: tuple[int, int] | None = Field(None, description="lplb: (m, n) for topology torus")
 

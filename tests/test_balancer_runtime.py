@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from portapipe.balancing.runtime import merge_figures
+from portapipe.balancing.runtime import Rebalance, merge_figures
 from portapipe.config import ConfigError, load_config
 
 
@@ -50,7 +50,14 @@ def _raw(schedule: str, balancer: dict[str, Any], ep: int = 2, pp: int = 2, dp: 
         ({"ep": 2}, {"kind": "lplb", "topology": "ring"}, "balancer.redundant: 0; lplb with topology ring needs a positive multiple of 1"),
         ({"ep": 2}, {"kind": "lplb", "topology": "ring", "redundant": 3}, "balancer.redundant: 3 > model.n_experts / parallel.ep = 2"),
         ({"ep": 2}, {"kind": "eplb", "groups": 3}, "balancer.groups: 3 does not divide model.n_experts = 4"),
+        # one rule whatever the node count: with 2 nodes the hierarchy would fall back to global, still refused
+        ({"ep": 2}, {"kind": "eplb", "groups": 3, "nodes": 2}, "balancer.groups: 3 does not divide model.n_experts = 4"),
+        ({"ep": 2}, {"kind": "eplb", "groups": 3, "policy": "global"}, "balancer.groups: 3 does not divide model.n_experts = 4"),
         ({"ep": 2}, {"kind": "eplb", "nodes": 4, "groups": 4}, "balancer.nodes: 4 does not divide parallel.ep = 2"),
+        ({"ep": 2}, {"kind": "eplb", "nodes": 4, "groups": 1}, "balancer.nodes: 4 does not divide parallel.ep = 2"),
+        ({"ep": 2}, {"kind": "eplb", "redundant": 3}, "balancer.redundant: 3 gives 5 slots per EP rank for 4 experts"),
+        ({"ep": 2}, {"kind": "eplb", "redundant": 3, "policy": "refined"}, "balancer.redundant: 3 gives 5 slots per EP rank"),
+        ({"ep": 2}, {"kind": "eplb", "max_moved": 0}, "balancer.max_moved: 0"),
     ],
 )
 def test_config_rejects_balancers_that_do_not_fit_the_ep_group(parallel: dict, balancer: dict, expect: str) -> None:
@@ -63,14 +70,18 @@ def test_config_rejects_balancers_that_do_not_fit_the_ep_group(parallel: dict, b
 
 def test_config_accepts_fitting_balancers() -> None:
     load_config(_raw("1f1b", {"kind": "lplb", "topology": "ring", "redundant": 2}))
-    load_config(_raw("1f1b", {"kind": "eplb", "redundant": 3, "interval": 2, "min_gain": 0.01}))
+    load_config(_raw("1f1b", {"kind": "eplb", "redundant": 2, "interval": 2, "min_gain": 0.01}))
+    # the published policies may put two replicas of an expert on one rank
+    load_config(_raw("1f1b", {"kind": "eplb", "redundant": 3, "policy": "hierarchical"}))
+    load_config(_raw("1f1b", {"kind": "eplb", "groups": 2, "nodes": 2, "max_moved": 1.0}))
 
 
 def test_merge_takes_each_stage_once_and_adds_dualpipe_copies() -> None:
     def part(pp_rank: int, loads: list[list[float]], tokens: float, event: Any = None) -> dict[str, Any]:
         return {"pp_rank": pp_rank, "layers": [1, 2], "rank_loads": loads, "orig_loads": [], "replica_tokens": tokens, "event": event}
 
-    ev = {"step": 1, "before": 0.5, "after": 0.9, "applied": True, "rows_moved": 3, "layers": [1, 2]}
+    ev = Rebalance(1, 0.5, 0.9, True, rows_moved=3, layers=[1, 2], policy="incremental", slots_changed=4,
+                   rows_inter_node=1, bytes_moved=300, bytes_inter_node=100).as_dict()
     # pipeline ranks 0 and 1 hold the same layers (DualPipe); two EP ranks of each report the same figures
     parts = [part(0, [[3, 1], [2, 2]], 4.0, ev), part(0, [[3, 1], [2, 2]], 4.0, ev), part(1, [[1, 3], [0, 4]], 2.0, ev), part(1, [[1, 3], [0, 4]], 2.0, ev)]
     parts.append({"pp_rank": 2, "layers": [], "rank_loads": [], "orig_loads": [], "replica_tokens": 0.0, "event": None})
@@ -79,6 +90,9 @@ def test_merge_takes_each_stage_once_and_adds_dualpipe_copies() -> None:
     assert out["rank_balancedness"] == pytest.approx((1.0 + 4 / 6) / 2)
     assert out["replica_tokens"] == 6.0
     assert out["rebalance"]["before"] == 0.5 and out["rebalance"]["after"] == 0.9 and out["rebalance"]["applied"]
+    # one event per (stage, layers): the two stages' events are the same layers, taken once
+    assert {k: out["rebalance"][k] for k in ("slots_changed", "rows_moved", "rows_inter_node", "bytes_moved", "bytes_inter_node")} == {
+        "slots_changed": 4, "rows_moved": 3, "rows_inter_node": 1, "bytes_moved": 300, "bytes_inter_node": 100}
 
 
 # ------------------------------------------------------------------------------ on 4 ranks

@@ -217,6 +217,8 @@ def test_lower_bound_holds_for_every_policy() -> None:
         ((torch.ones(2, 12), 10, 4, 2, 2), ["R=10", "E=12"]),
         ((torch.ones(2, 12), 16, 4, 2, 6), ["num_replicas", "num_gpus", "16 % 6"]),
         ((torch.ones(2, 12), 16, 5, 5, 8), ["E % num_groups", "12 % 5"]),
+        ((torch.ones(2, 8), 16, 3, 2, 8), ["E % num_groups", "8 % 3"]),  # whatever the node count
+        ((torch.ones(2, 8), 16, 4, 3, 8), ["P % num_nodes", "8 % 3"]),  # even where the hierarchy falls back
         ((torch.ones(2, 12), 18, 4, 2, 3), ["P % num_nodes", "3 % 2"]),
         ((torch.ones(12), 16, 4, 2, 8), ["2-D"]),
         ((torch.ones(2, 12), 16, 0, 2, 8), ["num_groups", "0"]),

@@ -2,10 +2,18 @@
 
 :class:`LoadWindow` keeps the per-expert token counts of the last ``window`` steps (summed over
 the expert-parallel group through the backend when asked). :class:`Rebalancer` implements
-``balancer: {kind: eplb, interval: N, window: K, min_gain: x}``: every N steps it plans a new
-placement from the window's loads, compares the mean balancedness (mean GPU load / max GPU load,
-averaged over layers) of the current and the new placement on those loads, and adopts the new
-one only when it gains, and by at least x. Each decision is logged with both figures.
+``balancer: {kind: eplb, interval: N, window: K, policy: P, max_moved: m, min_gain: x}``: every N
+steps it plans a new placement from the window's loads and adopts it only when
+
+    balancedness gain >= x * moved fraction,  and the gain is > 0,
+
+where balancedness is mean GPU load / max GPU load averaged over layers (on the window's loads),
+and the moved fraction is the share of all expert slots whose rows cross between GPUs (bytes
+moved / bytes of every slot's parameters and optimizer state). ``min_gain`` is thus the balance
+a full migration must win: 0.02 accepts moving 10% of the slots for a gain of 0.002. With policy
+``incremental`` (the default) the first placement, planned from the identity layout, uses
+``refined``; every later one changes at most ``max_moved`` of each layer's slots and applies the
+same trade-off per layer. Each decision is logged with both figures and the cost.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .cost import MigrationCost, migration_cost
 from .eplb import POLICIES, balancedness, rebalance_experts
 from .placement import ExpertPlacement
 
@@ -89,19 +98,30 @@ class RebalanceEvent:
     applied: bool
     placement: ExpertPlacement  # the placement in force after the decision
     previous: ExpertPlacement
+    policy: str = "refined"  # the policy that planned
+    cost: MigrationCost | None = None  # of going from previous to the plan (moved or not)
 
     @property
     def gain(self) -> float:
         return self.after - self.before
 
+    @property
+    def moved_fraction(self) -> float:
+        """Share of all expert slots whose rows the plan sends between GPUs."""
+        if self.cost is None:
+            return 0.0
+        return float((self.cost.intra + self.cost.inter).sum()) / self.previous.phy2log.numel()
+
 
 class Rebalancer:
     """Periodic EPLB: record loads each step; every ``interval`` steps maybe adopt a new plan.
 
-    The placement covers the EP group: ``num_gpus`` = EP ranks, ``num_replicas`` slots in all.
-    After an applied event the caller moves the expert tensors with
-    :func:`portapipe.balancing.placement.migrate_parameters` from ``event.previous`` to
-    ``event.placement`` (collective: every EP rank makes the same decision from the same loads).
+    The placement covers the EP group: ``num_gpus`` = EP ranks, ``num_replicas`` slots in all,
+    ``num_nodes`` nodes of consecutive ranks. After an applied event the caller moves the expert
+    tensors with :func:`portapipe.balancing.placement.migrate_parameters` from ``event.previous``
+    to ``event.placement`` (collective: every EP rank makes the same decision from the same loads).
+    ``planned``: the placement in force came from loads (not the identity layout); with policy
+    ``incremental`` only such a placement is changed incrementally.
     """
 
     def __init__(
@@ -115,8 +135,9 @@ class Rebalancer:
         interval: int = 50,
         window: int = 10,
         min_gain: float = 0.0,
-        policy: str = "refined",
+        policy: str = "incremental",
         placement: ExpertPlacement | None = None,
+        max_moved: float = 0.1,
     ) -> None:
         if interval < 1:
             raise ValueError(f"interval must be >= 1 step, got {interval}")
@@ -124,12 +145,16 @@ class Rebalancer:
             raise ValueError(f"min_gain must be >= 0, got {min_gain}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if not 0 < max_moved <= 1:
+            raise ValueError(f"max_moved is a fraction of the slots in (0, 1], got {max_moved}")
         # validate the shape once, up front, with rebalance_experts' own messages
-        rebalance_experts(torch.ones(1, num_experts), num_replicas, num_groups, num_nodes, num_gpus, policy="global")
+        first = "refined" if policy == "incremental" else policy
+        rebalance_experts(torch.ones(1, num_experts), num_replicas, num_groups, num_nodes, num_gpus, policy=first)
         self.args = (num_replicas, num_groups, num_nodes, num_gpus)
-        self.interval, self.min_gain, self.policy = interval, min_gain, policy
+        self.interval, self.min_gain, self.policy, self.max_moved = interval, min_gain, policy, max_moved
         self.window = LoadWindow(window, num_layers, num_experts)
         self.placement = placement or ExpertPlacement.identity(num_layers, num_experts, num_gpus, num_replicas)
+        self.planned = placement is not None
         self.history: list[RebalanceEvent] = []
 
     @classmethod
@@ -146,6 +171,7 @@ class Rebalancer:
             window=balancer.window,
             min_gain=balancer.min_gain,
             policy=balancer.policy,
+            max_moved=balancer.max_moved,
         )
 
     def step(self, step: int, counts: torch.Tensor, backend: Any = None, group: Any = None) -> RebalanceEvent | None:
@@ -155,21 +181,34 @@ class Rebalancer:
             return None
         return self.decide(step)
 
+    def plan(self, loads: torch.Tensor) -> tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(policy used, plan) for ``loads``: incremental from a planned placement, else from scratch."""
+        if self.policy == "incremental" and self.planned:
+            plan = rebalance_experts(loads, *self.args, policy="incremental", current=self.placement.phy2log,
+                                     max_moved=self.max_moved, min_gain=self.min_gain)
+            return "incremental", plan
+        policy = "refined" if self.policy == "incremental" else self.policy
+        return policy, rebalance_experts(loads, *self.args, policy=policy)
+
     def decide(self, step: int) -> RebalanceEvent:
-        """Plan from the window's loads; adopt the plan if it gains at least ``min_gain``."""
+        """Plan from the window's loads; adopt the plan if it gains at least ``min_gain`` per moved fraction."""
         loads = self.window.loads()
-        num_gpus = self.args[3]
-        plan = rebalance_experts(loads, *self.args, policy=self.policy)
+        num_nodes, num_gpus = self.args[2], self.args[3]
+        policy, plan = self.plan(loads)
         before = float(balancedness(loads, self.placement.phy2log, num_gpus).mean())
         after = float(balancedness(loads, plan[0], num_gpus, plan[2]).mean())
         previous = self.placement
-        applied = after - before > 0 and after - before >= self.min_gain and not torch.equal(plan[0], previous.phy2log)
-        if applied:
-            self.placement = ExpertPlacement.from_plan(plan, num_gpus)
-        event = RebalanceEvent(step, before, after, applied, self.placement, previous)
+        cost = migration_cost(previous.phy2log, plan[0], num_gpus, num_nodes)
+        event = RebalanceEvent(step, before, after, False, previous, previous, policy, cost)
+        gain = after - before
+        event.applied = gain > 0 and gain >= self.min_gain * event.moved_fraction and not torch.equal(plan[0], previous.phy2log)
+        if event.applied:
+            self.placement = event.placement = ExpertPlacement.from_plan(plan, num_gpus)
+            self.planned = True
         self.history.append(event)
         log.info(
-            "eplb step %d: balancedness %.4f -> %.4f (gain %+.4f, min_gain %.4f): %s",
-            step, before, after, event.gain, self.min_gain, "rebalanced" if applied else "kept the current placement",
+            "eplb step %d (%s): balancedness %.4f -> %.4f (gain %+.4f) moving %.1f%% of the slots (min_gain %.4f): %s",
+            step, policy, before, after, gain, 100 * event.moved_fraction, self.min_gain,
+            "rebalanced" if event.applied else "kept the current placement",
         )
         return event

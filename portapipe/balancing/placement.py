@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .eplb import rebalance_experts
+from .slots import replicas_in_slot_order
 
 
 class MigrationError(RuntimeError):
@@ -32,19 +33,6 @@ class MigrationError(RuntimeError):
     def __init__(self, message: str, failed_ranks: list[int]) -> None:
         super().__init__(message)
         self.failed_ranks = failed_ranks
-
-
-def _replica_order(phy2log: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log2phy[L, E, X] with replicas in slot order, -1 padded; logcnt[L, E]) from phy2log."""
-    layers, slots = phy2log.shape
-    logcnt = torch.zeros(layers, num_experts, dtype=torch.int64).scatter_add_(1, phy2log, torch.ones_like(phy2log))
-    width = int(logcnt.max()) if logcnt.numel() else 1
-    by_expert = phy2log.sort(dim=1, stable=True)
-    start = logcnt.cumsum(1) - logcnt
-    pos = torch.arange(slots).expand(layers, slots) - start.gather(1, by_expert.values)
-    log2phy = torch.full((layers, num_experts * width), -1, dtype=torch.int64)
-    log2phy.scatter_(1, by_expert.values * width + pos, by_expert.indices)
-    return log2phy.view(layers, num_experts, width), logcnt
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -72,7 +60,7 @@ class ExpertPlacement:
         experts = int(p2l.max()) + 1 if num_experts is None else num_experts
         if p2l.min() < 0 or p2l.max() >= experts:
             raise ValueError(f"phy2log entries must lie in [0, {experts}); got [{int(p2l.min())}, {int(p2l.max())}]")
-        order, cnt = _replica_order(p2l, experts)
+        order, cnt = replicas_in_slot_order(p2l, experts)
         if (cnt == 0).any():
             layer, expert = (int(i) for i in (cnt == 0).nonzero()[0])
             raise ValueError(f"every expert needs a slot: expert {expert} of layer {layer} has none")
@@ -165,13 +153,15 @@ class MigrationPlan:
     ``source[r]``: for each local slot of rank r, where its new rows come from: ``(kind, a)`` with
     kind "keep" (own old slot a == the same slot), "copy" (own old local slot a) or "recv" (row a
     of what r receives). ``sends[(src, dst)]``: the old local slots of ``src`` sent to ``dst``, in
-    order; the receiver numbers received rows by source rank, then that order.
+    order; the receiver numbers received rows by source rank, then that order. Ranks are grouped
+    into ``num_nodes`` nodes of consecutive ranks; a rank fetches from its own node when it can.
     """
 
     num_ranks: int
     slots_per_rank: int
     source: list[list[tuple[str, int]]]
     sends: dict[tuple[int, int], list[int]]
+    num_nodes: int = 1
 
     def send_counts(self, rank: int) -> list[int]:
         return [len(self.sends.get((rank, d), [])) for d in range(self.num_ranks)]
@@ -185,6 +175,12 @@ class MigrationPlan:
         return sum(len(v) for v in self.sends.values())
 
     @property
+    def rows_inter_node(self) -> int:
+        """Of :attr:`rows_moved`, the rows crossing between nodes."""
+        per = self.num_ranks // self.num_nodes
+        return sum(len(v) for (src, dst), v in self.sends.items() if src // per != dst // per)
+
+    @property
     def rows_copied(self) -> int:
         return sum(kind == "copy" for src in self.source for kind, _ in src)
 
@@ -193,8 +189,13 @@ class MigrationPlan:
         return sum(kind == "keep" for src in self.source for kind, _ in src)
 
 
-def plan_migration(old: ExpertPlacement, new: ExpertPlacement, layer: int = 0) -> MigrationPlan:
-    """Which rows each rank keeps, copies locally, sends and receives to go from ``old`` to ``new``."""
+def plan_migration(old: ExpertPlacement, new: ExpertPlacement, layer: int = 0, num_nodes: int = 1) -> MigrationPlan:
+    """Which rows each rank keeps, copies locally, sends and receives to go from ``old`` to ``new``.
+
+    An expert a rank lacks comes from a rank of the same node when one holds it (ranks are
+    numbered node-major, ``num_ranks / num_nodes`` per node), else from any holder; the sending is
+    spread over the candidates. :func:`portapipe.balancing.cost.migration_cost` counts the same rows.
+    """
     if (old.num_ranks, old.num_slots, old.num_experts) != (new.num_ranks, new.num_slots, new.num_experts):
         raise ValueError(
             "placements differ in shape: old has "
@@ -204,6 +205,9 @@ def plan_migration(old: ExpertPlacement, new: ExpertPlacement, layer: int = 0) -
     if not (0 <= layer < min(old.num_layers, new.num_layers)):
         raise ValueError(f"layer {layer} is outside the placements' {min(old.num_layers, new.num_layers)} layers")
     ranks, per = old.num_ranks, old.slots_per_rank
+    if num_nodes < 1 or ranks % num_nodes:
+        raise ValueError(f"{ranks} ranks do not split evenly over {num_nodes} nodes")
+    per_node = ranks // num_nodes
     before, after = old.phy2log[layer].tolist(), new.phy2log[layer].tolist()
     # where each expert sits in the old placement: {expert: {rank: first local slot}}
     holders: dict[int, dict[int, int]] = {}
@@ -224,7 +228,8 @@ def plan_migration(old: ExpertPlacement, new: ExpertPlacement, layer: int = 0) -
                 entries.append(("copy", holders[e][r]))
             else:
                 if e not in fetched:
-                    src = min(holders[e], key=lambda q: (sent_by[q], q))
+                    near = [q for q in holders[e] if q // per_node == r // per_node] or list(holders[e])
+                    src = min(near, key=lambda q: (sent_by[q], q))
                     sent_by[src] += 1
                     fetched[e] = len(wanted)
                     wanted.append((src, e))
@@ -236,7 +241,7 @@ def plan_migration(old: ExpertPlacement, new: ExpertPlacement, layer: int = 0) -
             src, e = wanted[k]
             sends.setdefault((src, r), []).append(holders[e][src])
         source.append([("recv", row_of[a]) if kind == "want" else (kind, a) for kind, a in entries])
-    return MigrationPlan(ranks, per, source, sends)
+    return MigrationPlan(ranks, per, source, sends, num_nodes)
 
 
 # ------------------------------------------------------------------------------ migration
@@ -261,6 +266,7 @@ def migrate(
     layer: int = 0,
     rank: int | None = None,
     fault: Callable[[str, int], None] | None = None,
+    num_nodes: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Move this rank's expert tensors of one layer from ``old`` to ``new``; collective over ``group``.
 
@@ -270,6 +276,7 @@ def migrate(
     inputs are never written. Raises :class:`MigrationError` on every rank if any rank failed
     (bad input, or an exception while packing or unpacking), with the failing ranks named.
     ``fault(phase, rank)`` is called at "prepare" and "build" (a test hook for injected failures).
+    ``num_nodes`` groups the ranks into nodes so experts are fetched within a node when possible.
     """
     world = dist.get_world_size(group)
     me = dist.get_rank(group) if rank is None else rank
@@ -281,7 +288,7 @@ def migrate(
     try:  # ---- prepare: validate and pack what this rank sends
         if old.num_ranks != world:
             raise ValueError(f"the placement spans {old.num_ranks} ranks but the group has {world}")
-        plan = plan_migration(old, new, layer)
+        plan = plan_migration(old, new, layer, num_nodes)
         for name, t in tensors.items():
             if t.dim() < 1 or t.shape[0] != plan.slots_per_rank:
                 raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; its first dim must be the {plan.slots_per_rank} local slots")
@@ -346,6 +353,28 @@ def _agree(backend: Any, group: Any, world: int, me: int, failed: bool, spec: in
         raise MigrationError("expert migration refused: ranks disagree on the placements or on the tensors' names, dtypes or shapes", [])
 
 
+def expert_tensors(
+    params: Mapping[str, torch.nn.Parameter], slots_per_rank: int, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, torch.Tensor]:
+    """Everything that moves with a slot: each parameter, its gradient and every optimizer state
+    tensor whose first dim is the local slot count (Adam's exp_avg, exp_avg_sq; momentum buffers)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        tensors[name] = p.detach()
+        if p.grad is not None:
+            tensors[f"{name}.grad"] = p.grad
+        if optimizer is not None:
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == slots_per_rank:
+                    tensors[f"{name}.state.{key}"] = value
+    return tensors
+
+
+def row_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of one slot's row across ``tensors`` (each shaped [slots, ...]), dtype by dtype."""
+    return sum(t[0].numel() * t.element_size() for t in tensors.values() if t.dim() and t.shape[0])
+
+
 def migrate_parameters(
     old: ExpertPlacement,
     new: ExpertPlacement,
@@ -356,6 +385,7 @@ def migrate_parameters(
     optimizer: torch.optim.Optimizer | None = None,
     rank: int | None = None,
     fault: Callable[[str, int], None] | None = None,
+    num_nodes: int = 1,
 ) -> None:
     """Migrate expert parameters in place, with their gradients and per-slot optimizer state.
 
@@ -363,17 +393,8 @@ def migrate_parameters(
     exp_avg_sq, momentum buffers) moves with its parameter; scalars such as Adam's step stay.
     Nothing is replaced unless every rank succeeded (see :func:`migrate`).
     """
-    per = new.slots_per_rank
-    tensors: dict[str, torch.Tensor] = {}
-    for name, p in params.items():
-        tensors[name] = p.detach()
-        if p.grad is not None:
-            tensors[f"{name}.grad"] = p.grad
-        if optimizer is not None:
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == per:
-                    tensors[f"{name}.state.{key}"] = value
-    moved = migrate(old, new, tensors, backend, group, layer, rank, fault)
+    tensors = expert_tensors(params, new.slots_per_rank, optimizer)
+    moved = migrate(old, new, tensors, backend, group, layer, rank, fault, num_nodes)
     # commit: only reached when every rank succeeded
     for name, p in params.items():
         p.data = moved[name]

@@ -18,11 +18,13 @@
   every replica gets that sum, so replicas take identical optimizer steps and stay equal.
 - **Rebalancing** (:meth:`after_step`, called by the training loop with the step's
   :class:`~portapipe.scheduling.executor.StepResult`): records the expert loads in a sliding
-  window; every ``interval`` steps plans a new placement (``eplb``: replication + packing by
-  :class:`~portapipe.balancing.loads.Rebalancer`; ``lplb``: the planner's EPLB reordering of which
-  experts are replicated), adopts it when the balancedness gain reaches ``min_gain``, and moves
-  the expert weights, gradients and AdamW state between ranks (:func:`migrate_parameters`).
-  It returns the figures for the metrics file.
+  window; every ``interval`` steps plans a new placement (``eplb``:
+  :class:`~portapipe.balancing.loads.Rebalancer`, by default ``refined`` for the first placement
+  and ``incremental`` after it; ``lplb``: the planner's EPLB reordering of which experts are
+  replicated), adopts it when the balancedness gain reaches ``min_gain`` times the fraction of
+  expert slots it moves, and moves the changed slots' expert weights, gradients and AdamW state
+  between ranks (:func:`migrate_parameters`, fetching within a node when it can). It returns the
+  figures for the metrics file, with the slots changed and the bytes moved within and between nodes.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .cost import migration_cost
 from .loads import LoadWindow, Rebalancer
-from .placement import ExpertPlacement, MigrationError, migrate_parameters, plan_migration
+from .placement import ExpertPlacement, MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
 
 log = logging.getLogger("portapipe.balancing")
 
@@ -70,7 +73,12 @@ def _mean_over_max(loads: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Rebalance:
-    """One periodic decision on this pipeline rank's MoE layers."""
+    """One periodic decision on this pipeline rank's MoE layers.
+
+    ``slots_changed``: slots whose expert the plan changes; ``rows_moved`` / ``bytes_moved``: slot
+    rows (weights, gradients, optimizer state) sent between EP ranks when it was applied, of which
+    ``rows_inter_node`` / ``bytes_inter_node`` crossed nodes.
+    """
 
     step: int
     before: float
@@ -78,10 +86,17 @@ class Rebalance:
     applied: bool
     rows_moved: int = 0
     layers: list[int] = field(default_factory=list)
+    policy: str = ""
+    slots_changed: int = 0
+    rows_inter_node: int = 0
+    bytes_moved: int = 0
+    bytes_inter_node: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "before": self.before, "after": self.after, "applied": self.applied,
-                "rows_moved": self.rows_moved, "layers": self.layers}
+                "policy": self.policy, "slots_changed": self.slots_changed, "rows_moved": self.rows_moved,
+                "rows_inter_node": self.rows_inter_node, "bytes_moved": self.bytes_moved,
+                "bytes_inter_node": self.bytes_inter_node, "layers": self.layers}
 
 
 class ExpertBalancer:
@@ -103,8 +118,9 @@ class ExpertBalancer:
         self.num_experts = model.n_experts
         self.ep, self.ep_rank = groups.ep, groups.ep_rank
         self.num_slots = model.n_experts + bal.redundant * groups.ep
-        self.interval, self.min_gain = bal.interval, bal.min_gain
+        self.interval, self.min_gain, self.nodes = bal.interval, bal.min_gain, bal.nodes
         self.history: list[Rebalance] = []
+        self.last_moved: dict[str, int] = {}  # what the last apply() moved
         self.modules: list[Any] = []  # this rank's MoE layers, set by attach()
         n = max(len(self.layers), 1)  # a rank without MoE layers keeps a one-row placement it never uses
         self.rebalancer: Rebalancer | None = None
@@ -223,32 +239,41 @@ class ExpertBalancer:
         """Adopt ``new``: move every MoE layer's expert weights, gradients and optimizer state.
 
         Collective over the EP group (every EP rank passes the same placement). Returns the slot
-        rows that crossed between ranks. If a layer's migration fails, the layers already moved
-        are moved back, so the old placement stays in force everywhere, and the error is raised.
-        ``fault`` is passed to :func:`migrate_parameters` (a test hook for injected failures).
+        rows that crossed between ranks (:attr:`last_moved` has them split by node, with bytes).
+        Only changed slots move; an expert a rank lacks is fetched from its own node when one of
+        its ranks holds it. If a layer's migration fails, the layers already moved are moved back,
+        so the old placement stays in force everywhere, and the error is raised. ``fault`` is
+        passed to :func:`migrate_parameters` (a test hook for injected failures).
         """
         old = self.placement
         done: list[Any] = []
-        moved = 0
+        moved = {"rows_moved": 0, "rows_inter_node": 0, "bytes_moved": 0, "bytes_inter_node": 0}
         try:
             for layer in self.modules:
                 row = self.row[layer.index]
                 params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
-                migrate_parameters(old, new, params, self.backend, self.groups.ep_group, row, optimizer, self.ep_rank, fault)
+                per_row = row_bytes(expert_tensors(params, self.slots_per_rank, optimizer))
+                migrate_parameters(old, new, params, self.backend, self.groups.ep_group, row, optimizer, self.ep_rank, fault, self.nodes)
                 done.append(layer)
-                moved += plan_migration(old, new, row).rows_moved
+                plan = plan_migration(old, new, row, self.nodes)
+                for key, rows in (("moved", plan.rows_moved), ("inter_node", plan.rows_inter_node)):
+                    moved[f"rows_{key}"] += rows
+                    moved[f"bytes_{key}"] += rows * per_row
         except MigrationError:
             for layer in done:
                 params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
-                migrate_parameters(new, old, params, self.backend, self.groups.ep_group, layer=self.row[layer.index], optimizer=optimizer, rank=self.ep_rank)
+                migrate_parameters(new, old, params, self.backend, self.groups.ep_group, layer=self.row[layer.index],
+                                   optimizer=optimizer, rank=self.ep_rank, num_nodes=self.nodes)
             raise
         self.placement = new
         if self.rebalancer is not None:
             self.rebalancer.placement = new
+            self.rebalancer.planned = True
         if planners is not None:
             self.planners = planners
         self._label()
-        return moved
+        self.last_moved = moved
+        return moved["rows_moved"]
 
     # ------------------------------------------------------------- periodic step
     def _global_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -275,8 +300,9 @@ class ExpertBalancer:
         """Plan from the window's loads after (1-based) step ``step``; adopt and migrate if it gains enough."""
         if self.rebalancer is not None:
             event = self.rebalancer.decide(step)
-            moved = self.apply(event.placement, optimizer) if event.applied else 0
-            return Rebalance(step, event.before, event.after, event.applied, moved, list(self.layers))
+            changed = int(event.cost.changed.sum()) if event.cost is not None else 0
+            return self._migrate(Rebalance(step, event.before, event.after, event.applied, layers=list(self.layers),
+                                           policy=event.policy, slots_changed=changed), event.placement, optimizer)
         loads = self.window.loads()
         candidates = []
         for row, planner in enumerate(self.planners):
@@ -286,13 +312,23 @@ class ExpertBalancer:
         before = self._lp_balancedness(self.planners, loads)
         after = self._lp_balancedness(candidates, loads)
         new = self._lplb_placement(candidates)
-        applied = after - before > 0 and after - before >= self.min_gain and not torch.equal(new.phy2log, self.placement.phy2log)
-        moved = self.apply(new, optimizer, candidates) if applied else 0
+        cost = migration_cost(self.placement.phy2log, new.phy2log, self.ep, self.nodes)
+        fraction = float((cost.intra + cost.inter).sum()) / new.phy2log.numel()
+        applied = after - before > 0 and after - before >= self.min_gain * fraction and not torch.equal(new.phy2log, self.placement.phy2log)
         log.info(
-            "lplb step %d: balancedness %.4f -> %.4f (gain %+.4f, min_gain %.4f): %s",
-            step, before, after, after - before, self.min_gain, "rebalanced" if applied else "kept the current placement",
+            "lplb step %d: balancedness %.4f -> %.4f (gain %+.4f) moving %.1f%% of the slots (min_gain %.4f): %s",
+            step, before, after, after - before, 100 * fraction, self.min_gain, "rebalanced" if applied else "kept the current placement",
         )
-        return Rebalance(step, before, after, applied, moved, list(self.layers))
+        record = Rebalance(step, before, after, applied, layers=list(self.layers), policy="lplb", slots_changed=int(cost.changed.sum()))
+        return self._migrate(record, new, optimizer, candidates)
+
+    def _migrate(self, record: Rebalance, new: ExpertPlacement, optimizer: Any, planners: list[Any] | None = None) -> Rebalance:
+        """Apply ``new`` when ``record`` says so, filling in what moved."""
+        if record.applied:
+            self.apply(new, optimizer, planners)
+            for key, value in self.last_moved.items():
+                setattr(record, key, value)
+        return record
 
     @staticmethod
     def _lp_balancedness(planners: list[Any], loads: torch.Tensor) -> float:
@@ -355,13 +391,16 @@ class ExpertBalancer:
         return self.rebalancer.window if self.rebalancer is not None else self.window
 
     def state_dict(self) -> dict[str, Any]:
-        """The placement in force (the checkpointed expert weights are laid out by it) and the
-        recorded loads (so a resumed run plans its next placement from the same window)."""
+        """The placement in force (the checkpointed expert weights are laid out by it), the
+        recorded loads (so a resumed run plans its next placement from the same window) and
+        ``planned`` (the placement came from loads, so an incremental policy changes it rather
+        than planning a first placement)."""
         return {
             "kind": self.kind,
             "phy2log": self.placement.phy2log.clone(),
             "log2phy": self.placement.log2phy.clone(),
             "loads": self.load_window.state_dict(),
+            "planned": self.rebalancer.planned if self.rebalancer is not None else True,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -375,12 +414,19 @@ class ExpertBalancer:
         self.placement = placement
         if self.rebalancer is not None:
             self.rebalancer.placement = placement
+            # a state saved before "planned" was kept: any layout but the identity came from loads
+            identity = ExpertPlacement.identity(placement.num_layers, self.num_experts, self.ep, self.num_slots)
+            self.rebalancer.planned = bool(state.get("planned", not torch.equal(placement.phy2log, identity.phy2log)))
         for row, planner in enumerate(self.planners):
             # the planner's layout is a function of each rank's originals (its first local slots)
             planner.set_layout(placement.phy2log[row].view(self.ep, self.slots_per_rank)[:, : planner.local_logical])
         if "loads" in state:
             self.load_window.load_state_dict(state["loads"])
         self._label()
+
+
+#: rebalance figures added over the pipeline stages
+SUMMED = ("slots_changed", "rows_moved", "rows_inter_node", "bytes_moved", "bytes_inter_node")
 
 
 def merge_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -419,10 +465,11 @@ def merge_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
         n = sum(weight)
         out["rebalance"] = {
             "step": evs[0]["step"],
+            "policy": evs[0]["policy"],
             "before": sum(w * e["before"] for w, e in zip(weight, evs)) / n,
             "after": sum(w * e["after"] for w, e in zip(weight, evs)) / n,
             "applied": any(e["applied"] for e in evs),
-            "rows_moved": sum(e["rows_moved"] for e in evs),
+            **{key: sum(e[key] for e in evs) for key in SUMMED},
             "per_stage": evs,
         }
     return out

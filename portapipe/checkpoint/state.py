@@ -5,7 +5,7 @@ What a rank contributes to a checkpoint (a nested dict that DCP flattens to dott
 - ``model.<name>``: parameters and persistent buffers (the routers' ``bias``), routed experts one
   per logical expert (``layers.3.moe.experts.5.gate_up``);
 - ``optim.<name>.{exp_avg, exp_avg_sq, step}``: AdamW's state under the same names;
-- ``balancer.<layer>.{phy2log, log2phy, loads}``: the expert placement in force and the window of
+- ``balancer.<layer>.{phy2log, log2phy, loads, planned}``: the expert placement in force (and whether it came from loads), the window of
   recorded per-expert loads, per MoE layer (global index);
 - ``rng.<device type>``: rank 0's generator states;
 - ``stamp.<rank>``: the run id and step this rank's part belongs to.
@@ -83,6 +83,7 @@ def balancer_state(balancer: Any) -> dict[str, dict[str, torch.Tensor]]:
     for i, layer in enumerate(balancer.layers):
         width = int(balancer.placement.logcnt[i].max())
         entry = {"phy2log": s["phy2log"][i].clone(), "log2phy": s["log2phy"][i, :, :width].clone()}
+        entry["planned"] = torch.tensor(bool(s.get("planned", True)))  # incremental changes it, not plans afresh
         if len(steps):
             entry["loads"] = steps[:, i].clone()
         out[str(layer)] = entry
@@ -95,7 +96,7 @@ def balancer_targets(balancer: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
     layers = {}
     for layer in balancer.layers:
         parts = {}
-        for part in ("phy2log", "log2phy", "loads"):
+        for part in ("phy2log", "log2phy", "loads", "planned"):
             key = f"balancer.{layer}.{part}"
             if key in meta:
                 parts[part] = torch.empty(tuple(meta[key].size), dtype=meta[key].properties.dtype)
@@ -166,6 +167,10 @@ def restore_balancer(balancer: Any, loaded: dict[str, Any], placement_fits: bool
         width = max(r["log2phy"].shape[1] for r in rows)
         state["phy2log"] = torch.stack([r["phy2log"] for r in rows])
         state["log2phy"] = torch.stack([torch.nn.functional.pad(r["log2phy"], (0, width - r["log2phy"].shape[1]), value=-1) for r in rows])
+        if all("planned" in r for r in rows):
+            state["planned"] = bool(rows[0]["planned"])
+        else:
+            state.pop("planned", None)  # the balancer tells from the placement itself
     if all("loads" in r for r in rows) and len({r["loads"].shape[0] for r in rows}) == 1:
         state["loads"] = {"steps": torch.stack([r["loads"] for r in rows], 1)}
     balancer.load_state_dict(state)

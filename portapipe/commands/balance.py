@@ -1,119 +1,285 @@
-"""``portapipe balance``: plan expert replication and placement for recorded loads.
+"""``portapipe balance``: plan expert replication and placement for recorded loads, and what it costs.
 
-Reads ``[layers, experts]`` loads from .pt (a tensor, or a dict with key "loads"), .csv (one
-layer per row; a non-numeric header row is skipped) or .json (a list of rows, or {"loads": ...});
-a single row is one layer. Prints the plan, balancedness per layer and the lower bound.
+Loads ``[layers, experts]`` come from a text file (``.csv`` or ``.txt``: one layer per line,
+numbers separated by commas and/or whitespace, ``#`` comments and one non-numeric header line
+skipped), ``.json`` (a list of rows or ``{"loads": rows}``, e.g. a run's ``expert_loads.json``) or
+``.pt`` (a tensor or ``{"loads": tensor}``); a single row is one layer. ``--current`` reads the
+placement in force (phy2log ``[layers, slots]``) the same way, key ``phy2log`` (so the ``--json``
+output of an earlier run works); without it the placement is the one training starts from
+(slot s holds expert s mod E).
+
+The default policy is training's: ``incremental`` changes ``--current`` by few slots, and plans
+a first placement with ``refined`` when there is no ``--current``. Prints what ran, a comparison
+of every policy (slots changed, bytes moved within and between nodes, max / mean GPU load
+before and after), then the plan per layer. Bad input exits 2 with one line per problem.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
+import pickle
+import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..balancing.eplb import POLICIES, balancedness, gpu_loads, lower_bound, rebalance_experts
+from ..balancing.cost import DTYPE_BYTES, OPTIMIZER_STATES, migration_cost, slot_bytes
+from ..balancing.eplb import POLICIES, gpu_loads, lower_bound, policy_run, rebalance_experts
+from ..balancing.placement import ExpertPlacement
+
+#: one routed expert of DeepSeek-V3: gate, up and down projections of 7168 x 2048
+DEEPSEEK_V3_EXPERT = 3 * 7168 * 2048
+
+_SEP = re.compile(r"[,\s]+")
 
 
-def read_loads(path: str | Path) -> torch.Tensor:
-    """Loads as a float64 [layers, experts] tensor; ValueError naming the file and the problem."""
+def read_table(path: str | Path, key: str = "loads") -> torch.Tensor:
+    """A float64 [rows, cols] table from a loads-format file; ValueError naming the file and the problem."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"loads file {str(p)!r} does not exist")
+        raise ValueError(f"{key} file {str(p)!r} does not exist")
     suffix = p.suffix.lower()
     try:
         if suffix == ".pt":
-            data: Any = torch.load(p, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch warns about unknown pickle protocols before failing
+                warnings.simplefilter("ignore")
+                data: Any = torch.load(p, map_location="cpu", weights_only=True)
             if isinstance(data, dict):
-                if "loads" not in data:
-                    raise ValueError(f"a .pt dict needs the key 'loads'; found {sorted(map(str, data))}")
-                data = data["loads"]
+                if key not in data:
+                    raise ValueError(f"a .pt dict needs the key {key!r}; found {sorted(map(str, data))}")
+                data = data[key]
         elif suffix == ".json":
             data = json.loads(p.read_text())
             if isinstance(data, dict):
-                if "loads" not in data:
-                    raise ValueError(f"a JSON object needs the key 'loads'; found {sorted(data)}")
-                data = data["loads"]
-        elif suffix == ".csv":
-            rows = [r for r in csv.reader(p.read_text().splitlines()) if any(c.strip() for c in r)]
-            if rows and not _numeric(rows[0]):
-                rows = rows[1:]
-            data = [[float(c) for c in r if c.strip()] for r in rows]
+                if key not in data:
+                    raise ValueError(f"a JSON object needs the key {key!r}; found {sorted(data)}")
+                data = data[key]
+        elif suffix in (".csv", ".txt"):
+            data = _text_rows(p.read_text())
         else:
-            raise ValueError(f"unknown loads format {suffix or '(none)'!r}; use .pt, .csv or .json")
+            raise ValueError(f"unknown {key} format {suffix or '(none)'!r}; use .csv, .txt, .json or .pt")
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{p}: cannot read loads: not JSON ({exc})") from None
+        raise ValueError(f"{p}: cannot read {key}: not JSON ({exc})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{p}: cannot read {key}: not UTF-8 text") from None
     except ValueError as exc:
         raise ValueError(f"{p}: {exc}") from None
-    except (RuntimeError, TypeError, OSError) as exc:
-        raise ValueError(f"{p}: cannot read loads: {exc}") from None
+    except (RuntimeError, TypeError, OSError, EOFError, pickle.UnpicklingError) as exc:
+        if suffix == ".pt":  # torch's own message suggests unsafe loading; say what the file is not
+            raise ValueError(f"{p}: cannot read {key}: not a tensor saved by torch.save ({type(exc).__name__})") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{p}: cannot read {key}: {first}") from None
     try:
         w = torch.as_tensor(data, dtype=torch.float64)
     except (ValueError, TypeError, RuntimeError) as exc:
-        raise ValueError(f"{p}: cannot read loads as a [layers, experts] table of numbers: {exc}") from None
+        raise ValueError(f"{p}: cannot read {key} as a table of numbers: {exc}") from None
     if w.dim() == 1:
         w = w.unsqueeze(0)
     if w.dim() != 2 or w.numel() == 0:
-        raise ValueError(f"{p}: loads must be [layers, experts] numbers, got shape {tuple(w.shape)}")
+        raise ValueError(f"{p}: {key} must be a [rows, columns] table of numbers, got shape {tuple(w.shape)}")
     return w
 
 
-def _numeric(row: list[str]) -> bool:
+def _text_rows(text: str) -> list[list[float]]:
+    """Rows of numbers separated by commas and/or whitespace; '#' starts a comment; a first
+    non-numeric line is a header."""
+    lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln.strip(", \t")]
+    rows = []
+    for n, line in enumerate(lines):
+        cells = [c for c in _SEP.split(line) if c]
+        try:
+            rows.append([float(c) for c in cells])
+        except ValueError:
+            if n == 0:
+                continue  # a header
+            bad = next(c for c in cells if not _is_number(c))
+            raise ValueError(f"line {n + 1} of the numbers: {bad!r} is not a number") from None
+    if len({len(r) for r in rows}) > 1:
+        raise ValueError(f"rows have different lengths: {sorted({len(r) for r in rows})}; every layer needs one number per expert")
+    return rows
+
+
+def _is_number(cell: str) -> bool:
     try:
-        [float(c) for c in row if c.strip()]
+        float(cell)
         return True
     except ValueError:
         return False
 
 
-def plan_report(w: torch.Tensor, replicas: int, groups: int, nodes: int, gpus: int, policy: str) -> dict[str, Any]:
-    """The plan and its figures, as plain data."""
-    phy2log, log2phy, logcnt = rebalance_experts(w, replicas, groups, nodes, gpus, policy=policy)
-    bal = balancedness(w, phy2log, gpus, logcnt)
-    top = gpu_loads(w, phy2log, gpus, logcnt).max(1).values
-    lb = lower_bound(w, replicas, gpus)
-    ratio = torch.where(lb > 0, top / lb.clamp(min=1e-300), torch.ones_like(lb))
+def read_loads(path: str | Path) -> torch.Tensor:
+    """Loads as a float64 [layers, experts] tensor; ValueError naming the file and the problem."""
+    return read_table(path, "loads")
+
+
+def shape_problems(experts: int, replicas: int, groups: int, nodes: int, gpus: int) -> list[str]:
+    """One line per rule the numbers break; the config's balancer checks apply the same rules."""
+    out = []
+    for flag, value in (("--replicas", replicas), ("--groups", groups), ("--nodes", nodes), ("--gpus", gpus)):
+        if value < 1:
+            out.append(f"{flag} must be a positive integer, got {value}")
+    if out:
+        return out
+    if replicas < experts:
+        out.append(f"--replicas {replicas} < {experts} experts: every expert needs a slot")
+    if replicas % gpus:
+        out.append(f"--replicas {replicas} is not a multiple of --gpus {gpus}")
+    if experts % groups:
+        out.append(f"--groups {groups} does not divide the {experts} experts")
+    if gpus % nodes:
+        out.append(f"--nodes {nodes} does not divide --gpus {gpus}")
+    return out
+
+
+def ran_label(policy: str, groups: int, nodes: int, has_current: bool) -> tuple[str, str]:
+    """(policy that runs, how to say so)."""
+    if policy == "incremental" and not has_current:
+        return "refined", "refined (the first placement: incremental needs --current)"
+    ran = policy_run(policy, groups, nodes)
+    if ran != policy:
+        return ran, f"global (hierarchical needs --groups % --nodes == 0: {groups} % {nodes} = {groups % nodes})"
+    return ran, ran
+
+
+def _imbalance(w: torch.Tensor, phy2log: torch.Tensor, gpus: int) -> torch.Tensor:
+    """Max / mean GPU load per layer (1.0 = perfect; an idle layer scores 1)."""
+    load = gpu_loads(w, phy2log, gpus)
+    mean = load.mean(1)
+    return torch.where(mean > 0, load.max(1).values / mean.clamp(min=1e-300), torch.ones_like(mean))
+
+
+def compare(w: torch.Tensor, current: torch.Tensor, args: argparse.Namespace, per_slot: int) -> dict[str, dict[str, Any]]:
+    """Every policy from ``current``: slots changed, rows and bytes moved, max / mean load before and after."""
+    before = _imbalance(w, current, args.gpus)
+    out: dict[str, dict[str, Any]] = {"keep": _row(w, current, current, args, per_slot, before)}
+    for policy in POLICIES:
+        ran, _ = ran_label(policy, args.groups, args.nodes, args.current is not None)
+        try:
+            plan = _plan(w, args, ran, current)[0]
+        except ValueError as exc:  # e.g. a current placement breaking the slot rule: this row cannot run
+            out[policy] = {"ran": ran, "not_possible": str(exc)}
+            continue
+        out[policy] = {"ran": ran, **_row(w, current, plan, args, per_slot, before)}
+    return out
+
+
+def _plan(w: torch.Tensor, args: argparse.Namespace, ran: str, current: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    extra = {"current": current, "max_moved": args.max_moved, "min_gain": args.min_gain} if ran == "incremental" else {}
+    return rebalance_experts(w, args.replicas, args.groups, args.nodes, args.gpus, policy=ran, **extra)
+
+
+def _row(w: torch.Tensor, current: torch.Tensor, plan: torch.Tensor, args: argparse.Namespace, per_slot: int,
+         before: torch.Tensor) -> dict[str, Any]:
+    cost = migration_cost(current, plan, args.gpus, args.nodes)
+    after = _imbalance(w, plan, args.gpus)
     return {
-        "policy": policy,
+        **cost.bytes(per_slot),
+        "slots_changed_fraction": int(cost.changed.sum()) / plan.numel(),
+        "rows_local": int(cost.local.sum()),
+        "max_over_mean_before": float(before.mean()),
+        "max_over_mean_after": float(after.mean()),
+        "max_over_mean_after_worst": float(after.max()),
+    }
+
+
+def plan_report(w: torch.Tensor, args: argparse.Namespace, current: torch.Tensor) -> dict[str, Any]:
+    """The plan of the chosen policy, its figures and the comparison of every policy, as plain data."""
+    ran, label = ran_label(args.policy, args.groups, args.nodes, args.current is not None)
+    phy2log, log2phy, logcnt = _plan(w, args, ran, current)
+    per_slot = slot_bytes(args.expert_params, args.dtype, args.optimizer, args.state_dtype, args.master_dtype)
+    load = gpu_loads(w, phy2log, args.gpus, logcnt)
+    top, mean = load.max(1).values, load.mean(1)
+    lb = lower_bound(w, args.replicas, args.gpus)
+    return {
+        "policy": args.policy,
+        "ran": label,
         "layers": w.shape[0],
         "experts": w.shape[1],
-        "replicas": replicas,
-        "groups": groups,
-        "nodes": nodes,
-        "gpus": gpus,
-        "balancedness": bal.tolist(),
-        "balancedness_mean": float(bal.mean()),
+        "replicas": args.replicas,
+        "groups": args.groups,
+        "nodes": args.nodes,
+        "gpus": args.gpus,
+        "current": args.current or "identity (slot s holds expert s mod E)",
+        "bytes_per_slot": per_slot,
+        "balancedness": torch.where(top > 0, mean / top.clamp(min=1e-300), torch.ones_like(top)).tolist(),
         "max_load": top.tolist(),
         "lower_bound": lb.tolist(),
-        "max_over_lower_bound": ratio.tolist(),
+        "max_over_lower_bound": torch.where(lb > 0, top / lb.clamp(min=1e-300), torch.ones_like(lb)).tolist(),
+        "compare": compare(w, current, args, per_slot),
         "phy2log": phy2log.tolist(),
         "log2phy": log2phy.tolist(),
         "logcnt": logcnt.tolist(),
     }
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
 def _print_text(r: dict[str, Any]) -> None:
     per_gpu = r["replicas"] // r["gpus"]
-    print(f"policy {r['policy']}: {r['layers']} layers x {r['experts']} experts -> {r['replicas']} slots on "
+    print(f"policy {r['ran']}: {r['layers']} layers x {r['experts']} experts -> {r['replicas']} slots on "
           f"{r['gpus']} GPUs ({per_gpu} per GPU), {r['nodes']} nodes, {r['groups']} groups")
+    print(f"from {r['current']}; {_size(r['bytes_per_slot'])} per slot (parameters and optimizer state)")
+    print(f"{'policy':<21}{'slots changed':>16}{'moved in node':>15}{'across nodes':>14}   max/mean GPU load: before -> after (worst layer)")
+    for name, c in r["compare"].items():
+        shown = name if c.get("ran", name) == name else f"{name}>{c['ran']}"
+        if "not_possible" in c:
+            print(f"{shown:<21}not possible: {c['not_possible']}")
+            continue
+        print(f"{shown:<21}{c['slots_changed']:>8} ({100 * c['slots_changed_fraction']:4.1f}%){_size(c['bytes_intra_node']):>15}"
+              f"{_size(c['bytes_inter_node']):>14}   {c['max_over_mean_before']:.4f} -> {c['max_over_mean_after']:.4f} "
+              f"({c['max_over_mean_after_worst']:.4f})")
     for layer, p2l in enumerate(r["phy2log"]):
         print(f"layer {layer}: balancedness {r['balancedness'][layer]:.4f}, max GPU load {r['max_load'][layer]:.6g}, "
               f"lower bound {r['lower_bound'][layer]:.6g} (x{r['max_over_lower_bound'][layer]:.4f})")
         for g in range(r["gpus"]):
             print(f"  GPU {g}: experts {p2l[g * per_gpu:(g + 1) * per_gpu]}")
-    print(f"mean balancedness {r['balancedness_mean']:.4f}")
+    print(f"mean balancedness {sum(r['balancedness']) / len(r['balancedness']):.4f}")
+
+
+def _inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loads, current placement), or ValueError with one line per problem."""
+    w = read_loads(args.loads)
+    problems = shape_problems(w.shape[1], args.replicas, args.groups, args.nodes, args.gpus)
+    if not 0 <= args.max_moved <= 1:
+        problems.append(f"--max-moved {args.max_moved} is a fraction of the slots, in [0, 1]")
+    if not args.min_gain >= 0:
+        problems.append(f"--min-gain {args.min_gain} must be >= 0")
+    if args.expert_params < 1:
+        problems.append(f"--expert-params {args.expert_params} must be a positive integer")
+    if problems:
+        raise ValueError("\n".join(problems))
+    if args.current is None:
+        return w, ExpertPlacement.identity(w.shape[0], w.shape[1], args.gpus, args.replicas).phy2log
+    cur = read_table(args.current, "phy2log")
+    if tuple(cur.shape) != (w.shape[0], args.replicas):
+        raise ValueError(f"{args.current}: phy2log must be [layers, slots] = [{w.shape[0]}, {args.replicas}], got {list(cur.shape)}")
+    if not bool((cur == cur.round()).all()):
+        raise ValueError(f"{args.current}: phy2log must hold whole expert ids")
+    try:
+        ExpertPlacement(cur.to(torch.int64), args.gpus, w.shape[1])  # ids in range, every expert placed
+    except ValueError as exc:
+        raise ValueError(f"{args.current}: {exc}") from None
+    return w, cur.to(torch.int64)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        w = read_loads(args.loads)
-        report = plan_report(w, args.replicas, args.groups, args.nodes, args.gpus, args.policy)
+        w, current = _inputs(args)
+        report = plan_report(w, args, current)
     except ValueError as err:
-        print(f"portapipe balance: {err}", file=sys.stderr)
+        for line in str(err).splitlines():
+            print(f"portapipe balance: {line}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report))
@@ -123,13 +289,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("balance", help="plan expert replication and placement (EPLB) for recorded loads")
-    p.add_argument("--loads", required=True, help="loads [layers, experts]: .pt, .csv or .json")
+    p = sub.add_parser("balance", help="plan expert replication and placement (EPLB) for recorded loads, and its cost")
+    p.add_argument("--loads", required=True, help="loads [layers, experts]: .csv / .txt (commas or spaces), .json or .pt")
     p.add_argument("--replicas", type=int, required=True, help="physical expert slots R in all (>= experts, multiple of --gpus)")
-    p.add_argument("--groups", type=int, required=True, help="expert groups (group-limited routing)")
-    p.add_argument("--nodes", type=int, required=True, help="nodes the GPUs span")
+    p.add_argument("--groups", type=int, required=True, help="expert groups (group-limited routing); must divide the experts")
+    p.add_argument("--nodes", type=int, required=True, help="nodes the GPUs span; must divide --gpus")
     p.add_argument("--gpus", type=int, required=True, help="GPUs (expert-parallel ranks)")
-    p.add_argument("--policy", choices=POLICIES, default="hierarchical",
-                   help="hierarchical (published; global when groups %% nodes != 0), global, or refined")
+    p.add_argument("--policy", choices=POLICIES, default="incremental",
+                   help="as in training (default incremental: from --current, else a first placement by refined); "
+                        "refined; hierarchical (published; global when groups %% nodes != 0); global")
+    p.add_argument("--current", help="the placement in force, phy2log [layers, slots], in the loads formats (key phy2log)")
+    p.add_argument("--max-moved", type=float, default=0.1, help="incremental: at most this fraction of a layer's slots change")
+    p.add_argument("--min-gain", type=float, default=0.0,
+                   help="incremental: balancedness a full migration must win (scaled by the fraction of slots moved)")
+    p.add_argument("--expert-params", type=int, default=DEEPSEEK_V3_EXPERT,
+                   help=f"parameters of one expert (default {DEEPSEEK_V3_EXPERT}: DeepSeek-V3's 3 x 7168 x 2048)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16", help="parameter dtype")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adamw", help="optimizer states moved with each slot")
+    p.add_argument("--state-dtype", choices=sorted(DTYPE_BYTES), help="optimizer state dtype (default: the parameter dtype)")
+    p.add_argument("--master-dtype", choices=sorted(DTYPE_BYTES), help="dtype of a master copy of the weights, if kept")
     p.add_argument("--json", action="store_true", help="one line of JSON instead of text")
     p.set_defaults(func=run)

@@ -161,15 +161,25 @@ def _lplb_slots(x: Setup) -> list[str]:
     return out
 
 
+def _balancer_nodes(x: Setup) -> list[str]:
+    b = x.balancer
+    return _one(b.kind != "none" and x.ep % b.nodes != 0, f"balancer.nodes: {b.nodes} does not divide parallel.ep = {x.ep}")
+
+
 def _eplb_shape(x: Setup) -> list[str]:
     b, m = x.balancer, x.model
     if b.kind != "eplb":
         return []
+    # one rule whatever the policy and node count (as `portapipe balance`): groups divide the experts;
+    # hierarchical becomes global when the groups do not divide evenly over the nodes
     groups = b.groups or m.n_groups
-    if groups % b.nodes:  # the global policy: no shape rules
-        return []
     out = _one(m.n_experts % groups != 0, f"balancer.groups: {groups} does not divide model.n_experts = {m.n_experts}")
-    return out + _one(x.ep % b.nodes != 0, f"balancer.nodes: {b.nodes} does not divide parallel.ep = {x.ep}")
+    per_rank = m.n_experts // x.ep + b.redundant if x.ep else 0
+    return out + _one(
+        b.policy in ("incremental", "refined") and per_rank > m.n_experts,
+        f"balancer.redundant: {b.redundant} gives {per_rank} slots per EP rank for {m.n_experts} experts; policy "
+        f"{b.policy} holds each expert at most once per rank, so redundant <= {m.n_experts - m.n_experts // x.ep}",
+    )
 
 
 def _architecture(x: Setup) -> list[str]:
@@ -241,7 +251,8 @@ RULES: tuple[Rule, ...] = (
     Rule("zero-memory-not-all-recomputed", "memory", "a recomputed layer keeps nothing that zero-memory could drop", _zero_memory_not_all_recomputed),
     Rule("balancer-needs-moe", "balancer", "balancers place routed experts", _balancer_needs_moe),
     Rule("lplb-slots", "balancer", "LPLB moves tokens to a copy on a neighbouring EP rank of its topology", _lplb_slots),
-    Rule("eplb-shape", "balancer", "EPLB's hierarchical policy packs expert groups onto nodes, then nodes' slots onto ranks", _eplb_shape),
+    Rule("balancer-nodes", "balancer", "a balancer's nodes hold equal shares of the EP ranks", _balancer_nodes),
+    Rule("eplb-shape", "balancer", "EPLB packs expert groups onto nodes; incremental and refined hold an expert at most once per rank", _eplb_shape),
     Rule("lr-range", "train", "the schedule decays the learning rate from lr to min_lr, after the warm-up", _lr),
     Rule("known-backend", "backend", "backends are built in or registered as plug-ins", _known_backend),
     Rule("ep-transport", "backend", "NVSHMEM is a CUDA transport; every backend has all-to-all", _transport),
