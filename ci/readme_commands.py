@@ -30,15 +30,24 @@ _OUTPUTS = {"runs", ".git", ".pytest_cache"}
 
 
 def commands(readme: str) -> list[str]:
-    """The commands of the README's shell code blocks, in order (comments and blank lines dropped)."""
+    """The commands of the README's shell code blocks, in order (comments and blank lines dropped,
+    lines continued with a backslash joined)."""
     out = []
     for block in _BLOCK.findall(readme):
+        pending = ""  # a command continued with a trailing backslash
         for line in block.splitlines():
             line = line.strip()
             if line.startswith("$ "):
                 line = line[2:]
-            if line and not line.startswith("#"):
+            if pending:
+                line = f"{pending} {line}"
+                pending = ""
+            if line.endswith("\\"):
+                pending = line[:-1].rstrip()
+            elif line and not line.startswith("#"):
                 out.append(line)
+        if pending:
+            out.append(pending)
     return out
 
 

@@ -24,6 +24,8 @@ def test_commands_come_from_shell_blocks_in_order_without_comments() -> None:
     text = "intro\n```bash\nmake a   # first\n\n# a comment\n$ portapipe info\n```\n```\nnot a command\n```\n```sh\necho b\n```\n"
     assert rc.commands(text) == ["make a   # first", "portapipe info", "echo b"]
     assert rc.bare("make a   # first") == "make a"
+    continued = "```bash\nportapipe train a.yaml \\\n    --set x=1 \\\n    --set y=2   # note\nportapipe info\n```\n"
+    assert rc.commands(continued) == ["portapipe train a.yaml --set x=1 --set y=2   # note", "portapipe info"]
 
 
 def test_the_readme_commands_name_real_subcommands_and_shipped_files() -> None:
@@ -38,7 +40,7 @@ def test_the_readme_commands_name_real_subcommands_and_shipped_files() -> None:
             assert words[1] in COMMANDS, cmd
         for word in words:
             if word.startswith("examples/"):
-                assert (ROOT / word).is_file(), cmd
+                assert (ROOT / word).exists(), cmd
 
 
 def test_outputs_land_in_the_mirror_not_the_checkout(tmp_path: Path) -> None:

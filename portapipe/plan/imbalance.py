@@ -62,7 +62,9 @@ def imbalance(loads: list[list[float]], ep: int, balancer: Any = None, n_groups:
 
         slots = experts + balancer.redundant * ep
         groups = balancer.groups or n_groups
-        phy2log, _, logcnt = rebalance_experts(w.float(), slots, groups, balancer.nodes, ep, policy=balancer.policy)
+        # the placement the recorded loads call for: incremental plans its first one with refined
+        policy = "refined" if balancer.policy == "incremental" else balancer.policy
+        phy2log, _, logcnt = rebalance_experts(w.float(), slots, groups, balancer.nodes, ep, policy=policy)
         ranks = gpu_loads(w, phy2log, ep, logcnt)
     elif kind == "lplb":
         from ..balancing.lplb import Planner
