@@ -32,8 +32,8 @@ from portapipe.balancing.slots import duplicated  # noqa: E402
 POLICIES = ("hierarchical", "global", "refined")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The placement problem's shape, DeepSeek-V3's by default, and the loads' skew."""
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--replicas", type=int, default=288)
@@ -41,6 +41,11 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--sigma", type=float, default=0.75, help="lognormal sigma of the expert loads")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=31)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")

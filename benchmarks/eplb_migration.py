@@ -35,6 +35,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from eplb import add_shape_args  # noqa: E402
 from portapipe.balancing.cost import migration_cost, slot_bytes  # noqa: E402
 from portapipe.balancing.eplb import gpu_loads, lower_bound, rebalance_experts  # noqa: E402
 
@@ -124,13 +127,7 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=61)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--replicas", type=int, default=288)
-    ap.add_argument("--gpus", type=int, default=32)
-    ap.add_argument("--nodes", type=int, default=4)
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--sigma", type=float, default=0.75, help="lognormal sigma of the base loads")
+    add_shape_args(ap)  # --sigma: the base loads' skew, before the drift
     ap.add_argument("--drifts", type=float, nargs="+", default=[0.05, 0.10, 0.20])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--max-moved", type=float, default=0.1, help="incremental's budget in the policy table")
