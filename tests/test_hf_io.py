@@ -138,6 +138,27 @@ def test_missing_extra_and_misshapen_tensors_are_named(folder: Path, tmp_path: P
     assert "model.layers.0.self_attn.q_norm.weight has shape [9], the model needs [8]" in text
 
 
+def test_a_missing_or_damaged_shard_and_an_unreadable_dtype_are_named(tmp_path: Path) -> None:
+    sharded = save(transformers_model("qwen3_moe", seed=14), tmp_path / "sharded", max_shard_size="40KB")
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    gone = _copy(sharded, tmp_path / "gone")
+    (gone / shards[2]).unlink()
+    assert _problems(gone) == [f"model.init_from: {gone / 'model.safetensors.index.json'} names file(s) that are not there: {shards[2]}"]
+    cut = _copy(sharded, tmp_path / "cut")
+    with open(cut / shards[1], "r+b") as f:  # a download that stopped early
+        f.truncate(f.seek(0, 2) // 2)
+    (line,) = _problems(cut)
+    assert line.startswith(f"model.init_from: {cut / shards[1]} is not a readable safetensors file"), line
+
+    def fp8(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.1.mlp.experts.0.up_proj.weight"] = t["model.layers.1.mlp.experts.0.up_proj.weight"].to(torch.float8_e4m3fn)
+
+    folder = save(transformers_model("qwen3_moe", seed=14), tmp_path / "whole")
+    assert _problems(_copy(folder, tmp_path / "fp8", edit_tensors=fp8)) == [
+        "model.init_from: model.layers.1.mlp.experts.0.up_proj.weight is stored as F8_E4M3; portapipe reads F64, F32, BF16, F16"
+    ]
+
+
 def test_a_folder_that_is_not_a_model_is_refused(tmp_path: Path) -> None:
     assert _problems(tmp_path / "nowhere")[0].startswith("model.init_from: ") and "is not a folder" in _problems(tmp_path / "nowhere")[0]
     (tmp_path / "empty").mkdir()

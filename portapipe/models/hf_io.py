@@ -149,7 +149,11 @@ def init_problems(m: ModelConfig) -> list[str]:
     if extra:
         out.append(f"model.init_from: {folder.path} holds {len(extra)} tensor(s) the model has no place for (first: {', '.join(extra[:4])})")
     present = [n for n in want if n in folder.files]
-    for n, (shape, dtype) in folder.header(present).items():
+    try:
+        headers = folder.header(present)
+    except ValueError as exc:  # a truncated or foreign file among the shards
+        return out + [f"model.init_from: {exc}"]
+    for n, (shape, dtype) in headers.items():
         if shape != want[n]:
             out.append(f"model.init_from: {n} has shape {list(shape)}, the model needs {list(want[n])}")
         if dtype not in _DTYPES:
