@@ -18,18 +18,21 @@ from portapipe.plan.setup import Setup
 from portapipe.plan.shape import Shape, flops
 from portapipe.plan.time_model import TimeModel, run_ops
 from portapipe.scheduling.executor import build_schedule
+from portapipe.scheduling.ir import Kind
 from portapipe.scheduling.simulate import Costs, simulate
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
 
 
-def profile(shape: Shape, parts: dict, a2a: float = 0.0, processors: float | None = None) -> Profile:
-    """A made-up profile: ``parts[part][phase]`` seconds per call (fixed), all-to-all ``a2a`` seconds."""
+def profile(shape: Shape, parts: dict, a2a: float = 0.0, processors: float | None = None, a2a_cpu: float = 0.0, **extra: object) -> Profile:
+    """A made-up profile: ``parts[part][phase]`` seconds per call (fixed), all-to-all ``a2a``
+    seconds taking ``a2a_cpu`` seconds of the communication threads' processor time."""
     return Profile.from_dict({
         "format": FORMAT, "device": {"backend": "test"}, "torch": "-", "shape": shape.to_dict(),
         "parts": {"off": {p: {ph: {"fixed": v, "per_unit": 0.0} for ph, v in t.items()} for p, t in parts.items()}},
         "a2a": {"2": {"fixed": a2a, "per_unit": 0.0}}, "p2p": {"fixed": 0.0, "per_unit": 0.0},
-        "allreduce": {}, "optimizer": {"fixed": 0.0, "per_unit": 0.0}, "processors": processors,
+        "a2a_cpu": {"2": {"fixed": a2a_cpu, "per_unit": 0.0}},
+        "allreduce": {}, "optimizer": {"fixed": 0.0, "per_unit": 0.0}, "processors": processors, **extra,
     })
 
 
@@ -178,3 +181,51 @@ def test_bad_profiles_are_refused_naming_what_is_wrong(tmp_path: Path) -> None:
     round_trip = tmp_path / "ok.json"
     published("h800", s).save(round_trip)
     assert Profile.load(round_trip).to_dict() == good
+
+
+# ------------------------------------------------------------------- shared processors
+def _moe_ep2(extra: list[str] = ()) -> tuple:
+    cfg = load_config(EXAMPLE, ["parallel.pp=1", "parallel.ep=2", "schedule.name=1f1b", "schedule.microbatches=2",
+                                "model.n_layers=2", "model.n_dense=1", *extra])
+    return cfg, Shape.of(cfg.model), build_schedule(cfg), Setup.from_config(cfg)
+
+
+def test_the_communication_threads_processor_time_competes_for_shared_processors() -> None:
+    """Exchanges that take no wall time but g seconds of gloo's threads: a forward issues four
+    (row counts, routing weights, rows, combine), a backward three. Two EP ranks on two
+    processors each ask for their compute plus g per exchange, so every action takes that long;
+    with four processors (or a device each) the background runs beside the compute for free."""
+    cfg, s, sched, x = _moe_ep2()
+    parts = {"dense": {"F": 1.0, "B": 2.0, "W": 0.5}, **MOE}
+    g = 0.25
+    lone = TimeModel(x, profile(s, parts, a2a_cpu=g), sched)
+    f = next(a for a in sched.actions[0] if a.kind is Kind.F)
+    b = next(a for a in sched.actions[0] if a.kind in (Kind.B, Kind.BW))
+    assert lone.action(f).background == pytest.approx(4 * g)
+    assert lone.action(b).background == pytest.approx(3 * g)
+    m = cfg.schedule.microbatches
+    compute = m * (lone.action(f).compute + lone.action(b).compute)
+    assert lone.predict().pipeline_s == pytest.approx(compute)
+    two = TimeModel(x, profile(s, parts, a2a_cpu=g, processors=2), sched).predict()
+    assert two.pipeline_s == pytest.approx(compute + m * 7 * g, rel=2e-3)
+    four = TimeModel(x, profile(s, parts, a2a_cpu=g, processors=4), sched).predict()
+    assert four.pipeline_s == pytest.approx(compute, rel=2e-3)
+
+
+def test_point_to_point_transfers_charge_both_ends() -> None:
+    cfg = load_config(EXAMPLE, ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "schedule.microbatches=4",
+                                "model.n_dense=4", "schedule.w_split=false"])
+    s, sched, x = Shape.of(cfg.model), build_schedule(cfg), Setup.from_config(cfg)
+    dense = {"dense": {"F": 1.0, "B": 2.0, "W": 0.0}}
+    per_end, per_batch = 0.125, 0.0625
+    tm = TimeModel(x, profile(s, dense, p2p_cpu={"fixed": per_end, "per_unit": 0.0}, post_s=per_batch), sched)
+    # each rank sends and receives one tensor per micro-batch and direction: 4 x 2 transfers
+    for r in range(2):
+        assert sum(v for (rank, _), v in tm.post_background.items() if rank == r) == pytest.approx(8 * per_end)
+    busy = max(tm.demand(r, a)[1] for r, acts in enumerate(tm.lists) for a in acts if a.__class__ is not tuple and a.kind.is_compute)
+    assert busy > 2.0  # a backward's compute plus what its transfers cost the communication threads
+    alone = TimeModel(x, profile(s, dense, p2p_cpu={"fixed": per_end, "per_unit": 0.0}, post_s=per_batch), sched).predict()
+    shared = TimeModel(x, profile(s, dense, processors=1, p2p_cpu={"fixed": per_end, "per_unit": 0.0}, post_s=per_batch), sched).predict()
+    # one processor: at least every rank's processor time one after the other
+    total = sum(tm.demand(r, a)[1] for r, acts in enumerate(tm.lists) for a in acts if a.__class__ is not tuple and a.kind.is_compute)
+    assert shared.pipeline_s >= total * 0.98 and shared.pipeline_s > alone.pipeline_s

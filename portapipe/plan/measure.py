@@ -18,7 +18,9 @@ as the wall time of the least disturbed repetition.
   The attention part's blocking exchange of per-expert row counts waits without using the
   processor, so its processor time leaves the exchange out; the time model adds it per EP size.
 - communication: all-to-all and all-reduce over groups of 2, 4, ... ranks, point-to-point
-  between two ranks, each at two sizes;
+  between two ranks, each at two sizes; for the all-to-all and point-to-point also the
+  processor time the process's other threads (gloo's) spend on them, which competes with the
+  compute of ranks sharing a host's processors;
 - AdamW's step per parameter element, and the expert loads the profiling batches produced.
 """
 
@@ -275,18 +277,29 @@ def _cpu_time(fn: Callable[[], None], reps: int) -> float:
     return statistics.median(out)
 
 
+def _background(fn: Callable[[], None], reps: int) -> float:
+    """Processor time the process's other threads spend per call of ``fn`` (the process's time
+    less the calling thread's): a CPU backend's communication threads. Taken over the whole
+    run of calls, since their work may finish after a call returns."""
+    p0, t0 = time.process_time(), cpu()
+    for _ in range(reps):
+        fn()
+    return max(0.0, (time.process_time() - p0) - (cpu() - t0)) / reps
+
+
 def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, reps: int, ep: int) -> dict[str, Any]:
     """All-to-all and all-reduce over the first n ranks (n = 2, 4, ..., world, and ``ep``), p2p between ranks 0 and 1."""
     rank = dist.get_rank()
     sizes = sorted({n for n in (2, 4, 8, 16, 32, 64, world, ep) if 2 <= n <= world})
     a2a: dict[str, Linear] = {}
     issue: dict[str, float] = {}  # issuing an all-to-all: what the caller's thread pays before it can go on
+    background: dict[str, Linear] = {}  # what the communication threads pay per all-to-all
     allreduce: dict[str, Linear] = {}
     for n in sizes:
         group = backend.new_group(list(range(n)))
         if rank < n:
             ep = ExpertParallel(backend, n, rank, group)
-            pts, ar = [], []
+            pts, ar, bg = [], [], []
             for r in (max(2, rows // 16), rows):
                 per = max(1, r // n)
                 x = torch.randn(per * n, hidden, dtype=dtype)
@@ -300,16 +313,19 @@ def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, 
                     issued.append(cpu() - t0)
                     pending.wait()
                 issue[str(n)] = statistics.median(issued)
-                pts.append((per * (n - 1) * hidden * x.element_size(), t))
+                sent = per * (n - 1) * hidden * x.element_size()
+                pts.append((sent, t))
+                bg.append((sent, _background(lambda: exchange(ep, x, splits, splits).wait(), 4 * reps)))
                 flat = torch.zeros(r * hidden, dtype=dtype)
                 backend.all_reduce(flat, group=group)
                 ar.append((flat.numel() * flat.element_size(), _least_time(lambda: backend.all_reduce(flat, group=group), reps)))
-            a2a[str(n)], allreduce[str(n)] = Linear.fit(pts), Linear.fit(ar)
+            a2a[str(n)], allreduce[str(n)], background[str(n)] = Linear.fit(pts), Linear.fit(ar), Linear.fit(bg)
         dist.barrier()
     p2p = Linear()
     posts: list[float] = []
+    p2p_bg = Linear()
     if world >= 2:
-        pts = []
+        pts, bg_pts = [], []
         for r in (max(2, rows // 16), rows):
             buf = torch.zeros(r * hidden, dtype=dtype)
 
@@ -330,10 +346,17 @@ def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, 
 
             if rank < 2:
                 round_trip()
-                pts.append((buf.numel() * buf.element_size(), _least_time(round_trip, reps) / 2))
+                nbytes = buf.numel() * buf.element_size()
+                pts.append((nbytes, _least_time(round_trip, reps) / 2))
+                # a round trip is one send and one receive at each end
+                bg_pts.append((nbytes, _background(round_trip, 2 * reps) / 2))
             dist.barrier()
         p2p = Linear.fit(pts) if rank == 0 else p2p
-    return {"a2a": a2a, "issue_s": issue, "allreduce": allreduce, "p2p": p2p, "post_s": statistics.median(posts) if posts else 0.0}
+        p2p_bg = Linear.fit(bg_pts) if rank == 0 else p2p_bg
+    return {
+        "a2a": a2a, "issue_s": issue, "a2a_cpu": background, "allreduce": allreduce, "p2p": p2p, "p2p_cpu": p2p_bg,
+        "post_s": statistics.median(posts) if posts else 0.0,
+    }
 
 
 def _optimizer(dtype: torch.dtype, reps: int) -> Linear:

@@ -9,6 +9,10 @@ published figures (H800). A profile holds, for the model shape it was made for:
 - ``a2a[str(ep)]``, ``p2p``, ``allreduce[str(n)]``: communication as ``latency_s + per_byte_s *
   bytes`` (an all-to-all counts the bytes a rank sends to the others);
 - ``issue_s[str(ep)]``: what issuing one all-to-all costs the issuing thread;
+- ``a2a_cpu[str(ep)]``, ``p2p_cpu``: processor time the process's other threads (a CPU
+  backend's communication threads) spend per all-to-all (``fixed`` per call, ``per_unit`` per
+  byte sent) and per point-to-point transfer at each end; on a host whose ranks share the
+  processors this is demand beside the compute (zero where a device's engines move the bytes);
 - ``optimizer``: AdamW per parameter element; ``part_overhead_s``: the tape's own work per part
   call (F and B: graph cuts, gradient bookkeeping); ``post_s``: posting one batch of
   point-to-point transfers; ``action_s``: any further cost per executor action;
@@ -85,6 +89,8 @@ class Profile:
     part_overhead_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
     post_s: float = 0.0
     issue_s: dict[str, float] = field(default_factory=dict)  # issuing one all-to-all, per group size
+    a2a_cpu: dict[str, Linear] = field(default_factory=dict)  # other threads' processor time per all-to-all
+    p2p_cpu: Linear = field(default_factory=Linear)  # other threads' processor time per transfer end
     processors: float | None = None
     saved_bytes: dict[str, dict[str, Linear]] = field(default_factory=dict)
     loads: list[list[float]] = field(default_factory=list)
@@ -107,27 +113,26 @@ class Profile:
         """An all-to-all over ``ep`` ranks in which this rank sends ``nbytes`` in all (its own
         share stays local). Measured group sizes are used as they are; another size takes
         the nearest measured one (a documented limit)."""
-        if ep <= 1 or not self.a2a:
-            return 0.0
-        sizes = sorted(int(k) for k in self.a2a)
-        nearest = min(sizes, key=lambda n: (abs(n - ep), -n))
-        return self.a2a[str(nearest)](nbytes * (ep - 1) / ep)
+        cost = _nearest(self.a2a, ep)
+        return 0.0 if cost is None else cost(nbytes * (ep - 1) / ep)
+
+    def a2a_background(self, ep: int, nbytes: float) -> float:
+        """Processor time other threads of the process spend on that all-to-all (nearest measured size)."""
+        cost = _nearest(self.a2a_cpu, ep)
+        return 0.0 if cost is None else cost(nbytes * (ep - 1) / ep)
 
     def issue_time(self, ep: int) -> float:
         """What issuing one all-to-all over ``ep`` ranks costs the caller (nearest measured size)."""
-        if ep <= 1 or not self.issue_s:
-            return 0.0
-        sizes = sorted(int(k) for k in self.issue_s)
-        return self.issue_s[str(min(sizes, key=lambda n: (abs(n - ep), -n)))]
+        got = _nearest(self.issue_s, ep)
+        return 0.0 if got is None else got
 
     def allreduce_time(self, n: int, nbytes: float) -> float:
-        if n <= 1 or not self.allreduce:
+        cost = _nearest(self.allreduce, n)
+        if cost is None:
             return 0.0
-        sizes = sorted(int(k) for k in self.allreduce)
-        nearest = min(sizes, key=lambda k: (abs(k - n), -k))
+        nearest = _nearest_size(self.allreduce, n)
         # ring all-reduce moves 2(n-1)/n of the bytes; the fitted size's factor is divided out
         factor = (2 * (n - 1) / n) / (2 * (nearest - 1) / nearest)
-        cost = self.allreduce[str(nearest)]
         return cost.fixed + cost.per_unit * nbytes * factor
 
     # --------------------------------------------------------------- scaling
@@ -149,7 +154,8 @@ class Profile:
         return Profile(
             device=dict(self.device), torch=self.torch, shape=shape, parts=parts, a2a=self.a2a, p2p=self.p2p,
             allreduce=self.allreduce, optimizer=self.optimizer, action_s=self.action_s,
-            part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), processors=self.processors,
+            part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), a2a_cpu=self.a2a_cpu, p2p_cpu=self.p2p_cpu,
+            processors=self.processors,
             saved_bytes={}, loads=self.loads, tokens=self.tokens,
             source=f"{self.source}; scaled by FLOPs from shape {_short(self.shape)} to {_short(shape)}",
         )
@@ -188,6 +194,8 @@ class Profile:
                 part_overhead_s={str(k): float(v) for k, v in d.get("part_overhead_s", {"F": 0.0, "B": 0.0}).items()},
                 post_s=float(d.get("post_s", 0.0)),
                 issue_s={str(k): float(v) for k, v in d.get("issue_s", {}).items()},
+                a2a_cpu={str(k): _linear(v, f"{where}: a2a_cpu.{k}") for k, v in d.get("a2a_cpu", {}).items()},
+                p2p_cpu=_linear(d.get("p2p_cpu", {}), f"{where}: p2p_cpu"),
                 processors=None if d.get("processors") is None else float(d["processors"]),
                 saved_bytes={o: {p: _linear(c, f"{where}: saved_bytes.{o}.{p}") for p, c in t.items()} for o, t in d.get("saved_bytes", {}).items()},
                 loads=[[float(x) for x in row] for row in d.get("loads", [])],
@@ -220,6 +228,19 @@ class Profile:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ProfileError(f"--profile: {p} is not JSON: {exc}") from None
         return cls.from_dict(data, where=f"--profile {p}")
+
+
+def _nearest_size(table: dict[str, Any], n: int) -> int:
+    sizes = sorted(int(k) for k in table)
+    return min(sizes, key=lambda k: (abs(k - n), -k))
+
+
+def _nearest(table: dict[str, Any], n: int) -> Any:
+    """The entry of a per-group-size table for ``n`` ranks (the nearest measured size; None
+    for one rank or an empty table)."""
+    if n <= 1 or not table:
+        return None
+    return table[str(_nearest_size(table, n))]
 
 
 def _linear(v: Any, where: str) -> Linear:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ class ActionTime:
     compute: float  # of which the rank computes
     exposed: float  # of which it waits for exchanges
     comm: float  # exchange time issued by the action (hidden or not)
+    background: float = 0.0  # processor time other threads (communication) spend for it
 
 
 @dataclass
@@ -64,10 +66,26 @@ class TimeReport:
         }
 
 
-def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int) -> ActionTime:
-    """Time one merged program (``(program index, op)`` pairs, see :func:`~.programs.interleave`)."""
-    t = comm_free = compute = exposed = comm = 0.0
-    ready: dict[Any, float] = {}
+def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int, computing: float = 1.0, waiting: float = 1.0) -> ActionTime:
+    """Time one merged program (``(program index, op)`` pairs, see :func:`~.programs.interleave`).
+
+    Exchanges queue on one channel in issue order, each needing its latency plus bytes over
+    bandwidth of progress. The channel progresses ``computing`` seconds per second while the
+    rank computes and ``waiting`` while it waits: both 1 where a device's engines move the
+    bytes; on a host whose ranks fill the processors, the communication threads progress only
+    as the scheduler lets them beside the compute (the profile measures how fast)."""
+    t = compute = exposed = comm = background = 0.0
+    queue: deque[list[Any]] = deque()  # [key, seconds of progress left], in issue order
+
+    def progress(seconds: float) -> None:
+        while queue and seconds > 0:
+            head = queue[0]
+            if head[1] > seconds:
+                head[1] -= seconds
+                return
+            seconds -= head[1]
+            queue.popleft()
+
     for prog, op in ops:
         code = op[0]
         if code == "C":
@@ -75,23 +93,31 @@ def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int) -> ActionTi
             if part in ("output", "input", "rope"):  # bookkeeping, no work
                 continue
             dt = profile.time(part, phase, op[6], units)
+            progress(dt * computing)
             t += dt
             compute += dt
         elif code == "I":
-            dur = profile.a2a_time(ep, op[2]) if ep > 1 else 0.0
+            dur = profile.a2a_time(ep, op[2])
+            background += profile.a2a_background(ep, op[2])
             issue = profile.issue_time(ep)
+            progress(issue * computing)
             t += issue
             compute += issue
-            start = max(t, comm_free)
-            comm_free = start + dur
-            ready[(prog, op[1])] = comm_free
+            queue.append([(prog, op[1]), dur])
             comm += dur
         elif code == "A":
-            done = ready.pop((prog, op[1]), t)
-            if done > t:
-                exposed += done - t
-                t = done
-    return ActionTime(t, compute, exposed, comm)
+            key = (prog, op[1])
+            need = 0.0
+            for item in queue:
+                need += item[1]
+                if item[0] == key:
+                    break
+            else:
+                continue  # done already
+            progress(need)
+            exposed += need / waiting
+            t += need / waiting
+    return ActionTime(t, compute, exposed, comm, background)
 
 
 class TimeModel:
@@ -118,26 +144,36 @@ class TimeModel:
         self._cache: dict[tuple, ActionTime] = {} if cache is None else cache
         act = self.tokens * self.shape.hidden * self.shape.e
         self.p2p_s = self.profile.p2p(act)
-        # posting point-to-point transfers costs the posting rank's thread: each batch of posts
-        # (consecutive SEND/RECV actions) is charged to the compute action after it
+        # posting point-to-point transfers costs the posting rank's thread (each batch of
+        # consecutive SEND/RECV actions) and the communication threads (each transfer); both
+        # are charged to the compute action after the batch
         self.posts: dict[tuple[int, Action], float] = {}
-        if self.profile.post_s > 0:
+        self.post_background: dict[tuple[int, Action], float] = {}
+        per_batch, per_transfer = self.profile.post_s, self.profile.p2p_cpu(act)
+        if per_batch > 0 or per_transfer > 0:
             for r, acts in enumerate(self.lists):
-                batches, prev_comm, last = 0, False, None
+                batches = transfers = 0
+                prev_comm, last = False, None
                 for a in acts:
                     if a.__class__ is tuple or a.kind.is_comm:
                         batches += not prev_comm
+                        transfers += 1
                         prev_comm = True
                         continue
                     prev_comm, last = False, a
                     if batches:
-                        self.posts[(r, a)] = batches * self.profile.post_s
-                        batches = 0
+                        self._charge(r, a, batches * per_batch, transfers * per_transfer)
+                        batches = transfers = 0
                 if batches and last is not None:
-                    self.posts[(r, last)] = self.posts.get((r, last), 0.0) + batches * self.profile.post_s
+                    self._charge(r, last, batches * per_batch, transfers * per_transfer)
         self.posts_per_rank = [0.0] * schedule.n_ranks
         for (r, _), v in self.posts.items():
             self.posts_per_rank[r] += v
+
+    def _charge(self, rank: int, a: Action, thread_s: float, background_s: float) -> None:
+        key = (rank, a)
+        self.posts[key] = self.posts.get(key, 0.0) + thread_s
+        self.post_background[key] = self.post_background.get(key, 0.0) + background_s
 
     # ----------------------------------------------------------------- actions
     def _ops(self, half: Action) -> list[tuple]:
@@ -165,7 +201,7 @@ class TimeModel:
                 halves = 1
             t = run_ops(merged, self.profile, self.setup.ep)
             extra = halves * self.profile.action_s
-            got = ActionTime(t.wall + extra, t.compute + extra, t.exposed, t.comm)
+            got = ActionTime(t.wall + extra, t.compute + extra, t.exposed, t.comm, t.background)
             self._cache[key] = got
         return got
 
@@ -197,11 +233,18 @@ class TimeModel:
         p = self.profile.processors
         return 1.0 if p is None else max(1.0, busy_procs / p)
 
+    def demand(self, rank: int, a: Action) -> tuple[float, float]:
+        """``a``'s wall time on ``rank`` with the processors to itself (posts included), and
+        the processor time it asks for meanwhile: its thread's and the communication threads'."""
+        t, key = self.action(a), (rank, a)
+        posted = self.posts.get(key, 0.0)
+        return t.wall + posted, t.compute + t.background + posted + self.post_background.get(key, 0.0)
+
     def predict(self) -> TimeReport:
         sched = self.schedule
         priced = _Priced(self, {})
         result = run_lists(sched, self.lists, priced, True, True)
-        if self.profile.processors is not None and self.setup.devices > self.profile.processors:
+        if self.profile.processors is not None:
             result = self._with_sharing(priced, result)
         per_rank_a2a = [0.0] * sched.n_ranks
         per_rank_exposed = [0.0] * sched.n_ranks
@@ -220,17 +263,26 @@ class TimeModel:
         )
 
     def _with_sharing(self, priced: _Priced, result: Any) -> Any:
-        """Re-simulate with each action's compute stretched by the processes computing beside it."""
-        procs = self.setup.ep * self.setup.dp  # identical EP / DP peers of every pipeline rank
+        """Re-simulate the ranks sharing the profile's processors (processor sharing): while
+        they ask for more processor time per second than there are processors, every action
+        runs slower by demand / processors. An action asks, per second of its own wall time,
+        for its processor time (the rank's thread and the communication threads) over that
+        wall time; a pipeline rank's EP and DP peers run the same actions at the same time."""
+        peers = self.setup.ep * self.setup.dp
         p = float(self.profile.processors)
         priced.per_action = True
         for _ in range(12):
-            edges: list[tuple[float, int]] = []
-            for slots in result.timeline:
+            edges: list[tuple[float, float]] = []
+            rates: dict[tuple[int, Action], float] = {}
+            for r, slots in enumerate(result.timeline):
                 for sl in slots:
-                    edges += [(sl.start, procs), (sl.end, -procs)]
+                    wall, cpu = self.demand(r, sl.action)
+                    rate = rates[(r, sl.action)] = peers * cpu / wall if wall > 0 else 0.0
+                    edges += [(sl.start, rate), (sl.end, -rate)]
             edges.sort()
-            times, integral, active, last, acc = [], [], 0, 0.0, 0.0
+            times: list[float] = []
+            integral: list[float] = []
+            active = last = acc = 0.0
             for when, delta in edges:
                 acc += active * (when - last)
                 times.append(when)
@@ -238,11 +290,11 @@ class TimeModel:
                 active += delta
                 last = when
 
-            def area(t: float) -> float:  # integral of active processes from 0 to t
+            def area(t: float) -> float:  # processor time asked for from 0 to t
                 i = bisect.bisect_right(times, t) - 1
                 if i < 0:
                     return 0.0
-                # the count between breakpoints i and i+1 is constant
+                # the demand between breakpoints i and i+1 is constant
                 nxt_i = min(i + 1, len(times) - 1)
                 span = times[nxt_i] - times[i]
                 slope = (integral[nxt_i] - integral[i]) / span if span > 0 else 0.0
@@ -252,11 +304,10 @@ class TimeModel:
             new: dict[tuple[int, Action], float] = {}
             for r, slots in enumerate(result.timeline):
                 for sl in slots:
-                    base = self.action(sl.action)
+                    wall, _ = self.demand(r, sl.action)
                     length = sl.end - sl.start
-                    busy = (area(sl.end) - area(sl.start)) / length if length > 0 else procs
-                    stretch = max(1.0, max(busy, procs) / p)
-                    want = (base.wall + self.posts.get((r, sl.action), 0.0)) * stretch
+                    asked = (area(sl.end) - area(sl.start)) / length if length > 0 else rates[(r, sl.action)]
+                    want = wall * max(1.0, asked / p)
                     old = priced.of(sl.action, r)
                     dur = 0.5 * (old + want)
                     change = max(change, abs(dur - old) / max(old, 1e-12))
