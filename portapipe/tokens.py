@@ -24,6 +24,7 @@ import functools
 import gzip
 import json
 import os
+import zlib
 from array import array
 from pathlib import Path
 from typing import Any
@@ -131,10 +132,16 @@ def file_problems(path: Path, wanted: str, vocab_size: int, check_ids: bool = Tr
 # ------------------------------------------------------------------------------ writing
 def read_text(path: Path) -> str:
     """A UTF-8 text file, plain or gzipped (by magic number)."""
-    raw = Path(path).read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
-    return raw.decode("utf-8")
+    try:
+        raw = Path(path).read_bytes()
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as exc:  # unreadable, or a gzip cut short / damaged
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def load_tokenizer(where: Path) -> Any:

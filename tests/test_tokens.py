@@ -147,6 +147,16 @@ def test_tokenize_command_refuses_bad_input_with_exit_2(small: tuple[Tokenizer, 
     err = capsys.readouterr().err
     assert "none.txt does not exist" in err and "holds no tokenizer.json" in err and "is the text itself" in err
     assert not (tmp_path / "o.bin").exists()
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(TEXT.encode())[:3000])  # a download cut short
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    assert cli.main(["tokenize", str(tmp_path / "cut.txt.gz"), str(tmp_path / "o.bin"), "--tokenizer", str(small[1])]) == 2
+    assert cli.main(["tokenize", str(tmp_path / "latin1.txt"), str(tmp_path / "o.bin"), "--tokenizer", str(small[1])]) == 2
+    assert cli.main(["tokenize", str(text), str(text / "o.bin"), "--tokenizer", str(small[1])]) == 2  # OUT's folder is a file
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith(f"portapipe: tokenize: cannot read {tmp_path / 'cut.txt.gz'}: Compressed file ended"), lines
+    assert lines[1] == f"portapipe: tokenize: {tmp_path / 'latin1.txt'} is not UTF-8 text (unexpected end of data at byte 3)"
+    assert lines[2].startswith(f"portapipe: tokenize: cannot write {text / 'o.bin'}: ") and len(lines) == 3
+    assert not (tmp_path / "o.bin").exists()
 
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

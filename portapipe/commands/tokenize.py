@@ -31,8 +31,10 @@ def run(args: argparse.Namespace) -> int:
     if problem is None:
         try:
             meta = tokenize(text, out, Path(args.tokenizer))
-        except (ValueError, UnicodeDecodeError) as exc:
+        except ValueError as exc:
             problem = str(exc)
+        except OSError as exc:  # OUT cannot be written (its folder is a file, no space, no permission)
+            problem = f"cannot write {out}: {exc.strerror or exc}"
     if problem is not None:
         print(f"portapipe: tokenize: {problem}", file=sys.stderr)
         return 2
