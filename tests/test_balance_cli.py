@@ -134,11 +134,25 @@ def test_one_groups_nodes_rule_for_the_cli_and_the_config(tmp_path: Path, capsys
         ('{"load": [[1]]}', "x.json", [], "needs the key 'loads'"),
         ("1,2,nan,4,5,6,7,8,9,10,11,12", "x.csv", [], "NaN value(s), first at layer 0 expert 2"),
         ("1,2,-3,4,5,6,7,8,9,10,11,12", "x.csv", [], "negative value(s), first at layer 0 expert 2"),
-        ("1 2 3 4 5 6 7 8 9 10 11 12\n1 2 x 4 5 6 7 8 9 10 11 12", "x.txt", [], "line 2 of the numbers: 'x' is not a number"),
+        ("1 2 3 4 5 6 7 8 9 10 11 12\n1 2 x 4 5 6 7 8 9 10 11 12", "x.txt", [], "line 2: 'x' is not a number"),
         ("1 2 3 4 5 6 7 8 9 10 11 12\n1 2 3", "x.txt", [], "rows have different lengths: [3, 12]"),
         (b"\x80\x81\xfe\xff" * 8, "x.csv", [], "not UTF-8 text"),
         (b"\x80\x81\xfe\xff" * 8, "x.pt", [], "cannot read loads"),
         ("[[1, 2], [3]]", "x.json", [], "cannot read loads"),
+        ("", "x.txt", [], "x.txt: no numbers: the file is empty or holds only comments and a header"),
+        ("# loads\n\n", "x.csv", [], "no numbers: the file is empty"),
+        ("e0,e1,e2\n", "x.csv", [], "no numbers: the file is empty or holds only comments and a header"),
+        ("1,2,3;4,5,6,7,8,9,10,11,12", "x.csv", [], "line 1: '3;4' is not a number"),  # not taken for a header
+        ("0x10 2 3 4 5 6 7 8 9 10 11 12", "x.txt", [], "line 1: '0x10' is not a number"),
+        ("1,,2,3,4,5,6,7,8,9,10,11,12", "x.csv", [], "line 1: empty field 2; every expert needs a number"),
+        ("1, 2 3\t4,,5,6,7,8,9,10,11,12", "x.txt", [], "line 1: empty field 5"),  # mixed separators, one field missing
+        ("1,2,3,4,5,6,7,8,9,10,11,12,", "x.csv", [], "line 1: empty field 13"),
+        (",,,", "x.csv", [], "line 1: empty field 1"),
+        ("[[true, false, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]", "x.json", [], "x.json: true is not a number"),
+        ("1e39 2 3 4 5 6 7 8 9 10 11 12", "x.txt", [], "x.txt: load 1e+39 (layer 0 expert 0) is beyond float32's range"),
+        ("1,2,nan,4,5,6,7,8,9,10,11,12", "named.csv", [], "named.csv: expert loads must be finite"),
+        (json.dumps(W), "x.json", ["--gpus", "8", "--current", "@huge.json"], "huge.json: phy2log entries must lie in [0, 12); got [0, 1e+30]"),
+        (json.dumps(W), "x.json", ["--gpus", "8", "--current", "@dup.json"], "dup.json: current puts two replicas of expert 0 on GPU 0"),
         (json.dumps(W), "x.json", ["--gpus", "6"], "--replicas 16 is not a multiple of --gpus 6"),
         (json.dumps(W), "x.json", ["--gpus", "8", "--max-moved", "1.5"], "--max-moved 1.5 is a fraction of the slots"),
         (json.dumps(W), "x.json", ["--gpus", "8", "--current", "@short.json"], "phy2log must be [layers, slots] = [2, 16], got [1, 3]"),
@@ -152,6 +166,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     dup = [[0, 0] + list(range(1, 12)) + [1, 2, 3]] * 2  # GPU 0 holds expert 0 twice
     (tmp_path / "dup.json").write_text(json.dumps({"phy2log": dup}))
     (tmp_path / "unplaced.json").write_text(json.dumps([[0] * 16] * 2))
+    (tmp_path / "huge.json").write_text(json.dumps([list(range(12)) + [0, 1, 2, 1e30]] * 2))  # would wrap as int64
     path = tmp_path / name
     if isinstance(content, bytes):
         path.write_bytes(content)
@@ -162,3 +177,10 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["balance", "--loads", str(path), *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("portapipe balance: ") and message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_bool_tensor_is_not_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.save(torch.ones(2, 12, dtype=torch.bool), tmp_path / "b.pt")
+    assert main(["balance", "--loads", str(tmp_path / "b.pt"), *ARGS]) == 2
+    err = capsys.readouterr().err
+    assert err == f"portapipe balance: {tmp_path / 'b.pt'}: a tensor of torch.bool is not a table of loads; save real numbers\n"

@@ -1,8 +1,8 @@
 """``portapipe balance``: plan expert replication and placement for recorded loads, and what it costs.
 
 Loads ``[layers, experts]`` come from a text file (``.csv`` or ``.txt``: one layer per line,
-numbers separated by commas and/or whitespace, ``#`` comments and one non-numeric header line
-skipped), ``.json`` (a list of rows or ``{"loads": rows}``, e.g. a run's ``expert_loads.json``) or
+numbers separated by commas and/or whitespace, ``#`` comments and a first line without any
+number (a header) skipped, an empty field refused), ``.json`` (a list of rows or ``{"loads": rows}``, e.g. a run's ``expert_loads.json``) or
 ``.pt`` (a tensor or ``{"loads": tensor}``); a single row is one layer. ``--current`` reads the
 placement in force (phy2log ``[layers, slots]``) the same way, key ``phy2log`` (so the ``--json``
 output of an earlier run works); without it the placement is the one training starts from
@@ -30,11 +30,13 @@ import torch
 from ..balancing.cost import DTYPE_BYTES, OPTIMIZER_STATES, migration_cost, slot_bytes
 from ..balancing.eplb import POLICIES, gpu_loads, lower_bound, policy_run, rebalance_experts
 from ..balancing.placement import ExpertPlacement
+from ..balancing.published import check_weight
 
 #: one routed expert of DeepSeek-V3: gate, up and down projections of 7168 x 2048
 DEEPSEEK_V3_EXPERT = 3 * 7168 * 2048
 
-_SEP = re.compile(r"[,\s]+")
+#: a comma with any spaces around it, or a run of spaces
+_SEP = re.compile(r"\s*,\s*|\s+")
 
 
 def read_table(path: str | Path, key: str = "loads") -> torch.Tensor:
@@ -52,12 +54,15 @@ def read_table(path: str | Path, key: str = "loads") -> torch.Tensor:
                 if key not in data:
                     raise ValueError(f"a .pt dict needs the key {key!r}; found {sorted(map(str, data))}")
                 data = data[key]
+            if isinstance(data, torch.Tensor) and (data.dtype == torch.bool or data.is_complex()):
+                raise ValueError(f"a tensor of {data.dtype} is not a table of loads; save real numbers")
         elif suffix == ".json":
             data = json.loads(p.read_text())
             if isinstance(data, dict):
                 if key not in data:
                     raise ValueError(f"a JSON object needs the key {key!r}; found {sorted(data)}")
                 data = data[key]
+            _no_booleans(data)
         elif suffix in (".csv", ".txt"):
             data = _text_rows(p.read_text())
         else:
@@ -85,36 +90,62 @@ def read_table(path: str | Path, key: str = "loads") -> torch.Tensor:
 
 
 def _text_rows(text: str) -> list[list[float]]:
-    """Rows of numbers separated by commas and/or whitespace; '#' starts a comment; a first
-    non-numeric line is a header."""
-    lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
-    lines = [ln for ln in lines if ln.strip(", \t")]
-    rows = []
-    for n, line in enumerate(lines):
-        cells = [c for c in _SEP.split(line) if c]
-        try:
-            rows.append([float(c) for c in cells])
-        except ValueError:
-            if n == 0:
-                continue  # a header
-            bad = next(c for c in cells if not _is_number(c))
-            raise ValueError(f"line {n + 1} of the numbers: {bad!r} is not a number") from None
+    """Rows of numbers separated by commas and/or whitespace; '#' starts a comment; a first line
+    without any number is a header. An empty field (two commas in a row) is refused: it would
+    shift every later expert's load by one."""
+    rows, first = [], True
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        cells = _SEP.split(line)
+        numbers = [_number(c) for c in cells]
+        if first and any(cells) and all(x is None for x in numbers):
+            first = False
+            continue  # a header
+        first = False
+        if "" in cells:
+            raise ValueError(f"line {n}: empty field {cells.index('') + 1}; every expert needs a number (0 if it got no tokens)")
+        if None in numbers:
+            raise ValueError(f"line {n}: {cells[numbers.index(None)]!r} is not a number (separate numbers by commas and/or spaces)")
+        rows.append(numbers)
+    if not rows:
+        raise ValueError("no numbers: the file is empty or holds only comments and a header")
     if len({len(r) for r in rows}) > 1:
         raise ValueError(f"rows have different lengths: {sorted({len(r) for r in rows})}; every layer needs one number per expert")
     return rows
 
 
-def _is_number(cell: str) -> bool:
+def _number(cell: str) -> float | None:
     try:
-        float(cell)
-        return True
+        return float(cell)
     except ValueError:
-        return False
+        return None
+
+
+def _no_booleans(data: Any) -> None:
+    """JSON's true / false would silently read as 1 / 0."""
+    if isinstance(data, bool):
+        raise ValueError(f"{str(data).lower()} is not a number")
+    if isinstance(data, list):
+        for item in data:
+            _no_booleans(item)
 
 
 def read_loads(path: str | Path) -> torch.Tensor:
-    """Loads as a float64 [layers, experts] tensor; ValueError naming the file and the problem."""
-    return read_table(path, "loads")
+    """Loads as a float64 [layers, experts] tensor of finite numbers >= 0 that fit float32 (planning
+    uses float32); ValueError naming the file and the problem."""
+    w = read_table(path, "loads")
+    big = torch.isfinite(w) & (w.abs() > torch.finfo(torch.float32).max)
+    if bool(big.any()):
+        layer, expert = (int(i) for i in big.nonzero()[0])
+        raise ValueError(f"{path}: load {float(w[layer, expert]):g} (layer {layer} expert {expert}) is beyond float32's range, "
+                         "which planning uses; scale the loads down")
+    try:
+        check_weight(w)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return w
 
 
 def shape_problems(experts: int, replicas: int, groups: int, nodes: int, gpus: int) -> list[str]:
@@ -169,8 +200,13 @@ def compare(w: torch.Tensor, current: torch.Tensor, args: argparse.Namespace, pe
 
 
 def _plan(w: torch.Tensor, args: argparse.Namespace, ran: str, current: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    extra = {"current": current, "max_moved": args.max_moved, "min_gain": args.min_gain} if ran == "incremental" else {}
-    return rebalance_experts(w, args.replicas, args.groups, args.nodes, args.gpus, policy=ran, **extra)
+    if ran != "incremental":
+        return rebalance_experts(w, args.replicas, args.groups, args.nodes, args.gpus, policy=ran)
+    try:
+        return rebalance_experts(w, args.replicas, args.groups, args.nodes, args.gpus, policy=ran, current=current,
+                                 max_moved=args.max_moved, min_gain=args.min_gain)
+    except ValueError as exc:  # the shape was checked up front: what is left concerns --current
+        raise ValueError(f"{args.current}: {exc}") from None
 
 
 def _row(w: torch.Tensor, current: torch.Tensor, plan: torch.Tensor, args: argparse.Namespace, per_slot: int,
@@ -266,6 +302,8 @@ def _inputs(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"{args.current}: phy2log must be [layers, slots] = [{w.shape[0]}, {args.replicas}], got {list(cur.shape)}")
     if not bool((cur == cur.round()).all()):
         raise ValueError(f"{args.current}: phy2log must hold whole expert ids")
+    if not bool(((cur >= 0) & (cur < w.shape[1])).all()):  # before the int64 cast, which would wrap huge ids
+        raise ValueError(f"{args.current}: phy2log entries must lie in [0, {w.shape[1]}); got [{cur.min():g}, {cur.max():g}]")
     try:
         ExpertPlacement(cur.to(torch.int64), args.gpus, w.shape[1])  # ids in range, every expert placed
     except ValueError as exc:
