@@ -126,10 +126,31 @@ def test_scheduling_imports_neither_models_nor_balancing() -> None:
     reached, todo, via = set(start), list(start), {n: n for n in start}
     while todo:
         name = todo.pop()
-        for imp in _imports(files[name], package_of(name)):
+        found = _imports(files[name], package_of(name))
+        # importing a.b.c runs a/__init__.py and a/b/__init__.py too
+        found |= {".".join(imp.split(".")[:i]) for imp in found for i in range(1, imp.count(".") + 1)}
+        for imp in found:
             if imp in files and imp not in reached:
                 reached.add(imp)
                 via[imp] = f"{via[name]} -> {imp}"
                 todo.append(imp)
     bad = sorted(via[n] for n in reached if n.startswith(("portapipe.models", "portapipe.balancing")))
     assert not bad, bad
+
+
+def test_importing_the_scheduling_core_loads_neither_models_nor_balancing() -> None:
+    """The same rule as the process sees it: after importing every module of portapipe.scheduling
+    (and the plain-module pipeline), no module of portapipe.models or portapipe.balancing is loaded."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, pkgutil, sys, portapipe.scheduling as s\n"
+        "for m in pkgutil.iter_modules(s.__path__): importlib.import_module('portapipe.scheduling.' + m.name)\n"
+        "import portapipe.plain\n"
+        "print(sorted(k for k in sys.modules if k.startswith(('portapipe.models', 'portapipe.balancing'))))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
