@@ -10,10 +10,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from portapipe.balancing.cost import migration_cost, slot_bytes
 from portapipe.balancing.eplb import balancedness, gpu_loads, rebalance_experts
@@ -90,6 +93,77 @@ def test_never_worse_than_keeping_the_placement_on_any_layer() -> None:
                         assert torch.equal(plan[0], current)
 
 
+def random_placement(g: torch.Generator, layers: int, experts: int, slots: int, gpus: int) -> torch.Tensor:
+    """A random placement keeping the slot rules: every expert placed, no GPU holding one twice."""
+    per, rows = slots // gpus, []
+    for _ in range(layers):
+        cnt = torch.ones(experts, dtype=torch.int64)
+        for _ in range(slots - experts):  # extra replicas to random experts below one per GPU
+            room = (cnt < gpus).nonzero().flatten()
+            cnt[room[torch.randint(len(room), (1,), generator=g)]] += 1
+        # dealt round-robin, replicas of an expert in a row, so each lands on a different GPU
+        dealt = torch.arange(experts).repeat_interleave(cnt).view(per, gpus).t()
+        dealt = dealt[torch.randperm(gpus, generator=g)]
+        dealt = dealt.gather(1, torch.stack([torch.randperm(per, generator=g) for _ in range(gpus)]))
+        rows.append(torch.randperm(experts, generator=g)[dealt.flatten()])
+    return torch.stack(rows)
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> dict:
+    gpus = draw(st.integers(1, 8))
+    experts = draw(st.integers(1, 6 * gpus))
+    per = draw(st.integers(-(-experts // gpus), max(-(-experts // gpus), min(experts, 6))))
+    return {
+        "gpus": gpus,
+        "nodes": draw(st.sampled_from([n for n in range(1, gpus + 1) if gpus % n == 0])),
+        "experts": experts,
+        "slots": gpus * per,  # redundant 0 whenever gpus * per == experts
+        "groups": draw(st.sampled_from([d for d in range(1, experts + 1) if experts % d == 0])),
+        "layers": draw(st.integers(1, 3)),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+        "loads": draw(st.sampled_from(["skewed", "equal", "zero", "ties", "one hot", "idle layer"])),
+        "max_moved": draw(st.sampled_from([0.0, 0.05, 0.1, 0.3, 1.0])),
+        "min_gain": draw(st.sampled_from([0.0, 0.0, 0.01, 0.5, 100.0, math.inf])),
+    }
+
+
+TINY = {"gpus": 1, "nodes": 1, "experts": 1, "slots": 1, "groups": 1, "layers": 1, "seed": 0, "loads": "skewed",
+        "max_moved": 1.0, "min_gain": 0.0}
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+@example(TINY)
+@example({**TINY, "gpus": 4, "nodes": 2, "experts": 8, "slots": 8, "groups": 4, "layers": 2})  # redundant 0
+@example({**TINY, "gpus": 2, "experts": 2, "slots": 4, "loads": "one hot"})  # every expert on every GPU
+def test_never_worse_than_keeping_any_valid_placement(p: dict) -> None:
+    """From any placement keeping the slot rules, for any loads, budget and min_gain: the rules
+    hold, at most max_moved of a layer's slots change, no layer's max GPU load rises, and every
+    layer's balancedness gain pays min_gain per moved fraction."""
+    g = torch.Generator().manual_seed(p["seed"])
+    layers, experts, slots, gpus = p["layers"], p["experts"], p["slots"], p["gpus"]
+    current = random_placement(g, layers, experts, slots, gpus)
+    w = {"skewed": lambda: torch.exp(1.5 * torch.randn(layers, experts, generator=g)),
+         "equal": lambda: torch.full((layers, experts), 3.0),
+         "zero": lambda: torch.zeros(layers, experts),
+         "ties": lambda: torch.randint(0, 3, (layers, experts), generator=g).float(),
+         "one hot": lambda: torch.zeros(layers, experts).index_fill_(1, torch.tensor([0]), 5.0),
+         "idle layer": lambda: torch.exp(torch.randn(layers, experts, generator=g)).index_fill_(0, torch.tensor([0]), 0.0),
+         }[p["loads"]]()
+    plan = rebalance_experts(w, slots, p["groups"], p["nodes"], gpus, policy="incremental", current=current,
+                             max_moved=p["max_moved"], min_gain=p["min_gain"])
+    check_plan(plan, experts, slots, gpus)
+    assert ((plan[0] != current).sum(1) <= math.floor(p["max_moved"] * slots + 1e-9)).all()
+    assert (gpu_loads(w, plan[0], gpus, plan[2]).max(1).values <= gpu_loads(w, current, gpus).max(1).values).all()
+    cost = migration_cost(current, plan[0], gpus, p["nodes"])
+    gain = balancedness(w, plan[0], gpus, plan[2]) - balancedness(w, current, gpus)
+    moved = (cost.intra + cost.inter).double() / slots
+    assert (gain >= torch.where(moved > 0, p["min_gain"] * moved, 0.0) - 1e-12).all()
+    if p["loads"] == "zero" or p["min_gain"] == math.inf:
+        assert torch.equal(plan[0], current)  # nothing to gain, or nothing worth any move
+
+
 def test_min_gain_weighs_gain_against_moved_slots() -> None:
     w0 = lognormal(20, 64, 0.75, 5)
     current = rebalance_experts(w0, 80, 8, 2, 16, policy="refined")[0]
@@ -142,13 +216,31 @@ def test_drops_and_adds_replicas_when_the_hot_expert_changes() -> None:
         ({"current": torch.zeros(2, 16, dtype=torch.int64)}, "gives expert 1 of layer 0 no slot"),
         ({"current": torch.tensor([[0, 0, *range(1, 12), 1, 2, 3]] * 2)}, "two replicas of expert 0 on GPU 0 (layer 0)"),
         ({"current": torch.arange(16).remainder(12).expand(2, 16), "max_moved": 1.5}, "max_moved is a fraction"),
-        ({"current": torch.arange(16).remainder(12).expand(2, 16), "min_gain": -1.0}, "min_gain must be >= 0"),
+        ({"current": torch.arange(16).remainder(12).expand(2, 16), "min_gain": -1.0}, "min_gain must be a number >= 0"),
+        ({"current": torch.arange(16).remainder(12).expand(2, 16), "min_gain": None}, "min_gain must be a number >= 0, got None"),
+        ({"current": torch.arange(16).remainder(12).expand(2, 16), "max_moved": True}, "max_moved is a fraction"),
+        ({"current": torch.arange(16).remainder(12).expand(2, 16), "max_moved": "0.1"}, "max_moved is a fraction"),
+        ({"current": "0 1 2"}, "current must be a [layers, num_replicas] table of integer expert ids"),
+        ({"current": [[0, 1], [2]]}, "current must be a [layers, num_replicas] table of integer expert ids"),
+        ({"current": torch.arange(16).remainder(12)}, "current must be [layers, num_replicas] = [2, 16], got [16]"),
+        ({"current": torch.arange(16).remainder(12).expand(2, 16).t()}, "got [16, 2]"),
+        ({"current": torch.tensor([[*range(12), 0, 1, 2, -1]] * 2)}, "they must lie in [0, 12)"),
     ],
 )
 def test_bad_incremental_input_is_named(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError) as err:
         rebalance_experts(torch.ones(2, 12), 16, 4, 2, 8, policy="incremental", **kwargs)
     assert message in str(err.value)
+
+
+def test_current_is_read_with_the_gpu_count_given() -> None:
+    # expert 0 in slots 0 and 2: GPUs 0 and 1 with 2 slots per GPU, both on GPU 0 with 4 per GPU
+    current = torch.tensor([[0, 1, 0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 3]] * 2)
+    rebalance_experts(torch.ones(2, 12), 16, 4, 2, 8, policy="incremental", current=current)
+    with pytest.raises(ValueError, match=r"current puts two replicas of expert 0 on GPU 0 \(layer 0\)"):
+        rebalance_experts(torch.ones(2, 12), 16, 4, 2, 4, policy="incremental", current=current)
+    with pytest.raises(ValueError, match="num_replicas must be a multiple of num_gpus"):
+        rebalance_experts(torch.ones(2, 12), 16, 4, 1, 3, policy="incremental", current=current)
 
 
 def test_current_belongs_to_incremental_and_slots_per_gpu_fit() -> None:

@@ -21,6 +21,8 @@ one expert); the published two stay identical to the published algorithm, which 
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .incremental import check_current, incremental_plan
@@ -84,10 +86,10 @@ def rebalance_experts(
     if policy == "incremental":
         if current is None:
             raise ValueError("policy incremental needs current=phy2log, the placement in force")
-        if not 0.0 <= max_moved <= 1.0:
-            raise ValueError(f"max_moved is a fraction of the slots, in [0, 1]; got {max_moved}")
-        if not min_gain >= 0.0:
-            raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+        if not _real(max_moved) or not 0.0 <= max_moved <= 1.0:
+            raise ValueError(f"max_moved is a fraction of the slots, in [0, 1]; got {max_moved!r}")
+        if not _real(min_gain) or not min_gain >= 0.0:
+            raise ValueError(f"min_gain must be a number >= 0, got {min_gain!r}")
         cur = check_current(current, layers, experts, num_replicas, num_gpus)
         phy2log, logcnt = incremental_plan(w, cur, num_gpus, max_moved, min_gain)
         return phy2log, replicas_in_slot_order(phy2log, experts, num_replicas - experts + 1)[0], logcnt
@@ -100,6 +102,10 @@ def rebalance_experts(
     log2phy = torch.full((layers, experts * width), -1, dtype=torch.int64)
     log2phy.scatter_(1, phy2log * width + rank, torch.arange(num_replicas).expand(layers, num_replicas))
     return phy2log, log2phy.view(layers, experts, width), logcnt
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def balancedness(weight: torch.Tensor, phy2log: torch.Tensor, num_gpus: int, logcnt: torch.Tensor | None = None) -> torch.Tensor:

@@ -56,7 +56,10 @@ ADD_SLOTS = 4
 
 def check_current(current: torch.Tensor | object, layers: int, experts: int, num_replicas: int, num_gpus: int) -> torch.Tensor:
     """``current`` as an int64 [layers, R] placement; ValueError naming what does not fit."""
-    cur = torch.as_tensor(current)
+    try:
+        cur = torch.as_tensor(current)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"current must be a [layers, num_replicas] table of integer expert ids: {exc}") from None
     if cur.dtype.is_floating_point or cur.dtype.is_complex or cur.dtype == torch.bool:
         raise ValueError(f"current must hold integer expert ids, got dtype {cur.dtype}")
     cur = cur.to(device="cpu", dtype=torch.int64)
@@ -256,7 +259,7 @@ def incremental_plan(
     held = torch.zeros(layers, num_gpus * experts, dtype=torch.bool).scatter_(1, gpu * experts + current, True)
     here = held.expand(k, layers, -1).gather(2, (gpu * experts + stack))
     moved = ((stack != current) & ~here).sum(2).to(torch.float64)
-    value = (bal - bal[0]) - min_gain * moved / r
+    value = (bal - bal[0]) - torch.where(moved > 0, min_gain * moved / r, 0.0)  # min_gain may be inf
     best = value.argmax(0)  # the first maximum: the fewest rounds among equals
     phy = stack[best, torch.arange(layers)]
     cnt = torch.zeros(layers, experts, dtype=torch.int64).scatter_add_(1, phy, torch.ones_like(phy))
