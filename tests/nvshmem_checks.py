@@ -30,6 +30,8 @@ def pipeline_exchanges(backend: Backend, widths: list[int], repeats: int, collec
     at_setup = {
         "allocs": [(tuple(t.shape), str(t.dtype)) for t in double.allocs],
         "rendezvous": len(double.rendezvoused),
+        "teams": len(double.teams),
+        "world_collectives": list(double.world_collectives),
         "ep_ranks": groups.ep_ranks,
     }
     rank, ep = groups.rank, groups.ep
@@ -55,4 +57,10 @@ def pipeline_exchanges(backend: Backend, widths: list[int], repeats: int, collec
             same.append(bool(torch.equal(got, want)))
             if groups.pp_rank == 0:
                 dist.send(got.sum().reshape(1), dst=peer_stage)
-    return {**at_setup, "same": same, "allocs_after": len(double.allocs), "op_calls": len(double.op_calls)}
+    return {
+        **at_setup,
+        "same": same,
+        "allocs_after": len(double.allocs),
+        "world_collectives_after": list(double.world_collectives),
+        "op_calls": len(double.op_calls),
+    }

@@ -9,11 +9,19 @@ real library would refuse or get wrong, so the CPU suite fails where a GPU job w
   ``world_group`` (several gloo ranks) each of them is a real collective over every rank with a
   short timeout: a rank allocating while another waits elsewhere (a pipeline receive) times
   out, as the GPU job would hang. Every rank must make the same allocations in the same order.
+* **The op's NVSHMEM team is world-collective too.** On a group's first call, torch
+  2.14.1's ``all_to_all_vdev`` asks its ``TeamManager`` for the group's team, which splits it
+  off the world team (``nvshmem_team_split_strided(NVSHMEM_TEAM_WORLD, ...)``, collective over
+  every PE of the job; read from the call graph of ``libtorch_nvshmem.so``). The double makes
+  that first call a collective over every rank: a first exchange in the middle of a schedule
+  times out. The team manager's own checks come with it: a group of more than one rank whose
+  global ranks are evenly strided.
 * **set_backend** only before the first allocation.
-* **The op's own checks** (contiguous tensors, int64 splits, ``[world]`` / ``[2, world]``
-  shapes, equal dtypes and dim-0 strides) and **no implicit rendezvous**: a tensor not
-  rendezvoused with the group before the op would be rendezvoused inside it, a collective
-  allocation in the middle of the schedule.
+* **Argument checks** and **no implicit rendezvous**: contiguous tensors, int64 splits,
+  ``[world]`` / ``[2, world]`` shapes, equal dtypes and dim-0 strides (torch 2.14.1's 1-D op
+  checks only that the tensors share a device and writes out of bounds otherwise; the double
+  refuses instead), and a tensor not rendezvoused with the group before the op would be
+  rendezvoused inside it, a collective allocation in the middle of the schedule.
 * **Per-peer block rule** (``allToAllV``: ``block_size * blocks_per_peer == peer_size``): the
   bytes exchanged with every peer must divide evenly over the kernel's blocks per peer, which
   follow from the input buffer's byte size and the group size.
@@ -66,6 +74,8 @@ class SymmMemDouble:
         self.allocs: list[torch.Tensor] = []
         self.rendezvoused: set[tuple[int, str]] = set()
         self.op_calls: list[str] = []
+        self.teams: set[str] = set()  # groups whose NVSHMEM team the op has made
+        self.world_collectives: list[Any] = []  # every world-collective call, in order
         self._last: dict[str, tuple[int, int]] = {}  # group -> (input ptr, out_splits_offsets ptr)
 
     # ------------------------------------------------------------ module functions
@@ -96,6 +106,7 @@ class SymmMemDouble:
         return self.backend
 
     def _world_collective(self, what: Any) -> None:
+        self.world_collectives.append(what)
         if self.world_group is None:
             return
         seen: list[Any] = [None] * dist.get_world_size(self.world_group)
@@ -135,6 +146,19 @@ class SymmMemDouble:
         self.rendezvoused.add(key)
 
     # ------------------------------------------------------------------ the op
+    def _make_team(self, pg: Any, name: str) -> None:
+        """``TeamManager::group_to_team_pool`` at a group's first op: its checks, then a split of
+        the world team, collective over every rank. Without a process group (one process) the
+        double is a loopback and only the split's record is kept."""
+        if pg is not None:
+            ranks = dist.get_process_group_ranks(pg)
+            if len(ranks) < 2:
+                raise RuntimeError(f"all_to_all_vdev on group {name!r}: Expected global_ranks.size() > 1 (a one-rank group)")
+            if any(b - a != ranks[1] - ranks[0] for a, b in zip(ranks, ranks[1:])):
+                raise RuntimeError(f"all_to_all_vdev on group {name!r}: global ranks {ranks} are not evenly strided")
+        self._world_collective(("nvshmem_team_split_strided", "NVSHMEM_TEAM_WORLD"))
+        self.teams.add(name)
+
     def all_to_all_vdev(self, *args: Any, **kwargs: Any) -> None:
         _, a = self.decl.bind_op("symm_mem::all_to_all_vdev", *args, **kwargs)
         inp, out, in_splits, oso, name = a["input"], a["out"], a["in_splits"], a["out_splits_offsets"], a["group_name"]
@@ -154,6 +178,8 @@ class SymmMemDouble:
             raise RuntimeError("splits and offsets must be int64")
         pg = self._group(name)
         world = dist.get_world_size(pg) if pg is not None else 1
+        if name not in self.teams:
+            self._make_team(pg, name)
         if in_splits.numel() != world or tuple(oso.shape) != (2, world):
             raise RuntimeError(f"in_splits must have {world} elements and out_splits_offsets shape [2, {world}]")
         last = self._last.get(name)

@@ -1,9 +1,10 @@
 """The NVSHMEM expert transport against the strict symmetric-memory double (tests/standin_nvshmem.py).
 
-What hardware would do and the double enforces: allocation is collective over the whole job,
-each per-peer chunk must divide evenly over the kernel's blocks per peer, and a buffer peers
-may still read is not rewritten by the next exchange. The last test (marked cuda) runs the real
-thing on two GPUs.
+What hardware would do and the double enforces: allocation, and the op's NVSHMEM team made at
+a group's first exchange, are collective over the whole job; each per-peer chunk must divide
+evenly over the kernel's blocks per peer; and a buffer peers may still read is not rewritten by
+the next exchange. ``test_nvshmem_expert_all_to_all_equals_nccl`` (tests/test_backend_cuda.py,
+marked cuda) runs the real thing on two GPUs.
 """
 
 from __future__ import annotations
@@ -40,29 +41,42 @@ GROUP = types.SimpleNamespace(group_name="ep0")
 @pytest.mark.multiproc
 def test_pipeline_of_exchanges_runs_where_lazy_allocation_would_hang() -> None:
     """pp 2 x ep 2: stage 1 waits for stage 0's activations before its first exchange. Allocating
-    at the first exchange would leave stage 0 in a world-collective allocation that stage 1 never
-    joins (the double times out after 10 s where the GPU job would hang). Every rank allocates
-    the same buffers at setup, and never again; 20- and 40-byte rows, buffers reused 3 times."""
+    at the first exchange, or leaving the op to make its NVSHMEM team there, would leave stage 0
+    in a world-collective call that stage 1 never joins (the double times out after 10 s where
+    the GPU job would hang). Every rank allocates the same buffers and makes the team (one empty
+    exchange) at setup, and never again; 20- and 40-byte rows, buffers reused 3 times."""
     got = run_ranks(nvshmem_checks.pipeline_exchanges, 4, [5, 10], 3, 10.0, wall_timeout_s=120)
     # two input buffers, one output buffer (1 MiB each), the splits and two split/offset buffers
     want = [((2**20,), "torch.uint8")] * 3 + [((2,), "torch.int64")] + [((2, 2), "torch.int64")] * 2
     for res in got:
         assert res["allocs"] == want and res["allocs_after"] == len(want)
-        assert res["rendezvous"] == 6
-        assert res["same"] == [True] * 6 and res["op_calls"] == 6
+        assert res["rendezvous"] == 6 and res["teams"] == 1  # the team exists before the schedule
+        assert res["world_collectives_after"] == res["world_collectives"]  # the exchanges made none
+        assert res["same"] == [True] * 6 and res["op_calls"] == 1 + 6  # setup's empty exchange, then 6
     assert [r["ep_ranks"] for r in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
 
-def test_an_exchange_never_allocates(one_rank) -> None:
+def test_an_exchange_never_allocates_nor_makes_a_team(one_rank) -> None:
     double, _ = one_rank
     tr = nvshmem.NvshmemTransport(torch.device("cpu"), 4096)
     with pytest.raises(RuntimeError, match="not allocated at setup.*collective over the whole job"):
         tr.all_to_all(torch.empty(2, 3), torch.randn(2, 3), [2], [2], group=GROUP)
-    assert double.allocs == []
+    assert double.allocs == [] and double.world_collectives == []
     tr.setup(GROUP)
-    n = len(double.allocs)
+    assert double.teams == {"ep0"}  # the op's world-collective team split ran at setup
+    n, collectives = len(double.allocs), list(double.world_collectives)
     tr.all_to_all(torch.empty(2, 3), torch.randn(2, 3), [2], [2], group=GROUP)
-    assert len(double.allocs) == n
+    assert len(double.allocs) == n and double.world_collectives == collectives
+
+
+@pytest.mark.parametrize(("ranks", "refusal"), [([3], "one-rank group"), ([0, 1, 3], "not evenly strided")])
+def test_double_refuses_the_groups_torchs_team_manager_refuses(one_rank, monkeypatch, ranks, refusal) -> None:
+    """TeamManager::group_to_team_pool: more than one rank, evenly strided global ranks."""
+    double, _ = one_rank
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda pg: ranks)
+    with pytest.raises(RuntimeError, match=refusal):
+        double._make_team(object(), "g")
+    assert double.teams == set() and double.world_collectives == []
 
 
 def test_cuda_backend_sets_up_the_transport_in_parallel_groups(one_rank, monkeypatch) -> None:
@@ -117,7 +131,7 @@ def test_twenty_and_forty_byte_rows_pass_the_block_rule(one_rank) -> None:
             out = torch.empty(rows, width)
             tr.all_to_all(out, x, [rows], [rows], group=GROUP)
             assert torch.equal(out, x)
-    assert len(double.op_calls) == 6
+    assert len(double.op_calls) == 1 + 6  # setup's empty exchange, then the six
 
 
 # ------------------------------------------------------------------ 3: buffer reuse
@@ -136,8 +150,9 @@ def test_double_refuses_the_same_input_buffer_twice_in_a_row(one_rank) -> None:
 
 
 def test_transport_alternates_buffers_and_orders_the_read_out(one_rank) -> None:
-    """Double buffering: calls alternate input and split/offset buffers; each call waits for
-    the previous call's read-out of the shared output buffer."""
+    """Double buffering: calls alternate input and split/offset buffers (setup's empty exchange
+    took the first pair); each call waits for the previous call's read-out of the shared output
+    buffer."""
     double, stream = one_rank
     tr = nvshmem.NvshmemTransport(torch.device("cpu"), 4096)
     tr.setup(GROUP)
@@ -160,7 +175,7 @@ def test_transport_alternates_buffers_and_orders_the_read_out(one_rank) -> None:
         events.append(bufs.last_use)
     a = (bufs.inputs[0].data_ptr(), bufs.splits_offsets[0].data_ptr())
     b = (bufs.inputs[1].data_ptr(), bufs.splits_offsets[1].data_ptr())
-    assert used == [a, b, a, b]
+    assert used == [b, a, b, a]
     waited = [e for e in stream.waited if e in events]
     assert waited[::2] == events  # call i+1 waited for call i's read-out (the odd ones are work.wait)
 

@@ -9,6 +9,13 @@ Facts from torch 2.14.1 (its symmetric-memory C++ and Python) that shape this mo
   expert exchange waits for ranks of other pipeline stages that are waiting for its
   activations. So :meth:`NvshmemTransport.setup` runs once at setup on every rank (the backend
   calls it from ``parallel_groups``) and an exchange never allocates.
+* **So is the op's team.** The op works on an NVSHMEM team that it makes at its first call on
+  a group: ``TeamManager`` splits it off the world team (``nvshmem_team_split_strided`` with
+  parent ``NVSHMEM_TEAM_WORLD``, collective over every PE; in 2.14.1 ``all_to_all_vdev`` calls
+  it through ``group_to_team_pool``). A first exchange inside the schedule would hang as a lazy
+  allocation does, so setup runs one empty exchange on every rank: the team exists before the
+  schedule starts. The team manager also refuses a one-rank group (the backend keeps those on
+  ``all_to_all_single``).
 * **Per-peer block rule.** The kernel splits the bytes it receives from each peer over
   ``blocks_per_peer`` thread blocks and asserts that they divide evenly (``allToAllV``:
   ``block_size * blocks_per_peer == peer_size``); the block count follows from the byte size
@@ -189,6 +196,11 @@ class NvshmemTransport:
         )
         for t in (*bufs.inputs, bufs.output, bufs.in_splits, *bufs.splits_offsets):
             symm_mem.rendezvous(t, name)  # collective: peers map each other's buffers
+        # An empty exchange, on every rank at once: the op makes the group's NVSHMEM team at its
+        # first call, a world-collective split that must not wait until the schedule runs.
+        bufs.in_splits.zero_()
+        self._all_to_all_vdev()(bufs.inputs[0], bufs.output, bufs.in_splits, bufs.splits_offsets[0], name)
+        bufs.calls = 1  # the next exchange uses the other buffers
         self._buffers[name] = bufs
 
     def unit(self, world: int, element_size: int) -> int:
