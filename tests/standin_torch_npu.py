@@ -18,8 +18,8 @@ aclnnGroupedMatmulV5 constraints):
   ``[G, K, N]`` (transposed allowed), ``group_list`` int64 on x's device, non-decreasing,
   its last value equal to x's rows, at most 1024 groups.
 * group_type 2 ("k" axis): split_item 2/3, x 2-D and *transposed* (``[M, K]`` stored as
-  ``[K, M]``: strides ``(1, M)``), the weight 2-D and not transposed, no bias, last value at
-  most x's K, at most 1024 groups. Whether CANN runs it depends on its version: ``make_standin
+  ``[K, M]``: strides ``(1, M)``), the weight 2-D and not transposed, no bias, ``group_list``
+  int64 on x's device with its last value equal to x's K (the grouped axis), at most 1024 groups. Whether CANN runs it depends on its version: ``make_standin
   (k_grouping=False)`` models a CANN without it.
 * every x and weight's innermost (stride-1) dim below 65536; dtypes float16, bfloat16, float32,
   the weight's equal to x's.
@@ -209,7 +209,8 @@ def _inner_dim(t: torch.Tensor) -> int:
     return t.shape[-2] if is_transposed(t) and not t.is_contiguous() else t.shape[-1]
 
 
-def _bounds(group_list: torch.Tensor, group_list_type: int, x: torch.Tensor, length: int, exact: bool) -> list[tuple[int, int]]:
+def _bounds(group_list: torch.Tensor, group_list_type: int, x: torch.Tensor, length: int) -> list[tuple[int, int]]:
+    """Group bounds along the grouped axis (``length`` long), where ``group_list`` must end."""
     if group_list.dim() != 1 or group_list.dtype != torch.int64:
         raise TypeError(f"stand-in torch_npu: group_list must be a 1-D int64 tensor, got {group_list.dtype} {tuple(group_list.shape)}")
     if group_list.device != x.device:
@@ -225,9 +226,8 @@ def _bounds(group_list: torch.Tensor, group_list_type: int, x: torch.Tensor, len
         raise ValueError(f"stand-in torch_npu: group_list_type must be 0 (cumsum) or 1 (count), got {group_list_type}")
     if not ends or min(values) < 0 or any(b < a for a, b in zip(ends, ends[1:])):
         raise ValueError(f"stand-in torch_npu: group_list {values} is not a non-negative non-decreasing cumsum")
-    if (ends[-1] != length) if exact else (ends[-1] > length):
-        rule = "end at" if exact else "end at most at"
-        raise ValueError(f"stand-in torch_npu: group_list must {rule} the grouped axis length {length}, got {values}")
+    if ends[-1] != length:
+        raise ValueError(f"stand-in torch_npu: group_list must end at the grouped axis length {length}, got {values}")
     return list(zip([0] + ends[:-1], ends))
 
 
@@ -279,7 +279,7 @@ def make_standin(k_grouping: bool = True) -> types.ModuleType:
                 raise ValueError(f"stand-in torch_npu: weight strides {wt.stride()} are neither plain nor transposed")
             if wt.shape[1] != xt.shape[1]:
                 raise ValueError(f"stand-in torch_npu: x {tuple(xt.shape)} and weight {tuple(wt.shape)} do not share K")
-            bounds = _bounds(a["group_list"], a["group_list_type"], xt, xt.shape[0], exact=True)
+            bounds = _bounds(a["group_list"], a["group_list_type"], xt, xt.shape[0])
             if len(bounds) != wt.shape[0]:
                 raise ValueError(f"stand-in torch_npu: {len(bounds)} groups but weight holds {wt.shape[0]}")
             y = torch.cat([xt[s:e] @ wt[g] for g, (s, e) in enumerate(bounds)])
@@ -292,7 +292,7 @@ def make_standin(k_grouping: bool = True) -> types.ModuleType:
                 raise ValueError(f"stand-in torch_npu: group_type 2 needs x transposed (strides (1, M)), got strides {xt.stride()}")
             if not wt.is_contiguous():
                 raise ValueError(f"stand-in torch_npu: group_type 2 does not take a transposed or strided weight (strides {wt.stride()})")
-            bounds = _bounds(a["group_list"], a["group_list_type"], xt, xt.shape[1], exact=False)
+            bounds = _bounds(a["group_list"], a["group_list_type"], xt, xt.shape[1])
             y = torch.stack([xt[:, s:e] @ wt[s:e] for s, e in bounds])
         else:
             raise NotImplementedError("stand-in torch_npu models group_type 0 and 2")

@@ -260,6 +260,8 @@ def test_strict_standin_refuses_what_torch_npu_refuses(standin) -> None:
         gmm(x, w, group_list=gl.int(), split_item=3, group_type=0)
     with pytest.raises(ValueError, match="must end at the grouped axis length 4"):
         gmm(x, w, group_list=torch.tensor([1, 3]), split_item=3, group_type=0)
+    with pytest.raises(ValueError, match="must end at the grouped axis length 4"):  # k axis: x's K
+        gmm([torch.randn(4, 6).t()], [torch.randn(4, 3)], group_list=torch.tensor([1, 3]), split_item=3, group_type=2)
     with pytest.raises(TypeError):
         standin.npu.Event(enable_timing=True, external=True)  # torch.cuda's keyword, not torch_npu's
     assert standin.npu.current_stream() is not standin.npu.current_stream()
