@@ -166,9 +166,18 @@ def run_ranks(
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise LaunchError(f"the config asks for {world_size} ranks but the launcher started {os.environ['WORLD_SIZE']}")
         return [_rank_main(fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args)]
+    cap_cpu_isa()
     body_args = (fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args)
     job = LocalJob(_rank_main, body_args, world_size, threads, stall_timeout_s, stop_grace_s, wall_timeout_s, pg_timeout_s, start_method)
     return job.run()
+
+
+def cap_cpu_isa() -> None:
+    """Before this process or its ranks run a bfloat16 matmul: keep oneDNN below an instruction
+    set the CPU advertises but a process may not use (:mod:`portapipe.cpu_isa`), saying so once."""
+    from .cpu_isa import cap_if_amx_traps
+
+    cap_if_amx_traps(lambda line: print(f"portapipe: {line}", file=sys.stderr, flush=True))
 
 
 def print_launch_error(err: LaunchError) -> int:

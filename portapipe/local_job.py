@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from . import lifeline
+from . import cpu_isa, lifeline
 
 #: A rank's first heartbeat may come this late (or launch.stall_timeout_s, if longer): unpickling
 #: its function imports torch, which takes seconds on a loaded machine without the fork server.
@@ -196,6 +196,8 @@ class LocalJob:
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "OMP_NUM_THREADS": str(max(1, self.threads)),
         }
+        if cpu_isa.ENV in os.environ:  # a fork server started before the cap was set lacks it
+            env[cpu_isa.ENV] = os.environ[cpu_isa.ENV]
         ctx = multiprocessing.get_context(self.start_method)
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(_PRELOAD)  # no effect once the server runs; then it has them
@@ -388,6 +390,8 @@ def choose_cause(
         _, rank, code, stacks = abnormal[0]
         if code is not None and code < 0:
             msg = f"rank {rank} was killed by {signal_name(-code)}"
+            if -code == signal.SIGILL:
+                msg += f": {cpu_isa.sigill_hint()}"
         elif stacks:
             msg = f"rank {rank} exceeded its wall-clock limit of {wall_timeout_s:g} s (its stacks were dumped)"
         elif code == lifeline.LAUNCHER_GONE:

@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from portapipe.cpu_isa import cap_if_amx_traps  # imports no torch
 
-def _cap_onednn_isa_if_amx_traps() -> None:
-    """Some virtual machines advertise AMX in cpuid without letting a process use it: oneDNN then
-    picks AMX for bfloat16 matmuls and the process dies of SIGILL. Probe once in a child process
-    (only where the CPU claims AMX) and, if it dies so, keep oneDNN below AMX for this session and
-    every rank it starts (they inherit the environment). Must run before torch's first matmul."""
-    if "ONEDNN_MAX_CPU_ISA" in os.environ:
-        return
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return
-    if "amx_bf16" not in flags:
-        return
-    probe = "import torch; x = torch.ones(32, 32, dtype=torch.bfloat16); x @ x"
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=120)
-    if proc.returncode == -signal.SIGILL:
-        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
-
-
-_cap_onednn_isa_if_amx_traps()
+# Before torch's first matmul: this session and every rank it starts (they inherit the
+# environment) stay below an instruction set the CPU advertises but a process dies using.
+cap_if_amx_traps()
 
 import torch  # noqa: E402  (after the ISA cap: oneDNN reads it at its first use)
 

@@ -201,6 +201,35 @@ def test_a_second_signal_ends_the_ranks_at_once(tmp_path: Path) -> None:
     assert not any(alive(p) for p in pids)
 
 
+def _dies_of_sigill_on_rank_1(backend: object) -> None:
+    import resource
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+        os.kill(os.getpid(), signal.SIGILL)
+    dist.barrier()
+
+
+def test_a_rank_killed_by_sigill_is_named_with_the_likely_cause_and_the_way_out(tmp_path, monkeypatch, capsys) -> None:
+    from portapipe import cpu_isa
+    from portapipe.launch import print_launch_error, run_ranks
+
+    monkeypatch.setattr(cpu_isa, "CPUINFO", tmp_path / "no-cpuinfo")  # the launcher's own cap stays out of this
+    monkeypatch.delenv(cpu_isa.ENV, raising=False)
+    with pytest.raises(LaunchError) as info:
+        run_ranks(_dies_of_sigill_on_rank_1, 2)
+    assert print_launch_error(info.value) == 1
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "portapipe: rank 1 was killed by SIGILL: a CPU can advertise an instruction set that a process may not use "
+        "(e.g. AMX in some virtual machines); ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 keeps oneDNN below AMX"
+    ]
+    monkeypatch.setenv(cpu_isa.ENV, "AVX512_CORE_BF16")  # set already: a lower level is the way out
+    assert str(choose_cause({}, [(1.0, 0, -signal.SIGILL, "")], 600)).endswith("ONEDNN_MAX_CPU_ISA is AVX512_CORE_BF16 here: set it lower")
+
+
 def test_the_cause_is_a_ranks_own_error_then_a_death_then_a_peers_connection_error() -> None:
     comm = {"time_ns": 1, "error": "RuntimeError: Connection closed by peer", "traceback": "tb1", "comm": True}
     own = {"time_ns": 5, "error": "ValueError: boom", "traceback": "tb2", "comm": False}
