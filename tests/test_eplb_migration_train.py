@@ -3,9 +3,10 @@
 Both runs train the same model on the same data (AdamW, float64) and rebalance every 2 steps from
 the last 2 steps' loads. The first rebalance starts from the identity layout, so both plan it
 with refined; after it, ``incremental`` changes at most ``max_moved`` of a layer's slots while
-``refined`` plans from scratch. After every applied rebalance the pipelined step on the migrated
-weights is checked against one process running the same logical weights: loss bit for bit,
-gradients to 1e-12 (so weights and AdamW moments followed their experts exactly).
+``refined`` plans from scratch. After every applied rebalance every expert's weights and AdamW
+moments are bit for bit what they were before it (gathered by logical expert), and the pipelined
+step on the migrated weights is checked against one process running the same logical weights
+within verify's bound (loss and gradients to 1e-12 relative).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from portapipe.config import config_from_dict, load_config
+from tests.test_balancer_runtime import _expert_state
 
 STEPS, INTERVAL = 8, 2
 
@@ -67,6 +69,13 @@ def _check_point(rt: Any, data: list) -> dict[str, Any]:
     return {"report": report, "state": state}
 
 
+def _ep_expert_state(rt: Any, optimizer: Any) -> dict[tuple[int, str, str, int], torch.Tensor]:
+    """Every expert's weights and AdamW moments in this rank's EP group, by logical expert (collective)."""
+    everyone: list[Any] = [None] * rt.groups.ep
+    torch.distributed.all_gather_object(everyone, _expert_state(rt, optimizer), group=rt.groups.ep_group)
+    return {k: v for part in everyone for k, v in part.items()}
+
+
 def _train(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from portapipe.compose import PipelineRuntime
     from portapipe.train import make_optimizer
@@ -85,11 +94,15 @@ def _train(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
             result = rt.step(_batches(config, step, groups.ep_rank))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            known = _ep_expert_state(rt, optimizer) if (step + 1) % INTERVAL == 0 else {}
             figures = balancer.after_step(step, result, optimizer)
             if "rebalance" in figures:
                 events.append(figures["rebalance"])
                 if figures["rebalance"]["applied"]:
                     checks.append(_check_point(rt, microbatches(config, groups.ep_rank)))
+                    mine = _expert_state(rt, optimizer)
+                    checks[-1]["rows"] = len(mine)
+                    checks[-1]["mismatched"] = [k for k, v in mine.items() if not torch.equal(v, known[k])]
         out[policy] = {"events": events, "checks": checks}
     return out
 
@@ -161,6 +174,8 @@ def test_every_rebalance_keeps_the_step_exact(runs: dict[str, Any], policy: str)
     applied = sum(e["applied"] for e in runs["ranks"][0][policy]["events"])
     assert applied >= 2 and all(len(c) == applied for c in ranks)
     per = config.model.n_experts // config.parallel.ep
+    for c in ranks:  # the migrations moved weights and AdamW moments with their experts, bit for bit
+        assert all(check["rows"] > 0 and check["mismatched"] == [] for check in c), [check["mismatched"] for check in c]
     for i in range(applied):
         state: dict[str, torch.Tensor] = {}
         for c in ranks:
