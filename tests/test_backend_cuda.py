@@ -183,6 +183,25 @@ def test_expert_all_to_all_routes_by_transport(monkeypatch) -> None:
     assert (len(nccl_calls), len(nvshmem_calls)) == (2, 1)
 
 
+@pytest.mark.parametrize("mb", [0, -1, float("nan"), float("inf"), "64", True, 0.0001])
+def test_bad_nvshmem_buffer_size_is_refused_at_construction(mb) -> None:
+    """Before any rank starts (the CLI builds the backend first), in one line naming the option."""
+    with pytest.raises(ValueError, match=r"backend_options\.nvshmem_buffer_mb: .* is not a size in MiB"):
+        CUDABackend({"nvshmem_buffer_mb": mb})
+    assert CUDABackend({"nvshmem_buffer_mb": 0.5}).nvshmem_buffer_bytes == 2**19
+
+
+def test_cli_refuses_a_bad_backend_option_with_exit_2(monkeypatch, capsys) -> None:
+    """On a machine with a GPU (simulated), a refused option value is a config error: one line, exit 2."""
+    from portapipe.cli import main
+
+    monkeypatch.setattr(CUDABackend, "is_available", classmethod(lambda cls: True))
+    code = main(["verify", str(ROOT / "examples" / "cuda.yaml"), "--set", "backend_options.nvshmem_buffer_mb=0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("portapipe: config error: backend_options.nvshmem_buffer_mb: 0 is not a size in MiB")
+
+
 # ------------------------------------------------------------------------------ GPU tests
 def _gmm_operands(form: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     if form == "2d3d":

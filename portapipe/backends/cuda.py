@@ -12,6 +12,7 @@ available, and is refused with :class:`BackendUnavailable` where it is not.
 from __future__ import annotations
 
 import glob
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,17 @@ def fused_path_ok(a: torch.Tensor, b: torch.Tensor, capability: tuple[int, int])
     )
 
 
+def _buffer_bytes(mb: Any) -> int:
+    """``backend_options.nvshmem_buffer_mb`` in bytes; anything but a number of MiB worth 1 KiB or more is refused."""
+    ok = isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb) and mb * 2**20 >= 1024
+    if not ok:
+        raise ValueError(
+            f"backend_options.nvshmem_buffer_mb: {mb!r} is not a size in MiB of at least 1 KiB (0.001); "
+            f"the default is {DEFAULT_NVSHMEM_BUFFER_MB}"
+        )
+    return int(mb * 2**20)
+
+
 def _nvidia_device_files() -> list[str]:
     return sorted(glob.glob("/dev/nvidia[0-9]*"))
 
@@ -86,6 +98,7 @@ class CUDABackend(Backend):
         self.dist_backend = str(self.options.get("dist_backend", "nccl"))
         if self.dist_backend not in ("nccl", "gloo"):
             raise ValueError(f"backend_options.dist_backend: {self.dist_backend!r} is not one of nccl, gloo")
+        self.nvshmem_buffer_bytes = _buffer_bytes(self.options.get("nvshmem_buffer_mb", DEFAULT_NVSHMEM_BUFFER_MB))
         if self.ep_transport == "nvshmem":
             reason = self.nvshmem_unavailable_reason()
             if reason:
@@ -219,8 +232,7 @@ class CUDABackend(Backend):
 
     def _nvshmem_transport(self) -> NvshmemTransport:
         if self._nvshmem is None:
-            mb = float(self.options.get("nvshmem_buffer_mb", DEFAULT_NVSHMEM_BUFFER_MB))
-            self._nvshmem = NvshmemTransport(self.device(), int(mb * 2**20))
+            self._nvshmem = NvshmemTransport(self.device(), self.nvshmem_buffer_bytes)
         return self._nvshmem
 
     def setup_expert_transport(self, group: Any = None) -> None:

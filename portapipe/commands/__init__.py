@@ -27,7 +27,7 @@ def load_checked_config(args: argparse.Namespace) -> Any:
     fails before any rank starts.
     """
     from ..backends.registry import get_backend
-    from ..config import load_config
+    from ..config import ConfigError, load_config
     from ..launch import cap_cpu_isa
 
     cfg = load_config(args.config, args.overrides)
@@ -35,5 +35,8 @@ def load_checked_config(args: argparse.Namespace) -> Any:
     if cfg.log.level == "debug":
         os.environ["PORTAPIPE_DEBUG"] = "1"  # tracebacks and the launcher's details (portapipe.launch)
     # Constructing the backend also checks its options (e.g. an EP transport the device lacks).
-    get_backend(cfg.backend, cfg.backend_options)
+    try:
+        get_backend(cfg.backend, cfg.backend_options)
+    except ValueError as exc:  # an option value the backend refuses is bad input, like a config key
+        raise ConfigError(str(exc).splitlines()) from None
     return cfg
