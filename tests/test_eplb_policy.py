@@ -84,3 +84,18 @@ def test_repair_separates_replicas_even_when_no_swap_can() -> None:
     fixed = repair(phy, torch.ones(1, 4), cnt, 4)
     assert not duplicated(fixed, 4).any() and torch.equal(fixed.sort(1).values, phy.sort(1).values)
     assert all(sorted(fixed[0, 4 * g:4 * g + 4].tolist()) == [0, 1, 2, 3] for g in range(4))
+
+
+def test_the_slot_rule_can_cost_balance_with_few_slots_per_gpu() -> None:
+    # a small training run's loads: 8 experts on 2 GPUs of 5 slots. Doubling expert 6 on one GPU
+    # gives that GPU 2/3 of its tokens, a split the rule (at most 1/2 per GPU) cannot make
+    w = torch.tensor([[1.0, 417, 1, 3, 1868, 52, 4060, 1790], [0, 4, 2, 2932, 3, 3127, 2124, 0], [1, 2457, 0, 3785, 2, 1941, 2, 4]])
+    ratio = {}
+    for policy in ("hierarchical", "refined"):
+        phy2log, _, logcnt = rebalance_experts(w, 10, 1, 1, 2, policy=policy)
+        load = gpu_loads(w, phy2log, 2, logcnt)
+        ratio[policy] = load.max(1).values / load.mean(1)
+        assert bool(duplicated(phy2log, 2).all()) == (policy == "hierarchical")
+    assert (ratio["hierarchical"] < ratio["refined"]).all()
+    assert 1.07 <= float(ratio["hierarchical"].min()) and float(ratio["hierarchical"].max()) <= 1.13
+    assert 1.16 <= float(ratio["refined"].min()) and float(ratio["refined"].max()) <= 1.26

@@ -1,9 +1,9 @@
 """The slot rule of the non-published EPLB policies: no GPU holds two replicas of one expert.
 
-A second replica on the same GPU carries its expert's tokens to the GPU that already has them,
-so it balances nothing and wastes a slot. ``refined`` and ``incremental`` keep the rule; the
-published ``hierarchical`` / ``global`` policies do not (they stay identical to the published
-algorithm). A plan keeping it needs at most R / P <= E slots per GPU and at most P replicas per expert.
+A second replica on the same GPU keeps the same weights (and optimizer state) twice there; it
+only changes the share of its expert's tokens the GPU gets, which matters only when a GPU has
+few slots for very uneven loads. ``refined`` and ``incremental`` keep the rule; the published
+``hierarchical`` / ``global`` policies do not (they stay identical to the published algorithm). A plan keeping it needs at most R / P <= E slots per GPU and at most P replicas per expert.
 """
 
 from __future__ import annotations
