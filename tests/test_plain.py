@@ -209,6 +209,11 @@ def _rank(backend: Any, cases: list[tuple[str, int, bool, bool]], dp: int) -> di
     pipe = portapipe.pipeline(_scaled_modules(), backend=backend, loss_fn=_loss, schedule="zb1p", microbatches=M, boundary=_given_boundary)
     result = pipe.step(*_batch(False, 0))
     out["given_boundary"] = (result.loss, {k: p.grad.clone() for k, p in pipe.named_parameters()})
+    frozen = _modules(2, True)  # a frozen embedding: no gradient, so the optimizer skips it
+    frozen[0][0].weight.requires_grad_(False)
+    pipe = portapipe.pipeline(frozen, backend=backend, loss_fn=_loss, schedule="dualpipe", microbatches=M)
+    pipe.step(*_batch(True, 0))
+    out["frozen"] = {k: None if p.grad is None else p.grad.clone() for k, p in pipe.named_parameters()}
     out["errors"] = [
         refusal(modules=_scaled_modules(), batch=_batch(False, 0)),
         refusal(modules=_modules(3, True)),
@@ -244,6 +249,10 @@ def test_plain_modules_under_every_schedule_equal_one_process() -> None:
     grads = {k: g for r in results for k, g in r["given_boundary"][1].items()}
     assert all(r["given_boundary"][0] == sum(v.item() for v in losses) / M for r in results)
     assert all(float((grads[k] - p.grad).norm() / p.grad.norm()) <= 1e-12 for k, p in model.named_parameters())
+    _, ref_grads = _reference(2, True, 1)
+    for r in results:  # DualPipe: both ranks hold both blocks and sum the copies' gradients
+        assert r["frozen"]["0.0.weight"] is None and r["frozen"].keys() == ref_grads.keys()
+        assert all(float((g - ref_grads[k]).norm() / ref_grads[k].norm()) <= 1e-12 for k, g in r["frozen"].items() if g is not None)
     errors = results[0]["errors"][1:]
     assert results[0]["errors"][0].startswith("cannot infer what stage 0 (module 0) outputs for inputs of shape [2, 5, 12]"), results[0]["errors"][0]
     assert "pass pipeline(..., boundary=...)" in results[0]["errors"][0]

@@ -218,19 +218,21 @@ class PipelineExecutor:
     def reduce_gradients(self) -> None:
         """DualPipe copies' sum, then replicated gradients over dp x ep and expert ones over dp.
 
-        Collective over the pipeline copies and the replica groups; every parameter ends with a
-        ``.grad`` (zeros where no micro-batch reached it).
+        Collective over the pipeline copies and the replica groups; every trainable parameter
+        ends with a ``.grad`` (zeros where no micro-batch reached it). Frozen parameters
+        (``requires_grad`` False) keep ``.grad`` None, so an optimizer leaves them alone (a zero
+        gradient would still let AdamW's weight decay move them).
         """
         g = self.groups
         self._copy_calls.clear()  # copy-exchange tags restart every step
-        params = list(self.parameters())
+        params = [p for p in self.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         # DualPipe: both copies of a block end with the sum of their gradients (a+b == b+a
         # exactly, so the copies stay bitwise identical).
         for b in self.copy_rank:
-            grads = [p.grad for _, p in self.blocks[b].named_parameters()]
+            grads = [p.grad for _, p in self.blocks[b].named_parameters() if p.requires_grad]
             _unflatten(self.sum_over_copies(b, _flatten(grads)), grads)
         shared = [p for p in params if not is_expert(p)]
         experts = [p for p in params if is_expert(p)]
