@@ -58,8 +58,34 @@ def test_plot_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         (["--schedule", "dualpipev", "--pp", "4", "--microbatches", "5"], "microbatches >= 2*pp"),
         (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--cost", "F=1,Q=2"], "expected NAME=VALUE"),
         (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--cost", "F=1,B=2,FB=1"], "FB >= max(F, B)"),
+        (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--cost", "F=nan"], "cost F must be a finite number >= 0, got nan"),
+        (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--cost", "F=inf,B=inf"], "cost F must be a finite number >= 0, got inf"),
+        (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--cost", "p2p=inf"], "cost p2p must be a finite number >= 0, got inf"),
+        (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--width", "0"], "--width: a timeline needs at least 12 columns, got width 0"),
     ],
 )
 def test_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", *argv]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "name, said",
+    [
+        ("chart", "cannot write a chart to '{p}': it has no suffix to say the format; use .png, .svg or .pdf"),
+        ("chart.xyz", "cannot write a chart to '{p}': its suffix .xyz is not a format matplotlib writes; use .png, .svg or .pdf"),
+        ("missing/chart.png", "cannot write a chart to '{p}': the folder '{d}' does not exist"),
+        ("/proc/portapipe-chart.png", "cannot write a chart to '{p}': No such file or directory"),
+        ("a_folder.png", "cannot write a chart to '{p}': Is a directory"),
+    ],
+)
+def test_a_chart_that_cannot_be_written_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, said: str) -> None:
+    (tmp_path / "a_folder.png").mkdir()
+    path = name if name.startswith("/") else str(tmp_path / name)
+    argv = ["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--plot", path]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("portapipe simulate: " + said.format(p=path, d=str(Path(path).parent))), line
+    assert captured.out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["a_folder.png"]

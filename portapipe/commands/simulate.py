@@ -21,7 +21,7 @@ from typing import Any
 
 def run(args: argparse.Namespace) -> int:
     from ..scheduling.comms import lower_comms
-    from ..scheduling.plot import LEGEND, gantt, text_timeline, to_json_timeline
+    from ..scheduling.plot import LEGEND, check_chart_path, gantt, text_timeline, to_json_timeline
     from ..scheduling.schedules import build, without_w_split
     from ..scheduling.simulate import Costs, bubble_formula, simulate
     from ..scheduling.validate import validate
@@ -29,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         costs = Costs.parse(args.cost)
         schedule = build(args.schedule, args.pp, args.microbatches, args.chunks)
+        if args.plot:
+            check_chart_path(args.plot)
     except (ValueError, TypeError) as err:
         print(f"portapipe simulate: {err}", file=sys.stderr)
         return 2
@@ -51,8 +53,17 @@ def run(args: argparse.Namespace) -> int:
         "peak_activations": result.peak_activations,
         "params_per_rank": result.params_per_rank,
     }
+    try:
+        timeline = None if args.json else text_timeline(result, args.width)
+    except ValueError as err:
+        print(f"portapipe simulate: --width: {err}", file=sys.stderr)
+        return 2
     if args.plot:
-        gantt(result, args.plot, title=_title(summary))
+        try:
+            gantt(result, args.plot, title=_title(summary))
+        except OSError as err:  # e.g. a read-only folder, a full disk
+            print(f"portapipe simulate: cannot write a chart to {args.plot!r}: {err.strerror or err}", file=sys.stderr)
+            return 2
         summary["plot"] = args.plot
     if args.json:
         if args.timeline:
@@ -60,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
         return 0
     print(_title(summary))
-    print(text_timeline(result, args.width))
+    print(timeline)
     print(LEGEND)
     per_rank = ", ".join(f"{b:g}" for b in result.bubble)
     print(f"makespan {result.makespan:g}; bubble max {result.max_bubble:g} (per rank: {per_rank})")

@@ -46,6 +46,10 @@ def label(a: Action, chunk: dict[int, int]) -> str:
     return _half_label(a, chunk)
 
 
+#: The narrowest text timeline: a rank's label and a few columns of time.
+MIN_WIDTH = 12
+
+
 def text_timeline(result: SimResult, width: int | None = None) -> str:
     """Rows of characters, one per rank, time left to right. Each cell starts with its label
     and is padded with '-'; idle time is '.'. ``width`` caps the row length (labels are cut
@@ -58,6 +62,8 @@ def text_timeline(result: SimResult, width: int | None = None) -> str:
     per_unit = max((len(label(s.action, chunk)) + 1) / (s.end - s.start) for s in slots if s.end > s.start)
     per_unit = float(max(1, math.ceil(per_unit - 1e-9)))  # whole columns per unit keep cells aligned
     if width is not None:
+        if width < MIN_WIDTH:
+            raise ValueError(f"a timeline needs at least {MIN_WIDTH} columns, got width {width}")
         per_unit = min(per_unit, (width - 8) / result.makespan)
     cols = max(1, math.ceil(result.makespan * per_unit))
     lines = []
@@ -102,6 +108,25 @@ def chart_layout(span: float, n_ranks: int, min_dur: float, max_mb: int) -> dict
     legend_rows = -(-6 // ncol)
     height = row * n_ranks + _TOP_IN + _XLABEL_IN + legend_rows * _LEGEND_ROW_IN
     return {"width": width, "height": height, "row": row, "ncol": ncol, "label_pt": font if font >= MIN_LABEL_PT else 0.0}
+
+
+def check_chart_path(path: str) -> None:
+    """Raise ValueError (one line) unless a chart can be written to ``path``: matplotlib is
+    installed, the suffix names a format it writes and the folder exists."""
+    import os
+
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ValueError("a chart needs matplotlib: pip install 'portapipe[viz]'") from None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in formats:
+        said = f"its suffix .{suffix} is not a format matplotlib writes" if suffix else "it has no suffix to say the format"
+        raise ValueError(f"cannot write a chart to {path!r}: {said}; use .png, .svg or .pdf (or one of: {', '.join(sorted(formats))})")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write a chart to {path!r}: the folder {folder!r} does not exist")
 
 
 def gantt(result: SimResult, path: str, title: str | None = None) -> dict[str, float]:

@@ -21,6 +21,7 @@ first, since both halves' tensors are live while they overlap.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -43,9 +44,10 @@ class Costs:
     stage_scale: list[float] | None = None  # multiplies the cost of that virtual stage's work
 
     def __post_init__(self) -> None:
-        for name in ("F", "B", "W", "p2p"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"cost {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("F", "B", "W", "FB", "p2p"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value < math.inf):  # also refuses NaN
+                raise ValueError(f"cost {name} must be a finite number >= 0, got {value}")
         if self.W > self.B:
             raise ValueError(f"cost W (weight part of the backward) must be <= B (full backward), got W={self.W} > B={self.B}")
         if self.FB is not None and self.FB < max(self.F, self.B):
