@@ -222,10 +222,10 @@ def test_point_to_point_transfers_charge_both_ends() -> None:
     # each rank sends and receives one tensor per micro-batch and direction: 4 x 2 transfers
     for r in range(2):
         assert sum(v for (rank, _), v in tm.post_background.items() if rank == r) == pytest.approx(8 * per_end)
-    busy = max(tm.demand(r, a)[1] for r, acts in enumerate(tm.lists) for a in acts if a.__class__ is not tuple and a.kind.is_compute)
+    busy = max(tm.demand(r, a)[2] for r, acts in enumerate(tm.lists) for a in acts if a.__class__ is not tuple and a.kind.is_compute)
     assert busy > 2.0  # a backward's compute plus what its transfers cost the communication threads
     alone = TimeModel(x, profile(s, dense, p2p_cpu={"fixed": per_end, "per_unit": 0.0}, post_s=per_batch), sched).predict()
     shared = TimeModel(x, profile(s, dense, processors=1, p2p_cpu={"fixed": per_end, "per_unit": 0.0}, post_s=per_batch), sched).predict()
     # one processor: at least every rank's processor time one after the other
-    total = sum(tm.demand(r, a)[1] for r, acts in enumerate(tm.lists) for a in acts if a.__class__ is not tuple and a.kind.is_compute)
+    total = sum(tm.demand(r, a)[2] for r, acts in enumerate(tm.lists) for a in acts if a.__class__ is not tuple and a.kind.is_compute)
     assert shared.pipeline_s >= total * 0.98 and shared.pipeline_s > alone.pipeline_s

@@ -359,6 +359,61 @@ def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, 
     }
 
 
+def _spin(seconds: float) -> None:
+    """Compute for ``seconds`` of this thread's processor time (small matrix products)."""
+    a = torch.randn(64, 64)
+    t0 = cpu()
+    while cpu() - t0 < seconds:
+        a = torch.tanh(a @ a)
+
+
+def _waits(ep: ExpertParallel, x: torch.Tensor, splits: list[int], spans: list[float], reps: int) -> list[tuple[float, float]]:
+    """``(span, median wall time)`` of an exchange issued after computing ``span`` seconds of
+    processor time since the previous one: what it waits for its peers beyond its latency."""
+    out = []
+    for span in spans:
+        exchange(ep, x, splits, splits).wait()  # the peers line up
+        waits = []
+        for _ in range(reps):
+            _spin(span)
+            t0 = time.perf_counter()
+            exchange(ep, x, splits, splits).wait()
+            waits.append(time.perf_counter() - t0)
+        out.append((span, statistics.median(waits)))
+    return out
+
+
+def _lag(
+    backend: Any, world: int, processors: float | None, ep_size: int, hidden: int, dtype: torch.dtype, rows: int,
+    span: float, reps: int, a2a: dict[str, Linear],
+) -> dict[str, Linear]:
+    """How long exchanges wait for their EP peers on a host whose ranks share the processors:
+    EP groups of ``ep_size`` ranks (2 if 1) compute and exchange in turns, the first group alone,
+    then every rank at once; ``fixed + per_unit * span``, the mean over the ranks of the median
+    wait less the exchange's latency, keyed by the ranks computing at once."""
+    n = max(2, ep_size)
+    if processors is None or world < n:
+        return {}
+    rank = dist.get_rank()
+    groups = [backend.new_group(list(range(k, k + n))) for k in range(0, world - n + 1, n)]
+    per = max(1, rows // n)
+    x = torch.randn(per * n, hidden, dtype=dtype)
+    splits = [per] * n
+    sent = per * (n - 1) * hidden * x.element_size()
+    spans = [0.0, span, 3 * span]
+    out: dict[str, Linear] = {}
+    for running in sorted({n, n * len(groups)}):
+        waits = torch.zeros(len(spans), dtype=torch.float64)
+        if rank < running:
+            ep = ExpertParallel(backend, n, rank % n, groups[rank // n])
+            exchange(ep, x, splits, splits).wait()  # warm up
+            waits = torch.tensor([w for _, w in _waits(ep, x, splits, spans, reps)], dtype=torch.float64)
+        backend.all_reduce(waits)
+        latency = a2a[str(n)](sent) if str(n) in a2a else 0.0
+        out[str(running)] = Linear.fit([(s, max(0.0, float(w) / running - latency)) for s, w in zip(spans, waits)])
+    return out
+
+
 def _optimizer(dtype: torch.dtype, reps: int) -> Linear:
     pts = []
     for n in (1 << 18, 1 << 20):
@@ -415,6 +470,13 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
     dist.barrier()
     rows = config.train.micro_batch_size * m.seq_len * m.top_k
     comm = _comm(backend, world, m.hidden, dtype, rows, reps, ep_size)
+    # the exchanges' waits for their peers, after computing about as long as an attention part
+    # (the longest stretch of a forward between two exchanges); rank 0 timed it
+    span = torch.zeros(1, dtype=torch.float64)
+    if rank == 0:
+        span += out["parts"]["off"]["attention"]["F"](config.train.micro_batch_size * m.seq_len)
+    dist.broadcast(span, 0)
+    comm["a2a_lag"] = _lag(backend, world, processors, ep_size, m.hidden, dtype, rows, float(span), 8 * reps, comm["a2a"])
     # how much slower each rank computes when all run at once (a host's shared processors)
     alone = _busy(0.2) if rank == 0 else 0.0
     dist.barrier()

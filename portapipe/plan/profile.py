@@ -13,6 +13,10 @@ published figures (H800). A profile holds, for the model shape it was made for:
   backend's communication threads) spend per all-to-all (``fixed`` per call, ``per_unit`` per
   byte sent) and per point-to-point transfer at each end; on a host whose ranks share the
   processors this is demand beside the compute (zero where a device's engines move the bytes);
+- ``a2a_lag[str(ranks)]``: on a host whose ranks share the processors, how long an exchange
+  waits for its EP peers beyond its latency (``fixed`` + ``per_unit`` x the processor time the
+  rank computed since the exchange it last waited for), measured with ``ranks`` ranks of the
+  host computing at once: the same work takes each peer a different wall time there;
 - ``optimizer``: AdamW per parameter element; ``part_overhead_s``: the tape's own work per part
   call (F and B: graph cuts, gradient bookkeeping); ``post_s``: posting one batch of
   point-to-point transfers; ``action_s``: any further cost per executor action;
@@ -91,6 +95,7 @@ class Profile:
     issue_s: dict[str, float] = field(default_factory=dict)  # issuing one all-to-all, per group size
     a2a_cpu: dict[str, Linear] = field(default_factory=dict)  # other threads' processor time per all-to-all
     p2p_cpu: Linear = field(default_factory=Linear)  # other threads' processor time per transfer end
+    a2a_lag: dict[str, Linear] = field(default_factory=dict)  # waiting for EP peers, per ranks computing at once
     processors: float | None = None
     saved_bytes: dict[str, dict[str, Linear]] = field(default_factory=dict)
     loads: list[list[float]] = field(default_factory=list)
@@ -120,6 +125,13 @@ class Profile:
         """Processor time other threads of the process spend on that all-to-all (nearest measured size)."""
         cost = _nearest(self.a2a_cpu, ep)
         return 0.0 if cost is None else cost(nbytes * (ep - 1) / ep)
+
+    def lag(self, ranks: int) -> Linear | None:
+        """How an exchange waits for its peers with ``ranks`` ranks of the host computing at once
+        (the nearest measured count); None where the ranks do not share processors."""
+        if self.processors is None:
+            return None
+        return _nearest(self.a2a_lag, max(ranks, 2))
 
     def issue_time(self, ep: int) -> float:
         """What issuing one all-to-all over ``ep`` ranks costs the caller (nearest measured size)."""
@@ -154,7 +166,7 @@ class Profile:
         return Profile(
             device=dict(self.device), torch=self.torch, shape=shape, parts=parts, a2a=self.a2a, p2p=self.p2p,
             allreduce=self.allreduce, optimizer=self.optimizer, action_s=self.action_s,
-            part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), a2a_cpu=self.a2a_cpu, p2p_cpu=self.p2p_cpu,
+            part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), a2a_cpu=self.a2a_cpu, p2p_cpu=self.p2p_cpu, a2a_lag=self.a2a_lag,
             processors=self.processors,
             saved_bytes={}, loads=self.loads, tokens=self.tokens,
             source=f"{self.source}; scaled by FLOPs from shape {_short(self.shape)} to {_short(shape)}",
@@ -196,6 +208,7 @@ class Profile:
                 issue_s={str(k): float(v) for k, v in d.get("issue_s", {}).items()},
                 a2a_cpu={str(k): _linear(v, f"{where}: a2a_cpu.{k}") for k, v in d.get("a2a_cpu", {}).items()},
                 p2p_cpu=_linear(d.get("p2p_cpu", {}), f"{where}: p2p_cpu"),
+                a2a_lag={str(k): _linear(v, f"{where}: a2a_lag.{k}") for k, v in d.get("a2a_lag", {}).items()},
                 processors=None if d.get("processors") is None else float(d["processors"]),
                 saved_bytes={o: {p: _linear(c, f"{where}: saved_bytes.{o}.{p}") for p, c in t.items()} for o, t in d.get("saved_bytes", {}).items()},
                 loads=[[float(x) for x in row] for row in d.get("loads", [])],

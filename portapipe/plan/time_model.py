@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..scheduling.ir import Action, Kind, Schedule
 from ..scheduling.simulate import run_lists
-from .profile import Profile
+from .profile import Linear, Profile
 from .programs import Programs, StageSpec, interleave, stage_specs
 from .shape import Shape, block_params
 
@@ -53,6 +52,7 @@ class TimeReport:
     a2a_exposed_s: float  # of which not hidden behind compute
     imbalance: float
     per_rank_busy: list[float] = field(default_factory=list)
+    per_rank_cpu: list[float] = field(default_factory=list)  # processor time of one rank per pipeline rank, all its threads
 
     @property
     def a2a_hidden_frac(self) -> float:
@@ -66,26 +66,16 @@ class TimeReport:
         }
 
 
-def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int, computing: float = 1.0, waiting: float = 1.0) -> ActionTime:
+def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int, lag: Linear | None = None) -> ActionTime:
     """Time one merged program (``(program index, op)`` pairs, see :func:`~.programs.interleave`).
 
-    Exchanges queue on one channel in issue order, each needing its latency plus bytes over
-    bandwidth of progress. The channel progresses ``computing`` seconds per second while the
-    rank computes and ``waiting`` while it waits: both 1 where a device's engines move the
-    bytes; on a host whose ranks fill the processors, the communication threads progress only
-    as the scheduler lets them beside the compute (the profile measures how fast)."""
-    t = compute = exposed = comm = background = 0.0
-    queue: deque[list[Any]] = deque()  # [key, seconds of progress left], in issue order
-
-    def progress(seconds: float) -> None:
-        while queue and seconds > 0:
-            head = queue[0]
-            if head[1] > seconds:
-                head[1] -= seconds
-                return
-            seconds -= head[1]
-            queue.popleft()
-
+    Exchanges run on one channel per rank in issue order, each taking the all-to-all's latency
+    plus bytes over bandwidth. ``lag``: how long an exchange waits for its EP peers to arrive,
+    against the processor time the rank computed since the last exchange it waited for (where
+    the peers last lined up): on processors the ranks share, the same work takes each peer a
+    different wall time, and an exchange starts when the last one issues it."""
+    t = comm_free = compute = exposed = comm = background = since = 0.0
+    ready: dict[Any, float] = {}
     for prog, op in ops:
         code = op[0]
         if code == "C":
@@ -93,35 +83,32 @@ def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int, computing: 
             if part in ("output", "input", "rope"):  # bookkeeping, no work
                 continue
             dt = profile.time(part, phase, op[6], units)
-            progress(dt * computing)
             t += dt
             compute += dt
+            since += dt
         elif code == "I":
             dur = profile.a2a_time(ep, op[2])
             background += profile.a2a_background(ep, op[2])
             issue = profile.issue_time(ep)
-            progress(issue * computing)
             t += issue
             compute += issue
-            queue.append([(prog, op[1]), dur])
+            start = max(t + (lag(since) if lag is not None else 0.0), comm_free)
+            comm_free = start + dur
+            ready[(prog, op[1])] = comm_free
             comm += dur
         elif code == "A":
-            key = (prog, op[1])
-            need = 0.0
-            for item in queue:
-                need += item[1]
-                if item[0] == key:
-                    break
-            else:
-                continue  # done already
-            progress(need)
-            exposed += need / waiting
-            t += need / waiting
+            since = 0.0
+            done = ready.pop((prog, op[1]), t)
+            if done > t:
+                exposed += done - t
+                t = done
     return ActionTime(t, compute, exposed, comm, background)
 
 
 class TimeModel:
     """Durations of every action of ``schedule`` (lowered) for ``setup`` under ``profile``."""
+
+    SHARING_ROUNDS = 30  # simulations at most while the shared processors' stretch settles
 
     def __init__(
         self, setup: Any, profile: Profile, schedule: Schedule, imbalance: float = 1.0,
@@ -130,8 +117,8 @@ class TimeModel:
     ) -> None:
         """``schedule`` is lowered, or its lowered ``lists`` are given (posts as light tuples,
         see :func:`~portapipe.scheduling.comms.plan`). ``programs`` and ``cache`` may be shared
-        by setups with the same micro-batch size, imbalance, EP size and overlap (the planner
-        does): action times depend on nothing else."""
+        by setups with the same micro-batch size, imbalance, EP size, overlap and device count (the
+        planner's do): action times depend on nothing else."""
         self.setup, self.schedule, self.imbalance = setup, schedule, imbalance
         self.lists = lists if lists is not None else schedule.actions
         self.shape = setup.shape
@@ -141,6 +128,7 @@ class TimeModel:
         self.rows = self.programs.R
         self.specs = specs if specs is not None else stage_specs(setup, schedule)
         self.switching = setup.ep > 1 and setup.overlap
+        self.lag = self.profile.lag(setup.devices) if setup.ep > 1 else None
         self._cache: dict[tuple, ActionTime] = {} if cache is None else cache
         act = self.tokens * self.shape.hidden * self.shape.e
         self.p2p_s = self.profile.p2p(act)
@@ -199,7 +187,7 @@ class TimeModel:
             else:
                 merged = [(0, op) for op in self._ops(a)]
                 halves = 1
-            t = run_ops(merged, self.profile, self.setup.ep)
+            t = run_ops(merged, self.profile, self.setup.ep, self.lag)
             extra = halves * self.profile.action_s
             got = ActionTime(t.wall + extra, t.compute + extra, t.exposed, t.comm, t.background)
             self._cache[key] = got
@@ -233,12 +221,13 @@ class TimeModel:
         p = self.profile.processors
         return 1.0 if p is None else max(1.0, busy_procs / p)
 
-    def demand(self, rank: int, a: Action) -> tuple[float, float]:
-        """``a``'s wall time on ``rank`` with the processors to itself (posts included), and
-        the processor time it asks for meanwhile: its thread's and the communication threads'."""
+    def demand(self, rank: int, a: Action) -> tuple[float, float, float]:
+        """``a``'s wall time on ``rank`` with the processors to itself (posts included), the part
+        of it spent waiting for exchanges, and the processor time it asks for meanwhile: its
+        thread's and the communication threads'."""
         t, key = self.action(a), (rank, a)
         posted = self.posts.get(key, 0.0)
-        return t.wall + posted, t.compute + t.background + posted + self.post_background.get(key, 0.0)
+        return t.wall + posted, t.exposed, t.compute + t.background + posted + self.post_background.get(key, 0.0)
 
     def predict(self) -> TimeReport:
         sched = self.schedule
@@ -248,37 +237,42 @@ class TimeModel:
             result = self._with_sharing(priced, result)
         per_rank_a2a = [0.0] * sched.n_ranks
         per_rank_exposed = [0.0] * sched.n_ranks
+        per_rank_cpu = [0.0] * sched.n_ranks
         for r, acts in enumerate(self.lists):
             for a in acts:
                 if a.__class__ is not tuple and a.kind.is_compute:
                     t = self.action(a)
                     per_rank_a2a[r] += t.comm
                     per_rank_exposed[r] += t.exposed
+                    per_rank_cpu[r] += self.demand(r, a)[2]
         post = self.post_step()
         busiest = max(range(sched.n_ranks), key=lambda r: per_rank_exposed[r])
         return TimeReport(
             step_s=result.makespan + post, pipeline_s=result.makespan, post_s=post, bubble_s=result.max_bubble,
             a2a_s=per_rank_a2a[busiest], a2a_exposed_s=per_rank_exposed[busiest], imbalance=self.imbalance,
-            per_rank_busy=list(result.busy),
+            per_rank_busy=list(result.busy), per_rank_cpu=per_rank_cpu,
         )
 
     def _with_sharing(self, priced: _Priced, result: Any) -> Any:
         """Re-simulate the ranks sharing the profile's processors (processor sharing): while
-        they ask for more processor time per second than there are processors, every action
-        runs slower by demand / processors. An action asks, per second of its own wall time,
-        for its processor time (the rank's thread and the communication threads) over that
-        wall time; a pipeline rank's EP and DP peers run the same actions at the same time."""
+        more threads are ready to run than there are processors, every action's compute runs
+        slower by ready threads / processors; its waits for exchanges are wall time as measured
+        (peers' lag included), during which its processor serves the others. Over an action, the
+        rank's thread is ready while it computes, the communication threads for their processor
+        time stretched alike; a pipeline rank's EP and DP peers run the same actions at once."""
         peers = self.setup.ep * self.setup.dp
         p = float(self.profile.processors)
         priced.per_action = True
-        for _ in range(12):
+        for _ in range(self.SHARING_ROUNDS):
             edges: list[tuple[float, float]] = []
             rates: dict[tuple[int, Action], float] = {}
             for r, slots in enumerate(result.timeline):
                 for sl in slots:
-                    wall, cpu = self.demand(r, sl.action)
-                    rate = rates[(r, sl.action)] = peers * cpu / wall if wall > 0 else 0.0
-                    edges += [(sl.start, rate), (sl.end, -rate)]
+                    wall, waits, cpu = self.demand(r, sl.action)
+                    length, work = sl.end - sl.start, wall - waits
+                    # the thread computes for (length - waits) of the slot, stretched as it is now
+                    ready = rates[(r, sl.action)] = peers * cpu / work * max(0.0, length - waits) / length if length > 0 and work > 0 else 0.0
+                    edges += [(sl.start, ready), (sl.end, -ready)]
             edges.sort()
             times: list[float] = []
             integral: list[float] = []
@@ -290,7 +284,7 @@ class TimeModel:
                 active += delta
                 last = when
 
-            def area(t: float) -> float:  # processor time asked for from 0 to t
+            def area(t: float) -> float:  # integral of the ready threads from 0 to t
                 i = bisect.bisect_right(times, t) - 1
                 if i < 0:
                     return 0.0
@@ -304,10 +298,10 @@ class TimeModel:
             new: dict[tuple[int, Action], float] = {}
             for r, slots in enumerate(result.timeline):
                 for sl in slots:
-                    wall, _ = self.demand(r, sl.action)
+                    wall, waits, _ = self.demand(r, sl.action)
                     length = sl.end - sl.start
-                    asked = (area(sl.end) - area(sl.start)) / length if length > 0 else rates[(r, sl.action)]
-                    want = wall * max(1.0, asked / p)
+                    ready = (area(sl.end) - area(sl.start)) / length if length > 0 else rates[(r, sl.action)]
+                    want = (wall - waits) * max(1.0, ready / p) + waits
                     old = priced.of(sl.action, r)
                     dur = 0.5 * (old + want)
                     change = max(change, abs(dur - old) / max(old, 1e-12))
