@@ -229,3 +229,41 @@ def test_point_to_point_transfers_charge_both_ends() -> None:
     # one processor: at least every rank's processor time one after the other
     total = sum(tm.demand(r, a)[2] for r, acts in enumerate(tm.lists) for a in acts if a.__class__ is not tuple and a.kind.is_compute)
     assert shared.pipeline_s >= total * 0.98 and shared.pipeline_s > alone.pipeline_s
+
+
+def test_an_exchange_waits_for_its_peers_lag_after_computing() -> None:
+    """lag = 0.5 s + 0.25 x the compute since the peers last lined up (the last wait): the row
+    counts follow 4 s of attention (1.5 s late), the routing weights and rows follow the counts'
+    wait (0.5 s: the rows queue behind the weights), the combine follows 3 s of experts (1.25 s)."""
+    s, progs, spec = _one_layer()
+    prof = profile(s, MOE, a2a=2.0)
+    ops = [(0, op) for op in progs.forward(spec)]
+    plain = run_ops(ops, prof, ep=2)
+    late = run_ops(ops, prof, ep=2, lag=Linear(0.5, 0.25))
+    assert late.compute == plain.compute == pytest.approx(8.5)
+    assert late.exposed == pytest.approx(plain.exposed + 1.5 + 0.5 + 1.25)
+    assert late.wall == pytest.approx(18.75)
+
+
+def test_the_lag_is_the_one_measured_with_as_many_ranks_computing() -> None:
+    s = Shape.of(load_config(EXAMPLE).model)
+    lags = {"2": {"fixed": 1e-4, "per_unit": 0.1}, "4": {"fixed": 3e-4, "per_unit": 0.2}}
+    shared = profile(s, MOE, processors=2, a2a_lag=lags)
+    assert shared.lag(2) == Linear(1e-4, 0.1) and shared.lag(4) == Linear(3e-4, 0.2) and shared.lag(8) == Linear(3e-4, 0.2)
+    assert shared.lag(1) == Linear(1e-4, 0.1)
+    assert profile(s, MOE, a2a_lag=lags).lag(4) is None  # ranks with a device each do not share processors
+
+
+def test_a_ranks_waits_let_the_others_compute_on_shared_processors() -> None:
+    """Four EP ranks on two processors: each runs at half speed while all compute, and while one
+    waits for an exchange the others use its processor, so every action takes twice its compute
+    (the fixed point of processor sharing while that exceeds the waits)."""
+    cfg, s, sched, x = _moe_ep2(["parallel.ep=4"])
+    parts = {"dense": {"F": 1.0, "B": 2.0, "W": 0.5}, **MOE}
+    alone = TimeModel(x, profile(s, parts, a2a=0.5), sched)
+    work = sum(alone.action(a).compute for a in sched.actions[0] if a.kind.is_compute)
+    waits = sum(alone.action(a).exposed for a in sched.actions[0] if a.kind.is_compute)
+    assert 0 < waits < work / 4
+    assert alone.predict().pipeline_s == pytest.approx(work + waits)
+    shared = TimeModel(x, profile(s, parts, a2a=0.5, processors=2), sched).predict()
+    assert shared.pipeline_s == pytest.approx(2 * work, rel=1e-2)
