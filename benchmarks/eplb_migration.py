@@ -12,8 +12,9 @@ From that placement every policy plans for the drifted loads:
 Per policy: slots whose expert changes (mean over layers and the worst layer), the rows and bytes
 sent within and between nodes (one slot = one DeepSeek-V3 expert, 3 x 7168 x 2048 parameters, in
 bfloat16 with bfloat16 AdamW moments and a float32 master copy: the ``--dtype`` flags change it),
-max / mean GPU load (mean over layers and worst layer) and the median time of a call on one thread
-(wall clock and CPU time; the machine may be shared, so the load average is recorded). The Pareto
+max / mean GPU load (mean over layers and worst layer) and the time of a call for all layers on
+one thread: median wall clock, median and least processor time (the machine may be shared, so
+the load average is recorded; ``targets_at_10pct_drift`` checks the incremental policy's bounds). The Pareto
 curve runs incremental over a range of ``max_moved`` (and of ``min_gain`` at a fixed budget):
 moved fraction against balance, as JSON and, with ``--png``, as a plot.
 
@@ -46,8 +47,10 @@ BUDGETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
 MIN_GAINS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
-def timed(fn, repeats: int) -> tuple[float, float, object]:
-    """(median wall ms, median CPU ms, last result) of ``repeats`` calls after one warm-up."""
+def timed(fn, repeats: int) -> tuple[dict, object]:
+    """({median wall ms, median and least processor ms}, last result) of ``repeats`` calls after one
+    warm-up. Processor time is the figure to quote on a shared machine: other jobs stretch the wall
+    clock, and less so this process's own processor time (the least call is the least disturbed)."""
     out = fn()
     wall, cpu = [], []
     for _ in range(repeats):
@@ -55,7 +58,8 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:
         out = fn()
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3, out
+    return {"median_ms": round(statistics.median(wall) * 1e3, 2), "median_cpu_ms": round(statistics.median(cpu) * 1e3, 2),
+            "min_cpu_ms": round(min(cpu) * 1e3, 2)}, out
 
 
 def figures(w: torch.Tensor, current: torch.Tensor, plan: torch.Tensor, shape: dict, per_slot: int) -> dict:
@@ -160,7 +164,7 @@ def main() -> None:
         rows: dict[str, list[dict]] = {}
         pareto: dict[float, list[dict]] = {b: [] for b in BUDGETS}
         gains: dict[float, list[dict]] = {g: [] for g in MIN_GAINS}
-        times: dict[str, tuple[float, float]] = {}
+        times: dict[str, dict] = {}
         for seed in range(args.seeds):
             g = torch.Generator().manual_seed(seed)
             w0 = torch.exp(torch.randn(args.layers, args.experts, generator=g) * args.sigma)
@@ -174,8 +178,7 @@ def main() -> None:
             }
             for name, fn in plans.items():
                 if seed == 0 and name != "keep":
-                    wall, cpu, plan = timed(fn, args.repeats)
-                    times[name] = (wall, cpu)
+                    times[name], plan = timed(fn, args.repeats)
                 else:
                     plan = fn()
                 rows.setdefault(name, []).append(figures(w, current, plan, shape, per_slot))
@@ -188,13 +191,22 @@ def main() -> None:
         block = {"policies": {}}
         for name, r in rows.items():
             block["policies"][name] = mean_of(r)
-            if name in times:
-                block["policies"][name]["median_ms"] = round(times[name][0], 2)
-                block["policies"][name]["median_cpu_ms"] = round(times[name][1], 2)
+            block["policies"][name].update(times.get(name, {}))
         block["pareto_max_moved"] = [{"max_moved": b, **mean_of(pareto[b])} for b in BUDGETS]
         block["min_gain_at_max_moved_0.2"] = [{"min_gain": m, **mean_of(gains[m])} for m in MIN_GAINS]
         out["drifts"][str(drift)] = block
     out["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
+    deepseek_v3 = all(shape[k] == ap.get_default(k) for k in shape) and args.sigma == ap.get_default("sigma")
+    if deepseek_v3 and "0.1" in out["drifts"] and args.max_moved == 0.1:
+        inc = out["drifts"]["0.1"]["policies"]["incremental"]
+        # the incremental policy's bounds at 10% drift, stated for the DeepSeek-V3 shape (the default)
+        out["targets_at_10pct_drift"] = {
+            "slots_changed_worst_layer <= 0.10": inc["slots_changed_worst_layer"] <= 0.10,
+            "max_over_mean <= 1.01": inc["max_over_mean"] <= 1.01,
+            "max_over_mean_worst <= 1.02": inc["max_over_mean_worst"] <= 1.02,
+            "median_cpu_ms < 50": inc["median_cpu_ms"] < 50,
+            "never_worse_than_keep": inc["never_worse_than_keep"],
+        }
     if args.png:
         plot(out, args.png)
         out["png"] = args.png

@@ -1,0 +1,48 @@
+"""The EPLB benchmarks run and report what their README rows quote (small shapes, so quickly)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--layers", "3", "--experts", "16", "--replicas", "24", "--gpus", "4", "--nodes", "2", "--groups", "4"]
+
+
+def run(script: str, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_eplb_benchmark_times_every_policy_against_the_python_loop() -> None:
+    out = run("eplb.py", *SMALL, "--repeats", "2")
+    assert set(out["policies"]) == {"hierarchical", "global", "refined"}
+    for row in out["policies"].values():
+        assert row["median_ms"] > 0 and row["median_cpu_ms"] > 0 and row["max_over_lower_bound_mean"] >= 1 - 1e-9
+    assert out["policies"]["refined"]["layers_with_an_expert_twice_on_a_gpu"] == 0
+    assert out["peer_python_loop"]["same_phy2log"] is True and out["peer_python_loop"]["cpu_seconds"] > 0
+
+
+def test_eplb_migration_benchmark_reports_policies_pareto_and_plot(tmp_path: Path) -> None:
+    max_moved = "0.25"
+    png = tmp_path / "pareto.png"
+    out = run("eplb_migration.py", *SMALL, "--seeds", "2", "--drifts", "0.05", "0.1", "--repeats", "1",
+              "--max-moved", max_moved, "--png", str(png))
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(out["drifts"]) == {"0.05", "0.1"}
+    for block in out["drifts"].values():
+        pol = block["policies"]
+        assert set(pol) == {"keep", "hierarchical", "refined", "incremental"}
+        assert pol["keep"]["slots_changed"] == 0 and pol["keep"]["gb_intra_node"] == pol["keep"]["gb_inter_node"] == 0
+        inc = pol["incremental"]
+        assert inc["slots_changed_worst_layer"] <= float(max_moved) and inc["never_worse_than_keep"] is True
+        assert inc["max_over_mean"] <= pol["keep"]["max_over_mean"]
+        assert inc["median_cpu_ms"] > 0 and inc["min_cpu_ms"] <= inc["median_cpu_ms"]
+        assert pol["refined"]["slots_changed"] > inc["slots_changed"]
+        for point in block["pareto_max_moved"]:  # the curve: each budget holds, never worse than keeping
+            assert point["slots_changed_worst_layer"] <= point["max_moved"] and point["never_worse_than_keep"]
+        assert [p["max_moved"] for p in block["pareto_max_moved"]] == sorted(p["max_moved"] for p in block["pareto_max_moved"])
+    assert "targets_at_10pct_drift" not in out  # the bounds are stated for the DeepSeek-V3 shape only
