@@ -61,3 +61,13 @@ def test_a_variable_the_user_set_is_kept_and_no_probe_runs(machine: Path, monkey
     assert cpu_isa.cap_if_amx_traps() is False
     assert cpu_isa.os.environ[cpu_isa.ENV] == "AVX2" and not (machine / "verdict").exists()
     assert cpu_isa.sigill_hint().endswith("ONEDNN_MAX_CPU_ISA is AVX2 here: set it lower")
+
+
+def test_the_cap_comes_at_launch_so_bad_input_is_still_one_line(machine: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from portapipe.cli import main
+
+    (machine / "verdict").write_text("traps\n")
+    example = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
+    assert main(["train", str(example), "--set", f"log.dir={machine / 'run'}", "--set", f"data.path={machine / 'missing.txt'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"portapipe: config error: data.path: {str(machine / 'missing.txt')!r} does not exist or is not a file"]
+    assert cpu_isa.ENV not in cpu_isa.os.environ

@@ -28,10 +28,8 @@ def load_checked_config(args: argparse.Namespace) -> Any:
     """
     from ..backends.registry import get_backend
     from ..config import ConfigError, load_config
-    from ..launch import cap_cpu_isa
 
     cfg = load_config(args.config, args.overrides)
-    cap_cpu_isa()  # before this process's own compute (e.g. verify's single-process reference)
     if cfg.log.level == "debug":
         os.environ["PORTAPIPE_DEBUG"] = "1"  # tracebacks and the launcher's details (portapipe.launch)
     # Constructing the backend also checks its options (e.g. an EP transport the device lacks).
