@@ -150,25 +150,35 @@ def _ast_signature(fn: ast.FunctionDef, drop_first: bool) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
+def _one(items: list, what: str, wheel: Path):  # noqa: ANN202
+    if not items:
+        raise ValueError(f"{wheel.name}: no {what} (is it a torch_npu wheel?)")
+    return items[0]
+
+
 def torch_npu_lines(wheel: Path) -> tuple[str, str, list[str]]:
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
-        meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        meta = _one([n for n in names if n.endswith(".dist-info/METADATA")], "*.dist-info/METADATA", wheel)
         metadata = zf.read(meta).decode()
         version = re.search(r"^Version: (\S+)", metadata, re.M).group(1)
         requires = [r for r in re.findall(r"^Requires-Dist: (.+)$", metadata, re.M) if r.startswith("torch")]
-        yaml_name = next(n for n in names if n.endswith("npu_native_functions_by_codegen.yaml"))
+        yaml_name = _one([n for n in names if n.endswith("npu_native_functions_by_codegen.yaml")], "op schema yaml", wheel)
         yaml_text = zf.read(yaml_name).decode()
         lines = []
         for op in NPU_OPS:
-            for m in re.finditer(r"func:\s*(" + re.escape(op) + r"(?:\.\w+)?\(.*\) -> .+)$", yaml_text, re.M):
-                lines.append(f"op: {m.group(1).strip()}")
+            found = re.findall(r"func:\s*(" + re.escape(op) + r"(?:\.\w+)?\(.*\) -> .+)$", yaml_text, re.M)
+            if not found:
+                raise ValueError(f"{wheel.name}: no schema of {op} in {yaml_name}")
+            lines += [f"op: {f.strip()}" for f in found]
         for path, cls, func in NPU_PY:
+            if path not in names:
+                raise ValueError(f"{wheel.name}: no {path}")
             tree = ast.parse(zf.read(path).decode())
             scope = tree.body
             if cls is not None:
-                scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
-            fn = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == func)
+                scope = _one([n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls], f"class {cls} in {path}", wheel).body
+            fn = _one([n for n in scope if isinstance(n, ast.FunctionDef) and n.name == func], f"{func} in {path}", wheel)
             name = "torch_npu.npu." + (cls if func == "__new__" else f"{cls}.{func}" if cls else func)
             lines.append(f"py: {name}{_ast_signature(fn, drop_first=cls is not None)}")
     return version, "; ".join(requires), lines
@@ -186,6 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("wheel", nargs="?", type=Path, help="torch_npu: the downloaded wheel")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
+    try:
+        return _refresh(p, args)
+    except (OSError, zipfile.BadZipFile, ValueError, AttributeError, ImportError) as exc:
+        # a missing or wrong wheel, a torch without an API the backends call: one line, exit 2
+        print(f"refresh_schemas: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _refresh(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.package == "torch":
         version, lines = torch_lines()
         header = [

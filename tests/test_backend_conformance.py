@@ -254,3 +254,19 @@ def test_refresh_script_reads_the_installed_torch_as_recorded(tmp_path) -> None:
     assert script.main(["torch", "--out", str(tmp_path)]) == 0
     (written,) = tmp_path.glob("torch-*.schemas")
     assert f"# version: {torch.__version__}" in written.read_text()
+
+
+def test_refresh_script_refuses_a_missing_or_wrong_wheel_in_one_line(tmp_path) -> None:
+    import subprocess
+
+    not_npu = tmp_path / "other-1.0-py3-none-any.whl"
+    with __import__("zipfile").ZipFile(not_npu, "w") as zf:
+        zf.writestr("other-1.0.dist-info/METADATA", "Name: other\nVersion: 1.0\n")
+    for wheel, says in ((tmp_path / "absent.whl", "No such file"), (not_npu, "no op schema yaml"), (ROOT / "README.md", "not a zip file")):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "ci" / "refresh_schemas.py"), "torch_npu", str(wheel), "--out", str(tmp_path)],
+            capture_output=True, text=True, timeout=120,
+        )
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr
+    assert not list(tmp_path.glob("*.schemas"))
