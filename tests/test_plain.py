@@ -106,6 +106,27 @@ def test_a_plain_stage_on_a_tape_splits_b_and_w() -> None:
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(m.parameters(), ref.parameters()))
 
 
+class Restart(nn.Module):
+    """Ignores its input: a stage whose output does not depend on what it received."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start = nn.Parameter(torch.linspace(-1, 1, 16, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.start.expand(*x.shape[:-1], 16) * 2
+
+
+def test_a_stage_that_ignores_its_input_sends_back_a_zero_gradient() -> None:
+    stage = PlainStage(Restart(), 1)
+    tape = Tape()
+    x = torch.randn(2, 3, 12, dtype=torch.float64)
+    out = run(stage.program(tape, x))
+    gx = run(tape.backward(out, torch.ones_like(out), None))
+    assert gx.shape == x.shape and not gx.any()
+    assert torch.equal(stage.module.start.grad, torch.full((16,), 12.0, dtype=torch.float64))
+
+
 def test_a_loss_that_is_not_a_scalar_is_refused() -> None:
     stage = PlainStage(nn.Identity(), 0, lambda out, y: (out - y) ** 2)
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor .* got \(2, 3\)"):
@@ -155,6 +176,13 @@ def _scaled_modules() -> list[nn.Module]:
 
 def _given_boundary(stage: int, shape: torch.Size) -> tuple[tuple[int, ...], torch.dtype]:
     return (*shape[:-1], 16), torch.float64
+
+
+def _restart_modules() -> list[nn.Module]:
+    """Block 1 ignores what block 0 sends: block 0 gets a zero gradient."""
+    first = _modules(2, True)[0]
+    torch.manual_seed(4)
+    return [first, nn.Sequential(Restart(), nn.Linear(16, 20, dtype=torch.float64))]
 
 
 CASES = [  # (schedule, modules on 2 pipeline ranks, token inputs, w_split)
@@ -214,6 +242,8 @@ def _rank(backend: Any, cases: list[tuple[str, int, bool, bool]], dp: int) -> di
     pipe = portapipe.pipeline(frozen, backend=backend, loss_fn=_loss, schedule="dualpipe", microbatches=M)
     pipe.step(*_batch(True, 0))
     out["frozen"] = {k: None if p.grad is None else p.grad.clone() for k, p in pipe.named_parameters()}
+    pipe = portapipe.pipeline(_restart_modules(), backend=backend, loss_fn=_loss, schedule="1f1b", microbatches=M)
+    out["restart"] = (pipe.step(*_batch(True, 0)).loss, {k: p.grad.clone() for k, p in pipe.named_parameters()})
     out["errors"] = [
         refusal(modules=_scaled_modules(), batch=_batch(False, 0)),
         refusal(modules=_modules(3, True)),
@@ -253,6 +283,13 @@ def test_plain_modules_under_every_schedule_equal_one_process() -> None:
     for r in results:  # DualPipe: both ranks hold both blocks and sum the copies' gradients
         assert r["frozen"]["0.0.weight"] is None and r["frozen"].keys() == ref_grads.keys()
         assert all(float((g - ref_grads[k]).norm() / ref_grads[k].norm()) <= 1e-12 for k, g in r["frozen"].items() if g is not None)
+    model, (x, y) = nn.Sequential(*_restart_modules()), _batch(True, 0)
+    losses = [_loss(model(xm), ym) for xm, ym in zip(x.chunk(M), y.chunk(M))]
+    (sum(losses) / M).backward()
+    grads = {k: g for r in results for k, g in r["restart"][1].items()}
+    assert results[1]["restart"][0] == sum(v.item() for v in losses) / M
+    assert all(torch.equal(grads[k], torch.zeros_like(grads[k])) for k in grads if k.startswith("0."))
+    assert all(float((grads[k] - p.grad).norm() / p.grad.norm()) <= 1e-12 for k, p in model.named_parameters() if k.startswith("1."))
     errors = results[0]["errors"][1:]
     assert results[0]["errors"][0].startswith("cannot infer what stage 0 (module 0) outputs for inputs of shape [2, 5, 12]"), results[0]["errors"][0]
     assert "pass pipeline(..., boundary=...)" in results[0]["errors"][0]
@@ -301,3 +338,22 @@ def test_the_executor_refuses_stages_that_do_not_fit_the_schedule() -> None:
         make({0: PlainStage(nn.Linear(2, 2), 0, _loss), 1: ok[1]})
     with pytest.raises(ValueError, match="schedule dualpipev has 1 ranks but the pipeline group has 2"):
         make(ok, pp=2)
+
+
+def test_a_stage_that_does_not_watch_its_input_is_named() -> None:
+    """A contract stage must pass its input through tape.watch, or no gradient can go back."""
+    from portapipe.backends.base import ParallelGroups
+    from portapipe.backends.cpu import CPUBackend
+    from portapipe.scheduling.executor import PipelineExecutor, make_schedule
+
+    class Unwatched(PlainStage):
+        def program(self, tape: Any, x: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+            return tape.part(self._loss, x, targets, plain=True)
+            yield
+
+    torch.manual_seed(0)
+    stages = {0: PlainStage(nn.Linear(2, 2), 0), 1: Unwatched(nn.Linear(2, 2), 1, nn.functional.mse_loss)}
+    g = ParallelGroups(rank=0, world_size=1, pp=1, dp=1, ep=1, pp_rank=0, dp_rank=0, ep_rank=0)
+    ex = PipelineExecutor(make_schedule("dualpipev", 1, 2), stages, CPUBackend(), g, boundary=lambda v, s: (tuple(s), torch.float32))
+    with pytest.raises(RuntimeError, match=r"1BW0: stage 1 gives no gradient for its input; its program must pass .* through tape.watch\(x\)"):
+        ex.step([(torch.randn(3, 2), torch.randn(3, 2))] * 2)

@@ -405,6 +405,10 @@ class _Step:
         grad_in = yield from tape.backward(out, grad, queue)
         if s.is_first(v):
             return
+        if grad_in is None:
+            raise RuntimeError(
+                f"{a}: stage {v} gives no gradient for its input; its program must pass a floating-point input through tape.watch(x)"
+            )
         prv = s.prev_stage(v)
         if s.stage_rank[prv] == s.stage_rank[v]:
             self.local[(Kind.RECV_B, prv, m)] = grad_in

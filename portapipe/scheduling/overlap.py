@@ -197,7 +197,9 @@ class Tape:
     def backward(self, output: torch.Tensor, grad: torch.Tensor, queue: WeightGradQueue | None = None) -> Program:
         """Program: backward of the recorded parts from ``output``'s gradient.
 
-        Weight gradients go to ``queue`` when given (a B action), else are computed at once (BW). Returns the stage input's gradient (None if the input was tokens).
+        Weight gradients go to ``queue`` when given (a B action), else are computed at once (BW).
+        Returns the stage input's gradient: zeros when the output does not depend on it, None
+        when the input was not watched (tokens).
         Each part's graph and boundaries are dropped as soon as its backward ran.
         """
         if not self.record:
@@ -249,6 +251,8 @@ class Tape:
         for src, pending in in_flight.values():
             self._add_grad(src, pending.wait())
         grad_in = None if self._input is None else self._pop_grad(self._input)
+        if grad_in is None and self._input is not None:  # the output does not depend on the input
+            grad_in = torch.zeros_like(self._input)
         self._grads.clear()
         self._input = None
         return grad_in
