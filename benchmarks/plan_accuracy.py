@@ -82,6 +82,7 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
             rt.step(data)
         opt.zero_grad(set_to_none=True)
         out[name] = {"pp_rank": rt.groups.pp_rank, "saved_peak": tracker.peak_bytes, "step_s": [], "cpu_s": []}
+    busy0, own0 = _machine_busy(), time.process_time()
     for i in range(warmup + steps):
         for name, (rt, data, opt) in built.items():
             dist.barrier()
@@ -89,12 +90,26 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
             rt.step(data)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+            cpu = time.process_time() - c0  # this rank's processor time, all its threads
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if i >= warmup:
                 out[name]["step_s"].append(float(dt[0]))
-                out[name]["cpu_s"].append(float(dt[1]))
+                out[name]["cpu_s"].append(cpu)
+    # processor time the whole machine spent meanwhile, less what the ranks spent: other processes
+    spent = torch.tensor([_machine_busy() - busy0, time.process_time() - own0], dtype=torch.float64)
+    dist.all_reduce(spent)
+    out["_machine"] = {"busy_s": float(spent[0]) / dist.get_world_size(), "ranks_s": float(spent[1])}
     return out
+
+
+def _machine_busy() -> float:
+    """Processor seconds the machine has not been idle since boot (/proc/stat; 0 where absent)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(configs: dict[str, Config], steps: int, warmup: int) -> dict[str, Any]:
@@ -106,6 +121,8 @@ def measure(configs: dict[str, Config], steps: int, warmup: int) -> dict[str, An
     for world, group in sorted(by_world.items()):
         backend = next(iter(group.values())).backend
         per_rank = run_ranks(_rank, world, {n: c.to_dict() for n, c in group.items()}, steps, warmup, backend=backend, wall_timeout_s=3600)
+        machine = per_rank[0].pop("_machine")
+        out.setdefault("_others_cpu_s", {})[str(world)] = max(0.0, machine["busy_s"] - machine["ranks_s"])
         for name, c in group.items():
             saved: dict[int, list[int]] = {}
             for r in per_rank:
@@ -116,8 +133,10 @@ def measure(configs: dict[str, Config], steps: int, warmup: int) -> dict[str, An
                 "step_s_median": statistics.median(times),
                 "step_s_min": min(times),
                 "step_s_all": times,
-                # processor time of the busiest rank: what other processes on the machine barely change
-                "cpu_s_median": statistics.median(per_rank[0][name]["cpu_s"]),
+                # a rank's processor time (all its threads), mean over the ranks of each pipeline rank
+                "cpu_s_per_pp_rank": [
+                    statistics.mean(statistics.median(r[name]["cpu_s"]) for r in per_rank if r[name]["pp_rank"] == p) for p in sorted(saved)
+                ],
                 "saved_peak_per_pp_rank": [statistics.mean(saved[p]) for p in sorted(saved)],
                 "saved_peak_per_rank": [r[name]["saved_peak"] for r in per_rank],
             }
@@ -130,7 +149,7 @@ def predict(config: Config, profile: Profile) -> dict[str, Any]:
     imb = imbalance(profile.loads, setup.ep, config.balancer, config.model.n_groups)
     t = TimeModel(setup, profile, schedule, imb).predict()
     mem = MemoryModel(setup, schedule).report()
-    return {"step_s": t.step_s, "time": t.to_dict(), "saved_peak_per_pp_rank": [r.saved_peak for r in mem.ranks]}
+    return {"step_s": t.step_s, "time": t.to_dict(), "cpu_s_per_pp_rank": t.per_rank_cpu, "saved_peak_per_pp_rank": [r.saved_peak for r in mem.ranks]}
 
 
 def compare(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +160,10 @@ def compare(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, Any]:
         "step_s_measured_median": meas["step_s_median"],
         "step_s_measured_min": meas["step_s_min"],
         "time_error_vs_min": pred["step_s"] / meas["step_s_min"] - 1.0,
-        "cpu_s_measured_median": meas["cpu_s_median"],
+        # the time model's processor demand (the schedule's actions) against each pipeline rank's
+        # processor time (the step with its optimizer update)
+        "cpu_s_predicted": pred["cpu_s_per_pp_rank"],
+        "cpu_s_measured": meas["cpu_s_per_pp_rank"],
         "time_error": time_err,
         "time_within_15pct": abs(time_err) <= 0.15,
         "saved_peak_predicted": pred["saved_peak_per_pp_rank"],
@@ -214,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         "profile": {"source": profile.source, "processors": profile.processors, "device": profile.device},
     }
     measured = measure(configs, args.steps, args.warmup)
+    # processor seconds other processes used while the configurations ran (per launch, by world
+    # size): what disturbed the wall times
+    report["others_cpu_s"] = measured.pop("_others_cpu_s", {})
     acc = {n: compare(predict(c, profile), measured[n]) for n, c in configs.items()}
     report["accuracy"] = acc
     if acc:
@@ -230,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         cands = {f"plan#{i + 1} {c.setup.schedule} pp{c.setup.pp} ep{c.setup.ep} dp{c.setup.dp} m{c.setup.microbatches} {c.setup.memory_label()}": result.config_of(c) for i, c in enumerate(top)}
         cands["example"] = base
         m = measure(cands, args.steps, args.warmup)
+        report["others_cpu_s_plan"] = m.pop("_others_cpu_s", {})
         first = next(iter(cands))
         report["plan"] = {
             "candidates": {n: {"predicted_step_s": (top[i].time.step_s if i < len(top) else predict(base, profile)["step_s"]), "measured_median_s": m[n]["step_s_median"], "measured_all": m[n]["step_s_all"]} for i, n in enumerate(cands)},
