@@ -205,7 +205,6 @@ def test_export_command_rejects_a_missing_checkpoint(tmp_path: Path, capsys: pyt
 
 
 @pytest.mark.multiproc
-@pytest.mark.skipif(not hasattr(checkpoint, "load_model_state"), reason="needs portapipe.checkpoint.load_model_state (logical checkpoints)")
 def test_export_command_writes_a_trained_checkpoint_that_transformers_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from portapipe.train import train
 

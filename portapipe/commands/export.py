@@ -1,5 +1,6 @@
 """``portapipe export CHECKPOINT OUT --format hf``: a checkpoint as a Hugging Face model folder.
 
+CHECKPOINT is a checkpoint folder (``step_NNNNNNNN``) or a run folder (its newest checkpoint).
 Reads the checkpoint's logical model state and its config
 (:func:`portapipe.checkpoint.load_model_state`) and writes OUT with config.json and
 safetensors (sharded with an index past ``--max-shard-size``), which transformers'
@@ -33,16 +34,13 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import load_model_state
     from ..config import config_from_dict
     from ..models.hf_io import export_hf
 
     ckpt = Path(args.checkpoint)
     if not ckpt.exists():
         return _fail(f"{ckpt} does not exist; give a checkpoint folder (e.g. runs/x/checkpoints/step_00000100)")
-    try:
-        from ..checkpoint import load_model_state
-    except ImportError:
-        return _fail("this portapipe cannot read checkpoints by logical name (portapipe.checkpoint.load_model_state is missing)")
     try:
         state, raw = load_model_state(ckpt)
     except (ValueError, FileNotFoundError) as exc:
@@ -64,7 +62,7 @@ def register(sub: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("checkpoint", help="a checkpoint folder written by portapipe train")
+    p.add_argument("checkpoint", help="a checkpoint folder written by portapipe train, or its run folder (the newest checkpoint)")
     p.add_argument("out", help="output folder (must not exist, or be empty)")
     p.add_argument("--format", choices=["hf"], default="hf", help="output format [hf]")
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE", help="largest safetensors file [5GB]")
