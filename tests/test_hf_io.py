@@ -219,6 +219,8 @@ def test_export_command_writes_a_trained_checkpoint_that_transformers_loads(tmp_
     summary = train(load_config(raw))
     assert cli.main(["export", summary["checkpoint"], str(tmp_path / "hf"), "--format", "hf"]) == 0
     assert json.loads(capsys.readouterr().out)["arch"] == "deepseek_v3"
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "from-run")]) == 0  # the run folder: its newest checkpoint
+    assert (tmp_path / "from-run" / "model.safetensors").read_bytes() == (tmp_path / "hf" / "model.safetensors").read_bytes()
     state, _ = checkpoint.load_model_state(Path(summary["checkpoint"]))
     again = _from_pretrained(tmp_path / "hf")
     blocks = portapipe_blocks("deepseek_v3", tmp_path / "hf", vocab_size=256, seq_len=16)
