@@ -190,8 +190,8 @@ class TrainConfig(_Section):
     lr_schedule_steps: int | None = Field(
         None,
         ge=1,
-        description="step at which the cosine reaches min_lr (default: train.steps for a new run; a resumed or loaded "
-        "run keeps its checkpoint's); steps past it run at min_lr",
+        description="step at which a cosine decay reaches min_lr, min_lr after it; unset: no decay (lr after the warm-up), "
+        "so the schedule never depends on train.steps; a resumed or loaded run keeps its checkpoint's unless this is set",
     )
 
     @field_validator("betas")
@@ -211,6 +211,10 @@ class DataConfig(_Section):
     path: str | None = Field(None, description="the text (bytes) or token file (tokens); default for bytes: the corpus shipped with portapipe")
     token_dtype: Literal["auto", "uint16", "uint32"] = Field(
         "auto", description="tokens: width of one id; auto reads it from the sidecar <path>.json that portapipe tokenize writes"
+    )
+    vocab_size: int | None = Field(
+        None, ge=1, description="tokens: the vocabulary of the tokenizer that wrote the file, at most model.vocab_size "
+        "(a model may pad its vocabulary); every id in the file must be below it [the sidecar's]",
     )
     val_fraction: float = Field(0.05, ge=0, lt=1)
 

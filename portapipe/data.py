@@ -79,6 +79,8 @@ def data_problems(config: Config, check_ids: bool = True) -> list[str]:
     """
     if config.data.format == "tokens":
         return _token_problems(config, check_ids)
+    if config.data.vocab_size is not None:
+        return [f"data.vocab_size: {config.data.vocab_size} applies to data.format tokens only (bytes are 256 ids)"]
     path = corpus_path(config)
     if not path.is_file():
         return [f"data.path: {str(path)!r} does not exist or is not a file"]
@@ -111,7 +113,7 @@ def _token_problems(config: Config, check_ids: bool) -> list[str]:
     if config.data.path is None:
         return ["data.path: not set; data.format tokens reads a token file (write one with portapipe tokenize TEXT OUT --tokenizer DIR)"]
     path = corpus_path(config)
-    dtype, out = token_files.file_problems(path, config.data.token_dtype, config.model.vocab_size, check_ids)
+    dtype, out = token_files.file_problems(path, config.data.token_dtype, config.model.vocab_size, check_ids, config.data.vocab_size)
     if dtype is None:
         return out
     n = token_files.open_tokens(path, dtype).numel()

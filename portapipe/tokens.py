@@ -15,7 +15,8 @@ The token width:
 
 :func:`tokenize` picks uint16 when the tokenizer's vocabulary fits (at most 65,536 ids) and
 uint32 otherwise. Before any rank starts, the ids are checked against the model: the largest id
-in the file (and the tokenizer's vocabulary, from the sidecar) must be below ``model.vocab_size``.
+in the file must be below ``model.vocab_size`` and below the tokenizer's vocabulary
+(``data.vocab_size``, or the sidecar's), which must not exceed ``model.vocab_size``.
 """
 
 from __future__ import annotations
@@ -103,8 +104,13 @@ def largest_id(path: Path, dtype: str) -> int:
     return _largest(str(path), dtype, st.st_size, st.st_mtime_ns)
 
 
-def file_problems(path: Path, wanted: str, vocab_size: int, check_ids: bool = True) -> tuple[str | None, list[str]]:
-    """(token width, what stops ``path`` from serving a model of ``vocab_size`` tokens)."""
+def file_problems(
+    path: Path, wanted: str, vocab_size: int, check_ids: bool = True, data_vocab: int | None = None
+) -> tuple[str | None, list[str]]:
+    """(token width, what stops ``path`` from serving a model of ``vocab_size`` tokens).
+
+    ``data_vocab`` (``data.vocab_size``) is the vocabulary of the tokenizer that wrote the file,
+    None for the sidecar's; it must agree with the sidecar, fit the model and hold every id."""
     if not path.is_file():
         return None, [f"data.path: {str(path)!r} does not exist or is not a file"]
     dtype, out = resolve_dtype(path, wanted)
@@ -117,15 +123,18 @@ def file_problems(path: Path, wanted: str, vocab_size: int, check_ids: bool = Tr
     if size % width:
         return None, [f"data.path: {path.name} has {size} bytes, not a whole number of {dtype} tokens; is data.token_dtype right?"]
     meta = read_meta(path)
-    if meta is not None and int(meta.get("vocab_size", 0)) > vocab_size:
-        out.append(
-            f"model.vocab_size: {vocab_size} is smaller than the vocabulary of the tokenizer that wrote {path.name} "
-            f"({meta['vocab_size']} tokens, per {sidecar(path).name})"
-        )
+    said = None if meta is None or "vocab_size" not in meta else int(meta["vocab_size"])
+    if data_vocab is not None and said is not None and data_vocab != said:
+        return None, [f"data.vocab_size: {data_vocab}, but {sidecar(path).name} says the tokenizer that wrote {path.name} has {said} tokens"]
+    vocab, where = (data_vocab, "data.vocab_size") if data_vocab is not None else (said, f"per {sidecar(path).name}")
+    if vocab is not None and vocab > vocab_size:
+        out.append(f"model.vocab_size: {vocab_size} is smaller than the vocabulary of the tokenizer that wrote {path.name} ({vocab} tokens, {where})")
     if check_ids:
         top = largest_id(path, dtype)
         if top >= vocab_size:
             out.append(f"model.vocab_size: {vocab_size} is too small for {path.name}, which holds token ids up to {top} (use vocab_size >= {top + 1})")
+        elif vocab is not None and top >= vocab:
+            out.append(f"data.path: {path.name} holds token ids up to {top}, past its vocabulary of {vocab} tokens ({where}); is data.token_dtype right?")
     return dtype, out
 
 

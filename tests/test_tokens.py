@@ -118,6 +118,15 @@ def test_a_nanogpt_style_file_reads_with_an_explicit_width(tmp_path: Path) -> No
     assert data_problems(_cfg(path, token_dtype="uint16")) == []
     data = TextData(_cfg(path, token_dtype="uint16"))
     assert data.splits["train"].tolist() == ids[:900]
+    # data.vocab_size: the tokenizer's vocabulary, which a model may pad (GPT-2's 50,257 in a 50,304 model)
+    assert data_problems(_cfg(path, token_dtype="uint16", vocab_size=500)) == []
+    assert data_problems(_cfg(path, token_dtype="uint16", vocab_size=400)) == [
+        "data.path: train.bin holds token ids up to 499, past its vocabulary of 400 tokens (data.vocab_size); is data.token_dtype right?"
+    ]
+    assert data_problems(_cfg(path, token_dtype="uint16", vocab_size=600)) == [
+        "model.vocab_size: 512 is smaller than the vocabulary of the tokenizer that wrote train.bin (600 tokens, data.vocab_size)"
+    ]
+    assert data_problems(load_config({"data": {"vocab_size": 256}})) == ["data.vocab_size: 256 applies to data.format tokens only (bytes are 256 ids)"]
 
 
 def test_token_file_problems_name_the_key(small: tuple[Tokenizer, Path], tmp_path: Path) -> None:
@@ -132,6 +141,10 @@ def test_token_file_problems_name_the_key(small: tuple[Tokenizer, Path], tmp_pat
     assert data_problems(_cfg(tmp_path / "t.bin", token_dtype="uint32")) == [
         "data.token_dtype: uint32, but t.bin.json says the file holds uint16 ids"
     ]
+    assert data_problems(_cfg(tmp_path / "t.bin", vocab_size=301)) == [
+        f"data.vocab_size: 301, but t.bin.json says the tokenizer that wrote t.bin has {small[0].get_vocab_size()} tokens"
+    ]
+    assert data_problems(_cfg(tmp_path / "t.bin", vocab_size=small[0].get_vocab_size())) == []
     short = data_problems(_cfg(tmp_path / "t.bin", val_fraction=0.999))
     assert any(p.startswith("data.path: the train split of t.bin has") for p in short)
     low = data_problems(load_config({"model": {"vocab_size": 100}, "data": {"format": "tokens", "path": str(tmp_path / "t.bin")}}))
