@@ -58,3 +58,9 @@ def test_outputs_land_in_the_mirror_not_the_checkout(tmp_path: Path) -> None:
 def test_skipping_a_command_the_readme_does_not_have_is_refused() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "ci" / "readme_commands.py"), "--skip", "make tests", "--list"], capture_output=True, text=True)
     assert out.returncode == 2 and "--skip names commands the README does not have: ['make tests']" in out.stderr
+
+
+def test_ci_runs_the_test_command_then_every_other_readme_command() -> None:
+    steps = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert steps[-2:] == ["make test", '.venv/bin/python ci/readme_commands.py --skip "make test"']
+    assert "make test" in map(_script().bare, _script().commands((ROOT / "README.md").read_text()))
