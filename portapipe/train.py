@@ -5,8 +5,9 @@ before any rank starts), then runs :func:`train_rank` on ``world_size`` ranks th
 :func:`portapipe.launch.run_ranks` and returns rank 0's summary. Each rank builds its
 :class:`~portapipe.compose.PipelineRuntime`, which runs one step of the schedule and
 leaves every parameter's ``.grad`` holding the gradient of the global mean loss (DP / EP
-reduction and DualPipe's copy summing included); this loop adds AdamW with warm-up + cosine
-learning rate and clipping by the global gradient norm.
+reduction and DualPipe's copy summing included); this loop adds AdamW with a warm-up, then a
+constant learning rate or a cosine to ``train.lr_schedule_steps`` (:func:`lr_at`), and clipping by the
+global gradient norm.
 
 Per step, rank 0 appends one JSON line to ``<log.dir>/metrics.jsonl``: loss, learning rate,
 gradient norm, tokens/s, step time, the measured pipeline bubble (the largest idle share of
@@ -46,20 +47,22 @@ VAL_BATCHES = 4  # validation steps' worth of micro-batches evaluated at the end
 
 
 # ----------------------------------------------------------------------------- learning rate
-def lr_at(step: int, train: TrainConfig, horizon: int | None = None) -> float:
-    """Learning rate of optimizer step ``step`` (0-based) of a schedule ending at ``horizon``.
+def lr_at(step: int, train: TrainConfig, horizon: int | None) -> float:
+    """Learning rate of optimizer step ``step`` (0-based).
 
     Linear warm-up over ``warmup_steps`` (step 0 gets lr/warmup_steps, step warmup-1 the full
-    lr), then a half cosine from ``lr`` at the first step after warm-up to ``min_lr`` at step
-    ``horizon`` (1-based; default ``train.lr_schedule_steps``, else ``train.steps``), ``min_lr``
-    after it.
+    lr). Then, with ``horizon`` None (``train.lr_schedule_steps`` unset), ``lr`` for good: the
+    schedule does not depend on ``train.steps``, so a run extended by a resume trains exactly as
+    one that was asked for all its steps at once. With a ``horizon``, a half cosine from ``lr`` at
+    the first step after warm-up to ``min_lr`` at step ``horizon`` (1-based), ``min_lr`` after it.
     """
     if step < train.warmup_steps:
         return train.lr * (step + 1) / train.warmup_steps
-    end = horizon or train.lr_schedule_steps or train.steps
-    decay_steps = end - train.warmup_steps
+    if horizon is None:
+        return train.lr
+    decay_steps = horizon - train.warmup_steps
     if decay_steps <= 1:
-        return train.lr if step < end else train.min_lr
+        return train.lr if step < horizon else train.min_lr
     progress = min(1.0, (step - train.warmup_steps) / (decay_steps - 1))
     return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1.0 + math.cos(math.pi * progress))
 

@@ -99,8 +99,8 @@ def test_a_run_writes_complete_checkpoints_with_a_manifest_last(made):
     assert manifest["format"] == files.FORMAT and manifest["step"] == 4 and manifest["run_id"] == made["ids"][0]
     assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert manifest["layout"]["pp"] == 2 and manifest["layout"]["device_type"] == "cpu"
-    assert manifest["trainer"]["lr_schedule_steps"] == 4 and manifest["trainer"]["data"]["global_batch"] == 4
-    assert not any(p.name.startswith(".") for p in (made["R1"] / "checkpoints").iterdir())  # no unfinished saves left
+    assert manifest["trainer"]["lr_schedule_steps"] is None and manifest["trainer"]["data"]["global_batch"] == 4  # no decay: the default
+    assert not any(p.is_dir() and p.name.startswith(".") for p in (made["R1"] / "checkpoints").iterdir())  # no unfinished saves left
 
 
 @pytest.mark.multiproc
@@ -226,6 +226,35 @@ def test_checkpoint_load_names_what_is_wrong_with_the_path(r1, tmp_path):
     assert plan.mode == "load" and plan.step == 3 and plan.run_id != files.read_manifest(_ckpt(r1, 3))["run_id"]
     with pytest.raises(ConfigError, match="holds no checkpoints"):
         _decide(tmp_path / "new3", checkpoint__load=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"checkpoint.load: .*manifest.json is a file; give a checkpoint folder \(step_NNNNNNNN\) or a folder of checkpoints"):
+        _decide(tmp_path / "new4", checkpoint__load=str(_ckpt(r1, 3) / "manifest.json"))
+    with pytest.raises(ConfigError, match=r"checkpoint.load: .*nowhere does not exist"):
+        _decide(tmp_path / "new5", checkpoint__load=str(tmp_path / "nowhere"))
+
+
+@pytest.mark.multiproc
+def test_a_save_killed_between_its_two_renames_leaves_the_previous_checkpoint_and_nothing_kept(r1, monkeypatch):
+    """Publishing over an unusable checkpoint of the same step moves that one aside, then renames
+    the new one into place; killed in between, the next run resumes the step before and clears both."""
+    _truncate(_ckpt(r1, 4))
+    new = r1 / "checkpoints" / ".step_00000004.somerun.tmp"
+    shutil.copytree(_ckpt(r1, 3), new)
+    real = files.os.replace
+    calls: list[Any] = []
+
+    def killed_at_the_second(src: Any, dst: Any) -> None:
+        calls.append(src)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # stands for the kill
+        real(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", killed_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        files.publish(new, _ckpt(r1, 4))
+    monkeypatch.setattr(files.os, "replace", real)
+    assert not _ckpt(r1, 4).exists()
+    plan, said = _decide(r1)
+    assert plan.step == 3 and sorted(p.name for p in (r1 / "checkpoints").iterdir() if p.is_dir()) == [f"step_0000000{s}" for s in (1, 2, 3)]
 
 
 # -------------------------------------------------------------------- any device type

@@ -82,12 +82,15 @@ def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
     diverging["model"]["dtype"] = "float32"
     runs = {
         "first": raw(base / "first"),  # a finished run: 4 steps, checkpoints at 2 and 4
-        "straight": raw(base / "straight", steps=40, **once),
+        "straight": raw(base / "straight", steps=40, **once),  # the default schedule: no decay
+        "default": raw(base / "default", steps=20, **once),
+        "default_40": raw(base / "default", steps=40, **once),
+        "cosine": raw(base / "cosine", steps=40, train__lr_schedule_steps=40, **once),
         "planned": raw(base / "planned", steps=20, train__lr_schedule_steps=40, **once),
         "planned_40": raw(base / "planned", steps=40, **once),
-        "default": raw(base / "default", steps=20, **once),
-        "asked": raw(base / "asked", steps=40, train__lr_schedule_steps=40, checkpoint__load=str(base / "default" / "checkpoints" / "step_00000020"), **once),
-        "default_40": raw(base / "default", steps=40, **once),
+        "short": raw(base / "short", steps=20, train__lr_schedule_steps=20, **once),
+        "asked": raw(base / "asked", steps=40, train__lr_schedule_steps=40, checkpoint__load=str(base / "short" / "checkpoints" / "step_00000020"), **once),
+        "short_40": raw(base / "short", steps=40, **once),
         "diverged": diverging,
     }
     return {name: train_rank(type(backend)(backend.options), config) for name, config in runs.items()}
@@ -175,7 +178,13 @@ def test_a_checkpoint_of_another_model_or_data_stream_is_refused_naming_the_key(
     config = write_config(tmp_path / "c.yaml", raw(used, steps=8))
     assert main(["train", config, "--set", "model.hidden=32"]) == 2
     (line,) = _errors(capsys)
-    assert line.startswith("portapipe: config error: model.hidden: 32, but") and "was written with 16" in line
+    assert line.startswith("portapipe: config error: model.hidden: 32 (the checkpoint has 16); ") and "was written for another model" in line
+    assert main(["train", config, "--set", "model.hidden=32", "--set", "model.n_layers=3"]) == 2
+    (line,) = _errors(capsys)
+    assert "model.hidden: 32 (the checkpoint has 16), model.n_layers: 3 (the checkpoint has 2); " in line
+    assert main(["train", config, "--set", "model.arch=qwen3_moe"]) == 2  # another architecture: named alone
+    (line,) = _errors(capsys)
+    assert line.startswith("portapipe: config error: model.arch: 'qwen3_moe' (the checkpoint has 'portapipe'); ") and "model.n_" not in line
     assert main(["train", config, "--set", "train.micro_batch_size=4"]) == 2
     (line,) = _errors(capsys)
     assert "the global batch is 8 sequences (dp 1 x ep 1 x 2 micro-batches x 4)" in line and "trained with 4; keep 4" in line
@@ -216,13 +225,31 @@ def test_a_second_run_on_a_locked_folder_exits_2_naming_the_holder(tmp_path, cap
 def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / ".portapipe.lock").write_text(f"{dead.pid}\n")
+    for folder in (tmp_path, tmp_path / "checkpoints"):  # a run locks its log.dir and its checkpoint folder
+        folder.mkdir(exist_ok=True)
+        (folder / ".portapipe.lock").write_text(f"{dead.pid}\n")
     said: list[str] = []
     plan, locks = prepare_run(load_config(raw(tmp_path)), "cpu", said.append)
     assert (tmp_path / ".portapipe.lock").read_text().strip() == str(os.getpid())
+    assert (tmp_path / "checkpoints" / ".portapipe.lock").read_text().strip() == str(os.getpid())
     locks.release()
     assert said == [f"log.dir: taking over the lock of {tmp_path} left by pid {dead.pid}, which no longer holds it (a run that was killed)"]
     assert (tmp_path / ".portapipe.lock").read_text() == ""  # released on exit
+
+
+def test_a_run_whose_checkpoint_dir_is_a_running_runs_checkpoints_is_refused(tmp_path):
+    """Another log.dir, but checkpoint.dir pointing into a live run's folder: it would read, prune
+    or move aside what the live run is writing."""
+    plan, locks = prepare_run(load_config(raw(tmp_path / "live")), "cpu", lambda line: None)
+    try:
+        with pytest.raises(ConfigError) as err:
+            prepare_run(load_config(raw(tmp_path / "other", checkpoint__dir=str(tmp_path / "live" / "checkpoints"))), "cpu", print)
+    finally:
+        locks.release()
+    assert err.value.problems == [
+        f"checkpoint.dir: {tmp_path / 'live' / 'checkpoints'} is in use by another run (pid {os.getpid()}); wait for it to end or use another checkpoint.dir"
+    ]
+    assert not (tmp_path / "other" / ".portapipe.lock").read_text()  # the log.dir lock taken first was given back
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "proc"])
@@ -243,34 +270,52 @@ def test_unwritable_log_or_checkpoint_folders_exit_2_before_ranks_start(tmp_path
 # ------------------------------------------------------------------------------ LR schedule
 @pytest.mark.multiproc
 def test_20_steps_then_resumed_to_40_equal_40_straight_bit_for_bit(horizons):
-    """A run planned for 40 steps (train.lr_schedule_steps: 40) stopped at 20 and resumed with
-    train.steps: 40 keeps its schedule: steps 21..40 are those of 40 straight steps."""
-    same_steps(train_rows(horizons / "planned"), train_rows(horizons / "straight"))
+    """The default schedule (no train.lr_schedule_steps: no decay after the warm-up) does not
+    depend on train.steps: 20 steps, then the same command with train.steps: 40, is 40 straight steps."""
+    default = train_rows(horizons / "default")
+    assert [r["step"] for r in default] == list(range(1, 41))
+    same_steps(default, train_rows(horizons / "straight"))
+
+
+@pytest.mark.multiproc
+def test_a_run_planned_for_40_stopped_at_20_and_resumed_equals_40_straight_bit_for_bit(horizons):
+    """train.lr_schedule_steps: 40 on a run of 20; the resume (not setting it) keeps the checkpoint's horizon."""
+    same_steps(train_rows(horizons / "planned"), train_rows(horizons / "cosine"))
 
 
 @pytest.mark.multiproc
 def test_a_resume_keeps_the_checkpoints_schedule_unless_asked(horizons):
-    straight = train_rows(horizons / "straight")
-    kept = train_rows(horizons / "default")  # 20 steps (cosine ends at 20), resumed to 40: min_lr after 20
+    cosine = train_rows(horizons / "cosine")
+    kept = train_rows(horizons / "short")  # cosine ending at 20, resumed to 40: min_lr after 20
     assert [r["lr"] for r in kept[20:]] == [1e-3] * 20 and kept[19]["lr"] == 1e-3
-    assert [r["lr"] for r in kept[:20]] != [r["lr"] for r in straight[:20]]
+    assert [r["lr"] for r in kept[:20]] != [r["lr"] for r in cosine[:20]]
     asked = train_rows(horizons / "asked")  # the same, continued with train.lr_schedule_steps: 40
-    assert [r["step"] for r in asked] == list(range(21, 41)) and [r["lr"] for r in asked] == [r["lr"] for r in straight[20:]]
+    assert [r["step"] for r in asked] == list(range(21, 41)) and [r["lr"] for r in asked] == [r["lr"] for r in cosine[20:]]
 
 
 @pytest.mark.multiproc
 def test_one_line_says_what_the_lr_schedule_is_after_a_resume(horizons, tmp_path):
-    folder = tmp_path / "s"
-    shutil.copytree(horizons / "straight", folder, ignore=shutil.ignore_patterns(".portapipe.lock"))
-    for over, want in (
-        ({}, "LR schedule after step 40: warm-up 2 steps to 0.01, then cosine to 0.001 at step 40 "
-             "(kept from the checkpoint; train.lr_schedule_steps changes it); steps 41..60 run at 0.001"),
-        ({"train__lr_schedule_steps": 60}, "LR schedule after step 40: warm-up 2 steps to 0.01, then cosine to 0.001 at step 60 (train.lr_schedule_steps)"),
+    for run, over, want in (
+        ("straight", {}, "LR schedule after step 40: warm-up 2 steps to 0.01, then constant, no decay "
+                         "(kept from the checkpoint; train.lr_schedule_steps sets a cosine decay)"),
+        ("cosine", {}, "LR schedule after step 40: warm-up 2 steps to 0.01, then cosine to 0.001 at step 40 "
+                       "(kept from the checkpoint; train.lr_schedule_steps changes it); steps 41..60 run at 0.001"),
+        ("cosine", {"train__lr_schedule_steps": 60},
+         "LR schedule after step 40: warm-up 2 steps to 0.01, then cosine to 0.001 at step 60 (train.lr_schedule_steps)"),
     ):
+        folder = tmp_path / f"{run}{len(over)}"
+        shutil.copytree(horizons / run, folder, ignore=shutil.ignore_patterns(".portapipe.lock"))
         said: list[str] = []
         plan, locks = prepare_run(load_config(raw(folder, steps=60, **over)), "cpu", said.append)
         locks.release()
         assert [line for line in said if line.startswith("LR schedule")] == [want]
+
+
+def test_a_new_run_whose_horizon_ends_before_its_last_step_says_so(tmp_path):
+    said: list[str] = []
+    plan, locks = prepare_run(load_config(raw(tmp_path, steps=30, train__lr_schedule_steps=20)), "cpu", said.append)
+    locks.release()
+    assert said == ["LR schedule: warm-up 2 steps to 0.01, then cosine to 0.001 at step 20 (train.lr_schedule_steps); steps 21..30 run at 0.001"]
 
 
 # ------------------------------------------------------------------------------- divergence

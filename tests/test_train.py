@@ -19,7 +19,7 @@ from portapipe.train import clip_coefficient, lr_at, make_optimizer
 # ------------------------------------------------------------------------------- LR schedule
 def test_lr_warms_up_linearly_then_follows_a_half_cosine_to_min_lr():
     tc = TrainConfig(steps=20, lr=1e-2, min_lr=1e-3, warmup_steps=4)
-    lrs = [lr_at(s, tc) for s in range(20)]
+    lrs = [lr_at(s, tc, 20) for s in range(20)]
     assert lrs[:4] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2])
     assert lrs[4] == pytest.approx(1e-2)
     assert lrs[-1] == pytest.approx(1e-3)
@@ -31,7 +31,7 @@ def test_lr_warms_up_linearly_then_follows_a_half_cosine_to_min_lr():
 
 def test_lr_without_warmup_starts_at_full_lr():
     tc = TrainConfig(steps=3, lr=2e-3, min_lr=0.0, warmup_steps=0)
-    assert [lr_at(s, tc) for s in range(3)] == pytest.approx([2e-3, 1e-3, 0.0])
+    assert [lr_at(s, tc, 3) for s in range(3)] == pytest.approx([2e-3, 1e-3, 0.0])
 
 
 def test_clip_coefficient_scales_to_max_norm_only_when_exceeded():
@@ -50,14 +50,20 @@ def test_weight_decay_applies_to_matrices_only():
 
 
 def test_lr_schedule_ends_at_its_horizon_not_at_the_last_step():
-    """train.lr_schedule_steps (or a resumed run's horizon) places the end of the cosine; past it, min_lr."""
-    tc = TrainConfig(steps=40, lr=1e-2, min_lr=1e-3, warmup_steps=4)
-    straight = [lr_at(s, tc) for s in range(40)]
-    assert [lr_at(s, tc, horizon=40) for s in range(40)] == straight
-    assert [lr_at(s, TrainConfig(steps=20, lr=1e-2, min_lr=1e-3, warmup_steps=4, lr_schedule_steps=40)) for s in range(20)] == straight[:20]
-    short = [lr_at(s, tc, horizon=20) for s in range(40)]
-    assert short[:20] == [lr_at(s, TrainConfig(steps=20, lr=1e-2, min_lr=1e-3, warmup_steps=4)) for s in range(20)]
-    assert short[19:] == [1e-3] * 21
+    """The horizon (train.lr_schedule_steps, or a resumed run's) places the end of the cosine; past it, min_lr."""
+    tc = TrainConfig(steps=20, lr=1e-2, min_lr=1e-3, warmup_steps=4)
+    planned = [lr_at(s, tc, 40) for s in range(40)]
+    assert planned[:20] == [lr_at(s, tc.model_copy(update={"steps": 40}), 40) for s in range(20)]  # train.steps plays no part
+    assert planned[39] == pytest.approx(1e-3) and planned[20] > 1e-3
+    short = [lr_at(s, tc, 20) for s in range(40)]
+    assert short[:20] == planned[:4] + short[4:20] and short[19:] == [1e-3] * 21
+
+
+def test_without_a_horizon_the_lr_stays_after_the_warm_up_whatever_train_steps_is():
+    """The default: no decay, so 20 steps then a resume to 40 train as 40 straight steps."""
+    for steps in (20, 40):
+        tc = TrainConfig(steps=steps, lr=1e-2, min_lr=1e-3, warmup_steps=4)
+        assert [lr_at(s, tc, None) for s in range(40)] == [2.5e-3, 5e-3, 7.5e-3, 1e-2] + [1e-2] * 36
 
 
 def test_atomic_write_leaves_the_old_file_on_failure(tmp_path):

@@ -250,6 +250,8 @@ def resolve(path: Path, warn: Callable[[str], None] | None = None) -> Entry:
     ``checkpoints/``). CheckpointError when there is none."""
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file; give a checkpoint folder ({PREFIX}NNNNNNNN) or a folder of checkpoints")
     if (path / MANIFEST).exists() or _dir_step(path) is not None:
         entry = verify(path)
         if not entry.complete:
@@ -266,10 +268,11 @@ def resolve(path: Path, warn: Callable[[str], None] | None = None) -> Entry:
 
 def publish(tmp: Path, final: Path) -> None:
     """Rename a finished save into place; a folder already there (an unusable checkpoint of the
-    same step) is moved out of the way first and then removed."""
+    same step) is moved out of the way first and then removed. Named like an unfinished save, so
+    that a kill between the renames leaves nothing the next run does not clear."""
     trash = None
     if final.exists():
-        trash = final.with_name(f".trash.{final.name}.{os.getpid()}.{time.time_ns()}")
+        trash = final.with_name(f".{final.name}.replaced-{os.getpid()}-{time.time_ns()}.tmp")
         os.replace(final, trash)
     os.replace(tmp, final)
     _fsync_dir(final.parent)

@@ -62,7 +62,7 @@ class RunPlan:
     mode: str  # "new" | "resume" | "load"
     source: str | None = None  # the checkpoint started from
     step: int = 0  # its step
-    lr_schedule_steps: int = 0  # where the cosine ends
+    lr_schedule_steps: int | None = None  # where the cosine ends; None: no decay
     placement_fits: bool = False  # its expert placement applies to this balancer as it is
 
     def to_dict(self) -> dict[str, Any]:
@@ -70,6 +70,9 @@ class RunPlan:
 
 
 # ------------------------------------------------------------------------------ the lock
+_named_dead: set[str] = set()  # pids of dead lock holders already named (a run holds two locks)
+
+
 class FolderLock:
     """An exclusive ``flock`` on ``<folder>/.portapipe.lock``, which holds the owner's pid.
 
@@ -83,6 +86,8 @@ class FolderLock:
         self.fd: int | None = None
 
     def acquire(self, say: Callable[[str], None]) -> None:
+        """Take the lock (ConfigError naming the holder when a live run has it); a lock left by a
+        dead process is taken over with one ``say`` line, unless the same pid was named already."""
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -93,7 +98,8 @@ class FolderLock:
                 [f"{self.key}: {self.folder} is in use by another run (pid {holder}); wait for it to end or use another {self.key}"]
             ) from None
         before = os.pread(fd, 64, 0).decode(errors="replace").strip()
-        if before and before != str(os.getpid()):
+        if before and before != str(os.getpid()) and before not in _named_dead:
+            _named_dead.add(before)
             say(f"{self.key}: taking over the lock of {self.folder} left by pid {before}, which no longer holds it (a run that was killed)")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -203,11 +209,8 @@ def resume_problems(config: Config, manifest: dict[str, Any], path: Path, key: s
     from the seed and the global batch size, so changing either would change the data.
     """
     out = []
-    theirs = manifest.get("config", {})
-    mine = config.to_dict()
-    for k, v in mine["model"].items():
-        if theirs.get("model", {}).get(k) != v:
-            out.append(f"model.{k}: {v!r}, but {path} was written with {theirs.get('model', {}).get(k)!r}; {key} needs the same model")
+    if (line := _model_line(config, manifest.get("config", {}).get("model", {}), path, key)) is not None:
+        out.append(line)
     data = manifest["trainer"].get("data", {})
     gb = global_batch_size(config)
     if data.get("global_batch") != gb:
@@ -228,13 +231,32 @@ def resume_problems(config: Config, manifest: dict[str, Any], path: Path, key: s
     return out
 
 
-def lr_line(config: Config, horizon: int, origin: str, step: int) -> str:
-    """The one line saying what the LR schedule is after a resume."""
+def _model_line(config: Config, theirs: dict[str, Any], path: Path, key: str) -> str | None:
+    """One line naming how the checkpoint's model differs from this config's (None when it does not).
+
+    Another architecture is named alone (its other keys differ as a matter of course); a key the
+    checkpoint's config lacks (added to the config since) counts as its default.
+    """
+    fields = type(config.model).model_fields
+    mine = config.to_dict()["model"]
+    then = {k: theirs[k] if k in theirs else json.loads(json.dumps(fields[k].get_default(call_default_factory=True))) for k in mine}
+    diff = [k for k in mine if then[k] != mine[k]]
+    if "arch" in diff:
+        diff = ["arch"]
+    if not diff:
+        return None
+    shown = ", ".join(f"model.{k}: {mine[k]!r} (the checkpoint has {then[k]!r})" for k in diff)
+    return f"{shown}; {path} was written for another model and {key} needs the same one"
+
+
+def lr_line(config: Config, horizon: int | None, origin: str, step: int | None) -> str:
+    """The one line saying what the LR schedule is (after a resume from ``step``, or of a new run)."""
     t = config.train
-    line = (
-        f"LR schedule after step {step}: warm-up {t.warmup_steps} steps to {t.lr:g}, then cosine to {t.min_lr:g} "
-        f"at step {horizon} ({origin})"
-    )
+    when = "LR schedule" if step is None else f"LR schedule after step {step}"
+    warm = f"warm-up {t.warmup_steps} step{'s' * (t.warmup_steps != 1)} to {t.lr:g}, then" if t.warmup_steps else f"{t.lr:g} from the start,"
+    if horizon is None:
+        return f"{when}: {warm} constant, no decay ({origin})"
+    line = f"{when}: {warm} cosine to {t.min_lr:g} at step {horizon} ({origin})"
     if horizon < t.steps:
         line += f"; steps {horizon + 1}..{t.steps} run at {t.min_lr:g}"
     return line
@@ -270,9 +292,9 @@ def prepare_run(config: Config, backend_name: str, say: Callable[[str], None] = 
     if problems:
         raise ConfigError(problems)
     log_dir, root = Path(config.log.dir), checkpoint_root(config)
-    folders = [(log_dir, "log.dir")]
-    if not root.resolve().is_relative_to(log_dir.resolve()):
-        folders.append((root, "checkpoint.dir"))
+    # The checkpoint folder too, always: another run's checkpoint.dir may point into this log.dir.
+    folders = [(log_dir, "log.dir"), (root, "checkpoint.dir" if config.checkpoint.dir else "log.dir")]
+    _named_dead.clear()
     locks = Locks([])
     try:
         for folder, key in folders:
@@ -347,18 +369,21 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
         parent = None if source is None else {"run_id": source.run_id, "step": source.step, "path": str(source.path)}
         files.write_json(log_dir / RUN_FILE, {"run_id": run_id, "source": parent})
 
-    plan = RunPlan(run_id=run_id, root=str(root), mode=mode, lr_schedule_steps=config.train.lr_schedule_steps or config.train.steps)
+    asked = config.train.lr_schedule_steps
+    plan = RunPlan(run_id=run_id, root=str(root), mode=mode, lr_schedule_steps=asked)
     if source is None:
+        if asked is not None and asked < config.train.steps:  # a horizon left behind when train.steps grew
+            say(lr_line(config, asked, "train.lr_schedule_steps", None))
         return plan
     manifest = source.manifest or {}
     plan.source, plan.step = str(source.path), int(manifest["step"])
     plan.placement_fits = placement_fits(config, manifest)
-    kept = manifest["trainer"].get("lr_schedule_steps")
-    if config.train.lr_schedule_steps is not None:
-        plan.lr_schedule_steps, origin = config.train.lr_schedule_steps, "train.lr_schedule_steps"
-    else:
-        plan.lr_schedule_steps = int(kept or config.train.steps)
-        origin = "kept from the checkpoint; train.lr_schedule_steps changes it"
+    if asked is not None:
+        origin = "train.lr_schedule_steps"
+    else:  # the checkpoint's: None (no decay) or the horizon it was trained towards
+        plan.lr_schedule_steps = manifest["trainer"].get("lr_schedule_steps")
+        change = "changes it" if plan.lr_schedule_steps is not None else "sets a cosine decay"
+        origin = f"kept from the checkpoint; train.lr_schedule_steps {change}"
     verb = f"resuming run {run_id} from" if mode == "resume" else f"new run {run_id} in {log_dir} from run {source.run_id}'s"
     note = f"{verb} {source.path} (step {plan.step} of {config.train.steps})"
     if plan.step >= config.train.steps:
