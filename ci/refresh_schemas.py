@@ -44,6 +44,8 @@ TORCH_PY = [
     "torch.distributed._symmetric_memory.get_backend",
     "torch.distributed._symmetric_memory.is_nvshmem_available",
     "torch.backends.cuda.is_built",
+    "torch.distributed.init_process_group",
+    "torch.distributed.new_group",
     "torch.cuda.Stream",
     "torch.cuda.Stream.wait_event",
     "torch.cuda.Stream.wait_stream",

@@ -173,6 +173,30 @@ def test_every_cuda_call_binds_to_the_declarations(monkeypatch) -> None:
     assert stream_call["priority"] == -1  # a keyword torch.cuda.Stream declares
 
 
+def test_process_group_calls_of_the_device_backends_bind_to_the_declarations(monkeypatch) -> None:
+    """init_process_group (NCCL with device_id, HCCL without) and new_group, as only a device makes them."""
+    decl = declared.load("torch")
+    seen: dict[str, list[dict]] = {"init_process_group": [], "new_group": []}
+    for name in seen:
+        dotted = f"torch.distributed.{name}"
+        monkeypatch.setattr(torch.distributed, name, lambda *a, _d=dotted, _n=name, **k: seen[_n].append(decl.bind_py(_d, *a, **k)))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    _strict_cuda(monkeypatch)
+    cuda = CUDABackend()
+    cuda.init_process_group(rank=1, world_size=2, timeout_s=5)
+    cuda.new_group([0, 1])
+    mod = make_standin()
+    monkeypatch.setitem(sys.modules, "torch_npu", mod)
+    monkeypatch.setitem(sys.modules, "torch_npu.npu", mod.npu)
+    npu = AscendBackend()
+    npu.init_process_group(rank=0, world_size=2)
+    npu.new_group([0, 1])
+    (nccl, hccl), groups = seen["init_process_group"], seen["new_group"]
+    assert (nccl["backend"], hccl["backend"]) == ("nccl", "hccl")
+    assert nccl["device_id"] == torch.device("cuda", 0) and hccl["device_id"] is None
+    assert [g["backend"] for g in groups] == ["nccl", "hccl"] and groups[0]["ranks"] == [0, 1]
+
+
 @pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="this torch has no torch.nn.functional.grouped_mm")
 def test_fused_grouped_mm_calls_bind_to_the_declarations(monkeypatch) -> None:
     """The CPU and CUDA backends' grouped_mm calls: torch.nn.functional.grouped_mm's signature
