@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
     config = load_config(args.config, ["backend=cpu", *args.overrides])
     if config.schedule.microbatches % config.parallel.pp:
         parser.error(f"interleaved needs schedule.microbatches ({config.schedule.microbatches}) divisible by pp ({config.parallel.pp})")

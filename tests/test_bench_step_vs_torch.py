@@ -27,3 +27,11 @@ def test_step_vs_torch_runs_and_ours_and_torchs_pipelines_agree() -> None:
         same = report[schedule]["same_computation"]
         assert same["loss_ours"] == same["loss_torch"] == same["loss_ours_no_overlap"]
         assert same["max_rel_grad_diff_torch_vs_ours"] < 1e-5 and same["max_rel_grad_diff_no_overlap_vs_ours"] < 1e-5
+
+
+@pytest.mark.parametrize("steps, warmup", [("0", "1"), ("-1", "1"), ("2", "-1")])
+def test_step_counts_it_cannot_time_exit_2_before_ranks_start(steps: str, warmup: str) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_vs_torch.py"), "--steps", steps, "--warmup", warmup]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == f"step_vs_torch.py: error: --steps must be >= 1 and --warmup >= 0, got --steps {steps} --warmup {warmup}"
