@@ -122,3 +122,24 @@ def test_loads_gathered_over_the_ep_group_and_every_rank_decides_the_same() -> N
     assert ExpertPlacement(a["phy2log"], 2).logcnt[0].tolist() == [1, 1, 2, 2]
     for out in (a, b):
         assert out["rows"] == [float(e) for e in out["mine"]]  # each slot now holds its expert's rows
+
+
+def test_incremental_replans_with_refined_the_layers_a_published_plan_doubled() -> None:
+    # a checkpoint of a run with policy hierarchical, resumed with incremental: layer 0's placement
+    # holds expert 0 twice on a GPU, which incremental cannot start from; layer 1's keeps the rule
+    from portapipe.balancing.eplb import rebalance_experts
+    from portapipe.balancing.slots import duplicated
+
+    w0 = torch.tensor([[1000.0, 1, 1, 1, 1, 1, 1, 1], [9.0, 8, 7, 6, 5, 4, 3, 2]])
+    placed = rebalance_experts(w0, 16, 1, 1, 4, policy="hierarchical")
+    assert duplicated(placed[0], 4).tolist() == [True, False]
+    bal = Rebalancer(2, 8, 16, 4, policy="incremental", placement=ExpertPlacement.from_plan(placed, 4), interval=1,
+                     window=1, max_moved=0.25)
+    w = torch.tensor([[1.0, 1000, 1, 1, 1, 1, 1, 1], [2.0, 3, 4, 5, 6, 7, 8, 9]], dtype=torch.float64)
+    event = bal.step(0, w)
+    assert event.policy == "incremental+refined" and event.applied
+    refined = rebalance_experts(w, 16, 1, 1, 4, policy="refined")
+    incremental = rebalance_experts(w[1:], 16, 1, 1, 4, policy="incremental", current=placed[0][1:], max_moved=0.25)
+    assert torch.equal(event.placement.phy2log, torch.cat([refined[0][:1], incremental[0]]))
+    assert not duplicated(event.placement.phy2log, 4).any()
+    assert bal.step(1, w).policy == "incremental"  # from then on every layer keeps the rule

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .cost import MigrationCost, migration_cost
 from .eplb import POLICIES, balancedness, rebalance_experts
 from .placement import ExpertPlacement
+from .slots import duplicated
 
 log = logging.getLogger("portapipe.balancing")
 
@@ -182,13 +183,30 @@ class Rebalancer:
         return self.decide(step)
 
     def plan(self, loads: torch.Tensor) -> tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """(policy used, plan) for ``loads``: incremental from a planned placement, else from scratch."""
-        if self.policy == "incremental" and self.planned:
-            plan = rebalance_experts(loads, *self.args, policy="incremental", current=self.placement.phy2log,
-                                     max_moved=self.max_moved, min_gain=self.min_gain)
-            return "incremental", plan
-        policy = "refined" if self.policy == "incremental" else self.policy
-        return policy, rebalance_experts(loads, *self.args, policy=policy)
+        """(policy used, plan) for ``loads``: incremental from a planned placement, else from scratch.
+
+        Layers whose placement holds an expert twice on a rank (restored from a run with a published
+        policy) get a first placement by ``refined``: incremental cannot start from them. The policy
+        is then ``incremental+refined`` (or ``refined`` when no layer keeps the rule).
+        """
+        if self.policy != "incremental":
+            return self.policy, rebalance_experts(loads, *self.args, policy=self.policy)
+        if not self.planned:
+            return "refined", rebalance_experts(loads, *self.args, policy="refined")
+        current = self.placement.phy2log
+        fresh = duplicated(current, self.args[3])
+        keep = ~fresh
+        if bool(fresh.all()):
+            return "refined", rebalance_experts(loads, *self.args, policy="refined")
+        inc = rebalance_experts(loads[keep], *self.args, policy="incremental", current=current[keep],
+                                max_moved=self.max_moved, min_gain=self.min_gain)
+        if not bool(fresh.any()):
+            return "incremental", inc
+        log.info("eplb: layers %s hold an expert twice on a rank; refined plans them afresh", fresh.nonzero().flatten().tolist())
+        plan = rebalance_experts(loads, *self.args, policy="refined")
+        for whole, part in zip(plan, inc):
+            whole[keep] = part
+        return "incremental+refined", plan
 
     def decide(self, step: int) -> RebalanceEvent:
         """Plan from the window's loads; adopt the plan if it gains at least ``min_gain`` per moved fraction."""
