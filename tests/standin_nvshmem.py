@@ -223,10 +223,21 @@ class SymmMemDouble:
 
 # ----------------------------------------------------------------- torch.cuda doubles
 class CudaStream:
-    """``torch.cuda.Stream`` as far as the transport uses it (declared signatures of torch 2.14.1)."""
+    """``torch.cuda.Stream`` as far as the transport uses it (declared signatures of torch 2.14.1).
 
-    def __init__(self) -> None:
-        self.waited: list[CudaEvent] = []
+    ``current_stream()`` wraps the current stream anew on every call, as torch's does: wrappers
+    of one stream compare equal and share what was waited on, but are not the same object.
+    """
+
+    def __init__(self, stream_id: int = 0, waited: list | None = None) -> None:
+        self.stream_id = stream_id
+        self.waited: list[CudaEvent] = [] if waited is None else waited
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CudaStream) and other.stream_id == self.stream_id
+
+    def __hash__(self) -> int:
+        return hash(self.stream_id)
 
     def wait_event(self, event: CudaEvent) -> None:
         declared.load("torch").bind_py("torch.cuda.Stream.wait_event", event)
@@ -259,7 +270,7 @@ def install(setattr_: Any, double: SymmMemDouble, stream: CudaStream | None = No
 
     def current_stream(*args: Any, **kwargs: Any) -> CudaStream:
         declared.load("torch").bind_py("torch.cuda.current_stream", *args, **kwargs)
-        return stream
+        return CudaStream(stream.stream_id, stream.waited)  # a new wrapper of the same stream
 
     setattr_(nvshmem.NvshmemTransport, "_symm_mem", staticmethod(double.module))
     setattr_(nvshmem.NvshmemTransport, "_all_to_all_vdev", staticmethod(lambda: double.all_to_all_vdev))

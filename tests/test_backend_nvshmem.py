@@ -154,6 +154,7 @@ def test_transport_alternates_buffers_and_orders_the_read_out(one_rank) -> None:
     took the first pair); each call waits for the previous call's read-out of the shared output
     buffer."""
     double, stream = one_rank
+    assert torch.cuda.current_stream() == stream and torch.cuda.current_stream() is not stream  # a new wrapper, as torch's
     tr = nvshmem.NvshmemTransport(torch.device("cpu"), 4096)
     tr.setup(GROUP)
     bufs = tr._buffers["ep0"]
