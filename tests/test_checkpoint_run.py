@@ -348,30 +348,6 @@ def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------- preemption
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
-
-
-def _ranks_of(launcher: int) -> list[int]:
-    """The rank processes of a local launch: children of the launcher's forkserver."""
-    ranks = []
-    for child in _children(launcher):
-        try:
-            if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
-                ranks += _children(child)
-        except OSError:
-            continue
-    return ranks
-
-
 def _resume_and_reference(backend: Any, resume: dict[str, Any], reference: dict[str, Any]) -> None:
     from portapipe.train import train_rank
 
@@ -379,38 +355,45 @@ def _resume_and_reference(backend: Any, resume: dict[str, Any], reference: dict[
         train_rank(type(backend)(backend.options), config)
 
 
-@pytest.mark.multiproc
-def test_sigterm_to_a_rank_stops_every_rank_checkpoints_exits_143_and_resumes_bit_for_bit(tmp_path):
-    """Until the launcher forwards SIGTERM to its ranks, the test signals a rank process: one rank
-    receives it, every rank stops after the same step."""
-    steps = 16
-    run = raw(tmp_path / "run", steps=steps, pp=2, checkpoint__every=0)
-    config = write_config(tmp_path / "c.yaml", run)
+def _stop_launcher(tmp_path: Path, run: dict[str, Any], sig: signal.Signals, group: bool) -> tuple[int, list[str], dict[str, Any]]:
+    """``portapipe train`` in a child process, stopped by ``sig`` to the launcher (``group``: to
+    its process group, as Ctrl-C in a terminal) once two steps are logged."""
+    config = write_config(tmp_path / f"{sig.name}.yaml", run)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "portapipe.cli", "train", config], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "portapipe.cli", "train", config], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            start_new_session=group)
+    metrics = Path(run["log"]["dir"]) / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 2:
             break
         time.sleep(0.02)
-    ranks = _ranks_of(proc.pid)
-    assert len(ranks) == 2, ranks
-    os.kill(max(ranks), signal.SIGTERM)
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err.decode()
-    lines = [line for line in err.decode().splitlines() if line.startswith("portapipe:")]
-    summary = json.loads(out)
-    k = summary["stopped"]["step"]
-    assert summary["stopped"]["signal"] == "SIGTERM" and 2 <= k < steps
-    assert lines == [f"portapipe: stopped by SIGTERM after step {k}; checkpoint {tmp_path / 'run' / 'checkpoints' / f'step_{k:08d}'} (the same command resumes)"]
-    assert "Traceback" not in err.decode()
-    assert [e["step"] for e in list_checkpoints(tmp_path / "run")] == [k]
+    assert "Traceback" not in err.decode(), err.decode()
+    return proc.returncode, [line for line in err.decode().splitlines() if line.startswith("portapipe:")], json.loads(out)
 
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sig, code, group", [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, True)], ids=["SIGTERM", "SIGINT-ctrl-c"])
+def test_a_stop_signal_to_the_launcher_stops_every_rank_after_a_step_with_a_checkpoint_and_resumes_bit_for_bit(tmp_path, sig, code, group):
+    steps = 200  # more than run before the signal arrives
+    run = raw(tmp_path / "run", steps=steps, pp=2, checkpoint__every=0)
+    returncode, lines, summary = _stop_launcher(tmp_path, run, sig, group)
+    k = summary["stopped"]["step"]
+    assert returncode == code and summary["stopped"]["signal"] == sig.name and 2 <= k < steps
+    ckpt = tmp_path / "run" / "checkpoints" / f"step_{k:08d}"
+    assert lines == [f"portapipe: stopped by {sig.name} after step {k}; checkpoint {ckpt} (the same command resumes)"]
+    assert [(e["step"], e["complete"]) for e in list_checkpoints(tmp_path / "run")] == [(k, True)]
+    assert [r["step"] for r in train_rows(tmp_path / "run")] == list(range(1, k + 1))
+    if sig != signal.SIGTERM:
+        return
+    # resumed for 3 more steps (the default LR schedule does not depend on train.steps) = k + 3 straight
     from portapipe.launch import run_ranks
 
-    reference = raw(tmp_path / "straight", steps=steps, pp=2, checkpoint__every=0)
-    run_ranks(_resume_and_reference, 2, load_config(run).to_dict(), load_config(reference).to_dict(), wall_timeout_s=300)
+    resume, reference = raw(tmp_path / "run", steps=k + 3, pp=2, checkpoint__every=0), raw(tmp_path / "straight", steps=k + 3, pp=2, checkpoint__every=0)
+    run_ranks(_resume_and_reference, 2, load_config(resume).to_dict(), load_config(reference).to_dict(), wall_timeout_s=300)
     same_steps(train_rows(tmp_path / "run"), train_rows(tmp_path / "straight"))
 
 
