@@ -383,11 +383,37 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if not sep or not key.strip():
             raise ConfigError([f"--set {item!r}: expected KEY.PATH=VALUE"])
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = _yaml(text) if text.strip() else None
         except yaml.YAMLError as exc:
             raise ConfigError([f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)})"]) from None
         _set_path(raw, key.strip(), value)
     return raw
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML would silently keep
+    the last: a second ``train:`` section would drop the first's settings)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges are meant to be overridden
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = first.get(key)
+            except TypeError:
+                continue  # an unhashable key: the safe loader's own error names it
+            if seen is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first at line {seen.line + 1})", key_node.start_mark
+                )
+            first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a safe loader)
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:
@@ -444,7 +470,7 @@ def _read_yaml(path: Path) -> Any:
     except UnicodeDecodeError as exc:
         raise ConfigError([f"<file>: {path} is not a UTF-8 text file (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); a config is YAML text"]) from None
     try:
-        return yaml.safe_load(text) or {}
+        return _yaml(text) or {}
     except yaml.YAMLError as exc:
         raise ConfigError([f"<file>: {path} is not valid YAML: {yaml_problem(exc)}"]) from None
 

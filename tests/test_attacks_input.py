@@ -67,6 +67,23 @@ def test_a_config_file_that_is_not_yaml_exits_2_with_one_line(tmp_path, capsys, 
     assert len(lines) == 1 and lines[0].startswith(f"portapipe: config error: <file>: {path} is not valid YAML: ") and "line 2" in lines[0]
 
 
+def test_a_key_given_twice_exits_2_naming_both_lines(tmp_path, capsys, no_ranks) -> None:
+    """PyYAML keeps the last of two equal keys: a second section would silently drop the first."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("train:\n  steps: 5\nlog:\n  every: 1\ntrain:\n  lr: 0.01\n")
+    code, lines = cli(capsys, "train", str(path))
+    assert code == 2
+    assert lines == [f"portapipe: config error: <file>: {path} is not valid YAML: key 'train' is given twice (first at line 1) at line 5, column 1"]
+    code, lines = cli(capsys, *train(tmp_path, "train={steps: 1, steps: 2}"))
+    assert code == 2 and lines == [
+        "portapipe: config error: --set 'train={steps: 1, steps: 2}': the value is not valid YAML (key 'steps' is given twice (first at line 1) at line 1, column 12)"
+    ]
+    merged = tmp_path / "merged.yaml"  # a merge key's values are meant to be overridden
+    merged.write_text("model: &m {hidden: 32, n_heads: 2}\nx: {<<: *m, hidden: 64}\n")
+    with pytest.raises(ConfigError, match="x: unknown key"):
+        load_config(merged)
+
+
 @pytest.mark.parametrize(
     "betas, line",
     [
