@@ -119,6 +119,14 @@ def test_and_back_onto_the_first_layout(runs, name):
 
 
 @pytest.mark.multiproc
+def test_the_step_3_checkpoint_holds_a_placement_the_rebalance_changed(runs):
+    """Else loading it under another balancer could not mis-map an expert, and the moves would prove little."""
+    rows = [json.loads(line) for line in (runs["root"] / "A" / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if r["kind"] == "train" and r["step"] == 3]
+    assert row["balancer"]["rebalance"]["applied"] and row["balancer"]["rebalance"]["rows_moved"] > 0
+
+
+@pytest.mark.multiproc
 def test_the_checkpoint_holds_the_single_process_models_names_once(runs):
     """Logical names only: no block, rank, slot or copy in them; each expert once; router biases too."""
     from portapipe.checkpoint import load_model_state
