@@ -159,3 +159,47 @@ def test_lone_forward_hides_the_combine_behind_the_shared_expert() -> None:
     run(block.program(Logging(), *data[0]))
     first_layer = calls[1 : calls.index("combine_part") + 1]
     assert first_layer == ["attention_part", "exchange", "exchange", "experts_part", "exchange", "shared_part", "combine_part"]
+
+
+# ------------------------------------------------------- what the tape records, and refuses
+def test_a_tensor_made_between_parts_is_refused_rather_than_losing_its_gradient() -> None:
+    import pytest
+
+    lin = torch.nn.Linear(3, 3, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64)
+
+    def made_between(tape: Tape, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
+        h = tape.part(lin, tape.watch(x))
+        return tape.part(torch.tanh, h * 2)  # h * 2 is not recorded: its gradient would not reach h
+        yield
+
+    with pytest.raises(ValueError, match=r"tape.part\(tanh\) argument 0 carries a gradient but is not the output of a part"):
+        run(made_between(Tape(), x))
+
+    def output_between(tape: Tape, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
+        return tape.part(lin, tape.watch(x)) * 2
+        yield
+
+    tape = Tape()
+    out = run(output_between(tape, x))
+    with pytest.raises(ValueError, match="the stage's output carries a gradient but is not the output of a part"):
+        run(tape.backward(out, torch.ones_like(out)))
+    # the same code inside parts: recorded, and the gradients are autograd's
+    tape = Tape()
+    h = tape.part(lin, tape.watch(x))
+    out = tape.part(lambda t: torch.tanh(t * 2), h)
+    gx = run(tape.backward(out, torch.ones_like(out)))
+    xr = x.clone().requires_grad_()
+    lin.zero_grad()
+    torch.tanh(lin(xr) * 2).backward(torch.ones(2, 3, dtype=torch.float64))
+    assert torch.equal(gx, xr.grad)
+
+
+def test_a_parameter_passed_to_a_part_gets_its_gradient() -> None:
+    w = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    x = torch.randn(2, 3, dtype=torch.float64)
+    tape = Tape()
+    out = tape.part(torch.matmul, tape.watch(x), w)
+    gx = run(tape.backward(out, torch.ones_like(out)))
+    assert torch.equal(w.grad, x.t() @ torch.ones(2, 3, dtype=torch.float64))
+    assert torch.equal(gx, torch.ones(2, 3, dtype=torch.float64) @ w.detach().t())

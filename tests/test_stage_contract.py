@@ -1,8 +1,9 @@
-"""The stage contract's names and parameter markers."""
+"""The stage contract: names and parameter markers, the import rule, and a stage written outside portapipe."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -154,3 +155,132 @@ def test_importing_the_scheduling_core_loads_neither_models_nor_balancing() -> N
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# ------------------------------------------- an overlap-capable stage written by a user
+class ToyExpertStage:
+    """docs/models.md's case 2 in miniature: a replicated linear, then every row goes to one of
+    two experts (first half of the rows to expert 0, second half to expert 1) over the EP group
+    and comes back; the first stage embeds tokens, the last ends in a head and the loss."""
+
+    def __init__(self, index: int, group: Any, first: bool, last: bool) -> None:
+        import torch.nn as nn
+
+        from portapipe.scheduling.stage import mark_expert
+
+        g = torch.Generator().manual_seed(100 + index)
+        d = 8
+        self.index, self.group, self.has_loss = index, group, last
+        self.embed = nn.Parameter(torch.randn(16, d, generator=g, dtype=torch.float64)) if first else None
+        self.lin = nn.Parameter(torch.randn(d, d, generator=g, dtype=torch.float64) / d**0.5)
+        experts = torch.randn(2, d, d, generator=g, dtype=torch.float64) / d**0.5
+        self.expert = nn.Parameter(experts[[group.rank]].clone())  # this EP rank's slot: expert `rank`
+        mark_expert(self.expert, [group.rank])
+        self.head = nn.Parameter(torch.randn(d, 16, generator=g, dtype=torch.float64)) if last else None
+
+    def named_parameters(self) -> Any:
+        for name in ("embed", "lin", "head"):
+            if getattr(self, name) is not None:
+                yield f"{self.index}.{name}", getattr(self, name)
+        yield f"{self.index}.experts.w", self.expert
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(x @ self.lin)
+        return h, h.flatten(0, 1)
+
+    def program(self, tape: Any, x: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        x = tape.watch(x)
+        if self.embed is not None:
+            x = tape.part(lambda t: self.embed[t], x, plain=True)
+        h, rows = tape.part(self.route, x, plain=True)  # the rows to send come out of a part too
+        half = [rows.shape[0] // 2] * 2
+        dispatch = tape.all_to_all(self.group, rows, half, half)
+        yield dispatch  # the other micro-batch's program runs while the rows travel
+        y = tape.part(lambda rows: torch.tanh(rows @ self.expert[0]), dispatch.wait(), plain=True)
+        combine = tape.all_to_all(self.group, y, half, half)
+        yield combine
+        out = tape.part(lambda a, b: a + b.view_as(a), h, combine.wait(), plain=True)
+        if self.head is None:
+            return out
+        return tape.part(lambda o, t: torch.nn.functional.cross_entropy((o @ self.head).flatten(0, 1), t.flatten()), out, targets, plain=True)
+
+
+def _toy_batch(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7 + replica)
+    return torch.randint(0, 16, (8, 4), generator=g), torch.randint(0, 16, (8, 4), generator=g)
+
+
+def _toy_rank(backend: Any) -> tuple[float, dict[str, torch.Tensor], float]:
+    from portapipe.scheduling.exchange import ExchangeGroup
+    from portapipe.scheduling.executor import PipelineExecutor, make_schedule
+
+    groups = backend.parallel_groups(2, 1, 2)
+    schedule = make_schedule("dualpipev", 2, 4)
+    group = ExchangeGroup(backend, groups.ep, groups.ep_rank, groups.ep_group)
+    blocks = [schedule.stage_block[v] for v in range(schedule.n_stages) if schedule.stage_rank[v] == groups.pp_rank]
+    stages = {b: ToyExpertStage(b, group, b == 0, b == 3) for b in blocks}
+    executor = PipelineExecutor(
+        schedule, stages, backend, groups, boundary=lambda v, shape: ((*shape, 8), torch.float64), exchange_stats=group.stats
+    )
+    x, y = _toy_batch(groups.ep_rank)
+    result = executor.step(list(zip(x.chunk(4), y.chunk(4))))
+    grads = {}
+    for name, p in executor.named_parameters():
+        grads[expert_key(name, groups.ep_rank) if is_expert(p) else name] = p.grad[0] if is_expert(p) else p.grad
+    return result.loss, grads, result.timings["fb_a2a_total_s"]
+
+
+def _toy_reference() -> tuple[float, dict[str, torch.Tensor]]:
+    """One process: both EP replicas' micro-batches side by side, the exchange done by indexing."""
+
+    class One:
+        rank = 0
+
+    stages = []
+    for b in range(4):
+        one = One()
+        s0, s1 = ToyExpertStage(b, one, b == 0, b == 3), None
+        one.rank = 1
+        s1 = ToyExpertStage(b, one, b == 0, b == 3)
+        s0.expert = torch.nn.Parameter(torch.cat([s0.expert.detach(), s1.expert.detach()]))  # both experts
+        stages.append(s0)
+    batches = [_toy_batch(r) for r in range(2)]
+    rows = []
+    for m in range(4):
+        hs = [batches[r][0].chunk(4)[m] for r in range(2)]
+        hs = [stages[0].embed[t] for t in hs]
+        for s in stages:
+            hs = [torch.tanh(h @ s.lin) for h in hs]
+            n = hs[0].shape[0] * hs[0].shape[1] // 2
+            flat = [h.flatten(0, 1) for h in hs]
+            ys = [torch.tanh(torch.cat([f[e * n : (e + 1) * n] for f in flat]) @ s.expert[e]) for e in range(2)]
+            hs = [h + torch.cat([ys[0][r * n : (r + 1) * n], ys[1][r * n : (r + 1) * n]]).view_as(h) for r, h in enumerate(hs)]
+        losses = [torch.nn.functional.cross_entropy((h @ stages[3].head).flatten(0, 1), batches[r][1].chunk(4)[m].flatten()) for r, h in enumerate(hs)]
+        (sum(losses) / 8).backward()
+        rows.append([float(v.detach()) for v in losses])
+    grads = {}
+    for s in stages:
+        for name, p in s.named_parameters():
+            if name.endswith("experts.w"):
+                grads |= {expert_key(name, e): p.grad[e] for e in range(2)}
+            else:
+                grads[name] = p.grad
+    return sum(v for r in range(2) for v in (row[r] for row in rows)) / 8, grads
+
+
+def test_a_user_written_overlap_capable_stage_runs_with_expert_parallelism_and_equals_one_process() -> None:
+    """DualPipeV on pp 2 x ep 2 over stages that are not portapipe's model: the F&B pairs overlap
+    their all-to-alls, and loss and gradients equal one process."""
+    from portapipe.launch import run_ranks
+
+    results = run_ranks(_toy_rank, 4)
+    ref_loss, ref = _toy_reference()
+    got: dict[str, torch.Tensor] = {}
+    for loss, grads, fb_a2a in results:
+        assert abs(loss - ref_loss) <= 1e-12 * ref_loss and fb_a2a > 0
+        for k, g in grads.items():  # replicated parameters: the same on both EP ranks
+            assert k not in got or torch.equal(got[k], g), k
+            got[k] = g
+    assert got.keys() == ref.keys()
+    worst = max(float((got[k] - ref[k]).norm() / ref[k].norm()) for k in ref)
+    assert worst <= 1e-12, worst

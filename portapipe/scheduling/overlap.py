@@ -133,6 +133,9 @@ class Tape:
         self._steps: list[_Part | _Exchange | Custom] = []
         self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._input: torch.Tensor | None = None
+        # ids of the tensors whose gradient the backward routes: the watched input and the
+        # outputs of parts and exchanges (alive while recorded, held by the steps)
+        self._known: set[int] = set()
 
     # ------------------------------------------------------------------ forward
     def watch(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,6 +143,7 @@ class Tape:
         if self.record and self.input_grad and x.is_floating_point():
             x = x.detach().requires_grad_(True)
             self._input = x
+            self._known.add(id(x))
         return x
 
     def part(self, fn: Callable[..., Any], *args: Any, plain: bool = False) -> Any:
@@ -152,8 +156,11 @@ class Tape:
             return fn(*args)
         leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
         call_args = []
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.requires_grad:
+        for i, a in enumerate(args):
+            if isinstance(a, torch.nn.Parameter):
+                pass  # a weight: used as it is, its gradient accumulates as a captured one's would
+            elif isinstance(a, torch.Tensor) and a.requires_grad:
+                self._check_known(a, f"tape.part({getattr(fn, '__name__', fn)!s}) argument {i}")
                 leaf = a.detach().requires_grad_(True)
                 leaves.append((leaf, a))
                 a = leaf
@@ -166,21 +173,36 @@ class Tape:
             else:
                 with observer.forward(fn, tuple(call_args)) as note:
                     out = fn(*call_args)
-        self._steps.append(_Part(leaves, _tensors(out), plain, note))
+        outputs = _tensors(out)
+        self._known.update(id(t) for t in outputs)
+        self._steps.append(_Part(leaves, outputs, plain, note))
         return out
 
     def all_to_all(self, group: ExchangeGroup, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending | Done:
         """Issue an exchange of ``x`` over ``group``; the caller yields the result, then ``wait()``s on it."""
         if not self.record:
             return Done(AllToAll.apply(x, group, list(out_splits), list(in_splits)))
+        if x.requires_grad:
+            self._check_known(x, "tape.all_to_all rows")
         pending = issue(group, x, out_splits, in_splits)
         pending.output.requires_grad_(True)
+        self._known.add(id(pending.output))
         self._steps.append(_Exchange(group, x, pending.output, list(out_splits), list(in_splits)))
         return pending
 
     def custom(self, step: Custom) -> None:
         """Record a step with its own backward program (see :class:`Custom`)."""
+        self._known.update(id(t) for t in step.outputs)
         self._steps.append(step)
+
+    def _check_known(self, t: torch.Tensor, what: str) -> None:
+        """A non-leaf tensor with a gradient the tape does not route: made by code between parts,
+        whose gradient would be lost without a word."""
+        if not t.is_leaf and id(t) not in self._known:
+            raise ValueError(
+                f"{what} carries a gradient but is not the output of a part, an exchange or tape.watch: "
+                "computations between parts are not recorded; do them inside a tape.part"
+            )
 
     # ----------------------------------------------------------------- backward
     def _add_grad(self, t: torch.Tensor, g: torch.Tensor) -> None:
@@ -204,6 +226,9 @@ class Tape:
         """
         if not self.record:
             raise RuntimeError("a Tape(record=False) is one autograd graph: call backward() on its output")
+        if output.requires_grad:
+            self._check_known(output, "the stage's output")
+        self._known.clear()  # ids stay valid only while the forward's steps hold the tensors
         self._add_grad(output, grad)
         in_flight: dict[int, tuple[torch.Tensor, Pending]] = {}
         while self._steps:
