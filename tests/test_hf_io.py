@@ -159,6 +159,28 @@ def test_a_missing_or_damaged_shard_and_an_unreadable_dtype_are_named(tmp_path: 
     ]
 
 
+def test_multi_token_prediction_layers_and_stored_rope_tables_are_ignored(tmp_path: Path) -> None:
+    """DeepSeek-V3's published folders hold an MTP layer past num_hidden_layers (not part of
+    transformers' model) and some folders store RoPE frequencies: loading skips them."""
+    original = transformers_model("deepseek_v3", seed=15)
+    folder = save(original, tmp_path / "ds")
+
+    def mtp(cfg: dict[str, Any]) -> None:
+        cfg["num_nextn_predict_layers"] = 1
+
+    def extra(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.4.eh_proj.weight"] = torch.zeros(32, 64, dtype=torch.float64)
+        t["model.layers.4.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(24, 32, dtype=torch.float64)
+        t["model.layers.1.self_attn.rotary_emb.inv_freq"] = torch.ones(4, dtype=torch.float64)
+
+    published = _copy(folder, tmp_path / "published", edit_config=mtp, edit_tensors=extra)
+    m = load_config({"model": model_section("deepseek_v3", init_from=str(published))}).model
+    assert init_problems(m) == []
+    x = tokens(2, 16, seed=16)
+    with torch.no_grad():
+        assert float((logits(portapipe_blocks("deepseek_v3", published), x) - original(x).logits).abs().max()) <= 1e-9
+
+
 def test_a_folder_that_is_not_a_model_is_refused(tmp_path: Path) -> None:
     assert _problems(tmp_path / "nowhere")[0].startswith("model.init_from: ") and "is not a folder" in _problems(tmp_path / "nowhere")[0]
     (tmp_path / "empty").mkdir()
