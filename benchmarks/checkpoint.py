@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder, removed afterwards)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. model.hidden=2048")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: at least 1")
     raw = json.loads(json.dumps(BASE))
     raw["data"] = {"val_fraction": 0.0}
     raw = load_config(raw, args.set).to_dict()
@@ -177,4 +179,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from portapipe.cli import guarded  # errors as one line, as the CLI prints them
+
+    sys.exit(guarded(main))
