@@ -192,6 +192,17 @@ def test_a_checkpoint_of_another_run_in_the_folder_is_passed_over(r1, made):
 
 
 @pytest.mark.multiproc
+def test_pruning_after_a_resume_keeps_what_the_run_resumed_from_not_the_damaged_newer_one(r1, made):
+    """Resumed from step 2 because 3 and 4 are damaged, the run writes 3 with checkpoint.keep: 1:
+    step 3 stays, and the damaged step 4 it has not reached yet does not count as kept."""
+    _truncate(_ckpt(r1, 4))
+    shutil.rmtree(_ckpt(r1, 3))
+    shutil.copytree(_ckpt(r1, 2), _ckpt(r1, 3))  # stands for the new step-3 checkpoint
+    files.prune(r1 / "checkpoints", made["ids"][0], keep=1, newest=3)
+    assert sorted(p.name for p in (r1 / "checkpoints").iterdir() if p.is_dir()) == ["step_00000003", "step_00000004"]
+
+
+@pytest.mark.multiproc
 def test_an_unfinished_save_is_not_a_checkpoint_and_is_cleared_on_resume(r1):
     tmp = r1 / "checkpoints" / ".step_00000005.someone.tmp"
     shutil.copytree(_ckpt(r1, 4), tmp)

@@ -300,15 +300,20 @@ def remove(d: Path) -> None:
 
 
 def prune(root: Path, run_id: str, keep: int, newest: int) -> None:
-    """Keep run ``run_id``'s newest ``keep`` checkpoints; drop its older ones and its unfinished saves.
+    """Keep run ``run_id``'s newest ``keep`` checkpoints up to step ``newest`` (the one just
+    written); drop its older ones and its unfinished saves.
 
-    Checkpoints of other runs are never touched (a folder holds one run; see :mod:`.run`).
+    Checkpoints of other runs are never touched (a folder holds one run; see :mod:`.run`), nor
+    are this run's past ``newest``: a resumed run passed over them as damaged, so counting them
+    among the kept would prune the checkpoints it can resume from; it replaces them as it goes.
     """
     mine = []
     for d in scan(root):
         step = _dir_step(d)
+        if step is None or step > newest:
+            continue
         if d.name.startswith("."):
-            if d.name.endswith(f".{run_id}.tmp") and step is not None and step <= newest:
+            if d.name.endswith(f".{run_id}.tmp"):
                 shutil.rmtree(d, ignore_errors=True)
             continue
         m = _manifest_or_none(d)
