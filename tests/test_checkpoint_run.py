@@ -252,6 +252,12 @@ def test_a_run_whose_checkpoint_dir_is_a_running_runs_checkpoints_is_refused(tmp
     assert not (tmp_path / "other" / ".portapipe.lock").read_text()  # the log.dir lock taken first was given back
 
 
+def test_checkpoints_kept_in_the_log_dir_itself_take_one_lock(tmp_path):
+    plan, locks = prepare_run(load_config(raw(tmp_path, checkpoint__dir=str(tmp_path) + "/")), "cpu", print)
+    locks.release()
+    assert plan.mode == "new" and len(locks.locks) == 1
+
+
 @pytest.mark.parametrize("where", ["under_a_file", "proc"])
 def test_unwritable_log_or_checkpoint_folders_exit_2_before_ranks_start(tmp_path, capsys, no_ranks, where):
     blocker = tmp_path / "afile"

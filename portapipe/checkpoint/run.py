@@ -293,7 +293,9 @@ def prepare_run(config: Config, backend_name: str, say: Callable[[str], None] = 
         raise ConfigError(problems)
     log_dir, root = Path(config.log.dir), checkpoint_root(config)
     # The checkpoint folder too, always: another run's checkpoint.dir may point into this log.dir.
-    folders = [(log_dir, "log.dir"), (root, "checkpoint.dir" if config.checkpoint.dir else "log.dir")]
+    folders = [(log_dir, "log.dir")]
+    if root.resolve() != log_dir.resolve():
+        folders.append((root, "checkpoint.dir" if config.checkpoint.dir else "log.dir"))
     _named_dead.clear()
     locks = Locks([])
     try:
