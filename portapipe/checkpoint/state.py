@@ -82,10 +82,11 @@ def balancer_state(balancer: Any) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for i, layer in enumerate(balancer.layers):
         width = int(balancer.placement.logcnt[i].max())
-        entry = {"phy2log": s["phy2log"][i].clone(), "log2phy": s["log2phy"][i, :, :width].clone()}
+        # CPU copies, wherever the balancer keeps its tensors: a checkpoint holds no device tensors
+        entry = {"phy2log": s["phy2log"][i].to("cpu", copy=True), "log2phy": s["log2phy"][i, :, :width].to("cpu", copy=True)}
         entry["planned"] = torch.tensor(bool(s.get("planned", True)))  # incremental changes it, not plans afresh
         if len(steps):
-            entry["loads"] = steps[:, i].clone()
+            entry["loads"] = steps[:, i].to("cpu", copy=True)
         out[str(layer)] = entry
     return out
 
