@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,3 +27,19 @@ def test_workflow_runs_every_leg_on_its_runner() -> None:
     for leg in ("cuda", "npu"):
         assert f"PORTAPIPE_REQUIRE_DEVICES={leg}" in script  # device tests required, not skipped
     assert not (ROOT / "ci" / "workflow.yml").exists()  # one copy of the matrix, where GitHub reads it
+
+
+def test_make_run_through_links_installs_into_the_checkout(tmp_path) -> None:
+    """ci/readme_commands.py runs `make train` from a folder of links to the checkout: a reinstall
+    from there must still name the checkout, or the venv's scripts would point at a folder that
+    is deleted afterwards."""
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    for entry in ("Makefile", "pyproject.toml", "portapipe"):
+        (tmp_path / entry).symlink_to(ROOT / entry)
+    env = {k: v for k, v in os.environ.items() if k not in ("VENV", "MAKEFLAGS")}
+    plan = subprocess.run(["make", "-n", "-B", "install"], cwd=tmp_path, capture_output=True, text=True, env=env, check=True).stdout
+    real = str(ROOT.resolve())
+    assert f'-e "{real}[test]"' in plan
+    assert f"touch {real}/.venv/.installed" in plan
+    assert str(tmp_path) not in plan
