@@ -139,7 +139,7 @@ def _tiny_config(log_dir: Path) -> dict:
             "model": {"hidden": 32, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 64, "moe_hidden": 16,
                       "n_experts": 8, "top_k": 2, "seq_len": 32},
             "balancer": {"kind": "eplb", "interval": 2, "window": 2},
-            "train": {"steps": 4, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 1},
+            "train": {"steps": 4, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 1, "lr_schedule_steps": 4},
             "log": {"dir": str(log_dir), "progress": False},
             "checkpoint": {"every": 2, "keep": 2},
         }
