@@ -199,3 +199,10 @@ def test_every_float_key_refuses_inf() -> None:
             if field.annotation is float or field.annotation == (float | None):
                 with pytest.raises(ConfigError, match=f"{section}.{key}: inf: Input should be a finite number"):
                     load_config({section: {key: math.inf}})
+
+
+
+def test_a_misspelled_backend_option_exits_2_before_launch(tmp_path, capsys, no_ranks) -> None:
+    code, lines = cli(capsys, *train(tmp_path, "backend_options.ep_transprot=nvshmem"))
+    assert code == 2
+    assert lines == ["portapipe: config error: backend_options.ep_transprot: not an option of backend 'cpu' (its options: ep_transport)"]

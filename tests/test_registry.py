@@ -79,3 +79,23 @@ def test_plugins_by_entry_point(plugins: None) -> None:
 def test_unknown_backend_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="known: auto, cpu, cuda, npu"):
         get_backend("tpu")
+
+
+def test_an_option_the_backend_does_not_read_is_refused_by_name() -> None:
+    """A misspelled option (``ep_transprot``) would otherwise run the default silently."""
+    assert get_backend("cpu", {"ep_transport": "alltoall"}).options == {"ep_transport": "alltoall"}
+    with pytest.raises(ValueError) as err:
+        get_backend("cpu", {"ep_transprot": "nvshmem", "buffer": 1})
+    assert str(err.value).splitlines() == [
+        "backend_options.buffer: not an option of backend 'cpu' (its options: ep_transport)",
+        "backend_options.ep_transprot: not an option of backend 'cpu' (its options: ep_transport)",
+    ]
+
+
+class _PluginReadingItsOwnOptions(CPUBackend):
+    name = "undeclared"
+    option_keys = None  # a plug-in that declares nothing keeps every key
+
+
+def test_a_plugin_without_declared_options_keeps_every_key() -> None:
+    assert _PluginReadingItsOwnOptions({"anything": 1}).options == {"anything": 1}

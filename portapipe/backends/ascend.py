@@ -55,6 +55,7 @@ def _import_torch_npu() -> Any:
 
 class AscendBackend(Backend):
     name = "npu"
+    option_keys = frozenset({"ep_transport"})
     device_type = "npu"
     dist_backend = "hccl"
     install_hint = (

@@ -116,9 +116,17 @@ class Backend(ABC):
     dist_backend: str = "gloo"
     #: how to make the backend available, shown when it is asked for and missing
     install_hint: str = ""
+    #: the ``backend_options`` keys this backend reads; any other key is refused, since a misspelled
+    #: option would otherwise be ignored without a word. None (a plug-in that declares none): any key.
+    option_keys: frozenset[str] | None = None
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options: dict[str, Any] = dict(options or {})
+        if self.option_keys is not None:
+            known = ", ".join(sorted(self.option_keys)) or "none"
+            unknown = [f"backend_options.{key}: not an option of backend {self.name!r} (its options: {known})" for key in sorted(set(self.options) - self.option_keys)]
+            if unknown:
+                raise ValueError("\n".join(unknown))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._groups: ParallelGroups | None = None
 

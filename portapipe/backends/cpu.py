@@ -20,6 +20,7 @@ from .grouped_mm import _fused_grouped_mm, fused_offs, grouped_mm_fused_ok, grou
 
 class CPUBackend(Backend):
     name = "cpu"
+    option_keys = frozenset({"ep_transport"})
     device_type = "cpu"
     dist_backend = "gloo"
     install_hint = "The CPU backend needs only torch."

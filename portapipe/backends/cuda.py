@@ -79,6 +79,7 @@ def _nvidia_device_files() -> list[str]:
 
 class CUDABackend(Backend):
     name = "cuda"
+    option_keys = frozenset({"ep_transport", "dist_backend", "nvshmem_buffer_mb"})
     device_type = "cuda"
     dist_backend = "nccl"
     install_hint = (
