@@ -97,16 +97,7 @@ def data_problems(config: Config, check_ids: bool = True) -> list[str]:
             f"model.vocab_size: {config.model.vocab_size} is too small for byte-level tokens of {path.name}, "
             f"which holds byte values up to {top} (use vocab_size >= {top + 1}, e.g. 256)"
         )
-    n_val = _n_val(tokens.numel(), config.data.val_fraction)
-    need = config.model.seq_len + 1
-    if tokens.numel() - n_val < need:
-        out.append(f"data.path: the train split of {path.name} has {tokens.numel() - n_val} bytes, fewer than model.seq_len + 1 = {need}")
-    if config.data.val_fraction > 0 and n_val < need:
-        out.append(
-            f"data.val_fraction: {config.data.val_fraction} leaves {n_val} validation bytes of {path.name}, "
-            f"fewer than model.seq_len + 1 = {need}; raise it or set 0 to skip validation"
-        )
-    return out
+    return out + _split_problems(config, tokens.numel(), "bytes", path.name)
 
 
 def _token_problems(config: Config, check_ids: bool) -> list[str]:
@@ -116,14 +107,19 @@ def _token_problems(config: Config, check_ids: bool) -> list[str]:
     dtype, out = token_files.file_problems(path, config.data.token_dtype, config.model.vocab_size, check_ids, config.data.vocab_size)
     if dtype is None:
         return out
-    n = token_files.open_tokens(path, dtype).numel()
+    return out + _split_problems(config, token_files.open_tokens(path, dtype).numel(), "tokens", path.name)
+
+
+def _split_problems(config: Config, n: int, unit: str, name: str) -> list[str]:
+    """Each split of ``n`` tokens must hold one window of ``model.seq_len + 1``."""
     n_val = _n_val(n, config.data.val_fraction)
     need = config.model.seq_len + 1
+    out = []
     if n - n_val < need:
-        out.append(f"data.path: the train split of {path.name} has {n - n_val} tokens, fewer than model.seq_len + 1 = {need}")
+        out.append(f"data.path: the train split of {name} has {n - n_val} {unit}, fewer than model.seq_len + 1 = {need}")
     if config.data.val_fraction > 0 and n_val < need:
         out.append(
-            f"data.val_fraction: {config.data.val_fraction} leaves {n_val} validation tokens of {path.name}, "
+            f"data.val_fraction: {config.data.val_fraction} leaves {n_val} validation {unit} of {name}, "
             f"fewer than model.seq_len + 1 = {need}; raise it or set 0 to skip validation"
         )
     return out
