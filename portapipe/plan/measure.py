@@ -46,6 +46,7 @@ from ..scheduling.exchange import exchange
 from ..scheduling.wgrad import WeightGradQueue
 from ..models.moe import DTYPES, build_blocks
 from ..scheduling.overlap import Tape, observing, run
+from .executor_cost import step_costs
 from .profile import FORMAT, Linear, Profile
 from .shape import Shape
 
@@ -277,26 +278,56 @@ def _cpu_time(fn: Callable[[], None], reps: int) -> float:
     return statistics.median(out)
 
 
-def _background(fn: Callable[[], None], reps: int) -> float:
-    """Processor time the process's other threads spend per call of ``fn`` (the process's time
-    less the calling thread's): a CPU backend's communication threads. Taken over the whole
-    run of calls, since their work may finish after a call returns."""
+def _rounds(call: Callable[[], None], spans: list[float], reps: int) -> tuple[list[float], float]:
+    """Compute for each of ``spans`` seconds of processor time in turn, then ``call``
+    (communication, waited for), ``reps`` times over, as a stage computes between exchanges
+    (taking the spans in turn keeps a drift in the machine's speed out of their differences).
+    Returns the mean wall time of ``call`` after each span (what the rank waits, its peers' lag
+    included: the mean, since the rare long waits are part of every step) and the processor
+    time the process's other threads (a CPU backend's communication threads) spent per call,
+    which a call alone measures poorly: who does the work depends on who waits."""
+    call()  # the peers line up
+    waited = [0.0] * len(spans)
     p0, t0 = time.process_time(), cpu()
     for _ in range(reps):
-        fn()
-    return max(0.0, (time.process_time() - p0) - (cpu() - t0)) / reps
+        for i, span in enumerate(spans):
+            _spin(span)
+            w0 = time.perf_counter()
+            call()
+            waited[i] += time.perf_counter() - w0
+    background = (time.process_time() - p0) - (cpu() - t0)
+    return [w / reps for w in waited], max(0.0, background) / (reps * len(spans))
 
 
-def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, reps: int, ep: int) -> dict[str, Any]:
-    """All-to-all and all-reduce over the first n ranks (n = 2, 4, ..., world, and ``ep``), p2p between ranks 0 and 1."""
+def _spin(seconds: float) -> None:
+    """Compute for ``seconds`` of this thread's processor time (small matrix products)."""
+    a = torch.randn(64, 64)
+    t0 = cpu()
+    while cpu() - t0 < seconds:
+        a = torch.tanh(a @ a)
+
+
+def _mean(backend: Any, values: list[float], group: Any, size: int) -> list[float]:
+    """The mean of ``values`` over the ``size`` ranks of ``group``."""
+    t = torch.tensor(values, dtype=torch.float64)
+    backend.all_reduce(t, group=group)
+    return [float(v) / size for v in t]
+
+
+def _comm(
+    backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, reps: int, ep: int, span: float
+) -> dict[str, Any]:
+    """All-to-all and all-reduce over the first n ranks (n = 2, 4, ..., world, and ``ep``), p2p
+    between ranks 0 and 1: latency and bytes per second from the least disturbed of ``reps``
+    calls; what the communication threads spend, with ``span`` seconds of compute between calls."""
     rank = dist.get_rank()
     sizes = sorted({n for n in (2, 4, 8, 16, 32, 64, world, ep) if 2 <= n <= world})
+    groups = {n: backend.new_group(list(range(n))) for n in sizes}
     a2a: dict[str, Linear] = {}
     issue: dict[str, float] = {}  # issuing an all-to-all: what the caller's thread pays before it can go on
     background: dict[str, Linear] = {}  # what the communication threads pay per all-to-all
     allreduce: dict[str, Linear] = {}
-    for n in sizes:
-        group = backend.new_group(list(range(n)))
+    for n, group in groups.items():
         if rank < n:
             ep = ExpertParallel(backend, n, rank, group)
             pts, ar, bg = [], [], []
@@ -315,19 +346,20 @@ def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, 
                 issue[str(n)] = statistics.median(issued)
                 sent = per * (n - 1) * hidden * x.element_size()
                 pts.append((sent, t))
-                bg.append((sent, _background(lambda: exchange(ep, x, splits, splits).wait(), 4 * reps)))
+                bg.append((sent, _rounds(lambda: exchange(ep, x, splits, splits).wait(), [span], 4 * reps)[1]))
                 flat = torch.zeros(r * hidden, dtype=dtype)
                 backend.all_reduce(flat, group=group)
                 ar.append((flat.numel() * flat.element_size(), _least_time(lambda: backend.all_reduce(flat, group=group), reps)))
-            a2a[str(n)], allreduce[str(n)], background[str(n)] = Linear.fit(pts), Linear.fit(ar), Linear.fit(bg)
+            spent = _mean(backend, [b for _, b in bg], group, n)
+            a2a[str(n)], allreduce[str(n)] = Linear.fit(pts), Linear.fit(ar)
+            background[str(n)] = Linear.fit([(sent, b) for (sent, _), b in zip(bg, spent)])
         dist.barrier()
-    p2p = Linear()
+    p2p, p2p_bg = Linear(), Linear()
     posts: list[float] = []
-    p2p_bg = Linear()
     if world >= 2:
         pts, bg_pts = [], []
         for r in (max(2, rows // 16), rows):
-            buf = torch.zeros(r * hidden, dtype=dtype)
+            buf, got = torch.zeros(r * hidden, dtype=dtype), torch.zeros(r * hidden, dtype=dtype)
 
             def round_trip() -> None:
                 if rank == 0:
@@ -344,12 +376,19 @@ def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, 
                     for w in backend.batch_isend_irecv([dist.P2POp(dist.isend, buf, 0)]):
                         w.wait()
 
+            def both_ways() -> None:  # as a stage does: post, compute, then wait
+                peer = 1 - rank
+                works = backend.batch_isend_irecv([dist.P2POp(dist.isend, buf, peer), dist.P2POp(dist.irecv, got, peer)])
+                _spin(span)
+                for w in works:
+                    w.wait()
+
             if rank < 2:
                 round_trip()
                 nbytes = buf.numel() * buf.element_size()
                 pts.append((nbytes, _least_time(round_trip, reps) / 2))
-                # a round trip is one send and one receive at each end
-                bg_pts.append((nbytes, _background(round_trip, 2 * reps) / 2))
+                # a round both ways is one send and one receive at each end
+                bg_pts.append((nbytes, _mean(backend, [_rounds(both_ways, [0.0], 4 * reps)[1] / 2], groups[2], 2)[0]))
             dist.barrier()
         p2p = Linear.fit(pts) if rank == 0 else p2p
         p2p_bg = Linear.fit(bg_pts) if rank == 0 else p2p_bg
@@ -359,37 +398,13 @@ def _comm(backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, 
     }
 
 
-def _spin(seconds: float) -> None:
-    """Compute for ``seconds`` of this thread's processor time (small matrix products)."""
-    a = torch.randn(64, 64)
-    t0 = cpu()
-    while cpu() - t0 < seconds:
-        a = torch.tanh(a @ a)
-
-
-def _waits(ep: ExpertParallel, x: torch.Tensor, splits: list[int], spans: list[float], reps: int) -> list[tuple[float, float]]:
-    """``(span, median wall time)`` of an exchange issued after computing ``span`` seconds of
-    processor time since the previous one: what it waits for its peers beyond its latency."""
-    out = []
-    for span in spans:
-        exchange(ep, x, splits, splits).wait()  # the peers line up
-        waits = []
-        for _ in range(reps):
-            _spin(span)
-            t0 = time.perf_counter()
-            exchange(ep, x, splits, splits).wait()
-            waits.append(time.perf_counter() - t0)
-        out.append((span, statistics.median(waits)))
-    return out
-
-
 def _lag(
     backend: Any, world: int, processors: float | None, ep_size: int, hidden: int, dtype: torch.dtype, rows: int,
     span: float, reps: int, a2a: dict[str, Linear],
 ) -> dict[str, Linear]:
     """How long exchanges wait for their EP peers on a host whose ranks share the processors:
     EP groups of ``ep_size`` ranks (2 if 1) compute and exchange in turns, the first group alone,
-    then every rank at once; ``fixed + per_unit * span``, the mean over the ranks of the median
+    then every rank at once; ``fixed + per_unit * span``, the mean over the ranks of the mean
     wait less the exchange's latency, keyed by the ranks computing at once."""
     n = max(2, ep_size)
     if processors is None or world < n:
@@ -400,29 +415,35 @@ def _lag(
     x = torch.randn(per * n, hidden, dtype=dtype)
     splits = [per] * n
     sent = per * (n - 1) * hidden * x.element_size()
-    spans = [0.0, span, 3 * span]
+    spans = [0.0, span / 2, span]  # the stretches of compute a program has between exchanges
     out: dict[str, Linear] = {}
     for running in sorted({n, n * len(groups)}):
-        waits = torch.zeros(len(spans), dtype=torch.float64)
+        waits = [0.0] * len(spans)
         if rank < running:
             ep = ExpertParallel(backend, n, rank % n, groups[rank // n])
-            exchange(ep, x, splits, splits).wait()  # warm up
-            waits = torch.tensor([w for _, w in _waits(ep, x, splits, spans, reps)], dtype=torch.float64)
-        backend.all_reduce(waits)
+            waits = _rounds(lambda: exchange(ep, x, splits, splits).wait(), spans, reps)[0]
+        waits = _mean(backend, waits, None, running)
         latency = a2a[str(n)](sent) if str(n) in a2a else 0.0
-        out[str(running)] = Linear.fit([(s, max(0.0, float(w) / running - latency)) for s, w in zip(spans, waits)])
+        out[str(running)] = Linear.fit([(s, max(0.0, w - latency)) for s, w in zip(spans, waits)])
     return out
 
 
-def _optimizer(dtype: torch.dtype, reps: int) -> Linear:
-    pts = []
-    for n in (1 << 18, 1 << 20):
-        p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
-        p.grad = torch.full_like(p, 1e-3)
-        opt = torch.optim.AdamW([p], lr=1e-3)
+def _optimizer(dtype: torch.dtype, reps: int) -> tuple[Linear, float]:
+    """AdamW's update: per parameter element (one large tensor at two sizes), and what each
+    further tensor adds (the same elements in many tensors: the update runs tensor by tensor)."""
+
+    def step_time(sizes: list[int]) -> float:
+        params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        opt = torch.optim.AdamW(params, lr=1e-3)
         opt.step()
-        pts.append((n, _cpu_time(opt.step, reps)))
-    return Linear.fit(pts)
+        return _cpu_time(opt.step, reps)
+
+    one, many = 1 << 18, 64
+    pts = [(n, step_time([n])) for n in (one, 1 << 20)]
+    per_tensor = max(0.0, (step_time([one // many] * many) - pts[0][1]) / (many - 1))
+    return Linear.fit(pts), per_tensor
 
 
 def _busy(seconds: float) -> float:
@@ -469,43 +490,49 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
         out = {"parts": parts, "saved_bytes": saved, "loads": loads or []}
     dist.barrier()
     rows = config.train.micro_batch_size * m.seq_len * m.top_k
-    comm = _comm(backend, world, m.hidden, dtype, rows, reps, ep_size)
-    # the exchanges' waits for their peers, after computing about as long as an attention part
-    # (the longest stretch of a forward between two exchanges); rank 0 timed it
+    # communication between computes of about an attention part (the longest stretch of a
+    # forward between two exchanges); rank 0 timed it
     span = torch.zeros(1, dtype=torch.float64)
     if rank == 0:
         span += out["parts"]["off"]["attention"]["F"](config.train.micro_batch_size * m.seq_len)
     dist.broadcast(span, 0)
-    comm["a2a_lag"] = _lag(backend, world, processors, ep_size, m.hidden, dtype, rows, float(span), 8 * reps, comm["a2a"])
+    comm = _comm(backend, world, m.hidden, dtype, rows, reps, ep_size, float(span))
+    comm["a2a_lag"] = _lag(backend, world, processors, ep_size, m.hidden, dtype, rows, float(span), 30 * reps, comm["a2a"])
     # how much slower each rank computes when all run at once (a host's shared processors)
     alone = _busy(0.2) if rank == 0 else 0.0
     dist.barrier()
     together = _busy(0.2)
-    if rank != 0:
-        return None
-    # the programs' own work per part call, less the cost of issuing their exchanges (measured apart)
-    issue = comm["issue_s"].get(str(ep_size), 0.0) if ep_size > 1 else 0.0
-    if out:
+    made: list[Any] = [None]
+    if rank == 0:
+        optimizer, optimizer_tensor_s = _optimizer(dtype, reps)
+        # the programs' own work per part call, less the cost of issuing their exchanges (measured apart)
+        issue = comm["issue_s"].get(str(ep_size), 0.0) if ep_size > 1 else 0.0
         out["part_overhead_s"] = {
             phase: statistics.median(max(0.0, rest - n_issued * issue) / calls for rest, calls, n_issued in v) if v else 0.0
             for phase, v in overhead.items()
         }
-    return Profile.from_dict({
-        "format": FORMAT,
-        "device": {
-            "backend": backend.name, "name": platform.processor() or platform.machine(), "count": backend.device_count(),
-            "ranks_profiled": world, "ep_profiled": ep_size, "host": platform.node(), "cpus": os.cpu_count(),
-            "slowdown_all_ranks": together / alone if alone > 0 else None,
-        },
-        "torch": torch.__version__,
-        "shape": Shape.of(m).to_dict(),
-        "tokens": [s * m.seq_len for s in sizes],
-        "processors": processors,
-        "optimizer": _plain(_optimizer(dtype, reps)),
-        "source": f"measured by portapipe profile on {world} {backend.name} ranks",
-        **_plain(out),
-        **_plain(comm),
-    }).to_dict()
+        made[0] = Profile.from_dict({
+            "format": FORMAT,
+            "device": {
+                "backend": backend.name, "name": platform.processor() or platform.machine(), "count": backend.device_count(),
+                "ranks_profiled": world, "ep_profiled": ep_size, "host": platform.node(), "cpus": os.cpu_count(),
+                "slowdown_all_ranks": together / alone if alone > 0 else None,
+            },
+            "torch": torch.__version__,
+            "shape": Shape.of(m).to_dict(),
+            "tokens": [s * m.seq_len for s in sizes],
+            "processors": processors,
+            "optimizer": _plain(optimizer),
+            "optimizer_tensor_s": optimizer_tensor_s,
+            "source": f"measured by portapipe profile on {world} {backend.name} ranks",
+            **_plain(out),
+            **_plain(comm),
+        })
+    dist.broadcast_object_list(made, 0)  # every rank prices the step below with the profile so far
+    made[0].action_s, crowding = step_costs(backend, raw, made[0], reps, warmup)
+    if processors is not None and world > processors:
+        made[0].crowding = {str(world): max(1.0, crowding)}
+    return made[0].to_dict() if rank == 0 else None
 
 
 def _plain(x: Any) -> Any:

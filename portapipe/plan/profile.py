@@ -17,7 +17,12 @@ published figures (H800). A profile holds, for the model shape it was made for:
   waits for its EP peers beyond its latency (``fixed`` + ``per_unit`` x the processor time the
   rank computed since the exchange it last waited for), measured with ``ranks`` ranks of the
   host computing at once: the same work takes each peer a different wall time there;
-- ``optimizer``: AdamW per parameter element; ``part_overhead_s``: the tape's own work per part
+- ``crowding[str(ranks)]``: on such a host, how much more processor time the parts take when
+  ``ranks`` ranks share the processors (each is switched between ranks inside its parts and
+  finds its caches cold) than when timed on an EP group that fits them; measured on a step of
+  the config's layout;
+- ``optimizer``: AdamW per parameter element, ``optimizer_tensor_s`` per parameter tensor (the
+  update runs tensor by tensor); ``part_overhead_s``: the tape's own work per part
   call (F and B: graph cuts, gradient bookkeeping); ``post_s``: posting one batch of
   point-to-point transfers; ``action_s``: any further cost per executor action;
 - ``processors``: compute units the ranks of one host share (measured on CPUs; null when every
@@ -89,6 +94,7 @@ class Profile:
     p2p: Linear
     allreduce: dict[str, Linear]
     optimizer: Linear
+    optimizer_tensor_s: float = 0.0
     action_s: float = 0.0
     part_overhead_s: dict[str, float] = field(default_factory=lambda: {"F": 0.0, "B": 0.0})
     post_s: float = 0.0
@@ -96,6 +102,7 @@ class Profile:
     a2a_cpu: dict[str, Linear] = field(default_factory=dict)  # other threads' processor time per all-to-all
     p2p_cpu: Linear = field(default_factory=Linear)  # other threads' processor time per transfer end
     a2a_lag: dict[str, Linear] = field(default_factory=dict)  # waiting for EP peers, per ranks computing at once
+    crowding: dict[str, float] = field(default_factory=dict)  # compute's processor time, per ranks sharing the processors
     processors: float | None = None
     saved_bytes: dict[str, dict[str, Linear]] = field(default_factory=dict)
     loads: list[list[float]] = field(default_factory=list)
@@ -133,6 +140,17 @@ class Profile:
             return None
         return _nearest(self.a2a_lag, max(ranks, 2))
 
+    def crowded(self, ranks: int) -> float:
+        """Factor on compute's processor time with ``ranks`` ranks on the host: 1 while they fit
+        the processors, the measured factor at the measured rank count, linear in between (and
+        no more beyond it)."""
+        if self.processors is None or ranks <= self.processors or not self.crowding:
+            return 1.0
+        size = _nearest_size(self.crowding, ranks)
+        if size <= self.processors:
+            return 1.0
+        return 1.0 + (self.crowding[str(size)] - 1.0) * min(1.0, (ranks - self.processors) / (size - self.processors))
+
     def issue_time(self, ep: int) -> float:
         """What issuing one all-to-all over ``ep`` ranks costs the caller (nearest measured size)."""
         got = _nearest(self.issue_s, ep)
@@ -165,8 +183,8 @@ class Profile:
                     parts[option][part][phase] = Linear(cost.fixed, cost.per_unit * ratio)
         return Profile(
             device=dict(self.device), torch=self.torch, shape=shape, parts=parts, a2a=self.a2a, p2p=self.p2p,
-            allreduce=self.allreduce, optimizer=self.optimizer, action_s=self.action_s,
-            part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), a2a_cpu=self.a2a_cpu, p2p_cpu=self.p2p_cpu, a2a_lag=self.a2a_lag,
+            allreduce=self.allreduce, optimizer=self.optimizer, optimizer_tensor_s=self.optimizer_tensor_s, action_s=self.action_s,
+            part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), a2a_cpu=self.a2a_cpu, p2p_cpu=self.p2p_cpu, a2a_lag=self.a2a_lag, crowding=dict(self.crowding),
             processors=self.processors,
             saved_bytes={}, loads=self.loads, tokens=self.tokens,
             source=f"{self.source}; scaled by FLOPs from shape {_short(self.shape)} to {_short(shape)}",
@@ -202,6 +220,7 @@ class Profile:
                 p2p=_linear(d["p2p"], f"{where}: p2p"),
                 allreduce={str(k): _linear(v, f"{where}: allreduce.{k}") for k, v in d["allreduce"].items()},
                 optimizer=_linear(d["optimizer"], f"{where}: optimizer"),
+                optimizer_tensor_s=float(d.get("optimizer_tensor_s", 0.0)),
                 action_s=float(d.get("action_s", 0.0)),
                 part_overhead_s={str(k): float(v) for k, v in d.get("part_overhead_s", {"F": 0.0, "B": 0.0}).items()},
                 post_s=float(d.get("post_s", 0.0)),
@@ -209,6 +228,7 @@ class Profile:
                 a2a_cpu={str(k): _linear(v, f"{where}: a2a_cpu.{k}") for k, v in d.get("a2a_cpu", {}).items()},
                 p2p_cpu=_linear(d.get("p2p_cpu", {}), f"{where}: p2p_cpu"),
                 a2a_lag={str(k): _linear(v, f"{where}: a2a_lag.{k}") for k, v in d.get("a2a_lag", {}).items()},
+                crowding={str(k): float(v) for k, v in d.get("crowding", {}).items()},
                 processors=None if d.get("processors") is None else float(d["processors"]),
                 saved_bytes={o: {p: _linear(c, f"{where}: saved_bytes.{o}.{p}") for p, c in t.items()} for o, t in d.get("saved_bytes", {}).items()},
                 loads=[[float(x) for x in row] for row in d.get("loads", [])],
@@ -227,6 +247,15 @@ class Profile:
         bad = sorted({ph for t in prof.parts.values() for phases in t.values() for ph in phases} - set(PHASES))
         if bad:
             raise ProfileError(f"{where}: unknown phases {', '.join(bad)}; known: {', '.join(PHASES)}")
+        scalars = {"action_s": prof.action_s, "post_s": prof.post_s, "optimizer_tensor_s": prof.optimizer_tensor_s}
+        scalars.update({f"issue_s.{k}": v for k, v in prof.issue_s.items()})
+        scalars.update({f"part_overhead_s.{k}": v for k, v in prof.part_overhead_s.items()})
+        bad_scalars = [k for k, v in scalars.items() if not v >= 0 or v == float("inf")]
+        if bad_scalars:
+            raise ProfileError(f"{where}: {', '.join(bad_scalars)} must be finite seconds >= 0")
+        crowds = [k for k, v in prof.crowding.items() if not 1.0 <= v < float("inf") or not k.isdigit()]
+        if crowds:
+            raise ProfileError(f"{where}: crowding.{crowds[0]} must be a factor >= 1 keyed by a rank count")
         if prof.processors is not None and prof.processors <= 0:
             raise ProfileError(f"{where}: processors must be > 0 or null, got {prof.processors}")
         return prof

@@ -66,14 +66,15 @@ class TimeReport:
         }
 
 
-def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int, lag: Linear | None = None) -> ActionTime:
+def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int, lag: Linear | None = None, crowding: float = 1.0) -> ActionTime:
     """Time one merged program (``(program index, op)`` pairs, see :func:`~.programs.interleave`).
 
     Exchanges run on one channel per rank in issue order, each taking the all-to-all's latency
     plus bytes over bandwidth. ``lag``: how long an exchange waits for its EP peers to arrive,
     against the processor time the rank computed since the last exchange it waited for (where
     the peers last lined up): on processors the ranks share, the same work takes each peer a
-    different wall time, and an exchange starts when the last one issues it."""
+    different wall time, and an exchange starts when the last one issues it. ``crowding``: the
+    factor on the rank's processor time when more ranks than processors share them."""
     t = comm_free = compute = exposed = comm = background = since = 0.0
     ready: dict[Any, float] = {}
     for prog, op in ops:
@@ -82,14 +83,14 @@ def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int, lag: Linear
             part, phase, units = op[1], op[2], op[3]
             if part in ("output", "input", "rope"):  # bookkeeping, no work
                 continue
-            dt = profile.time(part, phase, op[6], units)
+            dt = profile.time(part, phase, op[6], units) * crowding
             t += dt
             compute += dt
             since += dt
         elif code == "I":
             dur = profile.a2a_time(ep, op[2])
             background += profile.a2a_background(ep, op[2])
-            issue = profile.issue_time(ep)
+            issue = profile.issue_time(ep) * crowding
             t += issue
             compute += issue
             start = max(t + (lag(since) if lag is not None else 0.0), comm_free)
@@ -129,6 +130,7 @@ class TimeModel:
         self.specs = specs if specs is not None else stage_specs(setup, schedule)
         self.switching = setup.ep > 1 and setup.overlap
         self.lag = self.profile.lag(setup.devices) if setup.ep > 1 else None
+        self.crowding = self.profile.crowded(setup.devices)
         self._cache: dict[tuple, ActionTime] = {} if cache is None else cache
         act = self.tokens * self.shape.hidden * self.shape.e
         self.p2p_s = self.profile.p2p(act)
@@ -137,7 +139,7 @@ class TimeModel:
         # are charged to the compute action after the batch
         self.posts: dict[tuple[int, Action], float] = {}
         self.post_background: dict[tuple[int, Action], float] = {}
-        per_batch, per_transfer = self.profile.post_s, self.profile.p2p_cpu(act)
+        per_batch, per_transfer = self.profile.post_s * self.crowding, self.profile.p2p_cpu(act)
         if per_batch > 0 or per_transfer > 0:
             for r, acts in enumerate(self.lists):
                 batches = transfers = 0
@@ -187,8 +189,8 @@ class TimeModel:
             else:
                 merged = [(0, op) for op in self._ops(a)]
                 halves = 1
-            t = run_ops(merged, self.profile, self.setup.ep, self.lag)
-            extra = halves * self.profile.action_s
+            t = run_ops(merged, self.profile, self.setup.ep, self.lag, self.crowding)
+            extra = halves * self.profile.action_s * self.crowding
             got = ActionTime(t.wall + extra, t.compute + extra, t.exposed, t.comm, t.background)
             self._cache[key] = got
         return got
@@ -201,12 +203,13 @@ class TimeModel:
         worst = 0.0
         for r in range(sched.n_ranks):
             blocks = sched.blocks_of(r)
-            elements = experts = 0
+            elements = experts = tensors = 0
             for b in blocks:
                 c = _block_count(x, s, b, sched.n_blocks)
                 elements += c.elements
                 experts += c.expert_elements
-            t = prof.optimizer(elements)
+                tensors += c.tensors
+            t = (prof.optimizer(elements) + prof.optimizer_tensor_s * tensors) * self.crowding
             if sched.name == "dualpipe":  # the two copies of each block exchange their gradients
                 t += prof.p2p(elements * s.e)
             t += prof.allreduce_time(x.dp * x.ep, (elements - experts) * s.e) + prof.allreduce_time(x.dp, experts * s.e)
