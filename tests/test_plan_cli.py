@@ -97,7 +97,11 @@ def test_profile_measures_every_part_on_two_ranks(capsys: pytest.CaptureFixture[
         for part, cost in prof.saved_bytes[option].items():
             slope = saved_bytes(s, part, option, 2, 2) - saved_bytes(s, part, option, 1, 1)  # per token (per row: experts)
             assert cost.per_unit == pytest.approx(slope), (option, part)
-    assert "2" in prof.a2a and prof.p2p.fixed > 0 and prof.optimizer.per_unit > 0
+    assert "2" in prof.a2a and prof.p2p.fixed > 0 and prof.optimizer.per_unit > 0 and prof.optimizer_tensor_s > 0
+    # what the communication threads spend, the waits for EP peers, the executor's work per action
+    assert prof.a2a_background(2, 4096) > 0 and prof.p2p_cpu(4096) > 0 and prof.action_s > 0
+    assert prof.processors is not None and prof.lag(2) is not None
+    assert (prof.crowding == {}) == (prof.processors >= 2)  # two ranks crowd a single processor only
     assert len(prof.loads) == cfg.model.n_layers - cfg.model.n_dense and len(prof.loads[0]) == cfg.model.n_experts
     assert sum(prof.loads[0]) > 0
 
@@ -111,3 +115,16 @@ def test_rules_are_printed_and_documented(capsys: pytest.CaptureFixture[str]) ->
     doc = (ROOT / "docs" / "plan.md").read_text()
     for r in RULES:
         assert f"| `{r.name}` | {r.scope} | {r.severity} | {r.reason} |" in doc, r.name
+
+
+@pytest.mark.multiproc
+def test_a_profile_on_more_ranks_than_processors_measures_their_crowding(tmp_path: Path) -> None:
+    out = tmp_path / "crowded.json"
+    three = [*TINY, "--set", "parallel.pp=3", "--set", "parallel.ep=1", "--set", "model.n_layers=3"]
+    assert main(["profile", EXAMPLE, *three, "--out", str(out), "--reps", "2", "--warmup", "0", "--timeout", "300"]) == 0
+    prof = Profile.load(out)
+    if prof.processors is not None and prof.processors < 3:
+        assert set(prof.crowding) == {"3"} and prof.crowded(3) == prof.crowding["3"] >= 1.0
+        assert prof.lag(3) is not None  # an EP group of two waited for its peer, alone and with the third rank
+    else:
+        assert prof.crowding == {}

@@ -267,3 +267,40 @@ def test_a_ranks_waits_let_the_others_compute_on_shared_processors() -> None:
     assert alone.predict().pipeline_s == pytest.approx(work + waits)
     shared = TimeModel(x, profile(s, parts, a2a=0.5, processors=2), sched).predict()
     assert shared.pipeline_s == pytest.approx(2 * work, rel=1e-2)
+
+
+def test_crowding_scales_compute_once_ranks_outnumber_processors() -> None:
+    s = Shape.of(load_config(EXAMPLE).model)
+    prof = profile(s, MOE, processors=2, crowding={"6": 1.5})
+    assert prof.crowded(2) == 1.0 and prof.crowded(4) == pytest.approx(1.25) and prof.crowded(6) == 1.5 and prof.crowded(12) == 1.5
+    assert profile(s, MOE, crowding={"6": 1.5}).crowded(6) == 1.0  # a device per rank
+    # four EP ranks on two processors, the parts 25% slower each: twice the compute (sharing), times 1.25
+    cfg, s, sched, x = _moe_ep2(["parallel.ep=4"])
+    parts = {"dense": {"F": 1.0, "B": 2.0, "W": 0.5}, **MOE}
+    work = sum(TimeModel(x, profile(s, parts, a2a=0.5), sched).action(a).compute for a in sched.actions[0] if a.kind.is_compute)
+    crowded = TimeModel(x, profile(s, parts, a2a=0.5, processors=2, crowding={"4": 1.25}), sched).predict()
+    assert crowded.pipeline_s == pytest.approx(2 * 1.25 * work, rel=1e-2)
+
+
+def test_the_optimizer_pays_per_parameter_element_and_tensor() -> None:
+    """AdamW updates tensor by tensor: a rank holding the whole model pays per element and per
+    tensor of the real model's parameters."""
+    from portapipe.compose import build_model
+    from portapipe.models.expert_parallel import ExpertParallel
+
+    cfg = load_config(EXAMPLE, ["parallel.pp=1", "parallel.ep=1", "schedule.name=1f1b"])
+    s, sched, x = Shape.of(cfg.model), build_schedule(cfg), Setup.from_config(cfg)
+    params = [p for b in build_model(cfg, [0], 1, ExpertParallel(None, 1, 0, None)).values() for p in b.parameters()]
+    tensors, elements = len(params), sum(p.numel() for p in params)
+    per_tensor = profile(s, {"dense": {"F": 1.0}}, optimizer_tensor_s=1e-3)
+    assert TimeModel(x, per_tensor, sched).post_step() == pytest.approx(1e-3 * tensors)
+    per_element = profile(s, {"dense": {"F": 1.0}}, optimizer={"fixed": 0.0, "per_unit": 1e-9})
+    assert TimeModel(x, per_element, sched).post_step() == pytest.approx(1e-9 * elements)
+
+
+def test_profiles_refuse_negative_costs_and_crowding_below_one(tmp_path: Path) -> None:
+    s = Shape.of(load_config(EXAMPLE).model)
+    for extra, fragment in (({"action_s": -1.0}, "action_s"), ({"optimizer_tensor_s": float("inf")}, "optimizer_tensor_s"),
+                            ({"crowding": {"4": 0.9}}, "crowding.4"), ({"a2a_lag": {"2": {"fixed": -1}}}, "a2a_lag.2")):
+        with pytest.raises(ProfileError, match=fragment):
+            profile(s, MOE, processors=2, **extra)

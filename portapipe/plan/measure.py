@@ -46,7 +46,7 @@ from ..scheduling.exchange import exchange
 from ..scheduling.wgrad import WeightGradQueue
 from ..models.moe import DTYPES, build_blocks
 from ..scheduling.overlap import Tape, observing, run
-from .executor_cost import step_costs
+from .executor_cost import action_cost
 from .profile import FORMAT, Linear, Profile
 from .shape import Shape
 
@@ -232,6 +232,46 @@ def _time_parts(
     return dict(parts), overhead, block
 
 
+def _crowding(backend: Any, config: Config, ep_size: int, processors: float | None, rounds: int, reps: int) -> float | None:
+    """How much more processor time the model's forward and backward take when every rank of
+    the host computes at once than when an EP group of ``ep_size`` ranks (that the parts were
+    timed on) does alone: the ratio of the medians, the two taken in alternating rounds so that
+    a drift in the machine's speed hits both alike. None where the ranks fit the processors."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if processors is None or world <= processors:
+        return None
+    groups = [backend.new_group(list(range(k, k + ep_size))) for k in range(0, world - ep_size + 1, ep_size)] if ep_size > 1 else []
+    full = rank // ep_size < len(groups)  # ranks past the last whole group compute without EP
+    ep = ExpertParallel(backend, ep_size, rank % ep_size, groups[rank // ep_size]) if full else ExpertParallel(backend, 1, 0, None)
+    block = _block(config, ep, "off")
+
+    def step(seed: int) -> float:
+        x, y = _tokens(config, config.train.micro_batch_size, seed)
+        tape, queue = Tape(), WeightGradQueue()
+        t0 = cpu()
+        out = run(block.program(tape, x, y))
+        run(tape.backward(out, torch.ones_like(out), queue))
+        queue.run()
+        used = cpu() - t0
+        for p in block.parameters():
+            p.grad = None
+        return used
+
+    alone: list[float] = []
+    together: list[float] = []
+    for r in range(rounds + 1):  # the first round warms up
+        dist.barrier()
+        if rank < ep_size:
+            got = [step(1000 * r + i + 17 * rank) for i in range(reps)]
+            alone += got if r else []
+        dist.barrier()
+        got = [step(1000 * r + i + 17 * rank) for i in range(reps)]
+        together += got if r else []
+    ratio = torch.tensor([statistics.median(together) / statistics.median(alone) if alone else 0.0], dtype=torch.float64)
+    dist.all_reduce(ratio)
+    return float(ratio) / min(ep_size, world)
+
+
 def _saved_bytes(config: Config, ep: ExpertParallel, option: str, sizes: list[int]) -> dict[str, Linear]:
     block = _block(config, ep, option)
     samples: dict[str, list[list[tuple[int, float]]]] = defaultdict(lambda: [[] for _ in sizes])
@@ -346,7 +386,7 @@ def _comm(
                 issue[str(n)] = statistics.median(issued)
                 sent = per * (n - 1) * hidden * x.element_size()
                 pts.append((sent, t))
-                bg.append((sent, _rounds(lambda: exchange(ep, x, splits, splits).wait(), [span], 4 * reps)[1]))
+                bg.append((sent, _rounds(lambda: exchange(ep, x, splits, splits).wait(), [span], 12 * reps)[1]))
                 flat = torch.zeros(r * hidden, dtype=dtype)
                 backend.all_reduce(flat, group=group)
                 ar.append((flat.numel() * flat.element_size(), _least_time(lambda: backend.all_reduce(flat, group=group), reps)))
@@ -388,7 +428,7 @@ def _comm(
                 nbytes = buf.numel() * buf.element_size()
                 pts.append((nbytes, _least_time(round_trip, reps) / 2))
                 # a round both ways is one send and one receive at each end
-                bg_pts.append((nbytes, _mean(backend, [_rounds(both_ways, [0.0], 4 * reps)[1] / 2], groups[2], 2)[0]))
+                bg_pts.append((nbytes, _mean(backend, [_rounds(both_ways, [0.0], 12 * reps)[1] / 2], groups[2], 2)[0]))
             dist.barrier()
         p2p = Linear.fit(pts) if rank == 0 else p2p
         p2p_bg = Linear.fit(bg_pts) if rank == 0 else p2p_bg
@@ -404,8 +444,9 @@ def _lag(
 ) -> dict[str, Linear]:
     """How long exchanges wait for their EP peers on a host whose ranks share the processors:
     EP groups of ``ep_size`` ranks (2 if 1) compute and exchange in turns, the first group alone,
-    then every rank at once; ``fixed + per_unit * span``, the mean over the ranks of the mean
-    wait less the exchange's latency, keyed by the ranks computing at once."""
+    then every rank at once (ranks past the last whole group compute alike without exchanging);
+    ``fixed + per_unit * span``, the mean over the exchanging ranks of the mean wait less the
+    exchange's latency, keyed by the ranks computing at once."""
     n = max(2, ep_size)
     if processors is None or world < n:
         return {}
@@ -417,12 +458,15 @@ def _lag(
     sent = per * (n - 1) * hidden * x.element_size()
     spans = [0.0, span / 2, span]  # the stretches of compute a program has between exchanges
     out: dict[str, Linear] = {}
-    for running in sorted({n, n * len(groups)}):
+    for running in sorted({n, world}):
         waits = [0.0] * len(spans)
-        if rank < running:
+        exchanging = min(running, n * len(groups))
+        if rank < exchanging:
             ep = ExpertParallel(backend, n, rank % n, groups[rank // n])
             waits = _rounds(lambda: exchange(ep, x, splits, splits).wait(), spans, reps)[0]
-        waits = _mean(backend, waits, None, running)
+        elif rank < running:
+            _rounds(lambda: None, spans, reps)
+        waits = _mean(backend, waits, None, exchanging)
         latency = a2a[str(n)](sent) if str(n) in a2a else 0.0
         out[str(running)] = Linear.fit([(s, max(0.0, w - latency)) for s, w in zip(spans, waits)])
     return out
@@ -528,10 +572,11 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
             **_plain(out),
             **_plain(comm),
         })
+    crowding = _crowding(backend, config, ep_size, processors, 4, reps)
     dist.broadcast_object_list(made, 0)  # every rank prices the step below with the profile so far
-    made[0].action_s, crowding = step_costs(backend, raw, made[0], reps, warmup)
-    if processors is not None and world > processors:
+    if crowding is not None:
         made[0].crowding = {str(world): max(1.0, crowding)}
+    made[0].action_s = action_cost(backend, raw, made[0], reps, warmup)
     return made[0].to_dict() if rank == 0 else None
 
 
