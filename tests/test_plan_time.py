@@ -304,3 +304,23 @@ def test_profiles_refuse_negative_costs_and_crowding_below_one(tmp_path: Path) -
                             ({"crowding": {"4": 0.9}}, "crowding.4"), ({"a2a_lag": {"2": {"fixed": -1}}}, "a2a_lag.2")):
         with pytest.raises(ProfileError, match=fragment):
             profile(s, MOE, processors=2, **extra)
+
+
+def test_a_wait_for_a_late_peer_keeps_the_processors_busy() -> None:
+    """Exchanges that take no time but wait 0.25 s for the late peer: four EP ranks on two
+    processors compute at half speed and the late peers' catching up holds the processors,
+    so every action takes twice its compute plus its waits (without a lag: twice its compute,
+    see above). A forward waits twice: for the row counts and for the rows (queued behind the
+    routing weights); the shared expert hides the combine's."""
+    cfg, s, sched, x = _moe_ep2(["parallel.ep=4"])
+    parts = {"dense": {"F": 1.0, "B": 2.0, "W": 0.5}, **MOE}
+    lag = {"2": {"fixed": 0.25, "per_unit": 0.0}}
+    alone = TimeModel(x, profile(s, parts, processors=8, a2a_lag=lag), sched)
+    acts = [a for a in sched.actions[0] if a.kind.is_compute]
+    f = next(a for a in acts if a.kind is Kind.F)
+    assert alone.action(f).lagged == alone.action(f).exposed == pytest.approx(2 * 0.25)
+    work = sum(alone.action(a).compute for a in acts)
+    waits = sum(alone.action(a).exposed for a in acts)
+    assert alone.predict().pipeline_s == pytest.approx(work + waits)  # processors to spare
+    shared = TimeModel(x, profile(s, parts, processors=2, a2a_lag=lag), sched).predict()
+    assert shared.pipeline_s == pytest.approx(2 * work + waits, rel=1e-2)

@@ -40,6 +40,7 @@ class ActionTime:
     exposed: float  # of which it waits for exchanges
     comm: float  # exchange time issued by the action (hidden or not)
     background: float = 0.0  # processor time other threads (communication) spend for it
+    lagged: float = 0.0  # of the waits, those for EP peers still computing (their lag)
 
 
 @dataclass
@@ -75,8 +76,9 @@ def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int, lag: Linear
     the peers last lined up): on processors the ranks share, the same work takes each peer a
     different wall time, and an exchange starts when the last one issues it. ``crowding``: the
     factor on the rank's processor time when more ranks than processors share them."""
-    t = comm_free = compute = exposed = comm = background = since = 0.0
-    ready: dict[Any, float] = {}
+    t = comm_free = compute = exposed = comm = background = since = lagged = 0.0
+    on_time = 0.0  # when the channel would be free had no peer been late
+    ready: dict[Any, tuple[float, float]] = {}
     for prog, op in ops:
         code = op[0]
         if code == "C":
@@ -93,17 +95,19 @@ def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int, lag: Linear
             issue = profile.issue_time(ep) * crowding
             t += issue
             compute += issue
-            start = max(t + (lag(since) if lag is not None else 0.0), comm_free)
+            start = max(t + lag(since), comm_free) if lag is not None else max(t, comm_free)
+            on_time = max(t, on_time) + dur
             comm_free = start + dur
-            ready[(prog, op[1])] = comm_free
+            ready[(prog, op[1])] = (comm_free, comm_free - on_time)  # of its end, how late peers made it
             comm += dur
         elif code == "A":
             since = 0.0
-            done = ready.pop((prog, op[1]), t)
+            done, late = ready.pop((prog, op[1]), (t, 0.0))
             if done > t:
                 exposed += done - t
+                lagged += min(done - t, late)
                 t = done
-    return ActionTime(t, compute, exposed, comm, background)
+    return ActionTime(t, compute, exposed, comm, background, lagged)
 
 
 class TimeModel:
@@ -191,7 +195,7 @@ class TimeModel:
                 halves = 1
             t = run_ops(merged, self.profile, self.setup.ep, self.lag, self.crowding)
             extra = halves * self.profile.action_s * self.crowding
-            got = ActionTime(t.wall + extra, t.compute + extra, t.exposed, t.comm, t.background)
+            got = ActionTime(t.wall + extra, t.compute + extra, t.exposed, t.comm, t.background, t.lagged)
             self._cache[key] = got
         return got
 
@@ -260,9 +264,11 @@ class TimeModel:
         """Re-simulate the ranks sharing the profile's processors (processor sharing): while
         more threads are ready to run than there are processors, every action's compute runs
         slower by ready threads / processors; its waits for exchanges are wall time as measured
-        (peers' lag included), during which its processor serves the others. Over an action, the
-        rank's thread is ready while it computes, the communication threads for their processor
-        time stretched alike; a pipeline rank's EP and DP peers run the same actions at once."""
+        (peers' lag included). Over an action, the rank's thread is ready while it computes, the
+        communication threads for their processor time stretched alike, and while it waits for
+        a late EP peer the peer is still computing (the group keeps its share of the
+        processors); during its other waits its processor serves the other ranks. A pipeline
+        rank's EP and DP peers run the same actions at once."""
         peers = self.setup.ep * self.setup.dp
         p = float(self.profile.processors)
         priced.per_action = True
@@ -274,7 +280,10 @@ class TimeModel:
                     wall, waits, cpu = self.demand(r, sl.action)
                     length, work = sl.end - sl.start, wall - waits
                     # the thread computes for (length - waits) of the slot, stretched as it is now
-                    ready = rates[(r, sl.action)] = peers * cpu / work * max(0.0, length - waits) / length if length > 0 and work > 0 else 0.0
+                    ready = peers * cpu / work * max(0.0, length - waits) / length if length > 0 and work > 0 else 0.0
+                    if length > 0:  # a wait for a late peer: that peer is still computing
+                        ready += peers * self.action(sl.action).lagged / length
+                    rates[(r, sl.action)] = ready
                     edges += [(sl.start, ready), (sl.end, -ready)]
             edges.sort()
             times: list[float] = []
