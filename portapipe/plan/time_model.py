@@ -13,10 +13,13 @@ The routed rows an EP rank computes are the mean (tokens x top-k) times the imba
 recorded loads: every all-to-all waits for the busiest EP rank, so its pace is everyone's.
 
 The pipeline is then simulated with these durations (p2p transfers cost latency plus bytes over
-bandwidth). Ranks that share a host's processors (a CPU profile) slow each other down: the
-simulation is repeated with each action's compute stretched by how many ranks computed beside
-it, until the timeline settles. After the pipeline, the step adds the gradient reductions
-(DualPipe's copies, dp x ep replicas), the loss and load gathers, and AdamW's update.
+bandwidth). Ranks that share a host's processors (a CPU profile) slow each other down, and
+what the host adds is measured by the profile: the communication threads' processor time, the
+waits for EP peers that fell behind (lag), and compute's processor time growing once ranks
+outnumber processors (crowding). The simulation is repeated under processor sharing (each
+action's compute stretched by the threads ready to run beside it over the processors) until
+the timeline settles. After the pipeline, the step adds the gradient reductions (DualPipe's
+copies, dp x ep replicas), the loss and load gathers, and AdamW's update.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class TimeReport:
     a2a_exposed_s: float  # of which not hidden behind compute
     imbalance: float
     per_rank_busy: list[float] = field(default_factory=list)
-    per_rank_cpu: list[float] = field(default_factory=list)  # processor time of one rank per pipeline rank, all its threads
+    per_rank_cpu: list[float] = field(default_factory=list)  # per pipeline rank: one rank's processor time, all threads, in the schedule
 
     @property
     def a2a_hidden_frac(self) -> float:
