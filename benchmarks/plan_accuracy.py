@@ -49,7 +49,7 @@ from portapipe.config import Config, config_from_dict, load_config
 from portapipe.launch import run_ranks
 from portapipe.memory.accounting import SavedActivations
 from portapipe.plan.imbalance import imbalance
-from portapipe.plan.measure import host_times, profile_rank
+from portapipe.plan.measure import profile_rank
 from portapipe.plan.memory_model import MemoryModel
 from portapipe.plan.planner import plan
 from portapipe.plan.profile import Profile
@@ -91,7 +91,7 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
             rt.step(data)
         opt.zero_grad(set_to_none=True)
         out[name] = {"pp_rank": rt.groups.pp_rank, "saved_peak": tracker.peak_bytes, "step_s": [], "cpu_s": []}
-    host0, own0 = host_times(), time.process_time()
+    host0, own0 = _host_times(), time.process_time()
     for i in range(warmup + steps):
         for name, (rt, data, opt) in built.items():
             dist.barrier()
@@ -106,13 +106,25 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
                 out[name]["step_s"].append(float(dt[0]))
                 out[name]["cpu_s"].append(cpu)
     # processor time the whole machine spent meanwhile, less what the ranks spent: other processes
-    host1 = host_times()
+    host1 = _host_times()
     busy = (host1[0] - host1[1] - host1[2]) - (host0[0] - host0[1] - host0[2])  # ran something
     spent = torch.tensor([busy, host1[2] - host0[2], time.process_time() - own0], dtype=torch.float64)
     dist.all_reduce(spent)
     world = dist.get_world_size()
     out["_machine"] = {"busy_s": float(spent[0]) / world, "steal_s": float(spent[1]) / world, "ranks_s": float(spent[2])}
     return out
+
+
+def _host_times() -> tuple[float, float, float]:
+    """Seconds since boot the host's processors were there in all, of them idle, and of them
+    taken away by a virtual machine's host (steal) (Linux's /proc/stat; zeros elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]] + [0] * 8
+    except (OSError, ValueError):
+        return 0.0, 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return sum(fields[:8]) / tick, (fields[3] + fields[4]) / tick, fields[7] / tick
 
 
 def _reference(seconds: float = 0.3) -> float:
@@ -271,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = measure({**configs, **cands}, args.steps, args.warmup)
         speed.append(_reference())
         report["rounds"].append({
-            "profile": {"source": profile.source, "processors": profile.processors, "stolen": profile.stolen, "device": profile.device, "action_s": profile.action_s,
+            "profile": {"source": profile.source, "processors": profile.processors, "device": profile.device, "action_s": profile.action_s,
                         "crowding": profile.crowding, "a2a_lag": {n: vars(v) for n, v in profile.a2a_lag.items()}},
             # ms of processor time per unit of fixed work before and after the profile and after
             # the measurements: how much the machine's speed drifted

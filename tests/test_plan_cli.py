@@ -100,7 +100,7 @@ def test_profile_measures_every_part_on_two_ranks(capsys: pytest.CaptureFixture[
     assert "2" in prof.a2a and prof.p2p.fixed > 0 and prof.optimizer.per_unit > 0 and prof.optimizer_tensor_s > 0
     # what the communication threads spend, the waits for EP peers, the executor's work per action
     assert prof.a2a_background(2, 4096) > 0 and prof.p2p_cpu(4096) > 0 and 0 <= prof.action_s < 0.05
-    assert prof.processors is not None and prof.lag(2) is not None and 0 <= prof.stolen < 1
+    assert prof.processors is not None and prof.lag(2) is not None
     assert (prof.crowding == {}) == (prof.processors >= 2)  # two ranks crowd a single processor only
     assert len(prof.loads) == cfg.model.n_layers - cfg.model.n_dense and len(prof.loads[0]) == cfg.model.n_experts
     assert sum(prof.loads[0]) > 0

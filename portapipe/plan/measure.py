@@ -293,18 +293,6 @@ def _saved_bytes(config: Config, ep: ExpertParallel, option: str, sizes: list[in
     return {name: _fit(lists) for name, lists in samples.items() if name != "other"}
 
 
-def host_times() -> tuple[float, float, float]:
-    """Seconds since boot the host's processors were there in all, of them idle, and of them
-    taken away by a virtual machine's host (steal) (Linux's /proc/stat; zeros elsewhere)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]] + [0] * 8
-    except (OSError, ValueError):
-        return 0.0, 0.0, 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    return sum(fields[:8]) / tick, (fields[3] + fields[4]) / tick, fields[7] / tick
-
-
 def cpu() -> float:
     """This thread's processor time: what a part costs, however busy other processes keep the machine."""
     return time.thread_time()
@@ -518,7 +506,6 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
     """Run on every rank; rank 0 returns the profile as a dict."""
     config = config_from_dict(raw)
     world, rank = dist.get_world_size(), dist.get_rank()
-    host0 = host_times()
     shared = world >= 2 and backend.device(0) == backend.device(1)  # ranks share one device (a host's CPUs)
     processors = float(backend.device_count()) if shared else None
     m = config.model
@@ -562,8 +549,6 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
     made: list[Any] = [None]
     if rank == 0:
         optimizer, optimizer_tensor_s = _optimizer(dtype, reps)
-        host1 = host_times()
-        stolen = (host1[2] - host0[2]) / (host1[0] - host0[0]) if host1[0] > host0[0] and shared else 0.0
         # the programs' own work per part call, less the cost of issuing their exchanges (measured apart)
         issue = comm["issue_s"].get(str(ep_size), 0.0) if ep_size > 1 else 0.0
         out["part_overhead_s"] = {
@@ -581,7 +566,6 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
             "shape": Shape.of(m).to_dict(),
             "tokens": [s * m.seq_len for s in sizes],
             "processors": processors,
-            "stolen": min(max(stolen, 0.0), 0.9),
             "optimizer": _plain(optimizer),
             "optimizer_tensor_s": optimizer_tensor_s,
             "source": f"measured by portapipe profile on {world} {backend.name} ranks",

@@ -26,8 +26,7 @@ published figures (H800). A profile holds, for the model shape it was made for:
   call (F and B: graph cuts, gradient bookkeeping); ``post_s``: posting one batch of
   point-to-point transfers; ``action_s``: any further cost per executor action;
 - ``processors``: compute units the ranks of one host share (measured on CPUs; null when every
-  rank has a device of its own); ``stolen``: the share of their time a virtual machine's host
-  took while profiling (steal), in which nothing computes;
+  rank has a device of its own);
 - ``saved_bytes[option][part]``: what the accounting measured (``fixed`` + ``per_unit``), beside
   what :mod:`.shape` predicts;
 - ``loads``: expert loads (tokens per expert per layer) seen while profiling, for imbalance.
@@ -105,7 +104,6 @@ class Profile:
     a2a_lag: dict[str, Linear] = field(default_factory=dict)  # waiting for EP peers, per ranks computing at once
     crowding: dict[str, float] = field(default_factory=dict)  # compute's processor time, per ranks sharing the processors
     processors: float | None = None
-    stolen: float = 0.0  # share of the processors' time a virtual machine's host took (steal)
     saved_bytes: dict[str, dict[str, Linear]] = field(default_factory=dict)
     loads: list[list[float]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -187,7 +185,7 @@ class Profile:
             device=dict(self.device), torch=self.torch, shape=shape, parts=parts, a2a=self.a2a, p2p=self.p2p,
             allreduce=self.allreduce, optimizer=self.optimizer, optimizer_tensor_s=self.optimizer_tensor_s, action_s=self.action_s,
             part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), a2a_cpu=self.a2a_cpu, p2p_cpu=self.p2p_cpu, a2a_lag=self.a2a_lag, crowding=dict(self.crowding),
-            processors=self.processors, stolen=self.stolen,
+            processors=self.processors,
             saved_bytes={}, loads=self.loads, tokens=self.tokens,
             source=f"{self.source}; scaled by FLOPs from shape {_short(self.shape)} to {_short(shape)}",
         )
@@ -232,7 +230,6 @@ class Profile:
                 a2a_lag={str(k): _linear(v, f"{where}: a2a_lag.{k}") for k, v in d.get("a2a_lag", {}).items()},
                 crowding={str(k): float(v) for k, v in d.get("crowding", {}).items()},
                 processors=None if d.get("processors") is None else float(d["processors"]),
-                stolen=float(d.get("stolen", 0.0)),
                 saved_bytes={o: {p: _linear(c, f"{where}: saved_bytes.{o}.{p}") for p, c in t.items()} for o, t in d.get("saved_bytes", {}).items()},
                 loads=[[float(x) for x in row] for row in d.get("loads", [])],
                 tokens=[int(t) for t in d.get("tokens", [])],
@@ -256,8 +253,6 @@ class Profile:
         bad_scalars = [k for k, v in scalars.items() if not v >= 0 or v == float("inf")]
         if bad_scalars:
             raise ProfileError(f"{where}: {', '.join(bad_scalars)} must be finite seconds >= 0")
-        if not 0.0 <= prof.stolen < 1.0:
-            raise ProfileError(f"{where}: stolen must be a share of the processors' time in [0, 1), got {prof.stolen}")
         crowds = [k for k, v in prof.crowding.items() if not 1.0 <= v < float("inf") or not k.isdigit()]
         if crowds:
             raise ProfileError(f"{where}: crowding.{crowds[0]} must be a factor >= 1 keyed by a rank count")

@@ -137,8 +137,7 @@ class TimeModel:
         self.specs = specs if specs is not None else stage_specs(setup, schedule)
         self.switching = setup.ep > 1 and setup.overlap
         self.lag = self.profile.lag(setup.devices) if setup.ep > 1 else None
-        # processor time to wall time: crowding, and a virtual machine's host taking processors away
-        self.crowding = self.profile.crowded(setup.devices) / (1.0 - self.profile.stolen)
+        self.crowding = self.profile.crowded(setup.devices)
         self._cache: dict[tuple, ActionTime] = {} if cache is None else cache
         act = self.tokens * self.shape.hidden * self.shape.e
         self.p2p_s = self.profile.p2p(act)
