@@ -215,9 +215,13 @@ def deepseek() -> dict[str, Any]:
 
     path = ROOT / "examples" / "plan" / "deepseek_v3.yaml"
     cmd = [sys.executable, "-m", "portapipe.cli", "plan", str(path), "--devices", "2048", "--memory", "80GiB", "--profile", "h800", "--json", "--top", "3"]
-    t0 = time.perf_counter()
+    import resource
+
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     wall = time.perf_counter() - t0
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)  # the command's processor time
     out = json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-2000:]}
     cfg = load_config(path)
     dual = Setup.from_config(cfg)
@@ -228,6 +232,7 @@ def deepseek() -> dict[str, Any]:
     return {
         "command": " ".join(cmd[2:]),
         "wall_s": wall,
+        "cpu_s": cpu,
         "considered": out.get("considered"),
         "top": out.get("ranked", [None])[0],
         "your_config": out.get("user"),
