@@ -211,12 +211,11 @@ def compare(preds: list[dict[str, Any]], meas: list[dict[str, Any]]) -> dict[str
 
 def deepseek() -> dict[str, Any]:
     """The DeepSeek-V3 plan's wall time, its top row, and DualPipe's memory properties on that shape."""
+    import resource
     import subprocess
 
     path = ROOT / "examples" / "plan" / "deepseek_v3.yaml"
     cmd = [sys.executable, "-m", "portapipe.cli", "plan", str(path), "--devices", "2048", "--memory", "80GiB", "--profile", "h800", "--json", "--top", "3"]
-    import resource
-
     t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     wall = time.perf_counter() - t0
