@@ -125,6 +125,7 @@ def test_a_profile_on_more_ranks_than_processors_measures_their_crowding(tmp_pat
     prof = Profile.load(out)
     if prof.processors is not None and prof.processors < 3:
         assert set(prof.crowding) == {"3"} and prof.crowded(3) == prof.crowding["3"] >= 1.0
+        assert set(prof.p2p_crowded) == {"3"} and prof.p2p_extra(3) == prof.p2p_crowded["3"] >= 0.0
         assert prof.lag(3) is not None  # an EP group of two waited for its peer, alone and with the third rank
     else:
-        assert prof.crowding == {}
+        assert prof.crowding == prof.p2p_crowded == {}

@@ -282,6 +282,16 @@ def test_crowding_scales_compute_once_ranks_outnumber_processors() -> None:
     assert crowded.pipeline_s == pytest.approx(2 * 1.25 * work, rel=1e-2)
 
 
+def test_transfers_take_longer_while_ranks_outnumber_processors() -> None:
+    cfg = load_config(EXAMPLE, ["parallel.pp=4", "parallel.ep=1", "schedule.name=1f1b", "model.n_dense=4"])
+    s, sched, x = Shape.of(cfg.model), build_schedule(cfg), Setup.from_config(cfg)
+    p2p = {"fixed": 1e-4, "per_unit": 1e-9}
+    act = cfg.train.micro_batch_size * cfg.model.seq_len * cfg.model.hidden * 4
+    for processors, extra in ((None, 0.0), (4, 0.0), (2, 2e-3)):
+        prof = profile(s, {"dense": {"F": 1.0}}, processors=processors, p2p=p2p, p2p_crowded={"4": 2e-3})
+        assert TimeModel(x, prof, sched).p2p_s == pytest.approx(1e-4 + 1e-9 * act + extra)
+
+
 def test_the_optimizer_pays_per_parameter_element_and_tensor() -> None:
     """AdamW updates tensor by tensor: a rank holding the whole model pays per element and per
     tensor of the real model's parameters."""

@@ -355,11 +355,12 @@ def _mean(backend: Any, values: list[float], group: Any, size: int) -> list[floa
 
 
 def _comm(
-    backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, reps: int, ep: int, span: float
+    backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, reps: int, ep: int, span: float, processors: float | None
 ) -> dict[str, Any]:
     """All-to-all and all-reduce over the first n ranks (n = 2, 4, ..., world, and ``ep``), p2p
     between ranks 0 and 1: latency and bytes per second from the least disturbed of ``reps``
-    calls; what the communication threads spend, with ``span`` seconds of compute between calls."""
+    calls; what the communication threads spend, with ``span`` seconds of compute between calls;
+    on a host with fewer processors than ranks, what a transfer adds while the others compute."""
     rank = dist.get_rank()
     sizes = sorted({n for n in (2, 4, 8, 16, 32, 64, world, ep) if 2 <= n <= world})
     groups = {n: backend.new_group(list(range(n))) for n in sizes}
@@ -401,7 +402,7 @@ def _comm(
         for r in (max(2, rows // 16), rows):
             buf, got = torch.zeros(r * hidden, dtype=dtype), torch.zeros(r * hidden, dtype=dtype)
 
-            def round_trip() -> None:
+            def round_trip(buf: torch.Tensor = buf) -> None:
                 if rank == 0:
                     t0 = cpu()
                     works = backend.batch_isend_irecv([dist.P2POp(dist.isend, buf, 1)])
@@ -432,9 +433,23 @@ def _comm(
             dist.barrier()
         p2p = Linear.fit(pts) if rank == 0 else p2p
         p2p_bg = Linear.fit(bg_pts) if rank == 0 else p2p_bg
+    crowded: dict[str, float] = {}
+    if processors is not None and world > processors:
+        # the same transfers while every other rank computes: the communication threads wait
+        # for a processor
+        n, posted = 12 * reps, len(posts)
+        if rank < 2:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                round_trip()
+            crowded[str(world)] = max(0.0, (time.perf_counter() - t0) / n / 2 - p2p(buf.numel() * buf.element_size()))
+            del posts[posted:]
+        else:
+            _spin(n * 4 * max(p2p.fixed, 1e-3))  # longer than the transfers take
+        dist.barrier()
     return {
         "a2a": a2a, "issue_s": issue, "a2a_cpu": background, "allreduce": allreduce, "p2p": p2p, "p2p_cpu": p2p_bg,
-        "post_s": statistics.median(posts) if posts else 0.0,
+        "p2p_crowded": crowded, "post_s": statistics.median(posts) if posts else 0.0,
     }
 
 
@@ -540,7 +555,7 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
     if rank == 0:
         span += out["parts"]["off"]["attention"]["F"](config.train.micro_batch_size * m.seq_len)
     dist.broadcast(span, 0)
-    comm = _comm(backend, world, m.hidden, dtype, rows, reps, ep_size, float(span))
+    comm = _comm(backend, world, m.hidden, dtype, rows, reps, ep_size, float(span), processors)
     comm["a2a_lag"] = _lag(backend, world, processors, ep_size, m.hidden, dtype, rows, float(span), 30 * reps, comm["a2a"])
     # how much slower each rank computes when all run at once (a host's shared processors)
     alone = _busy(0.2) if rank == 0 else 0.0

@@ -17,6 +17,8 @@ published figures (H800). A profile holds, for the model shape it was made for:
   waits for its EP peers beyond its latency (``fixed`` + ``per_unit`` x the processor time the
   rank computed since the exchange it last waited for), measured with ``ranks`` ranks of the
   host computing at once: the same work takes each peer a different wall time there;
+- ``p2p_crowded[str(ranks)]``: what a point-to-point transfer takes longer, on average, while
+  the host's other ranks compute (``ranks`` of them in all, more than the processors);
 - ``crowding[str(ranks)]``: on such a host, how much more processor time the parts take when
   ``ranks`` ranks share the processors (each is switched between ranks inside its parts and
   finds its caches cold) than when timed on an EP group that fits them; measured on a step of
@@ -103,6 +105,7 @@ class Profile:
     p2p_cpu: Linear = field(default_factory=Linear)  # other threads' processor time per transfer end
     a2a_lag: dict[str, Linear] = field(default_factory=dict)  # waiting for EP peers, per ranks computing at once
     crowding: dict[str, float] = field(default_factory=dict)  # compute's processor time, per ranks sharing the processors
+    p2p_crowded: dict[str, float] = field(default_factory=dict)  # a transfer's extra latency, per ranks sharing the processors
     processors: float | None = None
     saved_bytes: dict[str, dict[str, Linear]] = field(default_factory=dict)
     loads: list[list[float]] = field(default_factory=list)
@@ -151,6 +154,14 @@ class Profile:
             return 1.0
         return 1.0 + (self.crowding[str(size)] - 1.0) * min(1.0, (ranks - self.processors) / (size - self.processors))
 
+    def p2p_extra(self, ranks: int) -> float:
+        """What a transfer takes longer with ``ranks`` ranks on the host: nothing while they fit
+        the processors, else the measured figure of the nearest rank count."""
+        if self.processors is None or ranks <= self.processors:
+            return 0.0
+        got = _nearest(self.p2p_crowded, ranks)
+        return 0.0 if got is None else got
+
     def issue_time(self, ep: int) -> float:
         """What issuing one all-to-all over ``ep`` ranks costs the caller (nearest measured size)."""
         got = _nearest(self.issue_s, ep)
@@ -184,7 +195,7 @@ class Profile:
         return Profile(
             device=dict(self.device), torch=self.torch, shape=shape, parts=parts, a2a=self.a2a, p2p=self.p2p,
             allreduce=self.allreduce, optimizer=self.optimizer, optimizer_tensor_s=self.optimizer_tensor_s, action_s=self.action_s,
-            part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), a2a_cpu=self.a2a_cpu, p2p_cpu=self.p2p_cpu, a2a_lag=self.a2a_lag, crowding=dict(self.crowding),
+            part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), a2a_cpu=self.a2a_cpu, p2p_cpu=self.p2p_cpu, a2a_lag=self.a2a_lag, crowding=dict(self.crowding), p2p_crowded=dict(self.p2p_crowded),
             processors=self.processors,
             saved_bytes={}, loads=self.loads, tokens=self.tokens,
             source=f"{self.source}; scaled by FLOPs from shape {_short(self.shape)} to {_short(shape)}",
@@ -229,6 +240,7 @@ class Profile:
                 p2p_cpu=_linear(d.get("p2p_cpu", {}), f"{where}: p2p_cpu"),
                 a2a_lag={str(k): _linear(v, f"{where}: a2a_lag.{k}") for k, v in d.get("a2a_lag", {}).items()},
                 crowding={str(k): float(v) for k, v in d.get("crowding", {}).items()},
+                p2p_crowded={str(k): float(v) for k, v in d.get("p2p_crowded", {}).items()},
                 processors=None if d.get("processors") is None else float(d["processors"]),
                 saved_bytes={o: {p: _linear(c, f"{where}: saved_bytes.{o}.{p}") for p, c in t.items()} for o, t in d.get("saved_bytes", {}).items()},
                 loads=[[float(x) for x in row] for row in d.get("loads", [])],
@@ -250,6 +262,7 @@ class Profile:
         scalars = {"action_s": prof.action_s, "post_s": prof.post_s, "optimizer_tensor_s": prof.optimizer_tensor_s}
         scalars.update({f"issue_s.{k}": v for k, v in prof.issue_s.items()})
         scalars.update({f"part_overhead_s.{k}": v for k, v in prof.part_overhead_s.items()})
+        scalars.update({f"p2p_crowded.{k}": v for k, v in prof.p2p_crowded.items()})
         bad_scalars = [k for k, v in scalars.items() if not v >= 0 or v == float("inf")]
         if bad_scalars:
             raise ProfileError(f"{where}: {', '.join(bad_scalars)} must be finite seconds >= 0")

@@ -140,7 +140,7 @@ class TimeModel:
         self.crowding = self.profile.crowded(setup.devices)
         self._cache: dict[tuple, ActionTime] = {} if cache is None else cache
         act = self.tokens * self.shape.hidden * self.shape.e
-        self.p2p_s = self.profile.p2p(act)
+        self.p2p_s = self.profile.p2p(act) + self.profile.p2p_extra(setup.devices)
         # posting point-to-point transfers costs the posting rank's thread (each batch of
         # consecutive SEND/RECV actions) and the communication threads (each transfer); both
         # are charged to the compute action after the batch
