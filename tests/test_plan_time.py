@@ -334,3 +334,17 @@ def test_a_wait_for_a_late_peer_keeps_the_processors_busy() -> None:
     assert alone.predict().pipeline_s == pytest.approx(work + waits)  # processors to spare
     shared = TimeModel(x, profile(s, parts, processors=2, a2a_lag=lag), sched).predict()
     assert shared.pipeline_s == pytest.approx(2 * work + waits, rel=1e-2)
+
+
+def test_actions_count_the_exchanges_they_issue() -> None:
+    cfg, s, sched, x = _moe_ep2(["schedule.name=dualpipev", "schedule.microbatches=4", "model.n_layers=4", "model.n_dense=1"])
+    tm = TimeModel(x, profile(s, MOE), sched)
+    # per MoE layer: row counts, routing weights, rows and the combine forward; three backward
+    moe = {b: sum(s.is_moe(i) for i in spec.layers) for b, spec in enumerate(tm.specs)}
+    for a in sched.actions[0]:
+        if a.kind.is_compute:
+            want = sum(moe[h.stage] * (4 if h.kind is Kind.F else 3 if h.kind in (Kind.B, Kind.BW) else 0) for h in a.halves())
+            assert tm.exchanges(a) == want, a
+    one = load_config(EXAMPLE, ["parallel.ep=1"])
+    assert all(TimeModel(Setup.from_config(one), profile(s, MOE), build_schedule(one)).exchanges(a) == 0
+               for a in build_schedule(one).actions[0] if a.kind.is_compute)

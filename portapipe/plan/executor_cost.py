@@ -43,7 +43,7 @@ def action_cost(backend: Any, raw: dict[str, Any], profile: Profile, reps: int, 
     rank = rt.groups.pp_rank
     model = TimeModel(Setup.from_config(config), profile, build_schedule(config))
     actions = [a for a in model.lists[rank] if a.__class__ is not tuple and a.kind.is_compute]
-    issued = sum(op[0] == "I" for a in actions for op in model._ops(a)) if config.parallel.ep > 1 else 0
+    issued = sum(model.exchanges(a) for a in actions)
     known = issued * profile.issue_time(config.parallel.ep) + model.posts_per_rank[rank]
     crowding = profile.crowded(config.world_size)
     rest = []

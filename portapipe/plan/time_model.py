@@ -181,6 +181,12 @@ class TimeModel:
             return self.programs.weights(spec)
         return self.programs.backward(spec, "B" if half.kind is Kind.B else "BW")
 
+    def exchanges(self, a: Action) -> int:
+        """All-to-alls ``a`` issues (its halves' programs; none with one EP rank)."""
+        if self.setup.ep <= 1:
+            return 0
+        return sum(op[0] == "I" for h in a.halves() for op in self._ops(h))
+
     def action(self, a: Action) -> ActionTime:
         """The duration of one compute action with nothing else sharing the processor."""
         if a.pair is not None:
