@@ -137,6 +137,17 @@ def test_loads_files(tmp_path: Path) -> None:
             read_loads(path)
     with pytest.raises(LoadsError, match="does not exist"):
         read_loads(tmp_path / "missing.json")
+    # the files `portapipe balance --loads` reads, with its errors
+    text = tmp_path / "loads.txt"
+    text.write_text("# layer per line\n1, 2\n3 4\n")
+    assert read_loads(text) == [[1.0, 2.0], [3.0, 4.0]]
+    text.write_text("1,,2\n")
+    with pytest.raises(LoadsError, match="--loads: .*empty field"):
+        read_loads(text)
+    flags = tmp_path / "flags.json"
+    flags.write_text("[[true, 2]]")
+    with pytest.raises(LoadsError, match="not a number"):
+        read_loads(flags)
 
 
 # ------------------------------------------------------------------------------ profiles

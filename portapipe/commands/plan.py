@@ -135,7 +135,7 @@ def register(sub: Any) -> None:
     p.add_argument("--devices", type=int, help="devices to plan for (required)")
     p.add_argument("--memory", help="memory per device, e.g. 80GiB (default: no budget)")
     p.add_argument("--profile", help="profile JSON from `portapipe profile`, or a published device: h800")
-    p.add_argument("--loads", help="recorded expert loads (a run's expert_loads.json) for the expert imbalance")
+    p.add_argument("--loads", help="recorded expert loads (a run's expert_loads.json, or a .txt/.csv/.pt file as portapipe balance reads) for the expert imbalance")
     p.add_argument("--out", help="write the best setup as a complete config YAML")
     p.add_argument("--plot", metavar="FILE", help="draw predicted step time against peak memory (.png, .svg, .pdf)")
     p.add_argument("--top", type=int, default=10, help="rows of the table [10]")

@@ -15,7 +15,6 @@ all-to-all, so the time model charges it to all:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +24,16 @@ class LoadsError(ValueError):
 
 
 def read_loads(path: str | Path) -> list[list[float]]:
-    """``expert_loads.json`` (``{"loads": [[...], ...]}``) or a bare ``[[...], ...]``."""
-    p = Path(path)
-    if not p.is_file():
-        raise LoadsError(f"--loads: {str(p)!r} does not exist (a run with balancer.kind: eplb writes <log.dir>/expert_loads.json)")
+    """Loads ``[layers][experts]`` from any file ``portapipe balance --loads`` reads (a run's
+    ``expert_loads.json``, text, ``.pt``); LoadsError naming ``--loads`` and the problem."""
+    from ..balancing.loads_file import read_loads as read_loads_file
+
+    if not Path(path).is_file():
+        raise LoadsError(f"--loads: {str(path)!r} does not exist (a run with balancer.kind: eplb writes <log.dir>/expert_loads.json)")
     try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise LoadsError(f"--loads: {p} is not JSON: {exc}") from None
-    loads = data.get("loads") if isinstance(data, dict) else data
-    if not isinstance(loads, list) or not loads or not all(isinstance(r, list) and r for r in loads):
-        raise LoadsError(f"--loads: {p} holds no [layers][experts] table of token counts")
-    width = len(loads[0])
-    try:
-        rows = [[float(x) for x in r] for r in loads]
-    except (TypeError, ValueError):
-        raise LoadsError(f"--loads: {p}: loads must be numbers") from None
-    if any(len(r) != width for r in rows) or any(x < 0 or x != x for r in rows for x in r):
-        raise LoadsError(f"--loads: {p}: every layer needs {width} non-negative counts")
-    return rows
+        return read_loads_file(path).tolist()
+    except ValueError as exc:
+        raise LoadsError(f"--loads: {exc}") from None
 
 
 def imbalance(loads: list[list[float]], ep: int, balancer: Any = None, n_groups: int = 1) -> float:
