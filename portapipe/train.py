@@ -153,7 +153,8 @@ class BalancerHook:
     over the EP and DP groups) in its window of ``balancer.window`` steps, which checkpoints carry.
     Every ``balancer.interval`` steps and at the end, the window's loads of all layers are
     gathered to rank 0 and written to ``<log.dir>/expert_loads.json`` (``{"step", "window",
-    "layers", "loads"}``), which ``portapipe balance`` reads to plan a placement.
+    "layers", "loads", "phy2log"}``: the placement in force when written, so the file serves
+    ``portapipe balance`` as both ``--loads`` and ``--current``).
     """
 
     FILE = "expert_loads.json"
@@ -173,13 +174,15 @@ class BalancerHook:
 
     def _write(self, step: int) -> None:
         window = self.balancer.load_window
-        mine = dict(zip(self.balancer.layers, window.loads().tolist()))
+        placement = self.balancer.placement.phy2log.tolist()
+        mine = {layer: (loads, placement[i]) for i, (layer, loads) in enumerate(zip(self.balancer.layers, window.loads().tolist()))}
         parts: list[Any] = [None] * torch.distributed.get_world_size(self.writer_group)
         torch.distributed.all_gather_object(parts, mine, group=self.writer_group)
         if self.is_main:
             rows = {layer: row for part in parts for layer, row in part.items()}  # DualPipe copies agree
             layers = sorted(rows)
-            record = {"step": step, "window": len(window), "layers": layers, "loads": [rows[i] for i in layers]}
+            record = {"step": step, "window": len(window), "layers": layers, "loads": [rows[i][0] for i in layers],
+                      "phy2log": [rows[i][1] for i in layers]}
             atomic_write(self.path, lambda f: f.write(json.dumps(record).encode()))
 
 

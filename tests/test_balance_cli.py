@@ -62,6 +62,11 @@ def test_default_is_trainings_policy_refined_first_then_incremental(tmp_path: Pa
     want = rebalance_experts(drifted, 16, 4, 2, 8, policy="incremental", current=torch.tensor(first["phy2log"]), max_moved=0.25)
     assert later["ran"] == "incremental" and later["phy2log"] == want[0].tolist()
     assert later["compare"]["incremental"]["slots_changed"] == int((want[0] != torch.tensor(first["phy2log"])).sum()) <= 2 * 4
+    # a run's expert_loads.json records the placement in force beside the loads: one file serves both
+    run_file = tmp_path / "expert_loads.json"
+    run_file.write_text(json.dumps({"step": 100, "window": 10, "layers": [1, 2], "loads": drifted.tolist(), "phy2log": first["phy2log"]}))
+    again = run_json(capsys, "--loads", str(run_file), *ARGS, "--current", str(run_file), "--max-moved", "0.25")
+    assert again["phy2log"] == later["phy2log"]
 
 
 def test_compare_prints_slots_bytes_and_balance_of_every_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

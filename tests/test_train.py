@@ -213,3 +213,5 @@ def test_training_on_4_ranks_learns_logs_checkpoints_and_resumes_exactly(tmp_pat
     assert loads["step"] == 4 and loads["layers"] == [1, 2, 3] and loads["window"] == 2
     tokens_per_step = 4 * 2 * 32 * 2  # micro-batches x batch x seq x EP ranks
     assert [sum(row) for row in loads["loads"]] == [2 * tokens_per_step * 2] * 3  # x top_k
+    # ... and the placement in force, one row of slots per layer, which `portapipe balance --current` reads
+    assert [sorted(row) for row in loads["phy2log"]] == [list(range(8))] * 3
