@@ -17,26 +17,12 @@ from typing import Any
 import pytest
 
 from portapipe.cli import main
-
-MODEL = {"hidden": 16, "n_layers": 2, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16, "n_experts": 4, "top_k": 2,
-         "seq_len": 16, "dtype": "float64"}
+from tests.test_checkpoint_run import raw as run_config
 
 
 def raw(log_dir: Path, steps: int, **over: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "backend": "cpu",
-        "parallel": {"pp": 2, "ep": 1, "dp": 1},
-        "schedule": {"name": "1f1b", "microbatches": 2},
-        "model": dict(MODEL),
-        "train": {"steps": steps, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2},
-        "data": {"val_fraction": 0.0},
-        "log": {"dir": str(log_dir), "progress": False},
-        "checkpoint": {"every": 1, "keep": 4},
-    }
-    for key, value in over.items():
-        section, _, name = key.partition("__")
-        out[section][name] = value
-    return out
+    """test_checkpoint_run's run on 2 pipeline ranks, a checkpoint every step, four kept."""
+    return run_config(log_dir, steps, pp=2, **{"checkpoint__every": 1, "checkpoint__keep": 4, **over})
 
 
 def train(capsys: pytest.CaptureFixture[str], config: dict[str, Any], *args: str) -> tuple[int, list[str], dict[str, Any] | None]:
