@@ -45,8 +45,14 @@ def reductions(backend: Backend) -> dict[str, Any]:
     backend.all_gather(parts, torch.tensor([rank, rank * rank], dtype=torch.float32))
     b = torch.tensor([float(rank)])
     backend.broadcast(b, src=world - 1)
+    # the distributed optimizer's pair: rank r gets slice r of the sum, then the slices are joined
+    full = torch.arange(2.0 * world) * (rank + 1)
+    shard = torch.empty(2)
+    backend.reduce_scatter_tensor(shard, full)
+    joined = torch.empty(2 * world)
+    backend.all_gather_into_tensor(joined, shard, async_op=True).wait()
     backend.barrier()
-    return {"sum": t.tolist(), "gather": [p.tolist() for p in parts], "bcast": b.item()}
+    return {"sum": t.tolist(), "gather": [p.tolist() for p in parts], "bcast": b.item(), "shard": shard.tolist(), "joined": joined.tolist()}
 
 
 def mesh_groups(backend: Backend, pp: int, dp: int, ep: int) -> dict[str, Any]:

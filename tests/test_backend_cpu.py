@@ -40,6 +40,11 @@ def test_reductions(world: int) -> None:
         assert res["sum"] == [total] * 3
         assert res["gather"] == [[float(r), float(r * r)] for r in range(world)]
         assert res["bcast"] == float(world - 1)
+    ranks_sum = world * (world + 1) // 2
+    whole = [float(i * ranks_sum) for i in range(2 * world)]
+    for rank, res in enumerate(got):
+        assert res["shard"] == whole[2 * rank : 2 * rank + 2]
+        assert res["joined"] == whole
 
 
 @pytest.mark.multiproc

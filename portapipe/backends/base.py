@@ -307,6 +307,20 @@ class Backend(ABC):
     def all_gather(self, tensors: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
         return dist.all_gather(tensors, tensor, group=group, async_op=async_op)
 
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
+    ) -> Any:
+        """``output`` (1/n of ``input``) = this rank's equal slice of ``input`` reduced over the group.
+
+        ``input.numel()`` must be ``n * output.numel()`` for the group's size n; slice i goes to
+        the group's i-th rank (the distributed optimizer's shards).
+        """
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+        """``output`` = every rank's ``input`` concatenated in group-rank order (``n * input.numel()``)."""
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
