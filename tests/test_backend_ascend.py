@@ -361,7 +361,7 @@ def test_presence_is_judged_without_importing_torch_npu(monkeypatch) -> None:
 
 
 def test_nvshmem_transport_is_refused_on_npu(standin) -> None:
-    with pytest.raises(BackendUnavailable, match="nvshmem is a CUDA transport"):
+    with pytest.raises(ValueError, match=r"'nvshmem' is not a transport of backend 'npu' \(its transports: alltoall\)"):
         AscendBackend({"ep_transport": "nvshmem"})
 
 

@@ -92,7 +92,7 @@ def test_nvshmem_refused_where_torch_reports_it_unavailable(usable_gpu, monkeypa
 
 
 def test_bad_options_are_named() -> None:
-    with pytest.raises(ValueError, match="ep_transport: 'deepep' is not one of alltoall, nvshmem"):
+    with pytest.raises(ValueError, match=r"ep_transport: 'deepep' is not a transport of backend 'cuda' \(its transports: alltoall, nvshmem\)"):
         CUDABackend({"ep_transport": "deepep"})
     with pytest.raises(ValueError, match="dist_backend: 'mpi' is not one of nccl, gloo"):
         CUDABackend({"dist_backend": "mpi"})

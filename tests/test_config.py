@@ -45,7 +45,7 @@ def test_overrides_parse_yaml_values() -> None:
         ("model.n_layers=3", "model.n_layers", "model blocks"),
         ("train.min_lr=1.0", "train.min_lr", "train.lr"),
         ("backend=tpu", "backend", "known"),
-        ("backend_options.ep_transport=shmem", "backend_options.ep_transport", "nvshmem"),
+        ("backend_options.ep_transport=shmem", "backend_options.ep_transport", "alltoall"),
         ("schedule.name=pipedream", "schedule.name", "1f1b"),
         ("parallel.pp=0", "parallel.pp", "greater than or equal"),
         ("model.hidden=abc", "model.hidden", "integer"),

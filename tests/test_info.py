@@ -16,6 +16,13 @@ def test_info_prints_valid_json_with_the_fields() -> None:
     assert info["backends_known"][:4] == ["auto", "cpu", "cuda", "npu"]
     assert info["backends"]["cpu"]["available"] is True
     assert info["backends"]["cpu"]["dist_backend"] == "gloo"
+    # every backend's declaration, read from its class (no device needed)
+    from portapipe.backends.registry import backend_class
+
+    for name in ("cpu", "cuda", "npu"):
+        assert info["backends"][name]["capabilities"] == backend_class(name).capabilities.as_dict()
+    assert "float64" not in info["backends"]["npu"]["capabilities"]["reduce_dtypes"]
+    assert info["backends"]["cuda"]["capabilities"]["ep_transports"] == ["alltoall", "nvshmem"]
     assert "cpu" in info["available"]
     # auto picks a present device; this machine class (CI) has neither GPU nor NPU.
     present = [n for n in ("cuda", "npu") if info["backends"].get(n, {}).get("device_present")]

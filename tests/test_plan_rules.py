@@ -50,10 +50,31 @@ def test_config_validation_reports_the_tables_error_lines(overrides: list[str]) 
 
 
 def test_nvshmem_is_refused_before_any_rank_starts_on_cpu_and_npu() -> None:
-    with pytest.raises(ConfigError) as info:
-        load_config(EXAMPLE, ["backend_options.ep_transport=nvshmem"])
-    assert info.value.problems == ["backend_options.ep_transport: nvshmem needs backend cuda (NVSHMEM is NVIDIA's), not cpu; use alltoall"]
+    """The rule reads each backend's declared transports; its line is the one the backend itself raises."""
+    from portapipe.backends.ascend import AscendBackend
+    from portapipe.backends.cpu import CPUBackend
+
+    for name, cls in (("cpu", CPUBackend), ("npu", AscendBackend)):
+        with pytest.raises(ConfigError) as info:
+            load_config(EXAMPLE, [f"backend={name}", "backend_options.ep_transport=nvshmem"])
+        with pytest.raises(ValueError) as raised:
+            cls({"ep_transport": "nvshmem"})
+        assert info.value.problems == [str(raised.value)] == [
+            f"backend_options.ep_transport: 'nvshmem' is not a transport of backend {name!r} (its transports: alltoall); "
+            "use alltoall, which every backend has"
+        ]
     load_config(EXAMPLE, ["backend=cuda", "backend_options.ep_transport=nvshmem"])  # a config, not a device check
+    load_config(EXAMPLE, ["backend=auto", "backend_options.ep_transport=nvshmem"])  # auto may find a GPU
+    with pytest.raises(ConfigError, match="'shmem' is not a transport of backend 'cpu'"):
+        load_config(EXAMPLE, ["backend=auto", "backend_options.ep_transport=shmem"])  # no backend offers it
+
+
+def test_a_model_dtype_the_backend_does_not_compute_in_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(EXAMPLE, ["backend=npu", "model.dtype=float64"])
+    assert info.value.problems == ["model.dtype: float64 is not computed by backend 'npu' (it computes in float32, bfloat16, float16)"]
+    for backend in ("cpu", "cuda", "auto"):
+        load_config(EXAMPLE, [f"backend={backend}", "model.dtype=float64"])
 
 
 def test_notes_never_reject_a_config_but_say_what_is_wasted() -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .base import Backend, BackendUnavailable, EventTimer, Timer
+from .capabilities import Capabilities
 from .grouped_mm import grouped_mm_reference
 
 log = logging.getLogger("portapipe.backends")
@@ -64,14 +65,24 @@ class AscendBackend(Backend):
         "but CANN is not, `import torch` itself fails unless TORCH_DEVICE_BACKEND_AUTOLOAD=0 is set."
     )
 
+    # Sources (quoted in docs/backends.md): aclnnMatmul / aclnnMm take FLOAT, FLOAT16 and
+    # BFLOAT16, no DOUBLE; HcclAllReduce / HcclReduceScatter reduce int8-int64, float16, float32
+    # and bfp16 on Atlas A2/A3 (float64 only on Ascend 950, within a node); HcclAlltoAll(V) and
+    # HcclAllGather move float64 as well. So float64 moves but neither computes nor reduces.
+    capabilities = Capabilities(
+        dist_backend="hccl",
+        compute_dtypes=("float32", "bfloat16", "float16"),
+        reduce_dtypes=("float32", "bfloat16", "float16"),
+        move_dtypes=("float64", "float32", "bfloat16", "float16"),
+        fused_grouped_mm_dtypes=tuple(str(d).removeprefix("torch.") for d in NPU_GMM_DTYPES),
+        grouped_mm_max_groups=NPU_GMM_MAX_GROUPS,
+        streams=True,
+        memory_stats=True,
+        timer="events",
+    )
+
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
-        transport = self.options.get("ep_transport", "alltoall")
-        if transport != "alltoall":
-            raise BackendUnavailable(
-                f"backend_options.ep_transport: {transport!r} is not available on backend 'npu'; "
-                "Ascend uses alltoall (HCCL). nvshmem is a CUDA transport."
-            )
         self._comm_stream: Any = None
         self._k_grouping: bool | None = None  # group_type 2 support of this CANN, probed once
 

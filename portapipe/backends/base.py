@@ -13,11 +13,12 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from .capabilities import Capabilities
 from .grouped_mm import grouped_mm_reference
 
 
@@ -107,8 +108,8 @@ class EventTimer(Timer):
 class Backend(ABC):
     """One kind of hardware: identity, process groups, streams, communication, kernels, memory.
 
-    Subclasses set ``name``, ``device_type`` and ``dist_backend`` and implement the few methods
-    whose meaning differs per device. Instances are cheap; one is made per process.
+    Subclasses set ``name``, ``device_type``, ``dist_backend`` and ``capabilities`` and implement
+    the few methods whose meaning differs per device. Instances are cheap; one is made per process.
     """
 
     name: str = "abstract"
@@ -119,6 +120,12 @@ class Backend(ABC):
     #: the ``backend_options`` keys this backend reads; any other key is refused, since a misspelled
     #: option would otherwise be ignored without a word. None (a plug-in that declares none): any key.
     option_keys: frozenset[str] | None = None
+    #: what the backend can do (dtypes per operation family, transports, kernels, streams,
+    #: memory figures); read through the class by config validation, verify and `info`. A
+    #: plug-in that declares nothing is taken at the narrowest: float32, gloo, no streams.
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dist_backend="gloo", compute_dtypes=("float32",), reduce_dtypes=("float32",), move_dtypes=("float32",)
+    )
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options: dict[str, Any] = dict(options or {})
@@ -127,6 +134,10 @@ class Backend(ABC):
             unknown = [f"backend_options.{key}: not an option of backend {self.name!r} (its options: {known})" for key in sorted(set(self.options) - self.option_keys)]
             if unknown:
                 raise ValueError("\n".join(unknown))
+        self.ep_transport: str = str(self.options.get("ep_transport", "alltoall"))
+        problem = self.capabilities.transport_problem(self.name, self.ep_transport)
+        if problem:
+            raise ValueError(problem)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self._groups: ParallelGroups | None = None
 
@@ -378,4 +389,6 @@ class Backend(ABC):
             "dist_backend": self.dist_backend,
             "available": self.is_available(),
             "device_count": self.device_count(),
+            "ep_transport": self.ep_transport,
+            "capabilities": self.capabilities.as_dict(),
         }

@@ -15,7 +15,15 @@ from typing import Any
 import torch
 
 from .base import Backend
-from .grouped_mm import _fused_grouped_mm, fused_offs, grouped_mm_fused_ok, grouped_mm_reference, zero_rows_past_end
+from .capabilities import Capabilities
+from .grouped_mm import (
+    CPU_GROUPED_MM_DTYPES,
+    _fused_grouped_mm,
+    fused_offs,
+    grouped_mm_fused_ok,
+    grouped_mm_reference,
+    zero_rows_past_end,
+)
 
 
 class CPUBackend(Backend):
@@ -24,6 +32,17 @@ class CPUBackend(Backend):
     device_type = "cpu"
     dist_backend = "gloo"
     install_hint = "The CPU backend needs only torch."
+    # gloo reduces and moves every floating dtype torch has; the conformance kit checks each.
+    capabilities = Capabilities(
+        dist_backend="gloo",
+        compute_dtypes=("float64", "float32", "bfloat16", "float16"),
+        reduce_dtypes=("float64", "float32", "bfloat16", "float16"),
+        move_dtypes=("float64", "float32", "bfloat16", "float16"),
+        fused_grouped_mm_dtypes=tuple(str(d).removeprefix("torch.") for d in CPU_GROUPED_MM_DTYPES),
+        streams=False,  # torch.cpu.Stream is a working no-op; gloo's async handles overlap instead
+        memory_stats=False,  # no allocator figures; max_memory_allocated is the process's peak RSS
+        timer="wall",
+    )
 
     @classmethod
     def is_available(cls) -> bool:

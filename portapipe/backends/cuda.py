@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend, BackendUnavailable, EventTimer, Timer
+from .capabilities import Capabilities
 from .grouped_mm import (
     _fused_grouped_mm,
     fused_offs,
@@ -30,7 +31,6 @@ from .grouped_mm import (
 )
 from .nvshmem import NVSHMEM_MIN_TORCH, NvshmemTransport, nvshmem_api_missing
 
-EP_TRANSPORTS = ("alltoall", "nvshmem")
 #: Default size of each NVSHMEM staging buffer (input and output, per group and dtype).
 DEFAULT_NVSHMEM_BUFFER_MB = 128
 
@@ -86,14 +86,22 @@ class CUDABackend(Backend):
         "It needs an NVIDIA GPU with its driver (check `nvidia-smi`) and a CUDA build of torch "
         "(the default Linux wheel: pip install torch); CUDA_VISIBLE_DEVICES must not hide the GPUs."
     )
+    # NCCL's ncclDataType_t covers every floating dtype for every collective; torch's fused
+    # grouped_mm is bf16 only (and only on compute capability 9.x / 10.x, decided per call).
+    capabilities = Capabilities(
+        dist_backend="nccl",
+        compute_dtypes=("float64", "float32", "bfloat16", "float16"),
+        reduce_dtypes=("float64", "float32", "bfloat16", "float16"),
+        move_dtypes=("float64", "float32", "bfloat16", "float16"),
+        ep_transports=("alltoall", "nvshmem"),
+        fused_grouped_mm_dtypes=("bfloat16",),
+        streams=True,
+        memory_stats=True,
+        timer="events",
+    )
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
-        self.ep_transport: str = str(self.options.get("ep_transport", "alltoall"))
-        if self.ep_transport not in EP_TRANSPORTS:
-            raise ValueError(
-                f"backend_options.ep_transport: {self.ep_transport!r} is not one of {', '.join(EP_TRANSPORTS)}"
-            )
         # Several ranks sharing one GPU cannot use NCCL (it refuses duplicate GPUs); gloo moves
         # CUDA tensors through host memory instead and keeps such runs possible.
         self.dist_backend = str(self.options.get("dist_backend", "nccl"))
@@ -284,7 +292,6 @@ class CUDABackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
-        out["ep_transport"] = self.ep_transport
         if self.is_available():
             props = torch.cuda.get_device_properties(self.device())
             out["device_name"] = props.name

@@ -101,6 +101,7 @@ def info() -> dict[str, Any]:
                 "available": bool(cls.is_available()),
                 "device_count": int(cls.device_count()) if cls.device_present() else 0,
                 "dist_backend": cls.dist_backend,
+                "capabilities": cls.capabilities.as_dict(),
             }
             if not out[name]["available"]:
                 out[name]["missing"] = cls.unavailable_reason()

@@ -1,4 +1,5 @@
-"""``portapipe info``: torch version, known backends, availability, what ``auto`` picks."""
+"""``portapipe info``: torch version, known backends, availability, what ``auto`` picks, and
+each backend's declared capabilities (dtypes per operation family, transports, kernels, streams)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("info", help="print JSON about torch, backends and devices")
+    p = sub.add_parser("info", help="print JSON about torch, backends, devices and what each backend can do")
     p.add_argument("--compact", action="store_true", help="one line of JSON")
     p.set_defaults(func=run)

@@ -202,14 +202,31 @@ def _known_backend(x: Setup) -> list[str]:
     return _one(x.backend != "auto" and x.backend not in known, f"backend: {x.backend!r} is not a known backend; known: auto, {', '.join(known)}")
 
 
+def _declared(x: Setup) -> list[tuple[str, Any]]:
+    """(name, capabilities) of the setup's backend; for ``auto``, of every backend it could pick."""
+    from ..backends.registry import backend_class, known_backends
+
+    names = known_backends() if x.backend == "auto" else [x.backend]
+    out = []
+    for name in names:
+        try:
+            out.append((name, backend_class(name).capabilities))
+        except Exception:  # an unknown name is the known-backend rule's line; a broken plug-in its own
+            continue
+    return out
+
+
 def _transport(x: Setup) -> list[str]:
     t = x.backend_options.get("ep_transport", "alltoall")
-    if t not in ("alltoall", "nvshmem"):
-        return [f"backend_options.ep_transport: {t!r} is not one of alltoall, nvshmem"]
-    return _one(
-        t == "nvshmem" and x.backend in ("cpu", "npu"),
-        f"backend_options.ep_transport: nvshmem needs backend cuda (NVSHMEM is NVIDIA's), not {x.backend}; use alltoall",
-    )
+    problems = [caps.transport_problem(name, t) for name, caps in _declared(x)]
+    # auto: refused only when no backend offers the transport (the device is not known yet)
+    return [problems[0]] if problems and all(problems) else []
+
+
+def _model_dtype(x: Setup) -> list[str]:
+    if x.backend == "auto":
+        return []
+    return [p for name, caps in _declared(x) if (p := caps.dtype_problem(name, x.model.dtype))]
 
 
 def _overlap_needs_pairs(x: Setup) -> list[str]:
@@ -255,7 +272,8 @@ RULES: tuple[Rule, ...] = (
     Rule("eplb-shape", "balancer", "EPLB packs expert groups onto nodes; incremental and refined hold an expert at most once per rank", _eplb_shape),
     Rule("lr-range", "train", "the schedule decays the learning rate from lr to min_lr, after the warm-up", _lr),
     Rule("known-backend", "backend", "backends are built in or registered as plug-ins", _known_backend),
-    Rule("ep-transport", "backend", "NVSHMEM is a CUDA transport; every backend has all-to-all", _transport),
+    Rule("ep-transport", "backend", "each backend declares its expert transports (capabilities.ep_transports); every backend has all-to-all", _transport),
+    Rule("model-dtype", "backend", "the model computes in a dtype the backend's matmul takes (capabilities.compute_dtypes)", _model_dtype),
     Rule("overlap-needs-pairs", "schedule", "the F&B overlap hides one micro-batch's all-to-all behind another's compute; 1F1B and ZB1P run no pairs", _overlap_needs_pairs, "note"),
     Rule("extra-exchange-needs-pairs", "memory", "zero-memory's re-dispatch and recompute's replayed all-to-alls are hidden by the other micro-batch of an F&B pair", _extra_exchange_needs_pairs, "note"),
     Rule("overlap-without-ep", "schedule", "with one EP rank the experts need no all-to-all", _overlap_without_ep, "note"),

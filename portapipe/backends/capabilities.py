@@ -1,0 +1,96 @@
+"""What a backend can do, declared once per backend class and read by everyone else.
+
+Config validation and the rules table (:mod:`portapipe.rules`), the planner, ``portapipe
+verify`` and ``portapipe info`` read a backend's :class:`Capabilities` through its class
+(``registry.backend_class(name).capabilities``); none of them names a device. The conformance
+kit (:mod:`portapipe.backends.testing`) checks that a backend behaves as it declares.
+
+Dtypes are named as the config names them (``float32``, ``bfloat16``...), so a declaration is
+read without touching a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: dtype names a declaration may use (the names of torch's dtypes)
+DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
+#: the transport every backend offers for expert dispatch / combine
+ALLTOALL = "alltoall"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """One backend class's declaration (see docs/backends.md, "writing a backend").
+
+    ``compute_dtypes``: dtypes the device's matmul computes in (a model may use them).
+    ``reduce_dtypes``: dtypes its reducing collectives take (all-reduce, reduce-scatter).
+    ``move_dtypes``: dtypes its moving collectives take (all-to-all, all-gather, broadcast, p2p).
+    ``ep_transports``: expert-parallel transports, ``alltoall`` first (every backend has it).
+    ``fused_grouped_mm_dtypes``: dtypes a fused grouped-matmul kernel takes (others loop over
+    groups); ``grouped_mm_max_groups``: groups one fused call takes (None: no limit).
+    ``reduce_scatter`` / ``all_gather_into_tensor``: the distributed optimizer's pair runs.
+    ``streams``: communication runs on its own stream beside compute (False: no-op streams,
+    overlap comes from async work handles). ``memory_stats``: an allocator reports
+    allocated / peak bytes. ``timer``: ``events`` (device time) or ``wall`` (host clock).
+    """
+
+    dist_backend: str
+    compute_dtypes: tuple[str, ...]
+    reduce_dtypes: tuple[str, ...]
+    move_dtypes: tuple[str, ...]
+    ep_transports: tuple[str, ...] = (ALLTOALL,)
+    fused_grouped_mm_dtypes: tuple[str, ...] = ()
+    grouped_mm_max_groups: int | None = None
+    reduce_scatter: bool = True
+    all_gather_into_tensor: bool = True
+    streams: bool = False
+    memory_stats: bool = False
+    timer: str = "wall"
+
+    def problems(self) -> list[str]:
+        """What is wrong with the declaration itself (the conformance kit's first line)."""
+        out = []
+        for key in ("compute_dtypes", "reduce_dtypes", "move_dtypes", "fused_grouped_mm_dtypes"):
+            unknown = [d for d in getattr(self, key) if d not in DTYPE_NAMES]
+            if unknown:
+                out.append(f"capabilities.{key}: {', '.join(unknown)} not among {', '.join(DTYPE_NAMES)}")
+        if not self.compute_dtypes or "float32" not in self.compute_dtypes:
+            out.append("capabilities.compute_dtypes: must include float32 (portapipe's default model dtype)")
+        missing = [d for d in self.compute_dtypes if d not in self.move_dtypes]
+        if missing:
+            out.append(f"capabilities.move_dtypes: lacks {', '.join(missing)}, which the model computes in (activations travel between stages)")
+        if not self.ep_transports or self.ep_transports[0] != ALLTOALL:
+            out.append(f"capabilities.ep_transports: {list(self.ep_transports)} must start with {ALLTOALL!r}")
+        extra = [d for d in self.fused_grouped_mm_dtypes if d not in self.compute_dtypes]
+        if extra:
+            out.append(f"capabilities.fused_grouped_mm_dtypes: {', '.join(extra)} not in compute_dtypes")
+        if self.grouped_mm_max_groups is not None and self.grouped_mm_max_groups < 1:
+            out.append(f"capabilities.grouped_mm_max_groups: {self.grouped_mm_max_groups} < 1")
+        if self.timer not in ("events", "wall"):
+            out.append(f"capabilities.timer: {self.timer!r} is not one of events, wall")
+        return out
+
+    def full_precision(self, dtype: str) -> bool:
+        """Whether a model in ``dtype`` computes, reduces and moves in it on this backend."""
+        return all(dtype in d for d in (self.compute_dtypes, self.reduce_dtypes, self.move_dtypes))
+
+    def transport_problem(self, backend: str, transport: Any) -> str | None:
+        """The one message for an expert transport this backend does not offer, or None."""
+        if transport in self.ep_transports:
+            return None
+        return (
+            f"backend_options.ep_transport: {transport!r} is not a transport of backend {backend!r} "
+            f"(its transports: {', '.join(self.ep_transports)}); use {ALLTOALL}, which every backend has"
+        )
+
+    def dtype_problem(self, backend: str, dtype: str) -> str | None:
+        """The message for a model dtype this backend does not compute in, or None."""
+        if dtype in self.compute_dtypes:
+            return None
+        return f"model.dtype: {dtype} is not computed by backend {backend!r} (it computes in {', '.join(self.compute_dtypes)})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (``portapipe info``)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
