@@ -49,7 +49,8 @@ def agree(backend: Any, group: Any = None) -> int | None:
 
     Collective: every rank of the group must call it at the same point of the step.
     """
-    flag = torch.tensor([float(_received or 0)], dtype=torch.float64, device=backend.device())
+    dtype = getattr(torch, backend.capabilities.widest_reduce_dtype)  # a signal number is exact in either
+    flag = torch.tensor([float(_received or 0)], dtype=dtype, device=backend.device())
     backend.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
     sig = int(flag.item())
     return sig or None

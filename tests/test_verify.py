@@ -18,7 +18,18 @@ import yaml
 from portapipe import cli
 from portapipe.config import Config, load_config
 from portapipe.launch import LaunchError
-from portapipe.verify import VerifyReport, compare, float64, reference, verify_many
+from portapipe.verify import (
+    EXACT,
+    FLOAT32_UNIT_ROUNDOFF,
+    VerifyReport,
+    compare,
+    float32_tolerance,
+    float64,
+    in_dtype,
+    precision_for,
+    reference,
+    verify_many,
+)
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 
@@ -87,6 +98,41 @@ def test_compare_detects_a_wrong_gradient_and_a_wrong_loss() -> None:
     assert not compare(config, ranks).ok
 
 
+def test_the_precision_follows_the_backends_declaration() -> None:
+    """float64 where the backend computes, reduces and moves it; float32 (with its tolerance) elsewhere."""
+    cfg = _config("1f1b", 2)
+    assert precision_for(cfg) is EXACT
+    assert precision_for(in_dtype(cfg, "float32", backend="cuda")) is EXACT
+    npu = precision_for(in_dtype(cfg, "float32", backend="npu"))  # HCCL reduces no float64, the matmul takes none
+    assert npu.precision == "float32" and npu == float32_tolerance(cfg)
+
+
+def test_the_float32_tolerance_is_derived_from_rounding_and_depth() -> None:
+    cfg = _config("1f1b", 2)  # hidden 16, ffn 32, seq 8, vocab 32, 2 x 8 tokens per micro-batch, 4 layers
+    tol = float32_tolerance(cfg)
+    u = FLOAT32_UNIT_ROUNDOFF
+    assert tol.loss == pytest.approx(4 * u * 32**0.5 * 5) and tol.grad == 2 * tol.loss
+    deeper = float32_tolerance(load_config({**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "n_layers": 8}}))
+    assert deeper.loss == pytest.approx(tol.loss * 9 / 5)  # grows with depth
+    assert "k = 32" in tol.basis and "n_layers + 1 = 5" in tol.basis
+
+
+def test_a_float32_step_meets_its_tolerance_against_the_float64_reference_and_a_wrong_one_fails() -> None:
+    """The single-process step in float32 (what a float32 device computes) against the float64
+    reference: within the derived tolerance, not equal, and a gradient off by 1e-4 is caught."""
+    cfg = _config("1f1b", 1)
+    loss, grads, biases = reference(in_dtype(cfg, "float32"))
+    ranks = [{"ep_rank": 0, "loss": loss, "grads": grads, "experts": [], "biases": biases, "timings": {}}]
+    tol = float32_tolerance(cfg)
+    got = compare(float64(cfg), ranks, tol)
+    assert got.ok and got.precision == "float32", got.summary()
+    assert 0 < got.max_rel_grad_diff < tol.grad / 10 and got.loss_diff < tol.loss * abs(got.ref_loss) / 10
+    name = "layers.2.moe.experts.down"
+    ranks[0]["grads"] = {**grads, name: grads[name] * (1 + 1e-4)}
+    bad = compare(float64(cfg), ranks, tol)
+    assert not bad.ok and bad.worst_param == name
+
+
 def _write(tmp_path: Path, config: Config) -> str:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config.to_dict()))
@@ -98,8 +144,9 @@ def test_cli_prints_the_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     path = _write(tmp_path, _config("zb1p", 2))
     assert cli.main(["verify", path, "--set", "schedule.microbatches=3"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert list(out) == ["schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok"]
+    assert list(out) == ["schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok", "precision", "tolerance"]
     assert out["schedule"] == "zb1p" and out["microbatches"] == 3 and out["ok"] is True and out["loss_diff"] == 0.0
+    assert out["precision"] == "float64" and out["tolerance"]["loss"] == 0.0  # cpu declares float64 throughout
 
 
 def test_cli_config_errors_exit_2_before_ranks_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -76,6 +76,12 @@ class Capabilities:
         """Whether a model in ``dtype`` computes, reduces and moves in it on this backend."""
         return all(dtype in d for d in (self.compute_dtypes, self.reduce_dtypes, self.move_dtypes))
 
+    @property
+    def widest_reduce_dtype(self) -> str:
+        """float64 where the backend reduces it, else float32: for sums that must stay exact
+        (per-micro-batch losses of which one rank holds each, flags)."""
+        return "float64" if "float64" in self.reduce_dtypes else "float32"
+
     def transport_problem(self, backend: str, transport: Any) -> str | None:
         """The one message for an expert transport this backend does not offer, or None."""
         if transport in self.ep_transports:

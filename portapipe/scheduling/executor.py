@@ -267,9 +267,12 @@ class PipelineExecutor:
         """Every (replica, micro-batch) loss, on every rank, exactly as computed."""
         g = self.groups
         m = self.schedule.n_microbatches
-        vec = torch.zeros(m, dtype=torch.float64, device=self.device)
+        # float64 where the backend reduces it; elsewhere float32 holds a float32 model's losses
+        # exactly, and the other pipeline ranks add zeros
+        dtype = getattr(torch, self.backend.capabilities.widest_reduce_dtype)
+        vec = torch.zeros(m, dtype=dtype, device=self.device)
         for mb, loss in local.items():
-            vec[mb] = loss.to(torch.float64)
+            vec[mb] = loss.to(dtype)
         if g.pp > 1:  # one pipeline rank holds each micro-batch's loss; the others add zeros
             self.backend.all_reduce(vec, group=g.pp_group)
         replicas = g.dp * g.ep
