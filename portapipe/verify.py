@@ -49,7 +49,7 @@ GRAD_TOLERANCE = 1e-12
 #: float32's unit roundoff (half the distance from 1.0 to the next float32)
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 #: how many typical (random-walk) float32 errors the tolerance allows: measured errors sit
-#: 35-70x below it on the test models (docs/backends.md), a pipeline bug lands far above it
+#: 45-65x below it on the test models (docs/backends.md), a pipeline bug lands far above it
 FLOAT32_SAFETY = 4.0
 
 

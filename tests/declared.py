@@ -157,3 +157,17 @@ def load(package: str) -> Declarations:
     if not decl.version:
         raise ValueError(f"{path} does not name its version (# version: line)")
     return decl
+
+
+@cache
+def collective_dtypes() -> dict[tuple[str, str], tuple[str, ...]]:
+    """(library, torch.distributed call) -> the floating dtypes that library takes there
+    (tests/conformance/collectives.dtypes, read from NCCL's and HCCL's API references)."""
+    out: dict[tuple[str, str], tuple[str, ...]] = {}
+    for raw in (DATA / "collectives.dtypes").read_text().splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            head, _, dtypes = line.partition(":")
+            library, call = head.split()
+            out[library, call] = tuple(dtypes.split())
+    return out

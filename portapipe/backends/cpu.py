@@ -19,6 +19,7 @@ from .capabilities import Capabilities
 from .grouped_mm import (
     CPU_GROUPED_MM_DTYPES,
     _fused_grouped_mm,
+    cut_rows_past_end,
     fused_offs,
     grouped_mm_fused_ok,
     grouped_mm_reference,
@@ -67,6 +68,8 @@ class CPUBackend(Backend):
 
     def grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         if grouped_mm_fused_ok(a, b):
+            if b.dim() == 3:
+                a = cut_rows_past_end(a, offs)
             out = _fused_grouped_mm()(a, b, offs=fused_offs(offs, a.device))
             # 2d x 2d: torch's CPU path writes every group (an empty one as zeros).
             return zero_rows_past_end(out, offs) if b.dim() == 3 else out

@@ -23,6 +23,7 @@ from .base import Backend, BackendUnavailable, EventTimer, Timer
 from .capabilities import Capabilities
 from .grouped_mm import (
     _fused_grouped_mm,
+    cut_rows_past_end,
     fused_offs,
     grouped_mm_layout_ok,
     grouped_mm_reference,
@@ -260,6 +261,8 @@ class CUDABackend(Backend):
     def grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         if not self.grouped_mm_fused(a, b):
             return grouped_mm_reference(a, b, offs)
+        if b.dim() == 3:
+            a = cut_rows_past_end(a, offs)
         out = _fused_grouped_mm()(a, b, offs=fused_offs(offs, a.device))
         if b.dim() == 3:
             return zero_rows_past_end(out, offs)

@@ -97,6 +97,19 @@ def zero_rows_past_end(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return out.masked_fill_(tail.unsqueeze(1), 0)
 
 
+def cut_rows_past_end(a: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``a`` (2d x 3d form) with its rows past ``offs[-1]`` zeroed, so that they get a zero gradient.
+
+    torch's fused grouped_mm leaves those rows of the *input gradient* unwritten (whatever the
+    allocator held; seen on the CPU with torch 2.13), where the reference gives zeros. Done on
+    the device (no host sync), and only where a gradient is wanted.
+    """
+    if not a.requires_grad or offs.numel() == 0:
+        return a
+    tail = torch.arange(a.shape[0], device=a.device) >= offs[-1].to(a.device)
+    return a.masked_fill(tail.unsqueeze(1), 0)
+
+
 def zero_empty_groups(out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Zero the groups of a 2d x 2d result ``[G, M, N]`` that have no rows (see the CUDA gate)."""
     counts = torch.diff(offs, prepend=offs.new_zeros(1))

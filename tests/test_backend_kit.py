@@ -1,0 +1,167 @@
+"""The conformance kit (portapipe.backends.testing) on the cpu backend, the cuda and npu doubles,
+and a deliberately broken double; and the collective dtypes the device backends declare,
+checked against what NCCL and HCCL take (tests/conformance/collectives.dtypes)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from portapipe.backends.ascend import AscendBackend
+from portapipe.backends.capabilities import Capabilities
+from portapipe.backends.cpu import CPUBackend
+from portapipe.backends.cuda import CUDABackend
+from portapipe.backends.grouped_mm import grouped_mm_reference
+from portapipe.backends.testing import LOCAL, RANK_LINES, run_local, run_ranks_contracts
+
+from . import declared
+from .standin_torch_npu import make_standin
+from .test_backend_conformance import _strict_cuda
+
+CPU = torch.device("cpu")  # the doubles play their device on CPU memory
+
+
+@pytest.fixture()
+def npu_double(monkeypatch: pytest.MonkeyPatch) -> AscendBackend:
+    mod = make_standin()
+    monkeypatch.setitem(sys.modules, "torch_npu", mod)
+    monkeypatch.setitem(sys.modules, "torch_npu.npu", mod.npu)
+    return AscendBackend()
+
+
+@pytest.fixture()
+def cuda_double(monkeypatch: pytest.MonkeyPatch) -> CUDABackend:
+    _strict_cuda(monkeypatch)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    return CUDABackend()
+
+
+def _passes(results: dict[str, str | None]) -> None:
+    assert list(results) == [c.line for c in LOCAL]
+    assert {line: msg for line, msg in results.items() if msg} == {}
+
+
+def test_cpu_passes_every_local_line() -> None:
+    _passes(run_local(CPUBackend()))
+
+
+@pytest.mark.multiproc
+def test_cpu_passes_every_rank_line() -> None:
+    assert run_ranks_contracts("cpu") == {line: None for line, *_ in RANK_LINES}
+
+
+def test_the_cuda_double_passes_every_local_line(cuda_double: CUDABackend) -> None:
+    _passes(run_local(cuda_double, device=CPU))
+
+
+def test_the_npu_double_passes_every_local_line(npu_double: AscendBackend) -> None:
+    _passes(run_local(npu_double, device=CPU))
+    # the group-limit line really ran the kernel at the limit and the loop past it
+    groups = [c["group_list"].numel() for c in sys.modules["torch_npu"].recorder.of("npu_grouped_matmul")]
+    assert 1024 in groups and 1025 not in groups
+
+
+class BrokenBackend(CPUBackend):
+    """Two faults a plug-in could ship: grouped matmul skips the last group, and the declaration
+    promises allocator figures the backend does not give."""
+
+    name = "broken"
+    capabilities = Capabilities(**{**CPUBackend.capabilities.__dict__, "memory_stats": True})
+
+    def grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        out = grouped_mm_reference(a, b, offs)
+        if b.dim() == 3 and offs.numel() > 1:
+            out = out.index_fill(0, torch.arange(int(offs[-2]), int(offs[-1])), 0.0)
+        return out
+
+
+def test_a_broken_double_is_caught_by_the_lines_it_breaks() -> None:
+    results = run_local(BrokenBackend())
+    failed = {line for line, msg in results.items() if msg}
+    assert failed == {"grouped-mm-matches-reference", "memory-figures"}
+    assert results["grouped-mm-matches-reference"].startswith("[grouped-mm-matches-reference] float64, 5 groups: 2d x 3d result is")
+    assert "memory_allocated() = None" in results["memory-figures"]
+
+
+def test_a_declaration_is_checked_before_behaviour() -> None:
+    class Undeclared(CPUBackend):
+        capabilities = Capabilities(dist_backend="nccl", compute_dtypes=("float64",), reduce_dtypes=(), move_dtypes=())
+
+    msg = run_local(Undeclared(), lines=LOCAL[:1])["capabilities-declared"]
+    assert "must include float32" in msg and "lacks float64" in msg and "'nccl' != the class's dist_backend 'gloo'" in msg
+
+
+# --------------------------------------- collectives against the libraries' dtype tables
+class _Work:
+    def wait(self) -> None:
+        return None
+
+
+def _strict_collectives(monkeypatch: pytest.MonkeyPatch, library: str) -> list[tuple[str, str]]:
+    """Replace the torch.distributed calls the backends make by ones that bind to torch's own
+    signature and refuse a dtype ``library`` does not take for that call, as the library would."""
+    table = declared.collective_dtypes()
+    seen: list[tuple[str, str]] = []
+
+    def strict(call: str, real: Any) -> Any:
+        sig = inspect.signature(real)
+
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(*args, **kwargs).arguments
+            if call == "batch_isend_irecv":
+                tensors = [op.tensor for op in bound["p2p_op_list"]]
+            else:
+                tensors = [v for v in bound.values() if isinstance(v, torch.Tensor)]
+                tensors += [t for v in bound.values() if isinstance(v, list) for t in v if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                name = str(t.dtype).removeprefix("torch.")
+                if name not in table[library, call]:
+                    raise TypeError(f"{library} {call}: dtype {name} is not supported (it takes {', '.join(table[library, call])})")
+                seen.append((call, name))
+            return [_Work()] if call == "batch_isend_irecv" else _Work()
+
+        return fn
+
+    for library_, call in table:
+        if library_ == library:
+            monkeypatch.setattr(dist, call, strict(call, getattr(dist, call)))
+    return seen
+
+
+def _drive(be: Any, dtype: str, family: str) -> None:
+    t = torch.ones(4, dtype=getattr(torch, dtype))
+    if family == "reduce":
+        be.all_reduce(t)
+        be.reduce_scatter_tensor(t[:2], t)
+    else:
+        be.all_to_all_single(t.clone(), t, [2, 2], [2, 2])
+        be.all_gather_into_tensor(torch.empty(8, dtype=t.dtype), t)
+        be.all_gather([t.clone(), t.clone()], t)
+        be.broadcast(t, src=0)
+        be.batch_isend_irecv([dist.P2POp(dist.isend, t, 1, group=object())])
+
+
+@pytest.mark.parametrize("library", ["nccl", "hccl"])
+def test_every_declared_dtype_is_one_the_library_takes_and_the_double_refuses_the_rest(
+    library: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    be = request.getfixturevalue("cuda_double" if library == "nccl" else "npu_double")
+    caps = type(be).capabilities
+    assert caps.dist_backend == library
+    seen = _strict_collectives(monkeypatch, library)
+    monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0: type("Op", (), {"tensor": tensor})())
+    for family, dtypes in (("reduce", caps.reduce_dtypes), ("move", caps.move_dtypes)):
+        for dtype in dtypes:
+            _drive(be, dtype, family)
+    calls = {c for c, _ in seen}
+    assert calls == {"all_reduce", "reduce_scatter_tensor", "all_to_all_single", "all_gather_into_tensor", "all_gather", "broadcast", "batch_isend_irecv"}
+    undeclared = [d for d in ("float64", "float32", "bfloat16", "float16") if d not in caps.reduce_dtypes]
+    for dtype in undeclared:  # what the backend does not declare, the library refuses
+        with pytest.raises(TypeError, match=f"{library} all_reduce: dtype {dtype} is not supported"):
+            be.all_reduce(torch.ones(2, dtype=getattr(torch, dtype)))
+    assert undeclared == ([] if library == "nccl" else ["float64"])
