@@ -53,7 +53,7 @@ from portapipe.plan.measure import profile_rank
 from portapipe.plan.memory_model import MemoryModel
 from portapipe.plan.planner import plan
 from portapipe.plan.profile import Profile
-from portapipe.plan.setup import Setup
+from portapipe.setup import Setup
 from portapipe.plan.time_model import TimeModel
 from portapipe.scheduling.executor import build_schedule
 from portapipe.train import make_optimizer

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .plan.setup import DUALPIPE_FAMILY, n_model_blocks  # noqa: F401  (re-exported)
+from .setup import DUALPIPE_FAMILY, n_model_blocks  # noqa: F401  (re-exported)
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 
@@ -140,6 +140,10 @@ class ModelConfig(_Section):
             if out.get("head_dim") is None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0 and hidden % heads == 0:
                 out["head_dim"] = hidden // heads
         return out
+
+    def problems(self) -> list[str]:
+        """Rules of this section that depend on the architecture (the rules table's ``architecture``)."""
+        return model_problems(self)
 
 
 class BalancerConfig(_Section):
@@ -279,10 +283,10 @@ class Config(_Section):
 
 # --------------------------------------------------------------------- checks across sections
 def _cross_checks(c: Config) -> list[str]:
-    """Every error rule of the compatibility table (portapipe.plan.rules) the config breaks, and the
+    """Every error rule of the compatibility table (portapipe.rules) the config breaks, and the
     rules that concern one run only (what a run starts from), which a planner never varies."""
-    from .plan.rules import violations
-    from .plan.setup import Setup
+    from .rules import violations  # imported when used: the rules read backend classes (torch)
+    from .setup import Setup
 
     out = violations(Setup.from_config(c))
     if c.checkpoint.load is not None and not c.checkpoint.load.strip():

@@ -6,7 +6,9 @@ says which rules dropped the user's own setup. ``note`` rules never reject a con
 when a combination runs but wastes something (the planner prints them for the user's setup).
 
 A rule's ``check(setup)`` returns its problem lines (none when the rule holds); ``setup`` is a
-:class:`~portapipe.plan.setup.Setup` (config validation builds one from the config).
+:class:`~portapipe.setup.Setup` (config validation builds one from the config). This module sits
+beside :mod:`portapipe.config` and below :mod:`portapipe.plan`, which reads it; it imports
+neither (backend facts come from the backend classes' declared capabilities).
 """
 
 from __future__ import annotations
@@ -183,9 +185,7 @@ def _eplb_shape(x: Setup) -> list[str]:
 
 
 def _architecture(x: Setup) -> list[str]:
-    from ..config import model_problems
-
-    return model_problems(x.model)
+    return x.model.problems()
 
 
 def _lr(x: Setup) -> list[str]:
@@ -196,7 +196,7 @@ def _lr(x: Setup) -> list[str]:
 
 
 def _known_backend(x: Setup) -> list[str]:
-    from ..backends.registry import known_backends  # built-ins and plug-ins; imports no device code
+    from .backends.registry import known_backends  # built-ins and plug-ins; imports no device code
 
     known = known_backends()
     return _one(x.backend != "auto" and x.backend not in known, f"backend: {x.backend!r} is not a known backend; known: auto, {', '.join(known)}")
@@ -204,7 +204,7 @@ def _known_backend(x: Setup) -> list[str]:
 
 def _declared(x: Setup) -> list[tuple[str, Any]]:
     """(name, capabilities) of the setup's backend; for ``auto``, of every backend it could pick."""
-    from ..backends.registry import backend_class, known_backends
+    from .backends.registry import backend_class, known_backends
 
     names = known_backends() if x.backend == "auto" else [x.backend]
     out = []

@@ -2,7 +2,9 @@
 option, plus the config sections a plan does not change (model, balancer, train, backend).
 
 The planner makes thousands of these; a full config is built only for the one it writes out.
-Nothing here imports torch: config validation reads setups too.
+Nothing here imports torch: config validation reads setups too. The model's
+:class:`~portapipe.plan.shape.Shape` (a leaf module: it imports nothing of portapipe) is made
+here only for setups that carry a model.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Setup:
 
     def __post_init__(self) -> None:
         if self.shape is None and self.model is not None:
-            from .shape import Shape
+            from .plan.shape import Shape
 
             object.__setattr__(self, "shape", Shape.of(self.model))
 

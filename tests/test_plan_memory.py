@@ -20,7 +20,7 @@ from portapipe.models.expert_parallel import ExpertParallel
 from portapipe.models.moe import build_blocks
 from portapipe.plan.measure import PartBytes
 from portapipe.plan.memory_model import MemoryModel, static_memory
-from portapipe.plan.setup import Setup
+from portapipe.setup import Setup
 from portapipe.plan.shape import Shape, held_bytes, saved_bytes
 from portapipe.scheduling.executor import build_schedule
 from portapipe.scheduling.overlap import Tape, observing, run

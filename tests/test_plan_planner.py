@@ -13,8 +13,8 @@ from portapipe.config import load_config
 from portapipe.plan.planner import enumerate_setups, microbatch_counts, plan
 from portapipe.plan.published import published
 from portapipe.plan.report import best_yaml, parse_bytes
-from portapipe.plan.rules import broken
-from portapipe.plan.setup import Setup
+from portapipe.rules import broken
+from portapipe.setup import Setup
 from portapipe.plan.shape import Shape
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"

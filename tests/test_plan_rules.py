@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from portapipe.config import ConfigError, _cross_checks, load_config
-from portapipe.plan import rules
-from portapipe.plan.setup import Setup
+from portapipe import rules
+from portapipe.setup import Setup
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
 

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from ..plan.report import best_yaml, parse_bytes, plot, row, summary, table
 
     if args.rules:
-        from ..plan.rules import table as rule_table
+        from ..rules import table as rule_table
 
         for r in rule_table():
             print(f"{r['name']:<32} {r['scope']:<9} {r['severity']:<6} {r['reason']}")

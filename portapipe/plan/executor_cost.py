@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .profile import Profile
-from .setup import Setup
+from ..setup import Setup
 from .time_model import TimeModel
 
 

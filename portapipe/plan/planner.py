@@ -28,8 +28,8 @@ from .imbalance import imbalance
 from .memory_model import MemoryModel, MemoryReport, static_memory
 from .profile import Profile
 from .programs import Programs, StageSpec, stage_specs
-from .rules import broken
-from .setup import Setup
+from ..rules import broken
+from ..setup import Setup
 from .time_model import TimeModel, TimeReport
 
 PLANNED = ("layout", "schedule", "memory", "balancer")  # rule scopes a candidate can break
