@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from portapipe import checkpoint, cli
 from portapipe.backends.cpu import CPUBackend
 from portapipe.config import load_config
-from portapipe.models import hf_io
+from portapipe.models import hf_folder
 from portapipe.models.expert_parallel import ExpertParallel
 from portapipe.models.hf_io import export_hf, init_problems
 from portapipe.models.moe import build_blocks
@@ -63,14 +63,14 @@ def test_a_rank_reads_only_the_tensors_it_holds(tmp_path: Path, monkeypatch: pyt
     m = load_config({"model": model_section("deepseek_v3", init_from=str(folder), dtype="float64")}).model
     whole = _state(portapipe_blocks("deepseek_v3", folder, n_blocks=1))
     asked: list[str] = []
-    real = hf_io.Folder.read
+    real = hf_folder.Folder.read
 
     def spy(self: Any, names: Any) -> Any:
         names = list(names)
         asked.extend(names)
         return real(self, names)
 
-    monkeypatch.setattr(hf_io.Folder, "read", spy)
+    monkeypatch.setattr(hf_folder.Folder, "read", spy)
     # block 1 of 2 (layers 2 and 3, the head) on EP rank 1 of 2 (experts 4..7)
     blocks = build_blocks(m, [1], 2, ExpertParallel(CPUBackend(), 2, 1), seed=0)
     assert all(n.startswith(("model.layers.2.", "model.layers.3.", "model.norm.", "lm_head.")) for n in asked)

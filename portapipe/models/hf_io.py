@@ -2,10 +2,7 @@
 
 - :func:`init_problems`: before any rank starts, whether ``model.init_from`` can fill this
   model (config agrees, every tensor present with its shape, none left over), one line each;
-- :func:`load_hf_weights`: on a rank, read exactly the tensors its blocks hold (a rank with
-  experts 4..7 of a layer reads those experts' tensors only) and fill them with
-  :func:`~portapipe.scheduling.stage.load_logical_state`, whatever the split, EP sharding or
-  balancer placement;
+- reading a folder and filling a rank's blocks from it: :mod:`portapipe.models.hf_folder`;
 - :func:`export_hf`: a logical state (e.g. from a checkpoint) written as a folder that
   transformers' ``from_pretrained`` loads.
 
@@ -17,97 +14,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch import nn
 
 from ..config import ModelConfig
-from ..scheduling.stage import load_logical_state, logical_slices
+from ..scheduling.stage import logical_slices
 from .hf import HF_ARCHS, config_problems, hf_config, ignored, source
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-SAFETENSORS_DTYPE = {v: k for k, v in _DTYPES.items()}
-
-
-class Folder:
-    """A Hugging Face model folder: its config and which file holds each tensor."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path).expanduser()
-        if not self.path.is_dir():
-            raise ValueError(f"{str(self.path)!r} is not a folder")
-        cfg = self.path / "config.json"
-        if not cfg.is_file():
-            raise ValueError(f"{self.path} has no config.json")
-        try:
-            self.config: dict[str, Any] = json.loads(cfg.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{cfg} is not valid JSON: {exc}") from None
-        index = self.path / INDEX
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{index} is not a safetensors index (a weight_map of tensor -> file): {exc}") from None
-            self.files: dict[str, Path] = {name: self.path / f for name, f in weight_map.items()}
-            absent = sorted({str(p.name) for p in self.files.values() if not p.is_file()})
-            if absent:
-                raise ValueError(f"{index} names file(s) that are not there: {', '.join(absent[:5])}")
-        else:
-            shards = sorted(self.path.glob("*.safetensors"))
-            if not shards:
-                raise ValueError(f"{self.path} has no *.safetensors files")
-            self.files = {}
-            for f in shards:  # no index: every file's table of contents
-                for name in _open(f).keys():
-                    self.files[name] = f
-
-    def header(self, names: Iterable[str]) -> dict[str, tuple[tuple[int, ...], str]]:
-        """(shape, safetensors dtype) of each tensor, read from the files' headers only."""
-        out = {}
-        for f, group in _by_file(self.files, names).items():
-            handle = _open(f)
-            for n in group:
-                sl = handle.get_slice(n)
-                out[n] = (tuple(sl.get_shape()), sl.get_dtype())
-        return out
-
-    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        out = {}
-        for f, group in _by_file(self.files, names).items():
-            handle = _open(f)
-            for n in group:
-                out[n] = handle.get_tensor(n)
-        return out
-
-
-def _safetensors() -> Any:
-    try:
-        import safetensors.torch
-    except ImportError:
-        raise ValueError("Hugging Face folders need the safetensors library: pip install 'portapipe[hf]'") from None
-    return safetensors
-
-
-def _open(path: Path) -> Any:
-    safe_open = _safetensors().safe_open
-
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as exc:  # safetensors raises its own error types for bad headers
-        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
-
-
-def _by_file(files: Mapping[str, Path], names: Iterable[str]) -> dict[Path, list[str]]:
-    out: dict[Path, list[str]] = {}
-    for n in names:
-        out.setdefault(files[n], []).append(n)
-    return out
+from .hf_folder import DTYPES, INDEX, SINGLE, Folder, safetensors_lib
 
 
 def logical_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -156,25 +71,9 @@ def init_problems(m: ModelConfig) -> list[str]:
     for n, (shape, dtype) in headers.items():
         if shape != want[n]:
             out.append(f"model.init_from: {n} has shape {list(shape)}, the model needs {list(want[n])}")
-        if dtype not in _DTYPES:
-            out.append(f"model.init_from: {n} is stored as {dtype}; portapipe reads {', '.join(_DTYPES)}")
+        if dtype not in DTYPES:
+            out.append(f"model.init_from: {n} is stored as {dtype}; portapipe reads {', '.join(DTYPES)}")
     return out[:20]
-
-
-@torch.no_grad()
-def load_hf_weights(modules: Iterable[nn.Module], m: ModelConfig) -> None:
-    """Fill these modules (this rank's blocks) from ``m.init_from``, reading only what they hold."""
-    assert m.init_from is not None
-    folder = Folder(m.init_from)
-    named = [(n, t) for mod in modules for n, t in mod.state_dict(keep_vars=True).items()]
-    keys = sorted({key for key, _, _ in logical_slices(named)})
-    sources = {key: source(key) for key in keys}
-    absent = sorted(n for s in sources.values() for n in s.names if n not in folder.files)
-    if absent:
-        raise ValueError(f"model.init_from: {folder.path} lacks {len(absent)} tensor(s) (first: {', '.join(absent[:4])})")
-    tensors = folder.read(n for s in sources.values() for n in s.names)
-    state = {key: s.combine([tensors[n] for n in s.names]) for key, s in sources.items()}
-    load_logical_state(named, state)
 
 
 def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
@@ -186,7 +85,7 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
     numbered shards of at most ``max_shard_bytes`` with model.safetensors.index.json. The folder
     is written beside ``out_dir`` and renamed into place; ``out_dir`` must not exist or be empty.
     """
-    save_file = _safetensors().torch.save_file
+    save_file = safetensors_lib().torch.save_file
     if config.arch not in HF_ARCHS:
         raise ValueError(f"model.arch {config.arch!r} has no Hugging Face form; export needs {' or '.join(HF_ARCHS)}")
     out = Path(out_dir)

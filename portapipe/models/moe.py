@@ -333,7 +333,7 @@ def build_blocks(cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertP
     """This rank's model blocks, seeded; with ``model.init_from``, holding that folder's weights."""
     built = {b: Block(cfg, b, n_blocks, ep, seed) for b in blocks}
     if cfg.init_from is not None and built and not next(built[blocks[0]].parameters()).is_meta:
-        from .hf_io import load_hf_weights
+        from .hf_folder import load_hf_weights
 
         load_hf_weights(built.values(), cfg)
     return built

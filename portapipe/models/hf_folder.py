@@ -1,0 +1,123 @@
+"""A Hugging Face model folder read tensor by tensor, and a rank's blocks filled from it.
+
+- :class:`Folder`: ``config.json`` plus safetensors (one file or sharded): which file holds
+  each tensor, headers (shape, dtype) without reading data, and the tensors asked for;
+- :func:`load_hf_weights`: on a rank, read exactly the tensors its blocks hold (a rank with
+  experts 4..7 of a layer reads those experts' tensors only) and fill them with
+  :func:`~portapipe.scheduling.stage.load_logical_state`, whatever the split, EP sharding or
+  balancer placement.
+
+The model builder (:func:`portapipe.models.moe.build_blocks`) calls the loader; what needs the
+model's shapes (checks before launch, export) lives in :mod:`portapipe.models.hf_io`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..scheduling.stage import load_logical_state, logical_slices
+from .hf import source
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+SAFETENSORS_DTYPE = {v: k for k, v in DTYPES.items()}
+
+
+class Folder:
+    """A Hugging Face model folder: its config and which file holds each tensor."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        if not self.path.is_dir():
+            raise ValueError(f"{str(self.path)!r} is not a folder")
+        cfg = self.path / "config.json"
+        if not cfg.is_file():
+            raise ValueError(f"{self.path} has no config.json")
+        try:
+            self.config: dict[str, Any] = json.loads(cfg.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{cfg} is not valid JSON: {exc}") from None
+        index = self.path / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{index} is not a safetensors index (a weight_map of tensor -> file): {exc}") from None
+            self.files: dict[str, Path] = {name: self.path / f for name, f in weight_map.items()}
+            absent = sorted({str(p.name) for p in self.files.values() if not p.is_file()})
+            if absent:
+                raise ValueError(f"{index} names file(s) that are not there: {', '.join(absent[:5])}")
+        else:
+            shards = sorted(self.path.glob("*.safetensors"))
+            if not shards:
+                raise ValueError(f"{self.path} has no *.safetensors files")
+            self.files = {}
+            for f in shards:  # no index: every file's table of contents
+                for name in _open(f).keys():
+                    self.files[name] = f
+
+    def header(self, names: Iterable[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+        """(shape, safetensors dtype) of each tensor, read from the files' headers only."""
+        out = {}
+        for f, group in _by_file(self.files, names).items():
+            handle = _open(f)
+            for n in group:
+                sl = handle.get_slice(n)
+                out[n] = (tuple(sl.get_shape()), sl.get_dtype())
+        return out
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for f, group in _by_file(self.files, names).items():
+            handle = _open(f)
+            for n in group:
+                out[n] = handle.get_tensor(n)
+        return out
+
+
+def safetensors_lib() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ValueError("Hugging Face folders need the safetensors library: pip install 'portapipe[hf]'") from None
+    return safetensors
+
+
+def _open(path: Path) -> Any:
+    safe_open = safetensors_lib().safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
+
+
+def _by_file(files: Mapping[str, Path], names: Iterable[str]) -> dict[Path, list[str]]:
+    out: dict[Path, list[str]] = {}
+    for n in names:
+        out.setdefault(files[n], []).append(n)
+    return out
+
+
+@torch.no_grad()
+def load_hf_weights(modules: Iterable[nn.Module], m: ModelConfig) -> None:
+    """Fill these modules (this rank's blocks) from ``m.init_from``, reading only what they hold."""
+    assert m.init_from is not None
+    folder = Folder(m.init_from)
+    named = [(n, t) for mod in modules for n, t in mod.state_dict(keep_vars=True).items()]
+    keys = sorted({key for key, _, _ in logical_slices(named)})
+    sources = {key: source(key) for key in keys}
+    absent = sorted(n for s in sources.values() for n in s.names if n not in folder.files)
+    if absent:
+        raise ValueError(f"model.init_from: {folder.path} lacks {len(absent)} tensor(s) (first: {', '.join(absent[:4])})")
+    tensors = folder.read(n for s in sources.values() for n in s.names)
+    state = {key: s.combine([tensors[n] for n in s.names]) for key, s in sources.items()}
+    load_logical_state(named, state)
