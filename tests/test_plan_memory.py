@@ -18,7 +18,7 @@ from portapipe.memory import accounting
 from portapipe.memory.policy import configure
 from portapipe.models.expert_parallel import ExpertParallel
 from portapipe.models.moe import build_blocks
-from portapipe.plan.measure import PartBytes
+from portapipe.plan.measure_parts import PartBytes
 from portapipe.plan.memory_model import MemoryModel, static_memory
 from portapipe.setup import Setup
 from portapipe.plan.shape import Shape, held_bytes, saved_bytes

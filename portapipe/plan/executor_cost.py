@@ -21,8 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .profile import Profile
 from ..setup import Setup
+from .measure_parts import PartTimer
+from .profile import Profile
 from .time_model import TimeModel
 
 
@@ -32,7 +33,6 @@ def action_cost(backend: Any, raw: dict[str, Any], profile: Profile, reps: int, 
     from ..scheduling.executor import build_schedule
     from ..scheduling.overlap import observing
     from ..verify import runtime_for
-    from .measure import PartTimer
 
     raw = copy.deepcopy(raw)
     plain = config_from_dict(raw)
