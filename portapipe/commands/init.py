@@ -48,8 +48,13 @@ def next_step(path: Path, config: Any) -> str:
     data = config.data
     if data.format == "tokens" and data.path and not Path(data.path).exists():
         return f"next: write its token data {data.path} (the comment at the top of {path} says how), then: {train}"
-    if config.backend not in ("cpu", "auto"):
-        return f"next: {train}   (backend {config.backend}: `portapipe info` says whether this machine has one)"
+    from ..backends.base import BackendUnavailable
+    from ..backends.registry import check_available
+
+    try:
+        check_available(config.backend)
+    except BackendUnavailable as exc:  # e.g. a device starter on a machine without that device
+        return f"next, on a machine with backend {config.backend}: {train}   (not here: {exc})"
     return f"next: {train}"
 
 
