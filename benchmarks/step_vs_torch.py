@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import portapipe
 from portapipe.config import Config, config_from_dict, load_config
 from portapipe.data import TextData, replica_of
 from portapipe.launch import run_ranks
@@ -43,7 +44,8 @@ from portapipe.models.moe import Block
 from portapipe.scheduling.overlap import Tape, run as run_program
 from portapipe.train import rank_threads
 
-ROOT = Path(__file__).resolve().parents[1]
+# examples/cpu.yaml as the package ships it (a link to it in a checkout): the default works when installed, too.
+DEFAULT_CONFIG = Path(portapipe.__file__).resolve().parent / "configs" / "cpu.yaml"
 SCHEDULES = ("dualpipev", "interleaved")
 
 
@@ -218,7 +220,7 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int) -> d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "examples" / "cpu.yaml"))
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="[examples/cpu.yaml]")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

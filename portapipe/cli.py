@@ -1,4 +1,4 @@
-"""``portapipe`` command line: train | verify | simulate | balance | bench | info | checkpoints | export | tokenize | profile | plan.
+"""``portapipe`` command line: init | train | verify | simulate | balance | bench | info | checkpoints | export | tokenize | profile | plan.
 
 Each sub-command lives in ``portapipe/commands/<name>.py`` with ``register(subparsers)``,
 which adds its parser and sets ``func(args) -> int``. Exit codes: 0 success, 1 a failure
@@ -16,7 +16,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-COMMANDS = ("train", "verify", "simulate", "balance", "bench", "info", "checkpoints", "export", "tokenize", "profile", "plan")
+COMMANDS = ("init", "train", "verify", "simulate", "balance", "bench", "info", "checkpoints", "export", "tokenize", "profile", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -228,6 +228,9 @@ class LogConfig(_Section):
     every: int = Field(1, ge=1)
     progress: bool = True
     level: Literal["debug", "info", "warning", "error"] = "info"
+    tensorboard: bool = Field(
+        False, description="also write the metrics as TensorBoard scalars in <dir>/tensorboard/<run id>/ (extra tensorboard)"
+    )
 
 
 class CheckpointConfig(_Section):

@@ -18,10 +18,11 @@ class MetricsLog:
     """Appends one JSON object per line to ``<dir>/metrics.jsonl`` (rank 0 only).
 
     Resuming from step ``start`` drops the lines of later steps that an interrupted run left,
-    so the file reads as one run.
+    so the file reads as one run. ``tensorboard_run`` (a run id): the same figures also go to
+    TensorBoard under that run name (:mod:`portapipe.metrics_tb`).
     """
 
-    def __init__(self, directory: Path, resume_step: int | None) -> None:
+    def __init__(self, directory: Path, resume_step: int | None, tensorboard_run: str | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / METRICS_FILE
         kept: list[str] = []
@@ -35,13 +36,23 @@ class MetricsLog:
                     kept.append(line)
         self.path.write_text("".join(k + "\n" for k in kept))
         self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard_run is not None:
+            from .metrics_tb import TensorBoardLog
+
+            self._tb = TensorBoardLog(directory, tensorboard_run, [json.loads(k) for k in kept])
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(strict(record), allow_nan=False) + "\n")
+        record = strict(record)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
+        if self._tb is not None:
+            self._tb.write(record)
 
     def close(self) -> None:
         self._file.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 @dataclass

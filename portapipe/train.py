@@ -41,6 +41,7 @@ from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run
 from .config import Config, ConfigError, TrainConfig, config_from_dict
 from .data import TextData, data_problems, global_batch_size, replica_of
 from .metrics import Figures, MetricsLog, Progress, StepStats, gather_step_stats, percent, strict
+from .metrics_tb import log_problems
 from .scheduling.stage import is_expert
 
 VAL_BATCHES = 4  # validation steps' worth of micro-batches evaluated at the end
@@ -227,7 +228,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_bytes": data.n_bytes("train")}
         return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "data": data_id}
 
-    metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None) if rank == 0 else None
+    tb_run = run.run_id if config.log.tensorboard else None
+    metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run) if rank == 0 else None
     bar = _progress_bar(tc.steps, start) if rank == 0 and config.log.progress else None
     figures = Figures()
     stopped: dict[str, Any] | None = None
@@ -363,7 +365,7 @@ def check_before_launch(config: Config) -> None:
 
     from .models.hf_io import init_problems
 
-    problems = list(data_problems(config)) + init_problems(config.model)
+    problems = list(data_problems(config)) + init_problems(config.model) + log_problems(config.log.tensorboard)
     try:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:

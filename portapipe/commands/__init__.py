@@ -7,9 +7,10 @@ import os
 from typing import Any
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """CONFIG and ``--set KEY.PATH=VALUE`` (repeatable), shared by commands that read a config."""
-    parser.add_argument("config", help="YAML config file")
+def add_config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """CONFIG and ``--set KEY.PATH=VALUE`` (repeatable), shared by commands that read a config.
+    ``required=False``: CONFIG may be left out (the command says what to do then)."""
+    parser.add_argument("config", nargs=None if required else "?", help="YAML config file")
     parser.add_argument(
         "--set",
         dest="overrides",

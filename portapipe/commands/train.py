@@ -26,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
     from ..stop import exit_code
     from ..train import train
 
+    if args.config is None:
+        print("portapipe: train needs a config file; `portapipe init` writes a starter one "
+              "(portapipe init cpu --out my.yaml; portapipe init --list shows the others)", file=sys.stderr)
+        return 2
     if args.steps is not None:
         args.overrides = [*args.overrides, f"train.steps={args.steps}"]
     config = load_checked_config(args)
@@ -54,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("train", help="train the configured MoE model with the configured schedule")
-    add_config_args(p)
+    add_config_args(p, required=False)  # without one, train points at `portapipe init`
     p.add_argument("--steps", type=int, metavar="N", help="train N steps in all (same as --set train.steps=N)")
     p.set_defaults(func=run)

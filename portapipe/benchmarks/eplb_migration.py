@@ -1,0 +1,1 @@
+../../benchmarks/eplb_migration.py

@@ -1,0 +1,1 @@
+../../benchmarks/schedules_vs_torch.py

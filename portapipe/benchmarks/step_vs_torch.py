@@ -1,0 +1,1 @@
+../../benchmarks/step_vs_torch.py
