@@ -1,6 +1,7 @@
 """The conformance kit: the contract every backend passes, built in or plug-in.
 
-A plug-in's author runs it with one line (the backend registered by its entry point)::
+A plug-in's author runs it with one line (the backend registered by its entry point; pytest comes
+with the ``testing`` extra)::
 
     PORTAPIPE_CONFORMANCE_BACKEND=<name> pytest --pyargs portapipe.backends.testing
 
