@@ -129,3 +129,26 @@ def test_plan_without_profile_measures_one_and_plans_with_it(capsys) -> None:
     captured = capsys.readouterr()
     assert "profile: measured by portapipe profile on 2 cpu ranks" in captured.out, captured
     assert "<- your config" in captured.out
+
+
+# ------------------------------------------------------------------------------------ token files
+def test_a_token_file_holding_another_width_than_its_sidecar_says_is_refused(tmp_path, capsys, no_ranks) -> None:
+    """uint32 ids read as uint16 are the ids interleaved with zeros: valid-looking, silently wrong."""
+    import json
+    from array import array
+
+    path = tmp_path / "t.bin"
+    ids = [i % 200 + 1 for i in range(5000)]
+    with path.open("wb") as f:
+        array("I", ids).tofile(f)
+    side = {"format": "portapipe.tokens", "dtype": "uint16", "vocab_size": 256, "tokens": len(ids)}
+    (tmp_path / "t.bin.json").write_text(json.dumps(side))
+    code, lines = cli(capsys, *train(tmp_path, "data.format=tokens", f"data.path={path}"))
+    assert code == 2 and lines == [
+        "portapipe: config error: data.path: t.bin has 20000 bytes, but t.bin.json says it holds 5000 uint16 tokens (10000 bytes); "
+        "the file and its sidecar are from different tokenizations (run portapipe tokenize again)"
+    ], lines
+    (tmp_path / "t.bin.json").write_text(json.dumps({**side, "dtype": "uint32"}))  # the true description is accepted
+    from portapipe.data import data_problems
+
+    assert data_problems(load_config(EXAMPLE, ["data.format=tokens", f"data.path={path}"])) == []
