@@ -152,3 +152,109 @@ def test_a_token_file_holding_another_width_than_its_sidecar_says_is_refused(tmp
     from portapipe.data import data_problems
 
     assert data_problems(load_config(EXAMPLE, ["data.format=tokens", f"data.path={path}"])) == []
+
+
+# --------------------------------------------------------------------------- Hugging Face folders
+def _hf_folder(tmp_path: Path, variant: str, **config: object) -> Path:
+    """A random transformers model of ``variant`` saved in float64, its config.json given ``config``."""
+    import json
+
+    from .hf_models import save, transformers_model
+
+    folder = save(transformers_model(variant, seed=7), tmp_path / "in")
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, **config}))
+    return folder
+
+
+def test_a_pad_token_id_leaves_the_pad_row_without_gradient_as_transformers_does(tmp_path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .hf_models import logits, portapipe_blocks, tokens
+
+    folder = _hf_folder(tmp_path, "deepseek_v3", pad_token_id=3)
+    ours = portapipe_blocks("deepseek_v3", folder)
+    theirs = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float64, attn_implementation="eager", experts_implementation="eager")
+    x = tokens(2, 16, seed=4)
+    x[:, -4:] = 3  # right padding
+    weight = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (logits(ours, x) * weight).sum().backward()
+    (theirs(x).logits * weight).sum().backward()
+    grad, want = ours[0].embed.weight.grad, theirs.model.embed_tokens.weight.grad
+    assert float(want[3].abs().max()) == 0.0 and float(grad[3].abs().max()) == 0.0
+    assert float((grad - want).abs().max()) <= 1e-9 * float(want.abs().max())
+
+
+def test_export_keeps_the_source_folders_positions_and_token_ids_and_the_router_bias_as_read(tmp_path) -> None:
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from portapipe.models.hf_io import export_hf
+    from portapipe.scheduling.stage import logical_state
+
+    from .hf_models import model_section, portapipe_blocks
+
+    kept = {"max_position_embeddings": 200, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    folder = _hf_folder(tmp_path, "deepseek_v3", **kept)
+    blocks = portapipe_blocks("deepseek_v3", folder)  # float64
+    state = logical_state([(n, t) for b in blocks for n, t in b.state_dict(keep_vars=True).items()])
+    m = load_config({"model": model_section("deepseek_v3", init_from=str(folder), dtype="float64")}).model
+    out = export_hf(state, m, tmp_path / "out")
+    written = json.loads((out / "config.json").read_text())
+    assert {k: written.get(k) for k in kept} == kept
+    name = "model.layers.2.mlp.gate.e_score_correction_bias"
+    read, exported = load_file(str(folder / "model.safetensors"))[name], load_file(str(out / "model.safetensors"))[name]
+    assert read.dtype == exported.dtype == torch.float64 and torch.equal(read, exported)
+    # without a source folder: the length the model was trained at (yarn: factor x original), no token ids
+    plain = export_hf(state, m.model_copy(update={"init_from": None}), tmp_path / "plain")
+    written = json.loads((plain / "config.json").read_text())
+    assert written["max_position_embeddings"] == 4 * 32 and "pad_token_id" not in written
+
+
+def test_a_folder_with_attention_dropout_is_refused_before_launch(tmp_path, capsys, no_ranks) -> None:
+    import yaml
+
+    from .hf_models import model_section
+
+    folder = _hf_folder(tmp_path, "qwen3_moe", attention_dropout=0.1)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"backend": "cpu", "model": model_section("qwen3_moe", init_from=str(folder)), "log": {"dir": str(tmp_path / "run")}}))
+    capsys.readouterr()  # transformers' progress bars while saving
+    code, lines = cli(capsys, "train", str(cfg))
+    # (the tiny model's 64 tokens are also too few for the shipped byte corpus: a line of its own)
+    assert code == 2 and (
+        f"portapipe: config error: model.init_from: {folder / 'config.json'}: attention_dropout = 0.1 "
+        "(portapipe trains without dropout; set 0.0 in config.json to train without it)"
+    ) in lines, lines
+
+
+@pytest.mark.multiproc
+def test_export_of_a_run_whose_newest_checkpoint_is_damaged_names_it_and_the_step_exported(tmp_path, capsys) -> None:
+    import json
+
+    from portapipe.train import train as train_run
+
+    from .hf_models import model_section
+
+    raw = {
+        "backend": "cpu", "parallel": {"pp": 1, "ep": 1}, "schedule": {"name": "1f1b", "microbatches": 2},
+        "model": model_section("qwen3_moe", vocab_size=256, seq_len=16), "train": {"steps": 2, "micro_batch_size": 2},
+        "log": {"dir": str(tmp_path / "run"), "progress": False}, "checkpoint": {"every": 1, "keep": 2},
+    }  # fmt: skip
+    newest = Path(train_run(load_config(raw))["checkpoint"])
+    assert newest.name == "step_00000002"
+    part = sorted(newest.glob("*.distcp"))[0]
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        f"portapipe: checkpoint {newest} is not usable: part {part.name} does not match its checksum (damaged or from another save); trying the previous one"
+    ]
+    record = json.loads(captured.out)
+    assert record["step"] == 1 and record["checkpoint"] == str(newest.with_name("step_00000001"))

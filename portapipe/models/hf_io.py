@@ -175,6 +175,24 @@ def load_hf_weights(modules: Iterable[nn.Module], m: ModelConfig) -> None:
     tensors = folder.read(n for s in sources.values() for n in s.names)
     state = {key: s.combine([tensors[n] for n in s.names]) for key, s in sources.items()}
     load_logical_state(named, state)
+    pad = folder.config.get("pad_token_id")
+    if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < m.vocab_size:
+        # transformers builds the embedding with padding_idx: the pad row never gets a gradient.
+        for mod in modules:
+            for emb in mod.modules():
+                if isinstance(emb, nn.Embedding):
+                    emb.padding_idx = pad
+
+
+def source_config(m: ModelConfig) -> dict[str, Any] | None:
+    """The config.json of the folder ``m`` started from (``model.init_from``); None when there is
+    none or it can no longer be read."""
+    if m.init_from is None:
+        return None
+    try:
+        return Folder(m.init_from).config
+    except ValueError:
+        return None
 
 
 def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
@@ -185,6 +203,7 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
     nothing is written. Tensors keep their dtype. Files: config.json and model.safetensors, or
     numbered shards of at most ``max_shard_bytes`` with model.safetensors.index.json. The folder
     is written beside ``out_dir`` and renamed into place; ``out_dir`` must not exist or be empty.
+    config.json keeps ``SOURCE_KEYS`` of the ``model.init_from`` folder when it is still there.
     """
     save_file = _safetensors().torch.save_file
     if config.arch not in HF_ARCHS:
@@ -225,7 +244,7 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
                 weight_map.update({n: fname for n in shard})
                 total += sum(t.numel() * t.element_size() for t in shard.values())
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (tmp / "config.json").write_text(json.dumps(hf_config(config), indent=1))
+        (tmp / "config.json").write_text(json.dumps(hf_config(config, source_config(config)), indent=1))
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
