@@ -4,6 +4,7 @@ documentation says."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,74 @@ def test_export_of_a_run_whose_newest_checkpoint_is_damaged_names_it_and_the_ste
     ]
     record = json.loads(captured.out)
     assert record["step"] == 1 and record["checkpoint"] == str(newest.with_name("step_00000001"))
+
+
+# ------------------------------------------------------------------------ a full disk while saving
+class _DCPFailure(BaseException):
+    """Stands in for DCP's CheckpointException: a BaseException holding each rank's failure."""
+
+    def __init__(self, failures: dict[int, tuple[BaseException, object]]) -> None:
+        super().__init__("CheckpointException ranks: ... every rank's flattened traceback ...")
+        self.failures = failures
+
+
+def test_a_write_error_is_one_line_naming_checkpoint_path_and_cause(tmp_path, monkeypatch) -> None:
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from portapipe.checkpoint import files
+
+    final, previous = tmp_path / "step_00000004", tmp_path / "step_00000002"
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    full = OSError(errno.ENOSPC, "No space left on device")
+    err = files.write_error(_DCPFailure({0: (short, None), 1: (full, None)}), final, previous)
+    assert str(err) == f"checkpoint {final} could not be written: no space left on device; the previous complete checkpoint is {previous}"
+    # torch's writer may say only "unexpected pos" on every rank: the free space beside it tells
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(6 << 20, (6 << 20) - 4096, 4096))
+    err = files.write_error(_DCPFailure({0: (short, None)}), final, None)
+    assert str(err) == f"checkpoint {final} could not be written: no space left on device (4096 bytes free); no earlier checkpoint of this run is complete"
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
+    err = files.write_error(_DCPFailure({0: (short, None)}), final, None)
+    assert "\n" not in str(err) and str(err).startswith(f"checkpoint {final} could not be written: _DCPFailure: CheckpointException ranks")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MB tmpfs (root only; skipped where it cannot be mounted)."""
+    import shutil
+    import subprocess
+
+    where = tmp_path / "disk"
+    where.mkdir()
+    if shutil.which("mount") is None or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.multiproc
+def test_a_full_disk_stops_the_run_at_the_next_step_naming_the_previous_checkpoint(small_disk, capsys) -> None:
+    """Checkpoints of 4 MB on 6 MB: step 2's fits, step 4's (in the background) does not."""
+    run = small_disk / "run"
+    argv = ["train", str(EXAMPLE), "--set", f"log.dir={run}", "--set", "parallel.ep=1", "--set", "schedule.name=1f1b",
+            "--set", "train.steps=8", "--set", "checkpoint.every=2", "--set", "log.progress=false"]
+    capsys.readouterr()
+    assert main(argv) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    root = run / "checkpoints"
+    shown = [line.replace(str(root), "ROOT") for line in lines]
+    # (torch's writer may report the full disk as a short write only: then the free bytes are said)
+    assert len(shown) == 1 and re.search(
+        r"checkpoint ROOT/step_00000004 could not be written: no space left on device( \(\d+ bytes free\))?; "
+        r"the previous complete checkpoint is ROOT/step_00000002;", shown[0]
+    ), shown
+    import json
+
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert max(steps) <= 5, steps  # the boundary after the failed save, not the next save (step 6)
+    left = sorted(p.name for p in root.iterdir() if p.name != ".portapipe.lock")
+    assert left == ["step_00000002"], left  # no temporary folder left
