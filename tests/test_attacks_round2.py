@@ -9,34 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import portapipe.launch
 from portapipe.cli import main
 from portapipe.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "cpu.yaml"
-
-
-@pytest.fixture
-def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("ranks were started although the input was bad")
-
-    monkeypatch.setattr(portapipe.launch, "run_ranks", refuse)
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str]]:
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    return code, err.strip().splitlines()
-
-
-def train(tmp_path: Path, *sets: str) -> list[str]:
-    args = ["train", str(EXAMPLE), "--set", f"log.dir={tmp_path / 'run'}"]
-    for s in sets:
-        args += ["--set", s]
-    return args
+from .test_attacks_input import EXAMPLE, cli, no_ranks, train  # noqa: F401  (no_ranks: a fixture)
 
 
 # ------------------------------------------------------------------------------- config values
