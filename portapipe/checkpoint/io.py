@@ -149,10 +149,14 @@ class Checkpointer:
         raise its error on every rank, so that the run stops here rather than at the next save."""
         if self._pending is None:
             return
-        failed = torch.tensor([int(self._pending.done() and self._pending.exception() is not None)])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.poll_group)
-        if failed.item():
-            self.wait()  # DCP fails the save on every rank together: each raises its error here
+        done = self._pending.done()
+        flags = torch.tensor([int(done and self._pending.exception() is not None), int(not done)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.poll_group)
+        failed, running = flags.tolist()
+        if failed or not running:
+            # DCP fails a save on every rank together: each raises its error here. Finished
+            # everywhere: collected now, so that later steps pay for no check.
+            self.wait()
 
     def wait(self) -> Path | None:
         """Wait for a save in the background (raising its error); the newest written checkpoint."""
