@@ -14,13 +14,22 @@ import importlib
 import os
 import sys
 import traceback
+import typing
 from collections.abc import Callable
 
 COMMANDS = ("init", "train", "verify", "simulate", "balance", "bench", "info", "checkpoints", "export", "tokenize", "profile", "plan")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with a mistake said in one line and a pointer to ``--help`` instead of
+    the usage text (which buries the error among the options)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nportapipe: see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="portapipe",
         description="DeepSeek-style pipeline and expert parallelism for MoE training on any accelerator.",
     )

@@ -13,6 +13,8 @@ exits with code 2 before any rank starts.
 from __future__ import annotations
 
 import copy
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,9 +34,32 @@ class ConfigError(ValueError):
         super().__init__("\n".join(self.problems))
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type takes numbers but not booleans (``int``, ``float | None``, ``tuple[float, float]``)."""
+    if annotation is bool:
+        return False
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return bool not in args and any(_numeric(a) for a in args)
+    return typing.get_origin(annotation) is tuple and any(_numeric(a) for a in args)
+
+
 class _Section(BaseModel):
     # inf / nan in a numeric key are refused: `lr: .inf` would train to NaN silently.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: Any) -> Any:
+        # pydantic reads true as 1 in an int or float key: `steps: true` would train one step.
+        # Strict types would also refuse a YAML integer in a float key, which is fine there.
+        field = cls.model_fields.get(info.field_name)
+        values = v if isinstance(v, (list, tuple)) else [v]
+        if field is not None and _numeric(field.annotation) and any(isinstance(x, bool) for x in values):
+            raise ValueError("a boolean is not a number; give a number")
+        return v
 
 
 class ParallelConfig(_Section):
@@ -291,9 +316,28 @@ def _cross_checks(c: Config) -> list[str]:
     from .rules import violations  # imported when used: the rules read backend classes (torch)
     from .setup import Setup
 
-    out = violations(Setup.from_config(c))
+    out = violations(Setup.from_config(c)) + _without_effect(c)
     if c.checkpoint.load is not None and not c.checkpoint.load.strip():
         out.append("checkpoint.load: empty; name a checkpoint folder (step_NNNNNNNN) or a folder of checkpoints")
+    return out
+
+
+def _default(section: type[BaseModel], key: str) -> Any:
+    return section.model_fields[key].default
+
+
+def _without_effect(c: Config) -> list[str]:
+    """Keys set to something other than their default where nothing reads them. A key at its
+    default passes: a config written back (a checkpoint's, a plan's) holds every key."""
+    out = []
+    if c.schedule.name != "interleaved" and c.schedule.chunks != _default(ScheduleConfig, "chunks"):
+        out.append(f"schedule.chunks: {c.schedule.chunks} has no effect: only schedule interleaved splits a rank's layers into chunks "
+                   f"(schedule is {c.schedule.name}); remove it")
+    if c.balancer.kind == "none" and c.balancer.redundant != _default(BalancerConfig, "redundant"):
+        out.append(f"balancer.redundant: {c.balancer.redundant} has no effect: balancer.kind is none, so no expert is copied; "
+                   "set balancer.kind eplb or lplb, or remove it")
+    if c.model.init_from is not None and c.model.init_std != _default(ModelConfig, "init_std"):
+        out.append(f"model.init_std: {c.model.init_std} has no effect: every weight is read from model.init_from; remove it")
     return out
 
 

@@ -129,7 +129,7 @@ def _zero_memory_not_all_recomputed(x: Setup) -> list[str]:
     return _one(
         _n_moe(x) > 0 and x.zero_memory != "off" and x.recompute != "none" and (x.recompute_layers or per) >= per,
         f"memory.zero_memory: {x.zero_memory} has no effect: memory.recompute: {x.recompute} recomputes every layer of each stage; "
-        f"set memory.recompute_layers below {per} or memory.zero_memory: off",
+        + (f"set memory.recompute_layers to at most {per - 1}, " if per > 1 else "set ") + "memory.recompute: none or memory.zero_memory: off",
     )
 
 

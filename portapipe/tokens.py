@@ -123,6 +123,13 @@ def file_problems(
     if size % width:
         return None, [f"data.path: {path.name} has {size} bytes, not a whole number of {dtype} tokens; is data.token_dtype right?"]
     meta = read_meta(path)
+    count = None if meta is None else meta.get("tokens")
+    if isinstance(count, int) and not isinstance(count, bool) and count * width != size:
+        # A file rewritten (another width, another text) under an old sidecar reads as valid-looking ids.
+        return None, [
+            f"data.path: {path.name} has {size} bytes, but {sidecar(path).name} says it holds {count} {dtype} tokens "
+            f"({count * width} bytes); the file and its sidecar are from different tokenizations (run portapipe tokenize again)"
+        ]
     said = None if meta is None or "vocab_size" not in meta else int(meta["vocab_size"])
     if data_vocab is not None and said is not None and data_vocab != said:
         return None, [f"data.vocab_size: {data_vocab}, but {sidecar(path).name} says the tokenizer that wrote {path.name} has {said} tokens"]

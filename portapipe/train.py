@@ -275,6 +275,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 metrics.write(row)
             if bar is not None:
                 _show(bar, row)
+            ckpt.poll()  # a failed save in the background stops the run at this step boundary
             every = config.checkpoint.every
             if every and (step + 1) % every == 0 and step + 1 < tc.steps:
                 ckpt.save_training(step + 1, record(), wait=False)  # written while training goes on

@@ -20,7 +20,8 @@ from portapipe.models.hf import hf_config
 from portapipe.models.moe import Block, build_blocks
 from portapipe.scheduling.overlap import Tape, run
 
-YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+# mscale != mscale_all_dim: a swap of the two yarn terms changes the logits
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}
 COMMON = dict(vocab_size=64, hidden=32, ffn_hidden=48, moe_hidden=16, n_layers=4, n_experts=8, seq_len=16)
 
 VARIANTS: dict[str, dict[str, Any]] = {

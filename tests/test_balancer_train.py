@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,8 @@ def test_eplb_rebalances_with_migration_and_logs_balancedness(runs: dict[str, An
     assert 0 < first["before"] < first["after"] <= 1
     assert {tuple(e["layers"]) for e in first["per_stage"]} == {(1,), (2, 3)}  # both pipeline stages decided
     losses = [m["loss"] for m in lines]
-    assert all(x == x for x in losses) and losses[-1] < losses[0]
+    # the metrics file writes a non-finite loss as null: x == x let it (and an infinity) through
+    assert all(isinstance(x, float) and math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
 
 @pytest.mark.multiproc

@@ -71,9 +71,13 @@ def test_update_placement_reorders_by_eplb_heaviest_first() -> None:
     assert int((heavy_rep == 2).sum()) >= EP // 2  # the globally heaviest are mostly replicated
 
 
-def test_run_redirects_only_to_original_or_copy_and_matches_the_plan() -> None:
+@PATHS
+def test_run_redirects_only_to_original_or_copy_and_matches_the_plan(use_native: bool) -> None:
+    if use_native:
+        require_native()
     gen = torch.Generator().manual_seed(1)
-    p = Planner(cube(), E + 2 * EP, E, ep_size=EP)
+    p = Planner(cube(), E + 2 * EP, E, ep_size=EP, use_native=use_native, use_triton=False)
+    assert p._paths(torch.device("cpu"))[0] == ("native" if use_native else "torch")  # the path named is the one mapping
     perm = torch.randperm(E, generator=gen)
     history = torch.bincount(zipf_indices(gen, 4096, E, 4, 0.6, perm).flatten(), minlength=E)
     p.update_placement(history)
@@ -100,8 +104,11 @@ def test_run_redirects_only_to_original_or_copy_and_matches_the_plan() -> None:
     assert torch.equal(p.run(idx), out)
 
 
-def test_first_tokens_stay_on_the_original() -> None:
-    p = Planner(ring(2), 4, 2, ep_size=2)  # 1 expert per rank, each copied on the other rank
+@PATHS
+def test_first_tokens_stay_on_the_original(use_native: bool) -> None:
+    if use_native:
+        require_native()
+    p = Planner(ring(2), 4, 2, ep_size=2, use_native=use_native, use_triton=False)  # 1 expert per rank, each copied on the other rank
     idx = torch.tensor([[0], [0], [-1], [0], [0], [0], [0]])
     out = p.run(idx)
     # Expert 0 (rank 0) carries 6 tokens, expert 1 (rank 1) none: the last 3 move to rank 1's copy.

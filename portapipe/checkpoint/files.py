@@ -14,6 +14,7 @@ runs without a process group: the launcher checks checkpoints before any rank st
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -35,6 +36,55 @@ METADATA = ".metadata"
 
 class CheckpointError(ValueError):
     """No usable checkpoint where one was asked for; the message says where and why."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; the message is one line: which, where, why, and the
+    previous complete checkpoint."""
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The operating system's error behind ``exc``: in its causes, or in a DCP
+    CheckpointException's per-rank failures (``failures``: rank -> (exception, traceback))."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if isinstance(e, tuple):
+            todo.extend(e[:1])
+            continue
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        todo += [e.__cause__, e.__context__, *(getattr(e, "failures", None) or {}).values()]
+    return None
+
+
+#: Free bytes below which a failed write is put down to a full file system.
+FULL_BELOW = 1 << 20
+
+
+def write_error(exc: BaseException, final: Path, previous: Path | None) -> CheckpointWriteError:
+    """``exc`` (raised while checkpoint ``final`` was written) as one line; DCP's own message
+    holds every rank's flattened traceback. Call it before the partial save is removed: torch's
+    writer may report a full disk only as a short write ("unexpected pos"), so the free space
+    left beside ``final`` is looked at too."""
+    cause = os_error_in(exc)
+    try:
+        free: int | None = shutil.disk_usage(final.parent).free
+    except OSError:
+        free = None
+    if cause is not None:
+        why = (cause.strerror or os.strerror(cause.errno)).lower()  # "no space left on device"
+    elif free is not None and free < FULL_BELOW:
+        why = f"{os.strerror(errno.ENOSPC).lower()} ({free} bytes free)"
+    else:
+        text = str(exc).strip().splitlines()
+        why = f"{type(exc).__name__}: {text[0][:200] if text else ''}"
+    before = f"the previous complete checkpoint is {previous}" if previous is not None else "no earlier checkpoint of this run is complete"
+    return CheckpointWriteError(f"checkpoint {final} could not be written: {why}; {before}")
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -17,11 +17,13 @@ with the training's own collectives, whatever the training backend).
 
 from __future__ import annotations
 
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from . import files, state
@@ -55,6 +57,9 @@ class Checkpointer:
         self.root, self.run_id, self.rank, self.world = Path(plan.root), plan.run_id, rank, world
         self.keep = config.checkpoint.keep
         self.group = dist.new_group(backend="gloo")  # CPU tensors only; collective over all ranks
+        # The step-boundary check of a save in the background: its own group, since the save's
+        # thread runs collectives on self.group at the same time.
+        self.poll_group = dist.new_group(backend="gloo")
         self._pending: Future | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.last: Path | None = None
@@ -101,18 +106,57 @@ class Checkpointer:
         self.wait()
         share = {**share, "stamp": {str(self.rank): files.stamp_tensor(self.run_id, step, self.rank)}}
         tmp = files.tmp_dir(self.root, step, self.run_id)
-        tmp.mkdir(parents=True, exist_ok=True)
-        writer = dcp.FileSystemWriter(str(tmp))
+        previous = self.last
         t0 = time.perf_counter()
         if wait:
-            dcp.save(share, storage_writer=writer, process_group=self.group)
-            self.last = self._finish(step, tmp, manifest, t0)
-            return self.last
-        upload = dcp.async_save(share, storage_writer=writer, process_group=self.group, async_stager=_NoCopy())
+            return self._written(step, tmp, previous, lambda: self._sync_save(dcp, share, step, tmp, manifest, t0))
+        upload = self._written(step, tmp, previous, lambda: self._async_save(dcp, share, tmp))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portapipe-checkpoint")
-        self._pending = self._executor.submit(self._finish_after, upload, step, tmp, manifest, t0)
+        self._pending = self._executor.submit(self._written, step, tmp, previous, lambda: self._finish_after(upload, step, tmp, manifest, t0))
         return files.step_dir(self.root, step)
+
+    def _sync_save(self, dcp: Any, share: dict[str, Any], step: int, tmp: Path, manifest: dict[str, Any], t0: float) -> Path:
+        tmp.mkdir(parents=True, exist_ok=True)
+        dcp.save(share, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.group)
+        self.last = self._finish(step, tmp, manifest, t0)
+        return self.last
+
+    def _async_save(self, dcp: Any, share: dict[str, Any], tmp: Path) -> Future:
+        tmp.mkdir(parents=True, exist_ok=True)
+        return dcp.async_save(share, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.group, async_stager=_NoCopy())
+
+    def _written(self, step: int, tmp: Path, previous: Path | None, write: Any) -> Any:
+        """``write()``; a failure becomes one line (:func:`.files.write_error`) and its temporary folder is removed."""
+        try:
+            return write()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            error = files.write_error(exc, files.step_dir(self.root, step), previous)
+            # DCP fails a save on every rank together. Each rank has looked at the disk (a full
+            # one frees up once the partial save is gone) before rank 0 removes it.
+            try:
+                dist.barrier(group=self.group)
+            except Exception:  # noqa: S110  (a peer gone: its error is the one reported)
+                pass
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise error from exc
+
+    def poll(self) -> None:
+        """At a step boundary (collective): when a save in the background has failed on any rank,
+        raise its error on every rank, so that the run stops here rather than at the next save."""
+        if self._pending is None:
+            return
+        done = self._pending.done()
+        flags = torch.tensor([int(done and self._pending.exception() is not None), int(not done)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.poll_group)
+        failed, running = flags.tolist()
+        if failed or not running:
+            # DCP fails a save on every rank together: each raises its error here. Finished
+            # everywhere: collected now, so that later steps pay for no check.
+            self.wait()
 
     def wait(self) -> Path | None:
         """Wait for a save in the background (raising its error); the newest written checkpoint."""

@@ -4,7 +4,9 @@ CHECKPOINT is a checkpoint folder (``step_NNNNNNNN``) or a run folder (its newes
 Reads the checkpoint's logical model state and its config
 (:func:`portapipe.checkpoint.load_model_state`) and writes OUT with config.json and
 safetensors (sharded with an index past ``--max-shard-size``), which transformers'
-``from_pretrained`` loads (model.arch deepseek_v3 or qwen3_moe). Prints one JSON line. Exit 0
+``from_pretrained`` loads (model.arch deepseek_v3 or qwen3_moe). A damaged checkpoint passed over
+in a run folder is named in one line on stderr. Prints one JSON line (the checkpoint and step
+exported among its keys). Exit 0
 on success, 2 for input that cannot be exported (said before anything is written).
 """
 
@@ -34,7 +36,8 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..checkpoint import load_model_state
+    from ..checkpoint import load_model_state, resolve
+    from ..checkpoint.run import say_stderr
     from ..config import config_from_dict
     from ..models.hf_io import export_hf
 
@@ -42,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if not ckpt.exists():
         return _fail(f"{ckpt} does not exist; give a checkpoint folder (e.g. runs/x/checkpoints/step_00000100)")
     try:
-        state, raw = load_model_state(ckpt)
+        entry = resolve(ckpt, warn=say_stderr)  # a damaged newer checkpoint is named, as train names it
+        state, raw = load_model_state(entry.path)
     except (ValueError, FileNotFoundError) as exc:
         return _fail(f"{ckpt}: {exc}")
     config = config_from_dict(raw)  # a ConfigError exits 2 through the CLI
@@ -51,7 +55,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     files = sorted(p.name for p in out.iterdir())
-    print(json.dumps({"format": args.format, "arch": config.model.arch, "out": str(out), "tensors": len(state), "files": files}))
+    print(json.dumps({
+        "format": args.format, "arch": config.model.arch, "checkpoint": str(entry.path), "step": entry.step,
+        "out": str(out), "tensors": len(state), "files": files,
+    }))
     return 0
 
 

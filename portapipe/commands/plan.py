@@ -42,7 +42,8 @@ def _profile(args: argparse.Namespace, config: Any) -> Any:
     from ..plan.measure import profile_rank
 
     print(f"no --profile: measuring one for {config.world_size} {config.backend} ranks first (portapipe profile)", file=sys.stderr)
-    return Profile.from_dict(run_ranks(profile_rank, config.world_size, config.to_dict(), 5, 1, backend=config.backend, backend_options=config.backend_options))
+    results = run_ranks(profile_rank, config.world_size, config.to_dict(), 5, 1, backend=config.backend, backend_options=config.backend_options)
+    return Profile.from_dict(results[0])  # every rank returns the same profile, as `portapipe profile` reads it
 
 
 def run(args: argparse.Namespace) -> int:

@@ -140,6 +140,8 @@ def model_keys(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("tie_word_embeddings", False)):
         if g.get(key, ok) != ok:
             bad.append(f"{key} = {g[key]!r} (portapipe supports {ok!r})")
+    if g.get("attention_dropout") not in (None, 0, 0.0):
+        bad.append(f"attention_dropout = {g['attention_dropout']!r} (portapipe trains without dropout; set 0.0 in config.json to train without it)")
     if g.get("quantization_config"):
         bad.append("quantization_config is set (quantized weights, e.g. fp8, must be converted to bf16 / float32 first)")
     theta, scaling = rope_of(g)
@@ -200,8 +202,17 @@ def config_problems(m: ModelConfig, hf: dict[str, Any], where: str) -> list[str]
     return out
 
 
-def hf_config(m: ModelConfig) -> dict[str, Any]:
-    """A config.json for transformers (the key spelling of the published checkpoints)."""
+#: config.json keys that describe the tokenizer or the positions a model was made for, not its
+#: tensors: an export keeps the values of the folder the run started from.
+SOURCE_KEYS = ("max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def hf_config(m: ModelConfig, source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A config.json for transformers (the key spelling of the published checkpoints).
+
+    ``source`` (the config.json of the folder the model started from) gives :data:`SOURCE_KEYS`;
+    without one, max_position_embeddings is the length the model was trained at (model.seq_len,
+    or what yarn scales to) and no special token ids are written."""
     if m.arch not in HF_ARCHS:
         raise ValueError(f"model.arch {m.arch!r} has no Hugging Face form; export needs {' or '.join(HF_ARCHS)}")
     scaling = None
@@ -230,4 +241,5 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
             num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim, num_experts=m.n_experts,
             mlp_only_layers=list(range(m.n_dense)), decoder_sparse_step=1, use_sliding_window=False, sliding_window=None,
         )  # fmt: skip
+    out.update({k: source[k] for k in SOURCE_KEYS if source is not None and k in source})
     return out

@@ -121,3 +121,10 @@ def load_hf_weights(modules: Iterable[nn.Module], m: ModelConfig) -> None:
     tensors = folder.read(n for s in sources.values() for n in s.names)
     state = {key: s.combine([tensors[n] for n in s.names]) for key, s in sources.items()}
     load_logical_state(named, state)
+    pad = folder.config.get("pad_token_id")
+    if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < m.vocab_size:
+        # transformers builds the embedding with padding_idx: the pad row never gets a gradient.
+        for mod in modules:
+            for emb in mod.modules():
+                if isinstance(emb, nn.Embedding):
+                    emb.padding_idx = pad

@@ -16,6 +16,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,6 +77,17 @@ def init_problems(m: ModelConfig) -> list[str]:
     return out[:20]
 
 
+def source_config(m: ModelConfig) -> dict[str, Any] | None:
+    """The config.json of the folder ``m`` started from (``model.init_from``); None when there is
+    none or it can no longer be read."""
+    if m.init_from is None:
+        return None
+    try:
+        return Folder(m.init_from).config
+    except ValueError:
+        return None
+
+
 def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write the logical ``state`` of a ``config`` model as a Hugging Face folder at ``out_dir``.
 
@@ -84,6 +96,7 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
     nothing is written. Tensors keep their dtype. Files: config.json and model.safetensors, or
     numbered shards of at most ``max_shard_bytes`` with model.safetensors.index.json. The folder
     is written beside ``out_dir`` and renamed into place; ``out_dir`` must not exist or be empty.
+    config.json keeps ``SOURCE_KEYS`` of the ``model.init_from`` folder when it is still there.
     """
     save_file = safetensors_lib().torch.save_file
     if config.arch not in HF_ARCHS:
@@ -124,7 +137,7 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
                 weight_map.update({n: fname for n in shard})
                 total += sum(t.numel() * t.element_size() for t in shard.values())
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (tmp / "config.json").write_text(json.dumps(hf_config(config), indent=1))
+        (tmp / "config.json").write_text(json.dumps(hf_config(config, source_config(config)), indent=1))
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)

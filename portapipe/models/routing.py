@@ -47,7 +47,8 @@ class Router(nn.Module):
         self.scale = cfg.routed_scale
         self.speed = cfg.bias_update_speed
         self.gate = Linear(cfg.hidden, cfg.n_experts, dtype)
-        self.register_buffer("bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+        # At least float32 (a bfloat16 bias would not move by bias_update_speed), the model's dtype when wider.
+        self.register_buffer("bias", torch.zeros(cfg.n_experts, dtype=torch.promote_types(dtype, torch.float32)))
         hf = cfg.arch == "deepseek_v3"
         self.precision = HF_PRECISION if hf else None
         self.normalize = bool(cfg.norm_topk_prob) if hf else cfg.top_k > 1

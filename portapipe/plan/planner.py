@@ -125,7 +125,7 @@ def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
                 continue
             share = g // (dp * ep)  # sequences per replica per step
             for name in NAMES:
-                for v in chunks if name == "interleaved" else (user.chunks,):
+                for v in chunks if name == "interleaved" else (2,):  # the default: other schedules refuse another value
                     for mb in microbatch_counts(share, _least_microbatches(name, pp), user.microbatches):
                         for opt in options:
                             yield user.replace(
