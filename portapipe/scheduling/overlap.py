@@ -131,7 +131,7 @@ class Tape:
         self.record = record
         self.input_grad = input_grad  # False: the stage input's gradient is not wanted (a first stage)
         self._steps: list[_Part | _Exchange | Custom] = []
-        self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grads: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = {}  # id -> (tensor, (step, term)s)
         self._input: torch.Tensor | None = None
         # ids of the tensors whose gradient the backward routes: the watched input and the
         # outputs of parts and exchanges (alive while recorded, held by the steps)
@@ -205,16 +205,26 @@ class Tape:
             )
 
     # ----------------------------------------------------------------- backward
-    def _add_grad(self, t: torch.Tensor, g: torch.Tensor) -> None:
+    def _add_grad(self, t: torch.Tensor, g: torch.Tensor, order: int) -> None:
+        """A gradient contribution to ``t`` from step ``order`` (its consumer)."""
         key = id(t)
         if key in self._grads:
-            self._grads[key] = (t, self._grads[key][1] + g)
+            self._grads[key][1].append((order, g))
         else:
-            self._grads[key] = (t, g)
+            self._grads[key] = (t, [(order, g)])
 
     def _pop_grad(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The sum of ``t``'s contributions, added from the latest consumer step to the earliest
+        (the plain reverse walk's order), whatever order they arrived in: reordering the
+        backward's independent steps changes no value."""
         item = self._grads.pop(id(t), None)
-        return None if item is None else item[1]
+        if item is None:
+            return None
+        terms = sorted(item[1], key=lambda c: -c[0])  # stable: a step's own terms keep their order
+        total = terms[0][1]
+        for _, g in terms[1:]:
+            total = total + g
+        return total
 
     def backward(self, output: torch.Tensor, grad: torch.Tensor, queue: WeightGradQueue | None = None) -> Program:
         """Program: backward of the recorded parts from ``output``'s gradient.
@@ -222,65 +232,150 @@ class Tape:
         Weight gradients go to ``queue`` when given (a B action), else are computed at once (BW).
         Returns the stage input's gradient: zeros when the output does not depend on it, None
         when the input was not watched (tokens).
-        Each part's graph and boundaries are dropped as soon as its backward ran.
+
+        The steps run as their data allow (:class:`_Flow`): each reverse exchange
+        is issued as soon as its gradient is complete, and while it travels the steps that do
+        not need its result run; the program waits only when nothing else can. In a full
+        backward (BW) of a tape with exchanges, the weight gradients of layers that defer
+        themselves (:mod:`.wgrad`) are kept aside and computed just before such a wait, so a
+        lone BW hides its exchanges behind its own W work too. Each part's graph and
+        boundaries are dropped as soon as its backward ran.
         """
         if not self.record:
             raise RuntimeError("a Tape(record=False) is one autograd graph: call backward() on its output")
         if output.requires_grad:
             self._check_known(output, "the stage's output")
         self._known.clear()  # ids stay valid only while the forward's steps hold the tensors
-        self._add_grad(output, grad)
-        in_flight: dict[int, tuple[torch.Tensor, Pending]] = {}
-        while self._steps:
-            step = self._steps.pop()
-            if isinstance(step, _Exchange):
+        steps, self._steps = self._steps, []
+        has_exchanges = any(isinstance(s, _Exchange) for s in steps)
+        # a full backward keeps its deferrable W work aside for the waits (not while profiling:
+        # an observer times each part's full backward as one)
+        aside = WeightGradQueue() if queue is None and has_exchanges and _OBSERVER.get() is None else None
+        self._add_grad(output, grad, len(steps))
+        flow = _Flow(steps)
+        in_flight: list[tuple[int, Pending]] = []
+        while not flow.finished():
+            ready = flow.ready()
+            exchanges = [j for j in ready if isinstance(steps[j], _Exchange)]
+            if exchanges:  # issue first: the rows travel while everything else runs
+                j = max(exchanges)
+                step = steps[j]
                 g = self._pop_grad(step.output)
                 if g is None:  # the exchange must still happen: the peers take part in it
                     g = torch.zeros_like(step.output)
                 pending = issue(step.group, g, step.in_splits, step.out_splits)
-                in_flight[id(step.source)] = (step.source, pending)
+                flow.start(j)
+                in_flight.append((j, pending))
                 yield pending
                 continue
-            for o in step.outputs:
-                if id(o) in in_flight:
-                    _, pending = in_flight.pop(id(o))
-                    self._add_grad(o, pending.wait())
-            if isinstance(step, Custom):
-                grads_in = yield from step.backward([self._pop_grad(o) for o in step.outputs], queue)
-                for src, g in zip(step.inputs, grads_in):
-                    if g is not None:
-                        self._add_grad(src, g)
+            if ready:
+                j = max(ready)
+                flow.start(j)
+                yield from self._step_backward(steps[j], j, queue, aside)
+                flow.finish(j)
                 continue
-            outs, grads = [], []
-            for o in step.outputs:
-                g = self._pop_grad(o)
-                if g is not None:
-                    outs.append(o)
-                    grads.append(g)
-            watch = contextlib.nullcontext() if step.note is None else step.note.backward(queue)
-            if outs and step.plain and queue is not None:
-                with watch:
-                    leaf_grads = split_backward(outs, grads, [leaf for leaf, _ in step.leaves], queue)
-                for (_, src), g in zip(step.leaves, leaf_grads):
-                    if g is not None:
-                        self._add_grad(src, g)
-            else:
-                if outs:
-                    with deferring(queue), watch:
-                        torch.autograd.backward(outs, grads)
-                for leaf, src in step.leaves:
-                    if leaf.grad is not None:
-                        self._add_grad(src, leaf.grad)
-            step.leaves.clear()
-            step.outputs.clear()
-        for src, pending in in_flight.values():
-            self._add_grad(src, pending.wait())
+            if aside is not None and len(aside):
+                aside.run()  # weight gradients while the rows travel
+                continue
+            if not in_flight:
+                raise RuntimeError("the tape's backward cannot go on: a step waits for one that never runs")
+            j, pending = in_flight.pop(0)  # the first issued arrives first
+            step = steps[j]
+            self._add_grad(step.source, pending.wait(), j)
+            flow.finish(j)
+        if aside is not None:
+            aside.run()
         grad_in = None if self._input is None else self._pop_grad(self._input)
         if grad_in is None and self._input is not None:  # the output does not depend on the input
             grad_in = torch.zeros_like(self._input)
         self._grads.clear()
         self._input = None
         return grad_in
+
+    def _step_backward(self, step: _Part | Custom, j: int, queue: WeightGradQueue | None, aside: WeightGradQueue | None) -> Program:
+        """One part's (or custom step's) backward; its inputs' gradients are added as step ``j``'s.
+        ``aside``: where a full backward's deferrable weight gradients wait (a custom step's
+        own backward program keeps its own)."""
+        if isinstance(step, Custom):
+            grads_in = yield from step.backward([self._pop_grad(o) for o in step.outputs], queue)
+            for src, g in zip(step.inputs, grads_in):
+                if g is not None:
+                    self._add_grad(src, g, j)
+            return
+        if queue is None:
+            queue = aside
+        outs, grads = [], []
+        for o in step.outputs:
+            g = self._pop_grad(o)
+            if g is not None:
+                outs.append(o)
+                grads.append(g)
+        watch = contextlib.nullcontext() if step.note is None else step.note.backward(queue)
+        if outs and step.plain and queue is not None:
+            with watch:
+                leaf_grads = split_backward(outs, grads, [leaf for leaf, _ in step.leaves], queue)
+            for (_, src), g in zip(step.leaves, leaf_grads):
+                if g is not None:
+                    self._add_grad(src, g, j)
+        else:
+            if outs:
+                with deferring(queue), watch:
+                    torch.autograd.backward(outs, grads)
+            for leaf, src in step.leaves:
+                if leaf.grad is not None:
+                    self._add_grad(src, leaf.grad, j)
+        step.leaves.clear()
+        step.outputs.clear()
+
+
+class _Flow:
+    """Which recorded steps' backwards may run: a step's gradients are complete once every
+    later step that read one of its outputs has finished (an exchange once its reverse rows
+    arrived)."""
+
+    def __init__(self, steps: list[_Part | _Exchange | Custom]) -> None:
+        made: dict[int, int] = {}  # id of an output -> the step that made it
+        for i, step in enumerate(steps):
+            for t in _outputs(step):
+                made[id(t)] = i
+        self._feeds: list[set[int]] = [set() for _ in steps]  # step -> the earlier steps it read from
+        self._waiting = [0] * len(steps)  # step -> its readers not finished yet
+        for j, step in enumerate(steps):
+            for t in _inputs(step):
+                i = made.get(id(t))
+                if i is not None and i != j and i not in self._feeds[j]:
+                    self._feeds[j].add(i)
+                    self._waiting[i] += 1
+        self._ready = {i for i, n in enumerate(self._waiting) if n == 0}
+        self._left = len(steps)
+
+    def ready(self) -> list[int]:
+        return sorted(self._ready)
+
+    def start(self, j: int) -> None:
+        self._ready.discard(j)
+
+    def finish(self, j: int) -> None:
+        self._left -= 1
+        for i in self._feeds[j]:
+            self._waiting[i] -= 1
+            if self._waiting[i] == 0:
+                self._ready.add(i)
+
+    def finished(self) -> bool:
+        return self._left == 0
+
+
+def _outputs(step: _Part | _Exchange | Custom) -> list[torch.Tensor]:
+    return [step.output] if isinstance(step, _Exchange) else list(step.outputs)
+
+
+def _inputs(step: _Part | _Exchange | Custom) -> list[torch.Tensor]:
+    if isinstance(step, _Exchange):
+        return [step.source]
+    if isinstance(step, Custom):
+        return list(step.inputs)
+    return [src for _, src in step.leaves]
 
 
 # ------------------------------------------------------------------------ drivers
