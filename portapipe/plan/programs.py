@@ -69,7 +69,7 @@ class Programs:
         return ("C", part, phase, units, sign * saved, sign * held, option if option in ("level0", "level1") else "off")
 
     def _moe_forward(self, layer: int, option: str, replay: bool = False) -> list[Op]:
-        """Dispatch -> experts -> combine -> shared expert -> combine part, as ``moe_program``.
+        """Dispatch -> shared expert -> experts -> combine -> combine part, as ``moe_program``.
         ``replay``: the recompute replay, which saves what ``off`` saves."""
         s, T, R, e, h = self.s, self.T, self.R, self.s.e, self.s.hidden
         opt = "off" if replay else option
@@ -77,28 +77,33 @@ class Programs:
             ("I", ("dw", layer), T * s.top_k * e),
             ("I", ("d", layer), T * s.top_k * h * e),
             ("Y", ("d", layer)),
+        ]
+        if s.n_shared:  # while the rows travel
+            ops.append(self._c("shared", "F", opt, 1))
+        ops += [
             ("A", ("d", layer)),
             ("A", ("dw", layer)),
             self._c("experts", "F", opt, 1),
             ("I", ("c", layer), R * h * e),
             ("Y", ("c", layer)),
+            ("A", ("c", layer)),
+            self._c("combine", "F", opt, 1),
         ]
-        if s.n_shared:
-            ops.append(self._c("shared", "F", opt, 1))
-        ops += [("A", ("c", layer)), self._c("combine", "F", opt, 1)]
         return ops
 
     def _moe_backward(self, layer: int, option: str, phase: str) -> list[Op]:
-        """The reverse walk over the MoE parts (combine, shared, experts) and their exchanges."""
+        """The MoE parts' backward as the tape's data flow runs it: the combine's reverse
+        exchange is issued as soon as the combine part's backward gave its gradient, and the
+        shared expert's backward runs while it travels."""
         s, T, R, e, h = self.s, self.T, self.R, self.s.e, self.s.hidden
         opt = "off" if option.startswith("recompute") else option
         ops: list[Op] = []
         if opt in ("level0", "level1"):  # the re-dispatch starts as the layer's backward begins
             ops.append(("I", ("r", layer), T * s.top_k * h * e))
-        ops.append(self._c("combine", phase, opt, -1))
+        ops += [self._c("combine", phase, opt, -1), ("I", ("c'", layer), T * s.top_k * h * e), ("Y", ("c'", layer))]
         if s.n_shared:
             ops.append(self._c("shared", phase, opt, -1))
-        ops += [("I", ("c'", layer), T * s.top_k * h * e), ("Y", ("c'", layer)), ("A", ("c'", layer))]
+        ops.append(("A", ("c'", layer)))
         if opt in ("level0", "level1"):
             ops.append(("A", ("r", layer)))
         ops += [
@@ -161,9 +166,17 @@ class Programs:
         return self._cache[key]
 
     def backward(self, stage: StageSpec, phase: str) -> list[Op]:
-        """``phase`` B (weight gradients deferred to a W) or BW (computed at once)."""
+        """``phase`` B (weight gradients deferred to a W) or BW (computed in the same action).
+
+        A BW is the B's ops with each part's weight gradient set aside and computed just
+        before the next wait for an exchange (or at the end), as the tape does in a full
+        backward with exchanges: the W work hides the exchange in flight.
+        """
         key = (stage, phase)
         if key not in self._cache:
+            if phase == "BW":
+                self._cache[key] = _weights_before_waits(self.backward(stage, "B"))
+                return self._cache[key]
             ops: list[Op] = []
             if stage.last:
                 ops.append(self._c("head", phase, "off", -1))
@@ -180,8 +193,27 @@ class Programs:
         """The W pass: every part's deferred weight gradients, in the order the backward queued them."""
         key = (stage, "W")
         if key not in self._cache:
-            self._cache[key] = [("C", op[1], "W", op[3], 0, 0, op[6]) for op in self.backward(stage, "B") if op[0] == "C" and op[2] == "B"]
+            self._cache[key] = [_weight_op(op) for op in self.backward(stage, "B") if op[0] == "C" and op[2] == "B"]
         return self._cache[key]
+
+
+def _weight_op(op: Op) -> Op:
+    """The W pass's op for one B-phase part op."""
+    return ("C", op[1], "W", op[3], 0, 0, op[6])
+
+
+def _weights_before_waits(b_ops: Sequence[Op]) -> list[Op]:
+    """A full backward from an input-gradient one: each part's W right before the next wait."""
+    out: list[Op] = []
+    aside: list[Op] = []
+    for op in b_ops:
+        if op[0] == "A":
+            out += aside
+            aside = []
+        out.append(op)
+        if op[0] == "C" and op[2] == "B":
+            aside.append(_weight_op(op))
+    return out + aside
 
 
 def interleave(forward: Sequence[Op], backward: Sequence[Op], switching: bool) -> list[tuple[int, Op]]:
