@@ -203,3 +203,121 @@ def test_a_parameter_passed_to_a_part_gets_its_gradient() -> None:
     gx = run(tape.backward(out, torch.ones_like(out)))
     assert torch.equal(w.grad, x.t() @ torch.ones(2, 3, dtype=torch.float64))
     assert torch.equal(gx, torch.ones(2, 3, dtype=torch.float64) @ w.detach().t())
+
+
+# ------------------------------------------------ a lone backward hides its own exchanges
+def _lone_backward_log(full: bool, monkeypatch: Any) -> tuple[list[str], dict[str, torch.Tensor], torch.Tensor]:
+    """One micro-batch's forward, then its backward alone (BW if ``full``, else B and its W);
+    the log of the top layer's events: exchanges issued and waited for, the shared expert's
+    backward, and the experts' weight gradients."""
+    import portapipe.scheduling.wgrad as wgrad
+
+    block, data = _setup()
+    top = list(block.layers.values())[-1]
+    events: list[str] = []
+    original = top.shared_part
+
+    def shared_part(hn: torch.Tensor, zm: Any = None) -> torch.Tensor:
+        out = original(hn, zm)
+        out.register_hook(lambda g: events.append("shared backward"))
+        return out
+
+    top.shared_part = shared_part  # type: ignore[method-assign]
+    accumulate = wgrad.accumulate_grad
+
+    def logged(param: torch.Tensor, grad: torch.Tensor) -> None:
+        if param is top.moe.experts.gate_up:
+            events.append("experts W")
+        accumulate(param, grad)
+
+    monkeypatch.setattr(wgrad, "accumulate_grad", logged)
+    tape = Tape()
+    loss = run(block.program(tape, *data[0]))
+    LOG.clear()
+    queue = None if full else WeightGradQueue()
+    original_issue, original_wait = _LoopbackBackend.expert_all_to_all, _Work.wait
+
+    def issue(self: Any, *args: Any, **kwargs: Any) -> _Work:
+        events.append("issue")
+        return original_issue(self, *args, **kwargs)
+
+    def wait(self: _Work) -> None:
+        events.append("wait")
+        original_wait(self)
+
+    monkeypatch.setattr(_LoopbackBackend, "expert_all_to_all", issue)
+    monkeypatch.setattr(_Work, "wait", wait)
+    grad_in = run(tape.backward(loss, torch.ones_like(loss), queue))
+    if queue is not None:
+        queue.run()
+    return events, _grads(block), loss.detach()
+
+
+def test_a_lone_backward_issues_each_reverse_exchange_first_and_computes_beside_it(monkeypatch: Any) -> None:
+    # the top layer: the combine's reverse exchange goes out, then the shared expert's
+    # backward runs while it travels; the experts' backward needs its rows; then the rows'
+    # and the router weights' reverse exchanges go out together
+    events, b_grads, _ = _lone_backward_log(False, monkeypatch)
+    assert events[:6] == ["issue", "shared backward", "wait", "issue", "issue", "wait"]
+    # a full backward also computes the experts' weight gradients while the rows travel
+    events, bw_grads, _ = _lone_backward_log(True, monkeypatch)
+    assert events[:7] == ["issue", "shared backward", "wait", "issue", "issue", "experts W", "wait"]
+    assert b_grads.keys() == bw_grads.keys()
+    for n in b_grads:
+        assert torch.equal(b_grads[n], bw_grads[n]), n  # the same arithmetic, reordered
+
+
+def test_the_data_ordered_backward_gives_the_plain_graphs_gradients() -> None:
+    block, data = _setup()
+    tape = Tape()
+    loss = run(block.program(tape, *data[0]))
+    run(tape.backward(loss, torch.ones_like(loss)))
+    grads = _grads(block)
+    block.zero_grad(set_to_none=True)
+    ref = run(block.program(Tape(record=False), *data[0]))
+    ref.backward()
+    assert torch.equal(loss.detach(), ref.detach())
+    for n, g in _grads(block).items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-12, atol=1e-15, msg=n)
+
+
+def test_recompute_replays_the_next_layer_beside_the_backward_above_with_the_same_gradients(monkeypatch: Any) -> None:
+    from portapipe.config import MemoryConfig
+    from portapipe.memory.policy import configure
+
+    def lone_backward(mode: str) -> tuple[list[str], dict[str, torch.Tensor]]:
+        block, data = _setup()
+        configure({0: block}, MemoryConfig(recompute=mode))
+        layers = list(block.layers.values())
+        events: list[str] = []
+        for i, layer in enumerate(layers):
+            def experts_part(*args: Any, _i: int = i, _f: Any = layer.experts_part) -> torch.Tensor:
+                if torch.is_grad_enabled():  # recorded: the replay (the first forward keeps nothing)
+                    events.append(f"replay {_i}")
+                return _f(*args)
+
+            layer.experts_part = experts_part  # type: ignore[method-assign]
+        top_attention = layers[-1].attention_part
+
+        def attention_part(x: torch.Tensor) -> Any:
+            out = top_attention(x)
+            out[0].register_hook(lambda g: events.append("top attention backward"))
+            return out
+
+        layers[-1].attention_part = attention_part  # type: ignore[method-assign]
+        tape = Tape()
+        loss = run(block.program(tape, *data[0]))
+        events.clear()
+        queue = WeightGradQueue()
+        run(tape.backward(loss, torch.ones_like(loss), queue))
+        queue.run()
+        return events, _grads(block)
+
+    events, grads = lone_backward("moe")
+    # the layer below is replayed while the top layer's replay and backward exchange rows,
+    # before the top layer's attention (which its output feeds) even starts its backward
+    assert events.index("replay 2") < events.index("replay 1") < events.index("top attention backward")
+    _, ref = lone_backward("none")
+    assert grads.keys() == ref.keys()
+    for n in grads:
+        assert torch.equal(grads[n], ref[n]), n

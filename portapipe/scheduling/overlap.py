@@ -112,11 +112,16 @@ class Custom:
 
     ``backward(grads, queue)`` gets the gradients of ``outputs`` (None where none arrived) and
     returns those of ``inputs``; it may yield exchanges like any program.
+
+    ``prepare`` (optional): the part of that work that needs no gradient (recompute's replay of
+    the forward), as a program. The tape's backward may run it early, while a later step's
+    exchange travels and nothing else could run; ``backward`` then finds it done.
     """
 
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
     backward: Callable[[list[torch.Tensor | None], WeightGradQueue | None], Program]
+    prepare: Callable[[], Program] | None = None
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -233,13 +238,17 @@ class Tape:
         Returns the stage input's gradient: zeros when the output does not depend on it, None
         when the input was not watched (tokens).
 
-        The steps run as their data allow (:class:`_Flow`): each reverse exchange
-        is issued as soon as its gradient is complete, and while it travels the steps that do
-        not need its result run; the program waits only when nothing else can. In a full
-        backward (BW) of a tape with exchanges, the weight gradients of layers that defer
-        themselves (:mod:`.wgrad`) are kept aside and computed just before such a wait, so a
-        lone BW hides its exchanges behind its own W work too. Each part's graph and
-        boundaries are dropped as soon as its backward ran.
+        The steps run as their data allow (:class:`_Flow`): each reverse exchange is issued
+        as soon as its gradient is complete, and while it travels the steps that do not need
+        its result run. A custom step's gradient-free work (:attr:`Custom.prepare`: recompute's
+        replay) runs ahead, one step at a time: beside the custom step above it (the two
+        switch at every exchange in flight, as an F&B pair does), or when nothing else can run
+        before waiting for the first exchange in flight. Then, in a full backward (BW) of a tape with
+        exchanges, the weight gradients that layers deferring themselves (:mod:`.wgrad`) set
+        aside run, part by part, until the rows are there (the rest waits for the next wait,
+        or the end). Which exchanges are issued, and in which order, never depends on timing,
+        so EP peers stay in step; values do not depend on the order at all. Each part's graph
+        and boundaries are dropped as soon as its backward ran.
         """
         if not self.record:
             raise RuntimeError("a Tape(record=False) is one autograd graph: call backward() on its output")
@@ -250,10 +259,12 @@ class Tape:
         has_exchanges = any(isinstance(s, _Exchange) for s in steps)
         # a full backward keeps its deferrable W work aside for the waits (not while profiling:
         # an observer times each part's full backward as one)
-        aside = WeightGradQueue() if queue is None and has_exchanges and _OBSERVER.get() is None else None
+        aside: list[WeightGradQueue] | None = [] if queue is None and has_exchanges and _OBSERVER.get() is None else None
         self._add_grad(output, grad, len(steps))
         flow = _Flow(steps)
         in_flight: list[tuple[int, Pending]] = []
+        ahead = [j for j, st in enumerate(steps) if isinstance(st, Custom) and st.prepare is not None]
+        prepared: int | None = None  # a custom step whose prepare ran and whose backward has not
         while not flow.finished():
             ready = flow.ready()
             exchanges = [j for j in ready if isinstance(steps[j], _Exchange)]
@@ -271,20 +282,33 @@ class Tape:
             if ready:
                 j = max(ready)
                 flow.start(j)
-                yield from self._step_backward(steps[j], j, queue, aside)
+                if prepared == j:
+                    prepared = None
+                if j in ahead:
+                    ahead.remove(j)
+                work = self._step_backward(steps[j], j, queue, aside)
+                if isinstance(steps[j], Custom) and prepared is None and ahead:
+                    # a custom backward (a replay's backward) beside the next one's replay,
+                    # switching at every exchange in flight as an F&B pair does
+                    prepared = ahead.pop()
+                    work = _discard_second(interleaved(work, steps[prepared].prepare()))
+                yield from work
                 flow.finish(j)
-                continue
-            if aside is not None and len(aside):
-                aside.run()  # weight gradients while the rows travel
                 continue
             if not in_flight:
                 raise RuntimeError("the tape's backward cannot go on: a step waits for one that never runs")
+            if prepared is None and ahead:  # the next replay, while the rows travel
+                prepared = ahead.pop()
+                yield from steps[prepared].prepare()
+                continue
             j, pending = in_flight.pop(0)  # the first issued arrives first
+            while aside and not pending.arrived:
+                aside.pop(0).run()  # weight gradients while the rows travel
             step = steps[j]
             self._add_grad(step.source, pending.wait(), j)
             flow.finish(j)
-        if aside is not None:
-            aside.run()
+        for q in aside or ():
+            q.run()
         grad_in = None if self._input is None else self._pop_grad(self._input)
         if grad_in is None and self._input is not None:  # the output does not depend on the input
             grad_in = torch.zeros_like(self._input)
@@ -292,18 +316,19 @@ class Tape:
         self._input = None
         return grad_in
 
-    def _step_backward(self, step: _Part | Custom, j: int, queue: WeightGradQueue | None, aside: WeightGradQueue | None) -> Program:
+    def _step_backward(self, step: _Part | Custom, j: int, queue: WeightGradQueue | None, aside: list[WeightGradQueue] | None) -> Program:
         """One part's (or custom step's) backward; its inputs' gradients are added as step ``j``'s.
-        ``aside``: where a full backward's deferrable weight gradients wait (a custom step's
-        own backward program keeps its own)."""
+        ``aside``: where a full backward keeps each part's deferrable weight gradients (a
+        custom step's own backward program keeps its own)."""
         if isinstance(step, Custom):
             grads_in = yield from step.backward([self._pop_grad(o) for o in step.outputs], queue)
             for src, g in zip(step.inputs, grads_in):
                 if g is not None:
                     self._add_grad(src, g, j)
             return
-        if queue is None:
-            queue = aside
+        if queue is None and aside is not None:
+            queue = WeightGradQueue()
+            aside.append(queue)
         outs, grads = [], []
         for o in step.outputs:
             g = self._pop_grad(o)
@@ -388,9 +413,10 @@ def run(program: Program) -> Any:
             return stop.value
 
 
-def run_pair(forward: Program, backward: Program) -> tuple[Any, Any]:
-    """Run two programs interleaved, switching whenever the running one has an exchange in flight."""
-    programs = [forward, backward]
+def interleaved(first: Program, second: Program) -> Generator[Pending, None, tuple[Any, Any]]:
+    """Program: two programs interleaved, switching whenever the running one has an exchange in
+    flight; every exchange is passed on to the driver. Returns both results."""
+    programs = [first, second]
     results: list[Any] = [None, None]
     done = [False, False]
     cur = 0
@@ -399,6 +425,7 @@ def run_pair(forward: Program, backward: Program) -> tuple[Any, Any]:
             try:
                 while True:
                     item = next(programs[cur])
+                    yield item
                     if item is not None and item.in_flight and not done[1 - cur]:
                         break
             except StopIteration as stop:
@@ -406,3 +433,13 @@ def run_pair(forward: Program, backward: Program) -> tuple[Any, Any]:
                 done[cur] = True
         cur = 1 - cur
     return results[0], results[1]
+
+
+def _discard_second(pair: Generator[Pending, None, tuple[Any, Any]]) -> Program:
+    first, _ = yield from pair
+    return first
+
+
+def run_pair(forward: Program, backward: Program) -> tuple[Any, Any]:
+    """Run two programs interleaved, switching whenever the running one has an exchange in flight."""
+    return run(interleaved(forward, backward))
