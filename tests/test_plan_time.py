@@ -380,3 +380,27 @@ def test_actions_count_the_exchanges_they_issue() -> None:
     one = load_config(EXAMPLE, ["parallel.ep=1"])
     assert all(TimeModel(Setup.from_config(one), profile(s, MOE), build_schedule(one)).exchanges(a) == 0
                for a in build_schedule(one).actions[0] if a.kind.is_compute)
+
+
+def test_recomputes_next_replay_runs_beside_the_backward_above_and_before_a_plain_layers_first_wait() -> None:
+    cfg = load_config(EXAMPLE, ["parallel.pp=1", "model.n_layers=3", "model.n_dense=1"])
+    s = Shape.of(cfg.model)
+    progs = Programs(s, 256, 512)
+    prof = profile(s, MOE, a2a=2.0)
+    both = StageSpec((1, 2), ("recompute_moe", "recompute_moe"), False, False)
+    ops = progs.backward(both, "B")
+    first_attention = ops.index(next(op for op in ops if op[:3] == ("C", "attention", "B")))
+    replay_2, replay_1 = ops.index(("I", ("d", 2), 256 * s.top_k * s.hidden * s.e)), ops.index(("I", ("d", 1), 256 * s.top_k * s.hidden * s.e))
+    assert replay_2 < replay_1 < first_attention  # the lower layer replays before the upper's attention backward
+    # the same ops as each layer replayed in turn, only moved, and less of the exchanges exposed
+    in_turn = []
+    for layer in (2, 1):
+        replay, custom, rest = progs._layer_backward(layer, "recompute_moe", "B")
+        in_turn += replay + custom + rest
+    assert ops[0][1] == "output" and sorted(map(repr, ops[1:])) == sorted(map(repr, in_turn))
+    paired, alone = run_ops([(0, op) for op in ops], prof, 2), run_ops([(0, op) for op in ops[:1] + in_turn], prof, 2)
+    assert paired.compute == pytest.approx(alone.compute) and paired.exposed < alone.exposed
+    # below a layer that is not recomputed, the replay goes before that layer's first wait
+    mixed = progs.backward(StageSpec((1, 2), ("recompute_moe", "off"), False, False), "B")
+    where = {op[:2]: i for i, op in enumerate(mixed) if op[0] in ("I", "A")}
+    assert where[("I", ("c'", 2))] < where[("I", ("d", 1))] < where[("A", ("c", 1))] < where[("A", ("c'", 2))]

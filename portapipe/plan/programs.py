@@ -127,28 +127,63 @@ class Programs:
             return [self._c("dense", "F", option, 1)]
         return self._attention(layer, option) + self._moe_forward(layer, option)
 
-    def _layer_backward(self, layer: int, option: str, phase: str) -> list[Op]:
+    def _layer_backward(self, layer: int, option: str, phase: str) -> tuple[list[Op], list[Op], list[Op]]:
+        """A layer's backward as (replay, recomputed backward, the rest): a recomputed layer's
+        replay needs no gradient, so the stage's backward may run it early (see :meth:`backward`)."""
         s = self.s
-        ops: list[Op] = []
+        replay: list[Op] = []
+        custom: list[Op] = []
         full = option == "recompute_full"
         if full:  # replay the whole layer, saving as off does, then its backward
             if s.is_moe(layer):
-                ops += self._attention(layer, "off") + self._moe_forward(layer, option, replay=True)
+                replay += self._attention(layer, "off") + self._moe_forward(layer, option, replay=True)
             else:
-                ops.append(self._c("dense", "F", "off", 1))
+                replay.append(self._c("dense", "F", "off", 1))
             # the replayed attention saves the layer's rotary tables, which nothing else holds
-            ops.insert(1, ("C", "rope", "F", 0, s.rope_bytes(), 0, "off"))
+            replay.insert(1, ("C", "rope", "F", 0, s.rope_bytes(), 0, "off"))
             option = "off"
+        ops: list[Op] = []
         if not s.is_moe(layer):
             ops.append(self._c("dense", phase, option, -1))
         else:
             if option == "recompute_moe":
-                ops += self._moe_forward(layer, option, replay=True)
-            ops += self._moe_backward(layer, option, phase)
+                replay += self._moe_forward(layer, option, replay=True)
+                custom = self._moe_backward(layer, option, phase)
+            else:
+                ops += self._moe_backward(layer, option, phase)
             ops.append(self._c("attention", phase, option, -1))
         if full:  # the rotary tables and the layer input, kept for the replay, are let go
+            custom, ops = ops, []
             kept = held_bytes(s, "attention", "recompute_full", self.T, self.R)
             ops.append(("C", "input", phase, self.T, -s.rope_bytes(), -kept, "off"))
+        return replay, custom, ops
+
+    def _stage_layers_backward(self, stage: StageSpec, phase: str) -> list[Op]:
+        """The layers' backward, top down, with recompute's replays where the tape runs them:
+        the next recomputed layer's replay beside the recomputed backward above it (switching
+        at every exchange, as an F&B pair), or, below a layer that is not recomputed, before
+        that layer's first wait."""
+        segs = [self._layer_backward(layer, option, phase) for layer, option in reversed(list(zip(stage.layers, stage.options)))]
+        ahead = [i for i, (replay, _, _) in enumerate(segs) if replay]
+        prepared: int | None = None
+        ops: list[Op] = []
+        for i, (replay, custom, rest) in enumerate(segs):
+            if not replay:
+                waits = [n for n, op in enumerate(rest) if op[0] == "A"]
+                if waits and prepared is None and ahead:
+                    prepared = ahead.pop(0)
+                    rest = rest[: waits[0]] + segs[prepared][0] + rest[waits[0] :]
+                ops += rest
+                continue
+            if prepared == i:  # replayed ahead
+                mine, prepared = list(custom), None
+            else:
+                mine = replay + custom
+                ahead.remove(i)
+            if prepared is None and ahead:
+                prepared = ahead.pop(0)
+                mine = [op for _, op in interleave(mine, segs[prepared][0], True)]
+            ops += mine + rest
         return ops
 
     # ----------------------------------------------------------------- stages
@@ -182,8 +217,7 @@ class Programs:
                 ops.append(self._c("head", phase, "off", -1))
             else:
                 ops.append(("C", "output", phase, self.T, 0, -self.T * self.s.hidden * self.s.e, "off"))
-            for layer, option in reversed(list(zip(stage.layers, stage.options))):
-                ops += self._layer_backward(layer, option, phase)
+            ops += self._stage_layers_backward(stage, phase)
             if stage.first:
                 ops.append(self._c("embed", phase, "off", -1))
             self._cache[key] = ops
