@@ -404,3 +404,22 @@ def test_recomputes_next_replay_runs_beside_the_backward_above_and_before_a_plai
     mixed = progs.backward(StageSpec((1, 2), ("recompute_moe", "off"), False, False), "B")
     where = {op[:2]: i for i, op in enumerate(mixed) if op[0] in ("I", "A")}
     assert where[("I", ("c'", 2))] < where[("I", ("d", 1))] < where[("A", ("c", 1))] < where[("A", ("c'", 2))]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "dualpipev"])
+def test_the_step_reports_the_lone_actions_exchanges_apart_from_the_pairs(name: str) -> None:
+    cfg = load_config(EXAMPLE, ["parallel.pp=2", "parallel.ep=2", f"schedule.name={name}", "schedule.microbatches=4"])
+    s = Shape.of(cfg.model)
+    prof = profile(s, {**MOE, "dense": {"F": 1.0, "B": 1.0, "W": 0.5}, "embed": {"F": 0.1, "B": 0.1}, "head": {"F": 1.0, "B": 1.0, "W": 0.5}}, a2a=2.0)
+    sched = build_schedule(cfg)
+    model = TimeModel(Setup.from_config(cfg), prof, sched)
+    got = model.predict()
+    busiest = max(range(sched.n_ranks), key=lambda r: sum(model.action(a).exposed for a in sched.actions[r] if a.kind.is_compute))
+    lone = [model.action(a) for a in sched.actions[busiest] if a.kind.is_compute and a.pair is None]
+    assert got.a2a_edge_s == pytest.approx(sum(t.comm for t in lone))
+    assert got.a2a_edge_exposed_s == pytest.approx(sum(t.exposed for t in lone))
+    assert 0.0 < got.a2a_edge_hidden_frac < 1.0  # the shared expert and the W work hide some
+    if name == "1f1b":  # every action is lone
+        assert got.a2a_edge_s == pytest.approx(got.a2a_s) and got.a2a_steady_hidden_frac == 0.0
+    else:
+        assert 0.0 < got.a2a_edge_s < got.a2a_s and got.a2a_steady_hidden_frac > got.a2a_edge_hidden_frac
