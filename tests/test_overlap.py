@@ -321,3 +321,47 @@ def test_recompute_replays_the_next_layer_beside_the_backward_above_with_the_sam
     assert grads.keys() == ref.keys()
     for n in grads:
         assert torch.equal(grads[n], ref[n]), n
+
+
+def test_zero_memorys_re_dispatch_starts_one_layer_ahead_during_the_waits_above(monkeypatch: Any) -> None:
+    from portapipe.config import MemoryConfig
+    from portapipe.memory import zero_memory
+    from portapipe.memory.policy import configure
+
+    def lone_backward(level: str) -> tuple[list[str], dict[str, torch.Tensor]]:
+        block, data = _setup()
+        configure({0: block}, MemoryConfig(zero_memory=level))
+        layers = list(block.layers.values())
+        events: list[str] = []
+        if level != "off":
+            index = {id(layer.memory.zero_memory): i for i, layer in enumerate(layers)}
+            issue = zero_memory.ExpertRefetch.issue
+
+            def logged(self: Any) -> None:
+                if self._pending is None and self._inputs is None:
+                    events.append(f"re-dispatch {index[id(self.config)]}")
+                issue(self)
+
+            monkeypatch.setattr(zero_memory.ExpertRefetch, "issue", logged)
+        for i, layer in enumerate(layers):
+            def attention_part(x: torch.Tensor, _i: int = i, _f: Any = layer.attention_part) -> Any:
+                out = _f(x)
+                out[0].register_hook(lambda g: events.append(f"attention {_i} backward"))
+                return out
+
+            layer.attention_part = attention_part  # type: ignore[method-assign]
+        tape = Tape()
+        loss = run(block.program(tape, *data[0]))
+        queue = WeightGradQueue()
+        run(tape.backward(loss, torch.ones_like(loss), queue))
+        queue.run()
+        return events, _grads(block)
+
+    events, grads = lone_backward("level0")
+    # layer 1's rows are fetched again while layer 2 still waits for its exchanges, layer 0's
+    # only once layer 1's backward is under way: one layer ahead, no more
+    assert events.index("re-dispatch 2") < events.index("re-dispatch 1") < events.index("attention 2 backward")
+    assert events.index("attention 2 backward") < events.index("re-dispatch 0") < events.index("attention 1 backward")
+    _, ref = lone_backward("off")
+    for n in ref:
+        assert torch.equal(grads[n], ref[n]), n

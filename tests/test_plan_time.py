@@ -423,3 +423,16 @@ def test_the_step_reports_the_lone_actions_exchanges_apart_from_the_pairs(name: 
         assert got.a2a_edge_s == pytest.approx(got.a2a_s) and got.a2a_steady_hidden_frac == 0.0
     else:
         assert 0.0 < got.a2a_edge_s < got.a2a_s and got.a2a_steady_hidden_frac > got.a2a_edge_hidden_frac
+
+
+def test_zero_memorys_re_dispatch_goes_out_one_layer_ahead_at_the_waits_above() -> None:
+    cfg = load_config(EXAMPLE, ["parallel.pp=1", "model.n_layers=4", "model.n_dense=1"])
+    progs = Programs(Shape.of(cfg.model), 256, 512)
+    ops = progs.backward(StageSpec((1, 2, 3), ("level0", "level0", "level0"), False, False), "B")
+    at = {op[:2]: i for i, op in enumerate(ops) if op[0] in ("I", "A")}
+    # the top layer's at its own start; layer 2's once layer 3 sent its dispatch's gradients,
+    # before layer 3 waits for them; layer 1's only once layer 2 did the same
+    assert at[("I", ("r", 3))] < at[("I", ("c'", 3))]
+    assert at[("I", ("dw'", 3))] < at[("I", ("r", 2))] < at[("A", ("d'", 3))]
+    assert at[("I", ("dw'", 2))] < at[("I", ("r", 1))] < at[("A", ("d'", 2))]
+    assert sum(op[:2] == ("I", ("r", 2)) for op in ops) == 1

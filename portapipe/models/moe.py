@@ -240,6 +240,8 @@ class Layer(nn.Module):
     ) -> Generator[Any, None, torch.Tensor]:
         """The parts after attention: dispatch, shared expert, experts, combine, sum over top-k."""
         moe = self.moe
+        if zm is not None:  # zero-memory's re-dispatch needs no gradient: the backward may start it early
+            tape.ahead(zm.issue)
         # The router weights go first: the small exchange is done by the time the rows are.
         dispatch_w = tape.all_to_all(moe.ep, weights, plan.recv_splits, plan.send_splits)
         dispatch = tape.all_to_all(moe.ep, send, plan.recv_splits, plan.send_splits)

@@ -184,7 +184,8 @@ class Programs:
                 prepared = ahead.pop(0)
                 mine = [op for _, op in interleave(mine, segs[prepared][0], True)]
             ops += mine + rest
-        return ops
+        inner = {layer for layer, option in zip(stage.layers, stage.options) if option.startswith("recompute")}
+        return _redispatch_ahead(ops, inner)
 
     # ----------------------------------------------------------------- stages
     def forward(self, stage: StageSpec) -> list[Op]:
@@ -229,6 +230,34 @@ class Programs:
         if key not in self._cache:
             self._cache[key] = [_weight_op(op) for op in self.backward(stage, "B") if op[0] == "C" and op[2] == "B"]
         return self._cache[key]
+
+
+def _redispatch_ahead(ops: Sequence[Op], inner: set[int]) -> list[Op]:
+    """Zero-memory's re-dispatches where the tape starts them (:meth:`~portapipe.scheduling.overlap.Tape.ahead`):
+    at the layer's own backward start, or earlier, at a wait of the stage's own tape (not one
+    inside a recomputed layer's replay, ``inner``), once the layer above has issued its
+    dispatch's reverse exchanges: one layer ahead."""
+    redispatch = {op[1][1]: op for op in ops if op[0] == "I" and op[1][0] == "r"}
+    marks = list(redispatch)  # top layer first, the order the backward meets them
+    issued: set[int] = set()
+    passed: set[int] = set()
+    last: int | None = None
+    out: list[Op] = []
+    for op in ops:
+        if op[0] == "I" and op[1][0] == "r":
+            if op[1][1] not in issued:
+                issued.add(op[1][1])
+                out.append(op)
+            continue
+        if op[0] == "A" and op[1][0] in ("c'", "d'", "dw'") and op[1][1] not in inner and marks and (last is None or last in passed):
+            last = marks.pop(0)
+            if last not in issued:
+                issued.add(last)
+                out.append(redispatch[last])
+        out.append(op)
+        if op[0] == "I" and op[1][0] == "dw'":
+            passed.add(op[1][1])
+    return out
 
 
 def _weight_op(op: Op) -> Op:

@@ -138,6 +138,7 @@ class Tape:
         self._steps: list[_Part | _Exchange | Custom] = []
         self._grads: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = {}  # id -> (tensor, (step, term)s)
         self._input: torch.Tensor | None = None
+        self._ahead: list[tuple[int, Callable[[], None]]] = []  # (steps recorded before it, work)
         # ids of the tensors whose gradient the backward routes: the watched input and the
         # outputs of parts and exchanges (alive while recorded, held by the steps)
         self._known: set[int] = set()
@@ -195,6 +196,15 @@ class Tape:
         self._steps.append(_Exchange(group, x, pending.output, list(out_splits), list(in_splits)))
         return pending
 
+    def ahead(self, fn: Callable[[], None]) -> None:
+        """Record gradient-free work the backward may start early: ``fn()`` (zero-memory's
+        re-dispatch) is called while an exchange of a later step travels and nothing else
+        could run, once the steps recorded after the previous such mark have begun their
+        backward (so at most one layer ahead). ``fn`` must be idempotent: whoever needs its
+        result may start it first."""
+        if self.record:
+            self._ahead.append((len(self._steps), fn))
+
     def custom(self, step: Custom) -> None:
         """Record a step with its own backward program (see :class:`Custom`)."""
         self._known.update(id(t) for t in step.outputs)
@@ -243,7 +253,9 @@ class Tape:
         its result run. A custom step's gradient-free work (:attr:`Custom.prepare`: recompute's
         replay) runs ahead, one step at a time: beside the custom step above it (the two
         switch at every exchange in flight, as an F&B pair does), or when nothing else can run
-        before waiting for the first exchange in flight. Then, in a full backward (BW) of a tape with
+        before waiting for the first exchange in flight; so does work recorded with
+        :meth:`ahead` (zero-memory's re-dispatch), one mark at a time. Then, in a full
+        backward (BW) of a tape with
         exchanges, the weight gradients that layers deferring themselves (:mod:`.wgrad`) set
         aside run, part by part, until the rows are there (the rest waits for the next wait,
         or the end). Which exchanges are issued, and in which order, never depends on timing,
@@ -265,6 +277,8 @@ class Tape:
         in_flight: list[tuple[int, Pending]] = []
         ahead = [j for j, st in enumerate(steps) if isinstance(st, Custom) and st.prepare is not None]
         prepared: int | None = None  # a custom step whose prepare ran and whose backward has not
+        marks, self._ahead = self._ahead, []
+        last_mark: int | None = None  # where the last mark that ran was recorded
         while not flow.finished():
             ready = flow.ready()
             exchanges = [j for j in ready if isinstance(steps[j], _Exchange)]
@@ -300,6 +314,10 @@ class Tape:
             if prepared is None and ahead:  # the next replay, while the rows travel
                 prepared = ahead.pop()
                 yield from steps[prepared].prepare()
+                continue
+            if marks and (last_mark is None or last_mark >= len(steps) or flow.started(last_mark)):
+                last_mark, early = marks.pop()
+                early()
                 continue
             j, pending = in_flight.pop(0)  # the first issued arrives first
             while aside and not pending.arrived:
@@ -372,6 +390,7 @@ class _Flow:
                     self._feeds[j].add(i)
                     self._waiting[i] += 1
         self._ready = {i for i, n in enumerate(self._waiting) if n == 0}
+        self._started: set[int] = set()
         self._left = len(steps)
 
     def ready(self) -> list[int]:
@@ -379,6 +398,10 @@ class _Flow:
 
     def start(self, j: int) -> None:
         self._ready.discard(j)
+        self._started.add(j)
+
+    def started(self, j: int) -> bool:
+        return j in self._started
 
     def finish(self, j: int) -> None:
         self._left -= 1
