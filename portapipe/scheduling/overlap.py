@@ -5,17 +5,21 @@ dispatch, experts, combine, ...) through a :class:`Tape` and yields each expert 
 right after issuing it. The tape cuts the autograd graph at every part boundary (each part
 runs on detached leaves) and remembers the parts in order, so the backward can be driven
 part by part too: :meth:`Tape.backward` is a program of the same kind that runs the parts'
-backwards in reverse, issuing the reverse all-to-all of each exchange asynchronously and
-waiting for it only when the part that needs its gradient comes up.
+backwards as their data allow, issuing each reverse all-to-all asynchronously as soon as its
+gradient is complete and running the parts that do not need its result while it travels.
 
-Both kinds of program run through the same two drivers:
+Both kinds of program run through the same drivers:
 
-- :func:`run` drives one program to completion (a lone F, B or BW). Work placed between an
-  exchange's issue and its first use still hides it (the shared expert does).
+- :func:`run` drives one program to completion (a lone F, B or BW). It hides an exchange
+  behind the program's own work: in the forward the parts placed between its issue and its
+  first use (the shared expert behind the dispatch), in the backward the independent parts, a
+  full backward's set-aside weight gradients, recompute's replays and zero-memory's
+  re-dispatch started ahead (:meth:`Tape.ahead`, :attr:`Custom.prepare`).
 - :func:`run_pair` runs a forward and a backward program of two micro-batches alternately,
   switching whenever one has an all-to-all in flight, so the other's compute hides it
   (MindSpeed / DualPipe's F&B overlap): ATTN(F) beside COMBINE(B), MLP(B) beside DISPATCH(F),
-  and so on.
+  and so on. :func:`interleaved` is the same as a program (the tape pairs a recomputed layer's
+  backward with the next one's replay with it).
 
 Exchanges are issued on the backend's communication stream after it has waited for the
 compute stream (working no-ops on CPU, where gloo's async work handles carry the overlap),
