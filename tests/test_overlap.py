@@ -247,7 +247,7 @@ def _lone_backward_log(full: bool, monkeypatch: Any) -> tuple[list[str], dict[st
 
     monkeypatch.setattr(_LoopbackBackend, "expert_all_to_all", issue)
     monkeypatch.setattr(_Work, "wait", wait)
-    grad_in = run(tape.backward(loss, torch.ones_like(loss), queue))
+    run(tape.backward(loss, torch.ones_like(loss), queue))
     if queue is not None:
         queue.run()
     return events, _grads(block), loss.detach()
