@@ -281,15 +281,35 @@ def test_the_data_ordered_backward_gives_the_plain_graphs_gradients() -> None:
         torch.testing.assert_close(grads[n], g, rtol=1e-12, atol=1e-15, msg=n)
 
 
-def test_recompute_replays_the_next_layer_beside_the_backward_above_with_the_same_gradients(monkeypatch: Any) -> None:
-    from portapipe.config import MemoryConfig
+def _memory_lone_backward(memory: Any, instrument: Any) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """One micro-batch through a block with the ``memory`` options, then its lone B and W; the
+    events ``instrument(layers, events)`` arranges to log, and each layer's attention backward."""
     from portapipe.memory.policy import configure
 
-    def lone_backward(mode: str) -> tuple[list[str], dict[str, torch.Tensor]]:
-        block, data = _setup()
-        configure({0: block}, MemoryConfig(recompute=mode))
-        layers = list(block.layers.values())
-        events: list[str] = []
+    block, data = _setup()
+    configure({0: block}, memory)
+    layers = list(block.layers.values())
+    events: list[str] = []
+    instrument(layers, events)
+    for i, layer in enumerate(layers):
+        def attention_part(x: torch.Tensor, _i: int = i, _f: Any = layer.attention_part) -> Any:
+            out = _f(x)
+            out[0].register_hook(lambda g: events.append(f"attention {_i} backward"))
+            return out
+
+        layer.attention_part = attention_part  # type: ignore[method-assign]
+    tape = Tape()
+    loss = run(block.program(tape, *data[0]))
+    queue = WeightGradQueue()
+    run(tape.backward(loss, torch.ones_like(loss), queue))
+    queue.run()
+    return events, _grads(block)
+
+
+def test_recompute_replays_the_next_layer_beside_the_backward_above_with_the_same_gradients() -> None:
+    from portapipe.config import MemoryConfig
+
+    def log_replays(layers: list[Any], events: list[str]) -> None:
         for i, layer in enumerate(layers):
             def experts_part(*args: Any, _i: int = i, _f: Any = layer.experts_part) -> torch.Tensor:
                 if torch.is_grad_enabled():  # recorded: the replay (the first forward keeps nothing)
@@ -297,27 +317,12 @@ def test_recompute_replays_the_next_layer_beside_the_backward_above_with_the_sam
                 return _f(*args)
 
             layer.experts_part = experts_part  # type: ignore[method-assign]
-        top_attention = layers[-1].attention_part
 
-        def attention_part(x: torch.Tensor) -> Any:
-            out = top_attention(x)
-            out[0].register_hook(lambda g: events.append("top attention backward"))
-            return out
-
-        layers[-1].attention_part = attention_part  # type: ignore[method-assign]
-        tape = Tape()
-        loss = run(block.program(tape, *data[0]))
-        events.clear()
-        queue = WeightGradQueue()
-        run(tape.backward(loss, torch.ones_like(loss), queue))
-        queue.run()
-        return events, _grads(block)
-
-    events, grads = lone_backward("moe")
+    events, grads = _memory_lone_backward(MemoryConfig(recompute="moe"), log_replays)
     # the layer below is replayed while the top layer's replay and backward exchange rows,
     # before the top layer's attention (which its output feeds) even starts its backward
-    assert events.index("replay 2") < events.index("replay 1") < events.index("top attention backward")
-    _, ref = lone_backward("none")
+    assert events.index("replay 2") < events.index("replay 1") < events.index("attention 2 backward")
+    _, ref = _memory_lone_backward(MemoryConfig(recompute="none"), log_replays)
     assert grads.keys() == ref.keys()
     for n in grads:
         assert torch.equal(grads[n], ref[n]), n
@@ -326,42 +331,23 @@ def test_recompute_replays_the_next_layer_beside_the_backward_above_with_the_sam
 def test_zero_memorys_re_dispatch_starts_one_layer_ahead_during_the_waits_above(monkeypatch: Any) -> None:
     from portapipe.config import MemoryConfig
     from portapipe.memory import zero_memory
-    from portapipe.memory.policy import configure
 
-    def lone_backward(level: str) -> tuple[list[str], dict[str, torch.Tensor]]:
-        block, data = _setup()
-        configure({0: block}, MemoryConfig(zero_memory=level))
-        layers = list(block.layers.values())
-        events: list[str] = []
-        if level != "off":
-            index = {id(layer.memory.zero_memory): i for i, layer in enumerate(layers)}
-            issue = zero_memory.ExpertRefetch.issue
+    def log_redispatches(layers: list[Any], events: list[str]) -> None:
+        index = {id(layer.memory.zero_memory): i for i, layer in enumerate(layers) if layer.memory is not None}
+        issue = zero_memory.ExpertRefetch.issue
 
-            def logged(self: Any) -> None:
-                if self._pending is None and self._inputs is None:
-                    events.append(f"re-dispatch {index[id(self.config)]}")
-                issue(self)
+        def logged(self: Any) -> None:
+            if self._pending is None and self._inputs is None:
+                events.append(f"re-dispatch {index[id(self.config)]}")
+            issue(self)
 
-            monkeypatch.setattr(zero_memory.ExpertRefetch, "issue", logged)
-        for i, layer in enumerate(layers):
-            def attention_part(x: torch.Tensor, _i: int = i, _f: Any = layer.attention_part) -> Any:
-                out = _f(x)
-                out[0].register_hook(lambda g: events.append(f"attention {_i} backward"))
-                return out
+        monkeypatch.setattr(zero_memory.ExpertRefetch, "issue", logged)
 
-            layer.attention_part = attention_part  # type: ignore[method-assign]
-        tape = Tape()
-        loss = run(block.program(tape, *data[0]))
-        queue = WeightGradQueue()
-        run(tape.backward(loss, torch.ones_like(loss), queue))
-        queue.run()
-        return events, _grads(block)
-
-    events, grads = lone_backward("level0")
+    events, grads = _memory_lone_backward(MemoryConfig(zero_memory="level0"), log_redispatches)
     # layer 1's rows are fetched again while layer 2 still waits for its exchanges, layer 0's
     # only once layer 1's backward is under way: one layer ahead, no more
     assert events.index("re-dispatch 2") < events.index("re-dispatch 1") < events.index("attention 2 backward")
     assert events.index("attention 2 backward") < events.index("re-dispatch 0") < events.index("attention 1 backward")
-    _, ref = lone_backward("off")
+    _, ref = _memory_lone_backward(MemoryConfig(zero_memory="off"), lambda layers, events: None)
     for n in ref:
         assert torch.equal(grads[n], ref[n]), n
