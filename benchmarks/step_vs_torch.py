@@ -1,11 +1,11 @@
-"""Training-step time: our DualPipeV and interleaved 1F1B vs torch.distributed.pipelining's, same model, data and ranks.
+"""Training-step time: our DualPipeV and interleaved 1F1B (and 1F1B) vs torch.distributed.pipelining's, same model, data and ranks.
 
 One launch of ``pp * ep`` gloo ranks (default: examples/cpu.yaml, pp=2 x ep=2). For each
 schedule it builds three copies of the same model (same seed, same blocks):
 
 - ours with the F&B overlap on (``schedule.overlap: true``),
 - ours with it off (the F&B pairs run one after the other),
-- torch's ``ScheduleDualPipeV`` / ``ScheduleInterleaved1F1B`` over ``PipelineStage`` objects
+- torch's ``ScheduleDualPipeV`` / ``ScheduleInterleaved1F1B`` / ``Schedule1F1B`` over ``PipelineStage`` objects
   wrapping the same model blocks (block 0 embeds, the last block's head and loss are torch's
   ``loss_fn``; the expert all-to-alls run inside the stages), followed by the same gradient
   reduction over the expert-parallel replicas and the same router-bias update as ours.
@@ -14,9 +14,12 @@ Before timing, one step of each on the same data checks the three are the same c
 (loss and gradients). Then the variants take turns, step by step, so a change in machine load
 hits all of them alike; every step starts at a barrier and its time is the slowest rank's.
 Prints one JSON object: the median step time of each, torch / ours, and the share of
-all-to-all time hidden behind compute in the steady phase (the F&B pairs) and over the step.
+all-to-all time hidden behind compute over the step, in the steady phase (the F&B pairs) and at
+the edges (the lone F, B and BW actions: warm-up, cool-down, and all of 1F1B), with the machine's
+load average before and after.
 
-    python benchmarks/step_vs_torch.py [--config examples/cpu.yaml] [--steps 20] [--warmup 3] [--set k=v ...]
+    python benchmarks/step_vs_torch.py [--config examples/cpu.yaml] [--steps 20] [--warmup 3]
+        [--schedules dualpipev,interleaved,1f1b] [--set k=v ...]
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from portapipe.train import rank_threads
 
 # examples/cpu.yaml as the package ships it (a link to it in a checkout): the default works when installed, too.
 DEFAULT_CONFIG = Path(portapipe.__file__).resolve().parent / "configs" / "cpu.yaml"
-SCHEDULES = ("dualpipev", "interleaved")
+SCHEDULES = ("dualpipev", "interleaved")  # the default; 1f1b is the all-lone-actions case
+PEERS = ("dualpipev", "interleaved", "1f1b")
 
 
 class StageModule(nn.Module):
@@ -77,7 +81,7 @@ class TorchPipeline:
     """
 
     def __init__(self, runtime: PipelineRuntime, config: Config, backend: Any) -> None:
-        from torch.distributed.pipelining import PipelineStage, ScheduleDualPipeV, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 
         self.rt, s, g = runtime, runtime.schedule, runtime.groups
         n_stages = s.n_stages
@@ -93,8 +97,12 @@ class TorchPipeline:
             PipelineStage(StageModule(runtime.blocks[s.stage_block[v]]), v, n_stages, backend.device(), group=g.pp_group)
             for v in self.local
         ]
-        cls = {"dualpipev": ScheduleDualPipeV, "interleaved": ScheduleInterleaved1F1B}[config.schedule.name]
-        self.schedule = cls(stages, config.schedule.microbatches, loss_fn=loss_fn)
+        name = config.schedule.name
+        if name == "1f1b":  # one stage per rank
+            self.schedule = Schedule1F1B(stages[0], config.schedule.microbatches, loss_fn=loss_fn)
+        else:
+            cls = {"dualpipev": ScheduleDualPipeV, "interleaved": ScheduleInterleaved1F1B}[name]
+            self.schedule = cls(stages, config.schedule.microbatches, loss_fn=loss_fn)
         self.first, self.last = 0 in self.local, n_stages - 1 in self.local
 
     def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -141,7 +149,7 @@ def _all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int) -> dict[str, Any]:
+def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int, schedules: tuple[str, ...] = SCHEDULES) -> dict[str, Any]:
     """Run on every rank: build the variants, check them against each other, time them in turns."""
     probe = config_from_dict(base)
     groups = backend.parallel_groups(probe.parallel.pp, probe.parallel.dp, probe.parallel.ep)
@@ -154,7 +162,7 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int) -> d
         return data.microbatches(i, replica, replicas, m, tc.micro_batch_size, probe.model.seq_len)
 
     variants: dict[str, Any] = {}
-    for name in SCHEDULES:
+    for name in schedules:
         on, off = _config(base, name, True), _config(base, name, False)
         variants[f"{name}/ours"] = PipelineRuntime(on, backend, groups)
         variants[f"{name}/ours_no_overlap"] = PipelineRuntime(off, backend, groups)
@@ -163,7 +171,7 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int) -> d
     # Same computation: one step of each on the same data, weights untouched between them.
     check: dict[str, Any] = {}
     first = batches(0)
-    for name in SCHEDULES:
+    for name in schedules:
         ours, plain, theirs = (variants[f"{name}/{k}"] for k in ("ours", "ours_no_overlap", "torch"))
         loss_ours, loss_plain, loss_torch = ours.step(first).loss, plain.step(first).loss, theirs.step(first)
         diff_torch, diff_plain = _all_max([_max_rel_grad_diff(ours, theirs.rt), _max_rel_grad_diff(ours, plain)])
@@ -176,7 +184,7 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int) -> d
         }
 
     times: dict[str, list[float]] = {k: [] for k in variants}
-    a2a: dict[str, list[float]] = {k: [0.0, 0.0, 0.0, 0.0] for k in variants if not k.endswith("/torch")}
+    a2a: dict[str, list[float]] = {k: [0.0] * 4 for k in variants if not k.endswith("/torch")}
     bubble: dict[str, list[float]] = {k: [] for k in a2a}
     for i in range(1, warmup + steps + 1):
         mbs = batches(i)
@@ -199,10 +207,13 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int) -> d
         return None if total <= 0 else round(100.0 * max(0.0, 1.0 - wait / total), 1)
 
     out: dict[str, Any] = {}
-    for name in SCHEDULES:
+    for name in schedules:
         med = {k.split("/")[1]: statistics.median(times[k]) for k in times if k.startswith(name + "/")}
+        # the edges: every exchange outside the F&B pairs (the executor's edge_a2a_* timings)
         fb_total, fb_wait, total, wait = a2a[f"{name}/ours"]
+        edge_total, edge_wait = total - fb_total, wait - fb_wait
         nfb_total, nfb_wait, ntotal, nwait = a2a[f"{name}/ours_no_overlap"]
+        nedge_total, nedge_wait = ntotal - nfb_total, nwait - nfb_wait
         out[name] = {
             "median_step_s": {k: round(v, 4) for k, v in med.items()},
             "torch_over_ours": round(med["torch"] / med["ours"], 3),
@@ -210,8 +221,11 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int) -> d
             "ours_faster_pct": round(100.0 * (1.0 - med["ours"] / med["torch"]), 1),
             "a2a_hidden_steady_pct": hidden(fb_total, fb_wait),
             "a2a_hidden_step_pct": hidden(total, wait),
+            "a2a_hidden_edges_pct": hidden(edge_total, edge_wait),
+            "ours_over_torch": round(med["ours"] / med["torch"], 3),
             "a2a_hidden_steady_pct_no_overlap": hidden(nfb_total, nfb_wait),
             "a2a_hidden_step_pct_no_overlap": hidden(ntotal, nwait),
+            "a2a_hidden_edges_pct_no_overlap": hidden(nedge_total, nedge_wait),
             "bubble_pct_ours": round(100.0 * statistics.median(bubble[f"{name}/ours"]), 1),
             "same_computation": check[name],
         }
@@ -223,27 +237,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="[examples/cpu.yaml]")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated, of {', '.join(PEERS)}")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
+    schedules = tuple(x.strip() for x in args.schedules.split(",") if x.strip())
+    unknown = [x for x in schedules if x not in PEERS]
+    if unknown or not schedules:
+        parser.error(f"--schedules {args.schedules!r}: each must be one of {', '.join(PEERS)}")
     config = load_config(args.config, ["backend=cpu", *args.overrides])
-    if config.schedule.microbatches % config.parallel.pp:
+    if "interleaved" in schedules and config.schedule.microbatches % config.parallel.pp:
         parser.error(f"interleaved needs schedule.microbatches ({config.schedule.microbatches}) divisible by pp ({config.parallel.pp})")
     t0 = time.perf_counter()
+    load_before = os.getloadavg()
     results = run_ranks(
         bench_rank,
         config.world_size,
         config.to_dict(),
         args.steps,
         args.warmup,
+        schedules,
         threads=rank_threads(config.world_size),
         wall_timeout_s=1800,
     )
     r = results[0]
     report = {
         "benchmark": "step_vs_torch",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "load_avg_1m_before": round(load_before[0], 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
+        },
         "ranks": config.world_size,
         "pp": config.parallel.pp,
         "ep": config.parallel.ep,
@@ -254,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": {k: getattr(config.model, k) for k in ("hidden", "n_layers", "n_dense", "n_experts", "top_k", "moe_hidden", "dtype")},
         "timed_steps": args.steps,
         **r,
-        "ours_not_slower": all(r[s]["torch_over_ours"] >= 1.0 for s in SCHEDULES),
-        "ours_10pct_faster": all(r[s]["ours_faster_pct"] >= 10.0 for s in SCHEDULES),
+        "ours_not_slower": all(r[s]["torch_over_ours"] >= 1.0 for s in schedules),
+        "ours_10pct_faster": all(r[s]["ours_faster_pct"] >= 10.0 for s in schedules),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(json.dumps(report, indent=1))

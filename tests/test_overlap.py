@@ -143,7 +143,7 @@ def test_fb_overlap_computes_the_other_microbatch_while_each_exchange_is_in_flig
     assert ref_log.index(("B", "issue")) > max(i for i, e in enumerate(ref_log) if e[0] == "F")
 
 
-def test_lone_forward_hides_the_combine_behind_the_shared_expert() -> None:
+def test_lone_forward_hides_the_dispatch_behind_the_shared_expert() -> None:
     block, data = _setup()
     calls: list[str] = []
 
@@ -158,7 +158,7 @@ def test_lone_forward_hides_the_combine_behind_the_shared_expert() -> None:
 
     run(block.program(Logging(), *data[0]))
     first_layer = calls[1 : calls.index("combine_part") + 1]
-    assert first_layer == ["attention_part", "exchange", "exchange", "experts_part", "exchange", "shared_part", "combine_part"]
+    assert first_layer == ["attention_part", "exchange", "exchange", "shared_part", "experts_part", "exchange", "combine_part"]
 
 
 # ------------------------------------------------------- what the tape records, and refuses
@@ -203,3 +203,151 @@ def test_a_parameter_passed_to_a_part_gets_its_gradient() -> None:
     gx = run(tape.backward(out, torch.ones_like(out)))
     assert torch.equal(w.grad, x.t() @ torch.ones(2, 3, dtype=torch.float64))
     assert torch.equal(gx, torch.ones(2, 3, dtype=torch.float64) @ w.detach().t())
+
+
+# ------------------------------------------------ a lone backward hides its own exchanges
+def _lone_backward_log(full: bool, monkeypatch: Any) -> tuple[list[str], dict[str, torch.Tensor], torch.Tensor]:
+    """One micro-batch's forward, then its backward alone (BW if ``full``, else B and its W);
+    the log of the top layer's events: exchanges issued and waited for, the shared expert's
+    backward, and the experts' weight gradients."""
+    import portapipe.scheduling.wgrad as wgrad
+
+    block, data = _setup()
+    top = list(block.layers.values())[-1]
+    events: list[str] = []
+    original = top.shared_part
+
+    def shared_part(hn: torch.Tensor, zm: Any = None) -> torch.Tensor:
+        out = original(hn, zm)
+        out.register_hook(lambda g: events.append("shared backward"))
+        return out
+
+    top.shared_part = shared_part  # type: ignore[method-assign]
+    accumulate = wgrad.accumulate_grad
+
+    def logged(param: torch.Tensor, grad: torch.Tensor) -> None:
+        if param is top.moe.experts.gate_up:
+            events.append("experts W")
+        accumulate(param, grad)
+
+    monkeypatch.setattr(wgrad, "accumulate_grad", logged)
+    tape = Tape()
+    loss = run(block.program(tape, *data[0]))
+    LOG.clear()
+    queue = None if full else WeightGradQueue()
+    original_issue, original_wait = _LoopbackBackend.expert_all_to_all, _Work.wait
+
+    def issue(self: Any, *args: Any, **kwargs: Any) -> _Work:
+        events.append("issue")
+        return original_issue(self, *args, **kwargs)
+
+    def wait(self: _Work) -> None:
+        events.append("wait")
+        original_wait(self)
+
+    monkeypatch.setattr(_LoopbackBackend, "expert_all_to_all", issue)
+    monkeypatch.setattr(_Work, "wait", wait)
+    run(tape.backward(loss, torch.ones_like(loss), queue))
+    if queue is not None:
+        queue.run()
+    return events, _grads(block), loss.detach()
+
+
+def test_a_lone_backward_issues_each_reverse_exchange_first_and_computes_beside_it(monkeypatch: Any) -> None:
+    # the top layer: the combine's reverse exchange goes out, then the shared expert's
+    # backward runs while it travels; the experts' backward needs its rows; then the rows'
+    # and the router weights' reverse exchanges go out together
+    events, b_grads, _ = _lone_backward_log(False, monkeypatch)
+    assert events[:6] == ["issue", "shared backward", "wait", "issue", "issue", "wait"]
+    # a full backward also computes the experts' weight gradients while the rows travel
+    events, bw_grads, _ = _lone_backward_log(True, monkeypatch)
+    assert events[:7] == ["issue", "shared backward", "wait", "issue", "issue", "experts W", "wait"]
+    assert b_grads.keys() == bw_grads.keys()
+    for n in b_grads:
+        assert torch.equal(b_grads[n], bw_grads[n]), n  # the same arithmetic, reordered
+
+
+def test_the_data_ordered_backward_gives_the_plain_graphs_gradients() -> None:
+    block, data = _setup()
+    tape = Tape()
+    loss = run(block.program(tape, *data[0]))
+    run(tape.backward(loss, torch.ones_like(loss)))
+    grads = _grads(block)
+    block.zero_grad(set_to_none=True)
+    ref = run(block.program(Tape(record=False), *data[0]))
+    ref.backward()
+    assert torch.equal(loss.detach(), ref.detach())
+    for n, g in _grads(block).items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-12, atol=1e-15, msg=n)
+
+
+def _memory_lone_backward(memory: Any, instrument: Any) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """One micro-batch through a block with the ``memory`` options, then its lone B and W; the
+    events ``instrument(layers, events)`` arranges to log, and each layer's attention backward."""
+    from portapipe.memory.policy import configure
+
+    block, data = _setup()
+    configure({0: block}, memory)
+    layers = list(block.layers.values())
+    events: list[str] = []
+    instrument(layers, events)
+    for i, layer in enumerate(layers):
+        def attention_part(x: torch.Tensor, _i: int = i, _f: Any = layer.attention_part) -> Any:
+            out = _f(x)
+            out[0].register_hook(lambda g: events.append(f"attention {_i} backward"))
+            return out
+
+        layer.attention_part = attention_part  # type: ignore[method-assign]
+    tape = Tape()
+    loss = run(block.program(tape, *data[0]))
+    queue = WeightGradQueue()
+    run(tape.backward(loss, torch.ones_like(loss), queue))
+    queue.run()
+    return events, _grads(block)
+
+
+def test_recompute_replays_the_next_layer_beside_the_backward_above_with_the_same_gradients() -> None:
+    from portapipe.config import MemoryConfig
+
+    def log_replays(layers: list[Any], events: list[str]) -> None:
+        for i, layer in enumerate(layers):
+            def experts_part(*args: Any, _i: int = i, _f: Any = layer.experts_part) -> torch.Tensor:
+                if torch.is_grad_enabled():  # recorded: the replay (the first forward keeps nothing)
+                    events.append(f"replay {_i}")
+                return _f(*args)
+
+            layer.experts_part = experts_part  # type: ignore[method-assign]
+
+    events, grads = _memory_lone_backward(MemoryConfig(recompute="moe"), log_replays)
+    # the layer below is replayed while the top layer's replay and backward exchange rows,
+    # before the top layer's attention (which its output feeds) even starts its backward
+    assert events.index("replay 2") < events.index("replay 1") < events.index("attention 2 backward")
+    _, ref = _memory_lone_backward(MemoryConfig(recompute="none"), log_replays)
+    assert grads.keys() == ref.keys()
+    for n in grads:
+        assert torch.equal(grads[n], ref[n]), n
+
+
+def test_zero_memorys_re_dispatch_starts_one_layer_ahead_during_the_waits_above(monkeypatch: Any) -> None:
+    from portapipe.config import MemoryConfig
+    from portapipe.memory import zero_memory
+
+    def log_redispatches(layers: list[Any], events: list[str]) -> None:
+        index = {id(layer.memory.zero_memory): i for i, layer in enumerate(layers) if layer.memory is not None}
+        issue = zero_memory.ExpertRefetch.issue
+
+        def logged(self: Any) -> None:
+            if self._pending is None and self._inputs is None:
+                events.append(f"re-dispatch {index[id(self.config)]}")
+            issue(self)
+
+        monkeypatch.setattr(zero_memory.ExpertRefetch, "issue", logged)
+
+    events, grads = _memory_lone_backward(MemoryConfig(zero_memory="level0"), log_redispatches)
+    # layer 1's rows are fetched again while layer 2 still waits for its exchanges, layer 0's
+    # only once layer 1's backward is under way: one layer ahead, no more
+    assert events.index("re-dispatch 2") < events.index("re-dispatch 1") < events.index("attention 2 backward")
+    assert events.index("attention 2 backward") < events.index("re-dispatch 0") < events.index("attention 1 backward")
+    _, ref = _memory_lone_backward(MemoryConfig(zero_memory="off"), lambda layers, events: None)
+    for n in ref:
+        assert torch.equal(grads[n], ref[n]), n

@@ -46,16 +46,34 @@ def _one_layer() -> tuple[Shape, Programs, StageSpec]:
     return s, Programs(s, 256, 512), StageSpec((1,), ("off",), False, False)
 
 
-def test_a_lone_forward_waits_for_its_dispatch_and_the_shared_expert_hides_the_combine() -> None:
+def test_a_lone_forward_hides_part_of_its_dispatch_behind_the_shared_expert() -> None:
     s, progs, spec = _one_layer()
     prof = profile(s, MOE, a2a=2.0)
     t = run_ops([(0, op) for op in progs.forward(spec)], prof, ep=2)
     # attention 4; counts, weights and rows exchanged in turn on one channel (2 s each): the
-    # rows arrive at 4 + 6 = 10; experts 3; the combine (2 s) hides behind the shared expert (1)
-    assert t.compute == pytest.approx(4 + 3 + 1 + 0.5)
-    assert t.exposed == pytest.approx(2 + 4 + 1)
+    # rows arrive at 4 + 6 = 10, of which the shared expert (1) hides 1 s; experts 3; nothing
+    # is left to hide the combine (2 s)
+    assert t.compute == pytest.approx(4 + 1 + 3 + 0.5)
+    assert t.exposed == pytest.approx(2 + 3 + 2)
     assert t.wall == pytest.approx(t.compute + t.exposed)
     assert t.comm == pytest.approx(8.0)
+
+
+def test_a_lone_backward_hides_its_exchanges_behind_the_shared_expert_and_in_a_bw_the_w_work() -> None:
+    s, progs, spec = _one_layer()
+    prof = profile(s, MOE, a2a=2.0)
+    b = run_ops([(0, op) for op in progs.backward(spec, "B")], prof, ep=2)
+    # combine 0.5, then its reverse exchange (arrives at 2.5) while the shared expert's
+    # backward runs (1): 1 s exposed; experts 3 (to 5.5); the rows' and the weights' reverse
+    # exchanges in turn (to 7.5 and 9.5), nothing left to hide them: 4 s exposed
+    assert b.exposed == pytest.approx(1 + 4)
+    bw = run_ops([(0, op) for op in progs.backward(spec, "BW")], prof, ep=2)
+    # a full backward also computes the shared expert's W (0.5) before the first wait and the
+    # experts' W (1) while the rows travel: 0.5 + 1 + 2 exposed
+    assert bw.exposed == pytest.approx(0.5 + 1 + 2)
+    assert bw.compute == pytest.approx(b.compute + sum(p.get("W", 0.0) for p in MOE.values()))
+    # the W ops are the W pass's, each moved to the first wait after its part
+    assert sorted(op for op in progs.backward(spec, "BW") if op[0] == "C" and op[2] == "W") == sorted(progs.weights(spec))
 
 
 def test_an_fb_pair_hides_one_micro_batchs_exchanges_behind_the_other_and_ep1_runs_them_in_turn() -> None:
@@ -71,16 +89,19 @@ def test_an_fb_pair_hides_one_micro_batchs_exchanges_behind_the_other_and_ep1_ru
     assert run_ops(in_turn, prof, 1).wall == pytest.approx(run_ops([(0, op) for op in f], prof, 1).wall + run_ops([(0, op) for op in b], prof, 1).wall)
 
 
-def test_zero_memorys_re_dispatch_hides_behind_the_combine_and_shared_backward_then_shows() -> None:
+def test_zero_memorys_re_dispatch_goes_first_and_the_combines_reverse_exchange_queues_behind_it() -> None:
     s, progs, _ = _one_layer()
     off, lvl0 = StageSpec((1,), ("off",), False, False), StageSpec((1,), ("level0",), False, False)
-    before_combine_exchange = MOE["combine"]["B"] + MOE["shared"]["B"] + MOE["shared"]["W"]  # 2.0 s of full backward
+    combine = MOE["combine"]["B"]
+    before_wait = combine + MOE["shared"]["B"] + MOE["shared"]["W"]  # 2.0 s of full backward
     for a2a in (2.0, 5.0):
         prof = profile(s, MOE, a2a=a2a)
         lone_off = run_ops([(0, op) for op in progs.backward(off, "BW")], prof, 2)
         lone_l0 = run_ops([(0, op) for op in progs.backward(lvl0, "BW")], prof, 2)
         assert lone_l0.comm == pytest.approx(lone_off.comm + a2a)
-        assert lone_l0.wall - lone_off.wall == pytest.approx(max(0.0, a2a - before_combine_exchange))
+        # off: the combine's reverse rows arrive at combine + a2a; level0: the re-dispatch,
+        # issued at 0, holds the channel until a2a, so they arrive at 2 a2a
+        assert lone_l0.wall - lone_off.wall == pytest.approx(max(before_wait, 2 * a2a) - max(before_wait, combine + a2a))
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev"])
@@ -359,3 +380,59 @@ def test_actions_count_the_exchanges_they_issue() -> None:
     one = load_config(EXAMPLE, ["parallel.ep=1"])
     assert all(TimeModel(Setup.from_config(one), profile(s, MOE), build_schedule(one)).exchanges(a) == 0
                for a in build_schedule(one).actions[0] if a.kind.is_compute)
+
+
+def test_recomputes_next_replay_runs_beside_the_backward_above_and_before_a_plain_layers_first_wait() -> None:
+    cfg = load_config(EXAMPLE, ["parallel.pp=1", "model.n_layers=3", "model.n_dense=1"])
+    s = Shape.of(cfg.model)
+    progs = Programs(s, 256, 512)
+    prof = profile(s, MOE, a2a=2.0)
+    both = StageSpec((1, 2), ("recompute_moe", "recompute_moe"), False, False)
+    ops = progs.backward(both, "B")
+    first_attention = ops.index(next(op for op in ops if op[:3] == ("C", "attention", "B")))
+    replay_2, replay_1 = ops.index(("I", ("d", 2), 256 * s.top_k * s.hidden * s.e)), ops.index(("I", ("d", 1), 256 * s.top_k * s.hidden * s.e))
+    assert replay_2 < replay_1 < first_attention  # the lower layer replays before the upper's attention backward
+    # the same ops as each layer replayed in turn, only moved, and less of the exchanges exposed
+    in_turn = []
+    for layer in (2, 1):
+        replay, custom, rest = progs._layer_backward(layer, "recompute_moe", "B")
+        in_turn += replay + custom + rest
+    assert ops[0][1] == "output" and sorted(map(repr, ops[1:])) == sorted(map(repr, in_turn))
+    paired, alone = run_ops([(0, op) for op in ops], prof, 2), run_ops([(0, op) for op in ops[:1] + in_turn], prof, 2)
+    assert paired.compute == pytest.approx(alone.compute) and paired.exposed < alone.exposed
+    # below a layer that is not recomputed, the replay goes before that layer's first wait
+    mixed = progs.backward(StageSpec((1, 2), ("recompute_moe", "off"), False, False), "B")
+    where = {op[:2]: i for i, op in enumerate(mixed) if op[0] in ("I", "A")}
+    assert where[("I", ("c'", 2))] < where[("I", ("d", 1))] < where[("A", ("c", 1))] < where[("A", ("c'", 2))]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "dualpipev"])
+def test_the_step_reports_the_lone_actions_exchanges_apart_from_the_pairs(name: str) -> None:
+    cfg = load_config(EXAMPLE, ["parallel.pp=2", "parallel.ep=2", f"schedule.name={name}", "schedule.microbatches=4"])
+    s = Shape.of(cfg.model)
+    prof = profile(s, {**MOE, "dense": {"F": 1.0, "B": 1.0, "W": 0.5}, "embed": {"F": 0.1, "B": 0.1}, "head": {"F": 1.0, "B": 1.0, "W": 0.5}}, a2a=2.0)
+    sched = build_schedule(cfg)
+    model = TimeModel(Setup.from_config(cfg), prof, sched)
+    got = model.predict()
+    busiest = max(range(sched.n_ranks), key=lambda r: sum(model.action(a).exposed for a in sched.actions[r] if a.kind.is_compute))
+    lone = [model.action(a) for a in sched.actions[busiest] if a.kind.is_compute and a.pair is None]
+    assert got.a2a_edge_s == pytest.approx(sum(t.comm for t in lone))
+    assert got.a2a_edge_exposed_s == pytest.approx(sum(t.exposed for t in lone))
+    assert 0.0 < got.a2a_edge_hidden_frac < 1.0  # the shared expert and the W work hide some
+    if name == "1f1b":  # every action is lone
+        assert got.a2a_edge_s == pytest.approx(got.a2a_s) and got.a2a_steady_hidden_frac == 0.0
+    else:
+        assert 0.0 < got.a2a_edge_s < got.a2a_s and got.a2a_steady_hidden_frac > got.a2a_edge_hidden_frac
+
+
+def test_zero_memorys_re_dispatch_goes_out_one_layer_ahead_at_the_waits_above() -> None:
+    cfg = load_config(EXAMPLE, ["parallel.pp=1", "model.n_layers=4", "model.n_dense=1"])
+    progs = Programs(Shape.of(cfg.model), 256, 512)
+    ops = progs.backward(StageSpec((1, 2, 3), ("level0", "level0", "level0"), False, False), "B")
+    at = {op[:2]: i for i, op in enumerate(ops) if op[0] in ("I", "A")}
+    # the top layer's at its own start; layer 2's once layer 3 sent its dispatch's gradients,
+    # before layer 3 waits for them; layer 1's only once layer 2 did the same
+    assert at[("I", ("r", 3))] < at[("I", ("c'", 3))]
+    assert at[("I", ("dw'", 3))] < at[("I", ("r", 2))] < at[("A", ("d'", 3))]
+    assert at[("I", ("dw'", 2))] < at[("I", ("r", 1))] < at[("A", ("d'", 2))]
+    assert sum(op[:2] == ("I", ("r", 2)) for op in ops) == 1

@@ -171,6 +171,16 @@ OPTIONS = {
     "full1_level1": {"recompute": "full", "recompute_layers": 1, "zero_memory": "level1"},
 }
 SCHEDULES = ("dualpipev", "interleaved")
+# Lone-action schedules (every F, B and BW alone: each hides its exchanges behind its own
+# independent parts, replays and W work only) and full backwards in DualPipeV's cool-down.
+LONE = {
+    ("1f1b", "level1"): {"name": "1f1b"},
+    ("1f1b", "recompute_moe"): {"name": "1f1b"},
+    ("1f1b", "full1_level1"): {"name": "1f1b"},
+    ("zb1p", "level0"): {"name": "zb1p"},
+    ("zb1p", "recompute_full"): {"name": "zb1p"},
+    ("dualpipev_no_w_split", "recompute_moe"): {"name": "dualpipev", "w_split": False},
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -183,6 +193,9 @@ def verified() -> dict[tuple[str, str], Any]:
         for name, memory in OPTIONS.items():
             keys.append((schedule, name))
             configs.append(load_config({**VERIFY_BASE, "schedule": {"name": schedule, "microbatches": 4}, "memory": memory}))
+    for (label, name), schedule_section in LONE.items():
+        keys.append((label, name))
+        configs.append(load_config({**VERIFY_BASE, "schedule": {**schedule_section, "microbatches": 4}, "memory": OPTIONS[name]}))
     return dict(zip(keys, verify_many(configs)))
 
 
@@ -195,3 +208,18 @@ def test_verify_pipelined_with_zero_memory(schedule: str, option: str) -> None:
     assert report.loss_diff == 0.0
     assert report.max_rel_grad_diff <= 1e-12
     assert report.ok, report
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("key", list(LONE), ids=["-".join(k) for k in LONE])
+def test_verify_lone_actions_with_memory_options(key: tuple[str, str]) -> None:
+    report = verified()[key]
+    assert (report.pp, report.ep) == (2, 2)
+    assert report.loss_diff == 0.0
+    assert report.max_rel_grad_diff <= 1e-12
+    assert report.ok, report
+    # every exchange of a 1F1B or ZB1P step is a lone action's: the steady phase has none
+    for t in report.timings:
+        assert t["edge_a2a_total_s"] + t["fb_a2a_total_s"] == pytest.approx(t["a2a_total_s"])
+        if key[0] in ("1f1b", "zb1p"):
+            assert t["fb_a2a_total_s"] == 0.0 and t["edge_a2a_total_s"] > 0

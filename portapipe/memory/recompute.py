@@ -3,7 +3,10 @@
 A recomputed segment runs its forward keeping nothing for backward (the parts run without
 autograd, only the segment's inputs stay); its backward first replays the forward, recording
 it on a fresh :class:`~portapipe.scheduling.overlap.Tape`, then runs that tape's part-wise
-backward. Both the replay and the backward are programs: each expert all-to-all of the replay
+backward. The replay needs no gradient, so it is the step's ``prepare``
+(:class:`~portapipe.scheduling.overlap.Custom`): the stage's backward runs it ahead, while the
+layer above's dispatch gradient travels and nothing else could run, the same way a lone
+action hides any exchange behind its own independent work. Both the replay and the backward are programs: each expert all-to-all of the replay
 (dispatch, combine) and of the backward is issued asynchronously and yielded to the driver, so
 inside an F&B the other micro-batch's parts compute while it is in flight, exactly as in a
 forward that was never dropped. Nothing blocks on a recomputed layer's communication unless
@@ -120,19 +123,28 @@ class Recompute:
             def values() -> list[torch.Tensor]:
                 return kept
 
-        def backward(grads: list[torch.Tensor | None], queue: WeightGradQueue | None) -> Program:
-            (grad,) = grads
-            if grad is None:  # still replay: the EP peers take part in its exchanges
-                grad = torch.zeros_like(out)
+        replayed: list[Any] = []  # (tape, its output, the inputs' gradient sink) once replayed
+
+        def prepare() -> Program:
+            """The replay: needs no gradient, so the tape may run it while a later exchange travels."""
             replay = _Replay(layer)
             sink: list[torch.Tensor | None] = []
             leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in values()]
             xs = replay.part(lambda *a: _Capture.apply(sink, *a), *leaves)
             again = yield from run(replay, *xs)
+            replayed.append((replay, again, sink))
+
+        def backward(grads: list[torch.Tensor | None], queue: WeightGradQueue | None) -> Program:
+            (grad,) = grads
+            if grad is None:  # still replay: the EP peers take part in its exchanges
+                grad = torch.zeros_like(out)
+            if not replayed:
+                yield from prepare()
+            replay, again, sink = replayed.pop()
             yield from replay.backward(again, grad, queue)
             return sink + [None] * (len(inputs) - len(sink))
 
-        tape.custom(Custom(inputs=list(inputs), outputs=[out], backward=backward))
+        tape.custom(Custom(inputs=list(inputs), outputs=[out], backward=backward, prepare=prepare))
         return out
 
     # ----------------------------------------------------------------- layers

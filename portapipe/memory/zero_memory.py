@@ -7,10 +7,13 @@ instead of keeping it:
 
 - ``level0``: the dispatched tokens are dropped after the forward (autograd keeps a recipe
   instead, through saved-tensor hooks; the exchange buffers are freed too). The backward
-  re-runs the dispatch all-to-all from the saved tokens and routing. It is issued as the
-  layer's backward starts (before the combine backward and the shared expert's backward, and
-  before the combine all-to-all, behind which an F&B runs the other micro-batch's parts), and
-  waited for only when the experts' backward reads its input.
+  re-runs the dispatch all-to-all from the saved tokens and routing. :meth:`ExpertRefetch.issue`
+  is recorded with :meth:`~portapipe.scheduling.overlap.Tape.ahead`, so the stage's backward
+  starts it while the layer above waits for its dispatch's reverse exchanges (one layer
+  ahead); at the latest it is issued as the layer's own backward starts (before the combine
+  backward and the shared expert's backward, and before the combine all-to-all, behind which
+  an F&B runs the other micro-batch's parts). It is waited for only when the experts'
+  backward reads its input.
 - ``level1``: in addition, the activation function's output (the down projection's input) is
   dropped and recomputed from its input (the gate/up projection's output), which the
   activation function keeps for its own backward anyway; in the routed experts and in the

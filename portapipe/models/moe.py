@@ -17,11 +17,15 @@ experts), so any split, any EP sharding and the single-process model hold identi
 
 Each block's forward is a program (see :mod:`portapipe.scheduling.overlap`): an MoE layer is
 the parts ``attention`` (norms, attention, routing, send order) -> dispatch all-to-all ->
-``experts`` (one grouped matmul per projection over (source rank, expert) groups) -> combine all-to-all -> ``shared`` (computed
-while the combine is in flight) -> ``combine`` (sum of the top-k outputs + residual). Each row's
-router weight travels with it (a small exchange beside the dispatch) and scales the expert's
-activation before the down projection, the same function as weighting the expert's output but
-without keeping the outputs for the weights' gradient.
+``shared`` (computed while the dispatch is in flight) -> ``experts`` (one grouped matmul per
+projection over (source rank, expert) groups) -> combine all-to-all -> ``combine`` (sum of the
+top-k outputs + residual). Each row's router weight travels with it (a small exchange beside
+the dispatch) and scales the expert's activation before the down projection, the same function
+as weighting the expert's output but without keeping the outputs for the weights' gradient.
+
+The part-wise backward (:meth:`~portapipe.scheduling.overlap.Tape.backward`) follows the data:
+it issues the combine's reverse exchange before the shared expert's backward, which then runs
+while those rows travel; in a full backward the experts' weight gradients hide the dispatch's.
 """
 
 from __future__ import annotations
@@ -234,16 +238,21 @@ class Layer(nn.Module):
         plan: DispatchPlan,
         zm: Any = None,
     ) -> Generator[Any, None, torch.Tensor]:
-        """The parts after attention: dispatch, experts, combine, shared expert, sum over top-k."""
+        """The parts after attention: dispatch, shared expert, experts, combine, sum over top-k."""
         moe = self.moe
+        if zm is not None:  # zero-memory's re-dispatch needs no gradient: the backward may start it early
+            tape.ahead(zm.issue)
         # The router weights go first: the small exchange is done by the time the rows are.
         dispatch_w = tape.all_to_all(moe.ep, weights, plan.recv_splits, plan.send_splits)
         dispatch = tape.all_to_all(moe.ep, send, plan.recv_splits, plan.send_splits)
         yield dispatch
+        # The shared expert needs only this rank's tokens: it computes while the rows travel
+        # (in a lone forward it is the one part that can; in an F&B the other micro-batch's
+        # parts run at the yield first). Its backward hides the reverse exchanges alike.
+        shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
         out = tape.part(self.experts_part, dispatch.wait(), dispatch_w.wait(), plan, zm)
         combine = tape.all_to_all(moe.ep, out, plan.send_splits, plan.recv_splits)
         yield combine
-        shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
         last = self.combine_part if zm is None else zm.issue_early(self.combine_part)
         return tape.part(last, h, shared, combine.wait(), plan)
 

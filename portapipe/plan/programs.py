@@ -69,7 +69,7 @@ class Programs:
         return ("C", part, phase, units, sign * saved, sign * held, option if option in ("level0", "level1") else "off")
 
     def _moe_forward(self, layer: int, option: str, replay: bool = False) -> list[Op]:
-        """Dispatch -> experts -> combine -> shared expert -> combine part, as ``moe_program``.
+        """Dispatch -> shared expert -> experts -> combine -> combine part, as ``moe_program``.
         ``replay``: the recompute replay, which saves what ``off`` saves."""
         s, T, R, e, h = self.s, self.T, self.R, self.s.e, self.s.hidden
         opt = "off" if replay else option
@@ -77,28 +77,33 @@ class Programs:
             ("I", ("dw", layer), T * s.top_k * e),
             ("I", ("d", layer), T * s.top_k * h * e),
             ("Y", ("d", layer)),
+        ]
+        if s.n_shared:  # while the rows travel
+            ops.append(self._c("shared", "F", opt, 1))
+        ops += [
             ("A", ("d", layer)),
             ("A", ("dw", layer)),
             self._c("experts", "F", opt, 1),
             ("I", ("c", layer), R * h * e),
             ("Y", ("c", layer)),
+            ("A", ("c", layer)),
+            self._c("combine", "F", opt, 1),
         ]
-        if s.n_shared:
-            ops.append(self._c("shared", "F", opt, 1))
-        ops += [("A", ("c", layer)), self._c("combine", "F", opt, 1)]
         return ops
 
     def _moe_backward(self, layer: int, option: str, phase: str) -> list[Op]:
-        """The reverse walk over the MoE parts (combine, shared, experts) and their exchanges."""
+        """The MoE parts' backward as the tape's data flow runs it: the combine's reverse
+        exchange is issued as soon as the combine part's backward gave its gradient, and the
+        shared expert's backward runs while it travels."""
         s, T, R, e, h = self.s, self.T, self.R, self.s.e, self.s.hidden
         opt = "off" if option.startswith("recompute") else option
         ops: list[Op] = []
         if opt in ("level0", "level1"):  # the re-dispatch starts as the layer's backward begins
             ops.append(("I", ("r", layer), T * s.top_k * h * e))
-        ops.append(self._c("combine", phase, opt, -1))
+        ops += [self._c("combine", phase, opt, -1), ("I", ("c'", layer), T * s.top_k * h * e), ("Y", ("c'", layer))]
         if s.n_shared:
             ops.append(self._c("shared", phase, opt, -1))
-        ops += [("I", ("c'", layer), T * s.top_k * h * e), ("Y", ("c'", layer)), ("A", ("c'", layer))]
+        ops.append(("A", ("c'", layer)))
         if opt in ("level0", "level1"):
             ops.append(("A", ("r", layer)))
         ops += [
@@ -122,29 +127,65 @@ class Programs:
             return [self._c("dense", "F", option, 1)]
         return self._attention(layer, option) + self._moe_forward(layer, option)
 
-    def _layer_backward(self, layer: int, option: str, phase: str) -> list[Op]:
+    def _layer_backward(self, layer: int, option: str, phase: str) -> tuple[list[Op], list[Op], list[Op]]:
+        """A layer's backward as (replay, recomputed backward, the rest): a recomputed layer's
+        replay needs no gradient, so the stage's backward may run it early (see :meth:`backward`)."""
         s = self.s
-        ops: list[Op] = []
+        replay: list[Op] = []
+        custom: list[Op] = []
         full = option == "recompute_full"
         if full:  # replay the whole layer, saving as off does, then its backward
             if s.is_moe(layer):
-                ops += self._attention(layer, "off") + self._moe_forward(layer, option, replay=True)
+                replay += self._attention(layer, "off") + self._moe_forward(layer, option, replay=True)
             else:
-                ops.append(self._c("dense", "F", "off", 1))
+                replay.append(self._c("dense", "F", "off", 1))
             # the replayed attention saves the layer's rotary tables, which nothing else holds
-            ops.insert(1, ("C", "rope", "F", 0, s.rope_bytes(), 0, "off"))
+            replay.insert(1, ("C", "rope", "F", 0, s.rope_bytes(), 0, "off"))
             option = "off"
+        ops: list[Op] = []
         if not s.is_moe(layer):
             ops.append(self._c("dense", phase, option, -1))
         else:
             if option == "recompute_moe":
-                ops += self._moe_forward(layer, option, replay=True)
-            ops += self._moe_backward(layer, option, phase)
+                replay += self._moe_forward(layer, option, replay=True)
+                custom = self._moe_backward(layer, option, phase)
+            else:
+                ops += self._moe_backward(layer, option, phase)
             ops.append(self._c("attention", phase, option, -1))
         if full:  # the rotary tables and the layer input, kept for the replay, are let go
+            custom, ops = ops, []
             kept = held_bytes(s, "attention", "recompute_full", self.T, self.R)
             ops.append(("C", "input", phase, self.T, -s.rope_bytes(), -kept, "off"))
-        return ops
+        return replay, custom, ops
+
+    def _stage_layers_backward(self, stage: StageSpec, phase: str) -> list[Op]:
+        """The layers' backward, top down, with recompute's replays where the tape runs them:
+        the next recomputed layer's replay beside the recomputed backward above it (switching
+        at every exchange, as an F&B pair), or, below a layer that is not recomputed, before
+        that layer's first wait."""
+        segs = [self._layer_backward(layer, option, phase) for layer, option in reversed(list(zip(stage.layers, stage.options)))]
+        ahead = [i for i, (replay, _, _) in enumerate(segs) if replay]
+        prepared: int | None = None
+        ops: list[Op] = []
+        for i, (replay, custom, rest) in enumerate(segs):
+            if not replay:
+                waits = [n for n, op in enumerate(rest) if op[0] == "A"]
+                if waits and prepared is None and ahead:
+                    prepared = ahead.pop(0)
+                    rest = rest[: waits[0]] + segs[prepared][0] + rest[waits[0] :]
+                ops += rest
+                continue
+            if prepared == i:  # replayed ahead
+                mine, prepared = list(custom), None
+            else:
+                mine = replay + custom
+                ahead.remove(i)
+            if prepared is None and ahead:
+                prepared = ahead.pop(0)
+                mine = [op for _, op in interleave(mine, segs[prepared][0], True)]
+            ops += mine + rest
+        inner = {layer for layer, option in zip(stage.layers, stage.options) if option.startswith("recompute")}
+        return _redispatch_ahead(ops, inner)
 
     # ----------------------------------------------------------------- stages
     def forward(self, stage: StageSpec) -> list[Op]:
@@ -161,16 +202,23 @@ class Programs:
         return self._cache[key]
 
     def backward(self, stage: StageSpec, phase: str) -> list[Op]:
-        """``phase`` B (weight gradients deferred to a W) or BW (computed at once)."""
+        """``phase`` B (weight gradients deferred to a W) or BW (computed in the same action).
+
+        A BW is the B's ops with each part's weight gradient set aside and computed just
+        before the next wait for an exchange (or at the end), as the tape does in a full
+        backward with exchanges: the W work hides the exchange in flight.
+        """
         key = (stage, phase)
         if key not in self._cache:
+            if phase == "BW":
+                self._cache[key] = _weights_before_waits(self.backward(stage, "B"))
+                return self._cache[key]
             ops: list[Op] = []
             if stage.last:
                 ops.append(self._c("head", phase, "off", -1))
             else:
                 ops.append(("C", "output", phase, self.T, 0, -self.T * self.s.hidden * self.s.e, "off"))
-            for layer, option in reversed(list(zip(stage.layers, stage.options))):
-                ops += self._layer_backward(layer, option, phase)
+            ops += self._stage_layers_backward(stage, phase)
             if stage.first:
                 ops.append(self._c("embed", phase, "off", -1))
             self._cache[key] = ops
@@ -180,8 +228,55 @@ class Programs:
         """The W pass: every part's deferred weight gradients, in the order the backward queued them."""
         key = (stage, "W")
         if key not in self._cache:
-            self._cache[key] = [("C", op[1], "W", op[3], 0, 0, op[6]) for op in self.backward(stage, "B") if op[0] == "C" and op[2] == "B"]
+            self._cache[key] = [_weight_op(op) for op in self.backward(stage, "B") if op[0] == "C" and op[2] == "B"]
         return self._cache[key]
+
+
+def _redispatch_ahead(ops: Sequence[Op], inner: set[int]) -> list[Op]:
+    """Zero-memory's re-dispatches where the tape starts them (:meth:`~portapipe.scheduling.overlap.Tape.ahead`):
+    at the layer's own backward start, or earlier, at a wait of the stage's own tape (not one
+    inside a recomputed layer's replay, ``inner``), once the layer above has issued its
+    dispatch's reverse exchanges: one layer ahead."""
+    redispatch = {op[1][1]: op for op in ops if op[0] == "I" and op[1][0] == "r"}
+    marks = list(redispatch)  # top layer first, the order the backward meets them
+    issued: set[int] = set()
+    passed: set[int] = set()
+    last: int | None = None
+    out: list[Op] = []
+    for op in ops:
+        if op[0] == "I" and op[1][0] == "r":
+            if op[1][1] not in issued:
+                issued.add(op[1][1])
+                out.append(op)
+            continue
+        if op[0] == "A" and op[1][0] in ("c'", "d'", "dw'") and op[1][1] not in inner and marks and (last is None or last in passed):
+            last = marks.pop(0)
+            if last not in issued:
+                issued.add(last)
+                out.append(redispatch[last])
+        out.append(op)
+        if op[0] == "I" and op[1][0] == "dw'":
+            passed.add(op[1][1])
+    return out
+
+
+def _weight_op(op: Op) -> Op:
+    """The W pass's op for one B-phase part op."""
+    return ("C", op[1], "W", op[3], 0, 0, op[6])
+
+
+def _weights_before_waits(b_ops: Sequence[Op]) -> list[Op]:
+    """A full backward from an input-gradient one: each part's W right before the next wait."""
+    out: list[Op] = []
+    aside: list[Op] = []
+    for op in b_ops:
+        if op[0] == "A":
+            out += aside
+            aside = []
+        out.append(op)
+        if op[0] == "C" and op[2] == "B":
+            aside.append(_weight_op(op))
+    return out + aside
 
 
 def interleave(forward: Sequence[Op], backward: Sequence[Op], switching: bool) -> list[tuple[int, Op]]:

@@ -57,15 +57,28 @@ class TimeReport:
     imbalance: float
     per_rank_busy: list[float] = field(default_factory=list)
     per_rank_cpu: list[float] = field(default_factory=list)  # per pipeline rank: one rank's processor time, all threads, in the schedule
+    a2a_edge_s: float = 0.0  # of a2a_s, the lone F, B and BW actions' (warm-up, cool-down, 1F1B, ZB1P)
+    a2a_edge_exposed_s: float = 0.0  # of which not hidden behind the actions' own parts
 
     @property
     def a2a_hidden_frac(self) -> float:
         return 1.0 - self.a2a_exposed_s / self.a2a_s if self.a2a_s > 0 else 0.0
 
+    @property
+    def a2a_edge_hidden_frac(self) -> float:
+        return 1.0 - self.a2a_edge_exposed_s / self.a2a_edge_s if self.a2a_edge_s > 0 else 0.0
+
+    @property
+    def a2a_steady_hidden_frac(self) -> float:
+        """Over the F&B pairs."""
+        steady = self.a2a_s - self.a2a_edge_s
+        return 1.0 - (self.a2a_exposed_s - self.a2a_edge_exposed_s) / steady if steady > 0 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "step_s": self.step_s, "pipeline_s": self.pipeline_s, "post_s": self.post_s, "bubble_s": self.bubble_s,
             "a2a_s": self.a2a_s, "a2a_exposed_s": self.a2a_exposed_s, "a2a_hidden_frac": self.a2a_hidden_frac,
+            "a2a_steady_hidden_frac": self.a2a_steady_hidden_frac, "a2a_edge_hidden_frac": self.a2a_edge_hidden_frac,
             "imbalance": self.imbalance,
         }
 
@@ -254,6 +267,8 @@ class TimeModel:
         per_rank_a2a = [0.0] * sched.n_ranks
         per_rank_exposed = [0.0] * sched.n_ranks
         per_rank_cpu = [0.0] * sched.n_ranks
+        edge_a2a = [0.0] * sched.n_ranks
+        edge_exposed = [0.0] * sched.n_ranks
         for r, acts in enumerate(self.lists):
             for a in acts:
                 if a.__class__ is not tuple and a.kind.is_compute:
@@ -261,12 +276,16 @@ class TimeModel:
                     per_rank_a2a[r] += t.comm
                     per_rank_exposed[r] += t.exposed
                     per_rank_cpu[r] += self.demand(r, a)[2]
+                    if a.pair is None:
+                        edge_a2a[r] += t.comm
+                        edge_exposed[r] += t.exposed
         post = self.post_step()
         busiest = max(range(sched.n_ranks), key=lambda r: per_rank_exposed[r])
         return TimeReport(
             step_s=result.makespan + post, pipeline_s=result.makespan, post_s=post, bubble_s=result.max_bubble,
             a2a_s=per_rank_a2a[busiest], a2a_exposed_s=per_rank_exposed[busiest], imbalance=self.imbalance,
             per_rank_busy=list(result.busy), per_rank_cpu=per_rank_cpu,
+            a2a_edge_s=edge_a2a[busiest], a2a_edge_exposed_s=edge_exposed[busiest],
         )
 
     def _with_sharing(self, priced: _Priced, result: Any) -> Any:

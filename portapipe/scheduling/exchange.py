@@ -85,6 +85,14 @@ class Pending:
     def in_flight(self) -> bool:
         return not self._waited
 
+    @property
+    def arrived(self) -> bool:
+        """Whether the rows are here, so that :meth:`wait` would not block."""
+        if self._waited or self._done_at:
+            return True
+        completed = getattr(self._work, "is_completed", None)  # a backend's work may not tell
+        return bool(completed()) if completed is not None else False
+
     def wait(self) -> torch.Tensor:
         if not self._waited:
             t0 = time.perf_counter()

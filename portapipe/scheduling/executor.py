@@ -58,7 +58,8 @@ class StepResult:
     ``bubble_frac`` = 1 - compute_s / step_s (idle share); ``a2a_total_s`` expert all-to-all
     time from issue to completion, ``a2a_wait_s`` the part spent blocked on it,
     ``a2a_hidden_frac`` = 1 - wait / total; ``fb_a2a_*`` the same for the exchanges inside F&B
-    pairs (the steady phase); ``peak_activations`` the most micro-batches whose activations
+    pairs (the steady phase), ``edge_a2a_*`` for those of lone F, B and BW actions (warm-up,
+    cool-down, and every action of 1F1B and ZB1P); ``peak_activations`` the most micro-batches whose activations
     were held at once. The expert fields come from the model's ``end_step`` hook (None / empty
     without one): ``expert_counts[i, e]``: rows routed to logical expert e of MoE layer
     ``expert_layers[i]`` this step, summed over the EP group (and DualPipe's two copies).
@@ -210,6 +211,9 @@ class PipelineExecutor:
             "fb_a2a_total_s": fb.total_s,
             "fb_a2a_wait_s": fb.wait_s,
             "fb_a2a_hidden_frac": fb.hidden_frac,
+            "edge_a2a_total_s": st.total_s - fb.total_s,
+            "edge_a2a_wait_s": st.wait_s - fb.wait_s,
+            "edge_a2a_hidden_frac": A2AStats(st.total_s - fb.total_s, st.wait_s - fb.wait_s).hidden_frac,
             "peak_activations": float(run_.peak_activations),
         }
         return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, losses=losses, **extra)
@@ -350,16 +354,16 @@ class _Step:
         wait0 = self.p2p_wait_s
         if a.kind is Kind.FB:
             f, b = a.pair
+            st = self.rt.exchange_stats
+            total0, wait_0 = st.total_s, st.wait_s
             if self.rt.overlap:
-                st = self.rt.exchange_stats
-                total0, wait_0 = st.total_s, st.wait_s
-                fprog, bprog = self._forward(f), self._backward(b)
-                run_pair(fprog, bprog)
-                self.rt.fb_stats.total_s += st.total_s - total0
-                self.rt.fb_stats.wait_s += st.wait_s - wait_0
+                run_pair(self._forward(f), self._backward(b))
             else:
                 run(self._forward(f))
                 run(self._backward(b))
+            # the steady phase's share; the rest of the step's exchanges are the edges' (lone actions)
+            self.rt.fb_stats.total_s += st.total_s - total0
+            self.rt.fb_stats.wait_s += st.wait_s - wait_0
         elif a.kind is Kind.F:
             run(self._forward(a))
         elif a.kind in (Kind.B, Kind.BW):

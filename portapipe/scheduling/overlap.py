@@ -5,17 +5,21 @@ dispatch, experts, combine, ...) through a :class:`Tape` and yields each expert 
 right after issuing it. The tape cuts the autograd graph at every part boundary (each part
 runs on detached leaves) and remembers the parts in order, so the backward can be driven
 part by part too: :meth:`Tape.backward` is a program of the same kind that runs the parts'
-backwards in reverse, issuing the reverse all-to-all of each exchange asynchronously and
-waiting for it only when the part that needs its gradient comes up.
+backwards as their data allow, issuing each reverse all-to-all asynchronously as soon as its
+gradient is complete and running the parts that do not need its result while it travels.
 
-Both kinds of program run through the same two drivers:
+Both kinds of program run through the same drivers:
 
-- :func:`run` drives one program to completion (a lone F, B or BW). Work placed between an
-  exchange's issue and its first use still hides it (the shared expert does).
+- :func:`run` drives one program to completion (a lone F, B or BW). It hides an exchange
+  behind the program's own work: in the forward the parts placed between its issue and its
+  first use (the shared expert behind the dispatch), in the backward the independent parts, a
+  full backward's set-aside weight gradients, recompute's replays and zero-memory's
+  re-dispatch started ahead (:meth:`Tape.ahead`, :attr:`Custom.prepare`).
 - :func:`run_pair` runs a forward and a backward program of two micro-batches alternately,
   switching whenever one has an all-to-all in flight, so the other's compute hides it
   (MindSpeed / DualPipe's F&B overlap): ATTN(F) beside COMBINE(B), MLP(B) beside DISPATCH(F),
-  and so on.
+  and so on. :func:`interleaved` is the same as a program (the tape pairs a recomputed layer's
+  backward with the next one's replay with it).
 
 Exchanges are issued on the backend's communication stream after it has waited for the
 compute stream (working no-ops on CPU, where gloo's async work handles carry the overlap),
@@ -112,11 +116,16 @@ class Custom:
 
     ``backward(grads, queue)`` gets the gradients of ``outputs`` (None where none arrived) and
     returns those of ``inputs``; it may yield exchanges like any program.
+
+    ``prepare`` (optional): the part of that work that needs no gradient (recompute's replay of
+    the forward), as a program. The tape's backward may run it early, while a later step's
+    exchange travels and nothing else could run; ``backward`` then finds it done.
     """
 
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
     backward: Callable[[list[torch.Tensor | None], WeightGradQueue | None], Program]
+    prepare: Callable[[], Program] | None = None
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -131,8 +140,9 @@ class Tape:
         self.record = record
         self.input_grad = input_grad  # False: the stage input's gradient is not wanted (a first stage)
         self._steps: list[_Part | _Exchange | Custom] = []
-        self._grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grads: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = {}  # id -> (tensor, (step, term)s)
         self._input: torch.Tensor | None = None
+        self._ahead: list[tuple[int, Callable[[], None]]] = []  # (steps recorded before it, work)
         # ids of the tensors whose gradient the backward routes: the watched input and the
         # outputs of parts and exchanges (alive while recorded, held by the steps)
         self._known: set[int] = set()
@@ -190,6 +200,15 @@ class Tape:
         self._steps.append(_Exchange(group, x, pending.output, list(out_splits), list(in_splits)))
         return pending
 
+    def ahead(self, fn: Callable[[], None]) -> None:
+        """Record gradient-free work the backward may start early: ``fn()`` (zero-memory's
+        re-dispatch) is called while an exchange of a later step travels and nothing else
+        could run, once the steps recorded after the previous such mark have begun their
+        backward (so at most one layer ahead). ``fn`` must be idempotent: whoever needs its
+        result may start it first."""
+        if self.record:
+            self._ahead.append((len(self._steps), fn))
+
     def custom(self, step: Custom) -> None:
         """Record a step with its own backward program (see :class:`Custom`)."""
         self._known.update(id(t) for t in step.outputs)
@@ -205,16 +224,26 @@ class Tape:
             )
 
     # ----------------------------------------------------------------- backward
-    def _add_grad(self, t: torch.Tensor, g: torch.Tensor) -> None:
+    def _add_grad(self, t: torch.Tensor, g: torch.Tensor, order: int) -> None:
+        """A gradient contribution to ``t`` from step ``order`` (its consumer)."""
         key = id(t)
         if key in self._grads:
-            self._grads[key] = (t, self._grads[key][1] + g)
+            self._grads[key][1].append((order, g))
         else:
-            self._grads[key] = (t, g)
+            self._grads[key] = (t, [(order, g)])
 
     def _pop_grad(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The sum of ``t``'s contributions, added from the latest consumer step to the earliest
+        (the plain reverse walk's order), whatever order they arrived in: reordering the
+        backward's independent steps changes no value."""
         item = self._grads.pop(id(t), None)
-        return None if item is None else item[1]
+        if item is None:
+            return None
+        terms = sorted(item[1], key=lambda c: -c[0])  # stable: a step's own terms keep their order
+        total = terms[0][1]
+        for _, g in terms[1:]:
+            total = total + g
+        return total
 
     def backward(self, output: torch.Tensor, grad: torch.Tensor, queue: WeightGradQueue | None = None) -> Program:
         """Program: backward of the recorded parts from ``output``'s gradient.
@@ -222,65 +251,183 @@ class Tape:
         Weight gradients go to ``queue`` when given (a B action), else are computed at once (BW).
         Returns the stage input's gradient: zeros when the output does not depend on it, None
         when the input was not watched (tokens).
-        Each part's graph and boundaries are dropped as soon as its backward ran.
+
+        The steps run as their data allow (:class:`_Flow`): each reverse exchange is issued
+        as soon as its gradient is complete, and while it travels the steps that do not need
+        its result run. A custom step's gradient-free work (:attr:`Custom.prepare`: recompute's
+        replay) runs ahead, one step at a time: beside the custom step above it (the two
+        switch at every exchange in flight, as an F&B pair does), or when nothing else can run
+        before waiting for the first exchange in flight; so does work recorded with
+        :meth:`ahead` (zero-memory's re-dispatch), one mark at a time. Then, in a full
+        backward (BW) of a tape with
+        exchanges, the weight gradients that layers deferring themselves (:mod:`.wgrad`) set
+        aside run, part by part, until the rows are there (the rest waits for the next wait,
+        or the end). Which exchanges are issued, and in which order, never depends on timing,
+        so EP peers stay in step; values do not depend on the order at all. Each part's graph
+        and boundaries are dropped as soon as its backward ran.
         """
         if not self.record:
             raise RuntimeError("a Tape(record=False) is one autograd graph: call backward() on its output")
         if output.requires_grad:
             self._check_known(output, "the stage's output")
         self._known.clear()  # ids stay valid only while the forward's steps hold the tensors
-        self._add_grad(output, grad)
-        in_flight: dict[int, tuple[torch.Tensor, Pending]] = {}
-        while self._steps:
-            step = self._steps.pop()
-            if isinstance(step, _Exchange):
+        steps, self._steps = self._steps, []
+        has_exchanges = any(isinstance(s, _Exchange) for s in steps)
+        # a full backward keeps its deferrable W work aside for the waits (not while profiling:
+        # an observer times each part's full backward as one)
+        aside: list[WeightGradQueue] | None = [] if queue is None and has_exchanges and _OBSERVER.get() is None else None
+        self._add_grad(output, grad, len(steps))
+        flow = _Flow(steps)
+        in_flight: list[tuple[int, Pending]] = []
+        ahead = [j for j, st in enumerate(steps) if isinstance(st, Custom) and st.prepare is not None]
+        prepared: int | None = None  # a custom step whose prepare ran and whose backward has not
+        marks, self._ahead = self._ahead, []
+        last_mark: int | None = None  # where the last mark that ran was recorded
+        while not flow.finished():
+            ready = flow.ready()
+            exchanges = [j for j in ready if isinstance(steps[j], _Exchange)]
+            if exchanges:  # issue first: the rows travel while everything else runs
+                j = max(exchanges)
+                step = steps[j]
                 g = self._pop_grad(step.output)
                 if g is None:  # the exchange must still happen: the peers take part in it
                     g = torch.zeros_like(step.output)
                 pending = issue(step.group, g, step.in_splits, step.out_splits)
-                in_flight[id(step.source)] = (step.source, pending)
+                flow.start(j)
+                in_flight.append((j, pending))
                 yield pending
                 continue
-            for o in step.outputs:
-                if id(o) in in_flight:
-                    _, pending = in_flight.pop(id(o))
-                    self._add_grad(o, pending.wait())
-            if isinstance(step, Custom):
-                grads_in = yield from step.backward([self._pop_grad(o) for o in step.outputs], queue)
-                for src, g in zip(step.inputs, grads_in):
-                    if g is not None:
-                        self._add_grad(src, g)
+            if ready:
+                j = max(ready)
+                flow.start(j)
+                if prepared == j:
+                    prepared = None
+                if j in ahead:
+                    ahead.remove(j)
+                work = self._step_backward(steps[j], j, queue, aside)
+                if isinstance(steps[j], Custom) and prepared is None and ahead:
+                    # a custom backward (a replay's backward) beside the next one's replay,
+                    # switching at every exchange in flight as an F&B pair does
+                    prepared = ahead.pop()
+                    work = _discard_second(interleaved(work, steps[prepared].prepare()))
+                yield from work
+                flow.finish(j)
                 continue
-            outs, grads = [], []
-            for o in step.outputs:
-                g = self._pop_grad(o)
-                if g is not None:
-                    outs.append(o)
-                    grads.append(g)
-            watch = contextlib.nullcontext() if step.note is None else step.note.backward(queue)
-            if outs and step.plain and queue is not None:
-                with watch:
-                    leaf_grads = split_backward(outs, grads, [leaf for leaf, _ in step.leaves], queue)
-                for (_, src), g in zip(step.leaves, leaf_grads):
-                    if g is not None:
-                        self._add_grad(src, g)
-            else:
-                if outs:
-                    with deferring(queue), watch:
-                        torch.autograd.backward(outs, grads)
-                for leaf, src in step.leaves:
-                    if leaf.grad is not None:
-                        self._add_grad(src, leaf.grad)
-            step.leaves.clear()
-            step.outputs.clear()
-        for src, pending in in_flight.values():
-            self._add_grad(src, pending.wait())
+            if not in_flight:
+                raise RuntimeError("the tape's backward cannot go on: a step waits for one that never runs")
+            if prepared is None and ahead:  # the next replay, while the rows travel
+                prepared = ahead.pop()
+                yield from steps[prepared].prepare()
+                continue
+            if marks and (last_mark is None or last_mark >= len(steps) or flow.started(last_mark)):
+                last_mark, early = marks.pop()
+                early()
+                continue
+            j, pending = in_flight.pop(0)  # the first issued arrives first
+            while aside and not pending.arrived:
+                aside.pop(0).run()  # weight gradients while the rows travel
+            step = steps[j]
+            self._add_grad(step.source, pending.wait(), j)
+            flow.finish(j)
+        for q in aside or ():
+            q.run()
         grad_in = None if self._input is None else self._pop_grad(self._input)
         if grad_in is None and self._input is not None:  # the output does not depend on the input
             grad_in = torch.zeros_like(self._input)
         self._grads.clear()
         self._input = None
         return grad_in
+
+    def _step_backward(self, step: _Part | Custom, j: int, queue: WeightGradQueue | None, aside: list[WeightGradQueue] | None) -> Program:
+        """One part's (or custom step's) backward; its inputs' gradients are added as step ``j``'s.
+        ``aside``: where a full backward keeps each part's deferrable weight gradients (a
+        custom step's own backward program keeps its own)."""
+        if isinstance(step, Custom):
+            grads_in = yield from step.backward([self._pop_grad(o) for o in step.outputs], queue)
+            for src, g in zip(step.inputs, grads_in):
+                if g is not None:
+                    self._add_grad(src, g, j)
+            return
+        if queue is None and aside is not None:
+            queue = WeightGradQueue()
+            aside.append(queue)
+        outs, grads = [], []
+        for o in step.outputs:
+            g = self._pop_grad(o)
+            if g is not None:
+                outs.append(o)
+                grads.append(g)
+        watch = contextlib.nullcontext() if step.note is None else step.note.backward(queue)
+        if outs and step.plain and queue is not None:
+            with watch:
+                leaf_grads = split_backward(outs, grads, [leaf for leaf, _ in step.leaves], queue)
+            for (_, src), g in zip(step.leaves, leaf_grads):
+                if g is not None:
+                    self._add_grad(src, g, j)
+        else:
+            if outs:
+                with deferring(queue), watch:
+                    torch.autograd.backward(outs, grads)
+            for leaf, src in step.leaves:
+                if leaf.grad is not None:
+                    self._add_grad(src, leaf.grad, j)
+        step.leaves.clear()
+        step.outputs.clear()
+
+
+class _Flow:
+    """Which recorded steps' backwards may run: a step's gradients are complete once every
+    later step that read one of its outputs has finished (an exchange once its reverse rows
+    arrived)."""
+
+    def __init__(self, steps: list[_Part | _Exchange | Custom]) -> None:
+        made: dict[int, int] = {}  # id of an output -> the step that made it
+        for i, step in enumerate(steps):
+            for t in _outputs(step):
+                made[id(t)] = i
+        self._feeds: list[set[int]] = [set() for _ in steps]  # step -> the earlier steps it read from
+        self._waiting = [0] * len(steps)  # step -> its readers not finished yet
+        for j, step in enumerate(steps):
+            for t in _inputs(step):
+                i = made.get(id(t))
+                if i is not None and i != j and i not in self._feeds[j]:
+                    self._feeds[j].add(i)
+                    self._waiting[i] += 1
+        self._ready = {i for i, n in enumerate(self._waiting) if n == 0}
+        self._started: set[int] = set()
+        self._left = len(steps)
+
+    def ready(self) -> list[int]:
+        return sorted(self._ready)
+
+    def start(self, j: int) -> None:
+        self._ready.discard(j)
+        self._started.add(j)
+
+    def started(self, j: int) -> bool:
+        return j in self._started
+
+    def finish(self, j: int) -> None:
+        self._left -= 1
+        for i in self._feeds[j]:
+            self._waiting[i] -= 1
+            if self._waiting[i] == 0:
+                self._ready.add(i)
+
+    def finished(self) -> bool:
+        return self._left == 0
+
+
+def _outputs(step: _Part | _Exchange | Custom) -> list[torch.Tensor]:
+    return [step.output] if isinstance(step, _Exchange) else list(step.outputs)
+
+
+def _inputs(step: _Part | _Exchange | Custom) -> list[torch.Tensor]:
+    if isinstance(step, _Exchange):
+        return [step.source]
+    if isinstance(step, Custom):
+        return list(step.inputs)
+    return [src for _, src in step.leaves]
 
 
 # ------------------------------------------------------------------------ drivers
@@ -293,9 +440,10 @@ def run(program: Program) -> Any:
             return stop.value
 
 
-def run_pair(forward: Program, backward: Program) -> tuple[Any, Any]:
-    """Run two programs interleaved, switching whenever the running one has an exchange in flight."""
-    programs = [forward, backward]
+def interleaved(first: Program, second: Program) -> Generator[Pending, None, tuple[Any, Any]]:
+    """Program: two programs interleaved, switching whenever the running one has an exchange in
+    flight; every exchange is passed on to the driver. Returns both results."""
+    programs = [first, second]
     results: list[Any] = [None, None]
     done = [False, False]
     cur = 0
@@ -304,6 +452,7 @@ def run_pair(forward: Program, backward: Program) -> tuple[Any, Any]:
             try:
                 while True:
                     item = next(programs[cur])
+                    yield item
                     if item is not None and item.in_flight and not done[1 - cur]:
                         break
             except StopIteration as stop:
@@ -311,3 +460,13 @@ def run_pair(forward: Program, backward: Program) -> tuple[Any, Any]:
                 done[cur] = True
         cur = 1 - cur
     return results[0], results[1]
+
+
+def _discard_second(pair: Generator[Pending, None, tuple[Any, Any]]) -> Program:
+    first, _ = yield from pair
+    return first
+
+
+def run_pair(forward: Program, backward: Program) -> tuple[Any, Any]:
+    """Run two programs interleaved, switching whenever the running one has an exchange in flight."""
+    return run(interleaved(forward, backward))

@@ -15,6 +15,15 @@ with code). The executor (:class:`~.executor.PipelineExecutor`) needs three thin
   the executor can run another micro-batch's program while the rows travel (F&B overlap). A
   stage without exchanges never yields. It returns the tensor it sends on, or, in the last
   stage, the micro-batch's scalar loss.
+
+  What may run while an exchange travels *within* the micro-batch (a lone F, B or BW has
+  nothing else) is said by the program itself: in the forward, the parts it places between
+  issuing an exchange and ``wait()``-ing on it; in the backward, the data (the tape issues each
+  reverse exchange as soon as its gradient is complete and runs every part not reading its
+  result meanwhile, and a full backward computes set-aside weight gradients before waiting);
+  and, for a step recorded with ``tape.custom``, its gradient-free ``prepare`` program
+  (:class:`~.overlap.Custom`), which the backward may run early. Nothing in the executor
+  knows the model's parts.
 - ``has_loss``: True for the stage whose program returns the loss (it gets the targets).
 
 Beside the stages, the executor gets from whoever composes it: a :data:`Boundary` (the shape and
