@@ -25,7 +25,7 @@ import torch
 
 from .local_job import LaunchError, LocalJob, write_record
 
-__all__ = ["LaunchError", "run_ranks", "under_torchrun", "under_mpirun", "print_launch_error", "debug_enabled"]
+__all__ = ["LaunchError", "run_ranks", "under_torchrun", "under_mpirun", "launching_rank", "print_launch_error", "debug_enabled"]
 
 DEBUG_HINT = "rerun with log.level: debug (or PORTAPIPE_DEBUG=1) for the traceback"
 
@@ -47,6 +47,18 @@ def under_torchrun() -> bool:
 
 def under_mpirun() -> bool:
     return any(k in os.environ for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"))
+
+
+def launching_rank() -> int:
+    """This process's rank when a launcher (torchrun, mpirun) made it one rank of the job, else 0.
+
+    Read from the environment each launcher sets (torchrun's ``RANK``; Open MPI's, MPICH's and
+    PMIx's own variables), so it is known before any process group exists.
+    """
+    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
 
 
 def _env_from_mpi() -> None:

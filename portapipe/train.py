@@ -377,14 +377,6 @@ def rank_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _launching_rank() -> int:
-    """This process's rank when a launcher (torchrun, mpirun) made it one rank of the job, else 0."""
-    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
-
-
 def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
     """Check, prepare the run folder, launch ``world_size`` ranks, train; return the summary.
 
@@ -392,12 +384,12 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
     """
     from .backends.registry import check_available
     from .checkpoint.run import Locks
-    from .launch import run_ranks, under_mpirun, under_torchrun
+    from .launch import launching_rank, run_ranks, under_mpirun, under_torchrun
 
     check_before_launch(config)
     backend = check_available(config.backend)
     plan, locks = None, Locks([])
-    if not (under_torchrun() or under_mpirun()) or _launching_rank() == 0:
+    if not (under_torchrun() or under_mpirun()) or launching_rank() == 0:
         made, locks = prepare_run(config, backend)  # the folder locked until the ranks are done
         plan = made.to_dict()
     with locks:
