@@ -405,5 +405,6 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
             wall_timeout_s=wall_timeout_s,
             stall_timeout_s=config.launch.stall_timeout_s,
             stop_grace_s=config.launch.stop_grace_s,
+            low_precision=config.model.dtype == "bfloat16",
         )
     return results[0]

@@ -20,6 +20,7 @@ Problems are ConfigErrors (one line each, exit 2); notes go to ``say`` (one line
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -134,8 +135,33 @@ class Locks:
 
 
 # ------------------------------------------------------------------------- the folders
+def _broken_link(d: Path) -> str | None:
+    """Why a symbolic link on the way to ``d`` leads nowhere (a loop, a missing target), or None."""
+    for q in [*reversed(d.parents), d]:
+        if not q.is_symlink():
+            continue
+        try:
+            os.stat(q)
+            continue
+        except OSError as exc:
+            loop = exc.errno == errno.ELOOP
+        chain, at = [q], q
+        while at.is_symlink() and len(chain) < 8:  # follow the links up to the first repeat
+            at = Path(os.path.normpath(at.parent / os.readlink(at)))
+            chain.append(at)
+            if at in chain[:-1]:
+                break
+        where = "is" if q == d else f"lies under {str(q)!r}, which is"
+        if loop:
+            return f"{where} a loop of symbolic links ({' -> '.join(map(str, chain))}); point it at a folder"
+        return f"{where} a symbolic link to {os.readlink(q)!r}, which does not exist; create that folder or point it elsewhere"
+    return None
+
+
 def _unwritable(d: Path) -> str | None:
     """Why folder ``d`` cannot hold a run's files (None when it can); creates it if missing."""
+    if (why := _broken_link(d)) is not None:
+        return why
     a = d
     while not a.exists() and a != a.parent:
         a = a.parent
