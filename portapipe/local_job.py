@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from . import cpu_isa, lifeline
+from . import cpu_isa, lifeline, stop
 
 #: A rank's first heartbeat may come this late (or launch.stall_timeout_s, if longer): unpickling
 #: its function imports torch, which takes seconds on a loaded machine without the fork server.
@@ -78,6 +78,7 @@ def _rank_entry(
     body_args: tuple[Any, ...],
 ) -> None:
     """First code of a local rank: detach from the terminal's signals, tie to the launcher, run."""
+    stop.install()  # first: a stop forwarded once this rank beats must find its handlers in place
     launcher_pid, launcher_fds = launcher
     if start_method == "fork":
         for fd in launcher_fds:  # copies of the launcher's ends would hide its death from us
@@ -148,14 +149,18 @@ class LocalJob:
         self.pending: list[int] = []  # signals received by the launcher, not yet acted on
         self.stop_sig: int | None = None
         self.stop_at = 0.0
-        self.forwarded = False
+        self.told: set[int] = set()  # ranks the stop signal was forwarded to
         self._results: list[Any] = []
 
     # ---------------------------------------------------------------- public
     def run(self) -> list[Any]:
+        inherited = stop.installed()  # the caller recorded stop signals until now (portapipe train does)
         saved = self._install_handlers()
         store = None
         try:
+            early = stop.received() if inherited else None
+            if early is not None:
+                raise LaunchError(f"stopped by {signal_name(early)} before the ranks started: nothing was trained", stop_signal=early)
             store = self._start()
             failure = self._watch()
         finally:
@@ -228,7 +233,7 @@ class LocalJob:
                 failure = self._on_signals(now)
                 if failure is not None:
                     return failure
-            if self.stop_sig is not None and not self.forwarded and now >= self.stop_at + 2 * self.interval + 0.05:
+            if self.stop_sig is not None and now >= self.stop_at + 2 * self.interval + 0.05:
                 self._forward(self.stop_sig, only_unaware=True)
             if self.stop_sig is not None and now > self.stop_at + self.grace:
                 return LaunchError(
@@ -300,12 +305,13 @@ class LocalJob:
         return None
 
     def _forward(self, sig: int, only_unaware: bool) -> None:
-        """Send ``sig`` to the live ranks (those that received it themselves are left alone:
-        a second signal would mean 'now' to them)."""
-        self.forwarded = True
+        """Send ``sig`` to the live ranks. With ``only_unaware``, once to each rank that has beaten
+        (its handlers are in place only then: a rank still starting would die of it) and has not
+        received it itself (a second signal would mean 'now' to it)."""
         for rank, proc in enumerate(self.procs):
-            if rank in self.exited or (only_unaware and self.reported[rank]):
+            if rank in self.exited or (only_unaware and (self.reported[rank] or not self.beaten[rank] or rank in self.told)):
                 continue
+            self.told.add(rank)
             try:
                 os.kill(proc.pid, sig)
             except (ProcessLookupError, TypeError):
@@ -319,7 +325,7 @@ class LocalJob:
             live = {self.links[r]: r for r in range(self.world) if r not in self.exited}
             for link in wait(list(live), timeout=max(0.0, deadline - time.monotonic())):
                 self._drain(live[link])
-        if self.stop_sig is not None and self.forwarded:
+        if self.stop_sig is not None and self.told:
             died = [r for r, (_, code) in self.exited.items() if code is not None and code < 0]
             if died and all(self.exited[r][1] == -self.stop_sig for r in died):
                 return LaunchError(f"stopped by {signal_name(self.stop_sig)} before the ranks could stop gracefully", stop_signal=self.stop_sig)

@@ -1,9 +1,14 @@
 """Second round of attacks on launching a run: the oneDNN line only where it changes something,
-a symbolic link loop as log.dir named as one."""
+a symbolic link loop as log.dir named as one, a stop signal before the ranks' handlers are in place."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,8 @@ from portapipe.config import config_from_dict
 
 from .test_cpu_isa import machine  # noqa: F401  (a CPU listing AMX, a verdict cache of its own)
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "cpu.yaml"
 AMX_LINE = "this CPU advertises AMX but a process that uses it dies (SIGILL)"
 
 
@@ -68,3 +74,76 @@ def test_a_symbolic_link_to_nothing_is_named_and_one_to_a_folder_is_followed(tmp
     os.symlink("real", tmp_path / "link")
     assert writable_problems(_config(tmp_path / "link" / "run")) == []
     assert (tmp_path / "real" / "run" / "checkpoints").is_dir()
+
+
+# ----------------------------------------------------------------- a stop before the ranks run
+@pytest.fixture
+def handlers():
+    """The process's SIGINT / SIGTERM handlers, as they were before the test, checked after it."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield saved
+    now = {s: signal.getsignal(s) for s in saved}
+    for s, h in saved.items():
+        signal.signal(s, h)
+    assert now == saved, "portapipe train left its stop handlers installed"
+
+
+def test_a_stop_before_the_ranks_start_ends_the_run_with_one_line_and_starts_no_rank(
+    handlers, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import portapipe.train
+    from portapipe import local_job
+
+    checked = portapipe.train.check_before_launch
+
+    def check_then_ctrl_c(config):
+        checked(config)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the config and data are checked
+
+    def no_start(self):
+        raise AssertionError("ranks were started after the stop")
+
+    monkeypatch.setattr(portapipe.train, "check_before_launch", check_then_ctrl_c)
+    monkeypatch.setattr(local_job.LocalJob, "_start", no_start)
+    assert main(["train", str(EXAMPLE), "--set", f"log.dir={tmp_path / 'run'}"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["portapipe: stopped by SIGINT before the ranks started: nothing was trained"]
+
+
+def slow_text(text: str) -> str:
+    time.sleep(1.5)
+    return text
+
+
+class SlowToUnpickle(str):
+    """A rank's argument that takes 1.5 s to unpickle: the rank is then started but has no handlers yet."""
+
+    def __reduce__(self):
+        return (slow_text, (str(self),))
+
+
+_SIGNAL_AT_START = """
+import json, os, signal, sys
+from portapipe import local_job
+from portapipe.launch import LaunchError, print_launch_error, run_ranks
+from tests import dist_checks
+from tests.test_attacks_launch2 import SlowToUnpickle
+started = local_job.LocalJob._start
+def start(self):
+    store = started(self)
+    os.kill(os.getpid(), signal.SIGTERM)  # the ranks exist but are still unpickling their function
+    return store
+local_job.LocalJob._start = start
+try:
+    print(json.dumps(run_ranks(dist_checks.stepping, 2, SlowToUnpickle(sys.argv[1]), 1000, True, 0.02, stop_grace_s=60)))
+except LaunchError as err:
+    sys.exit(print_launch_error(err))
+"""
+
+
+def test_a_stop_while_the_ranks_start_reaches_them_once_their_handlers_are_in_place(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PORTAPIPE_DEBUG", None)
+    out = subprocess.run([sys.executable, "-c", _SIGNAL_AT_START, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stderr.strip()) == (0, ""), out.stderr[-3000:]
+    results = json.loads(out.stdout)
+    assert [r["stopped"] for r in results] == [signal.SIGTERM] * 2 and results[0]["steps"] == results[1]["steps"] < 1000

@@ -22,6 +22,14 @@ DIVERGED = 3
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..stop import recording
+
+    # From the start: a stop asked for before the ranks run is not lost (no rank starts, or they stop after a step).
+    with recording():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..launch import LaunchError, launching_rank, print_launch_error
     from ..stop import exit_code
     from ..train import train
