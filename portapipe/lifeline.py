@@ -10,8 +10,12 @@ methods spawn and fork) Linux's parent-death signal ends the rank even sooner.
 The beat comes from a thread on purpose. A rank blocked in a collective, waiting for a slow or
 stopped peer, keeps beating; only a process that is stopped as a whole (SIGSTOP, a frozen
 machine, native code holding the GIL for good) falls silent, so the launcher names the stalled
-rank, not the peers waiting for it. Progress inside a healthy process is guarded elsewhere
-(collective timeouts, the rank's wall-clock watchdog).
+rank, not the peers waiting for it.
+
+A process that keeps beating but stops getting anywhere (a busy loop, a step that never ends)
+is seen through progress: the rank's work calls :func:`mark_progress` after each step, each beat
+carries the count and the process's CPU time, and the launcher names a rank whose step takes far
+longer than the run's median step so far (:class:`ProgressWatch`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,12 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import statistics
+import struct
 import sys
 import threading
+import time
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from . import stop
@@ -48,10 +56,88 @@ def set_parent_death_signal() -> bool:
         return False
 
 
+#: A beat: the stop signal recorded (0: none), steps done, whether the last one was, CPU seconds.
+BEAT = struct.Struct("<BQ?d")
+#: A step is far longer than the run's median when it takes this many medians (and the stall timeout).
+PROGRESS_FACTOR = 20.0
+#: Steps measured (over all ranks) before a median is trusted.
+PROGRESS_MIN_STEPS = 3
+
+_steps = 0
+_done = False
+
+
+def mark_progress(last: bool = False) -> None:
+    """Say that this rank finished a step (``last``: its final one; what follows is not timed)."""
+    global _steps, _done
+    _steps += 1
+    _done = last
+
+
+@dataclass
+class Beat:
+    """What one beat says (see :data:`BEAT`)."""
+
+    stop_signal: int
+    steps: int
+    done: bool
+    cpu_s: float
+
+    @classmethod
+    def decode(cls, msg: bytes) -> Beat:
+        return cls(*BEAT.unpack(msg))
+
+
+@dataclass
+class ProgressWatch:
+    """The launcher's view of each rank's steps: when each last finished one, and its CPU time then."""
+
+    world: int
+    steps: list[int] = field(init=False)
+    since: list[float] = field(init=False)  # when the rank's last step ended (monotonic)
+    cpu_then: list[float] = field(init=False)
+    cpu_now: list[float] = field(init=False)
+    done: list[bool] = field(init=False)
+    durations: list[float] = field(default_factory=list)  # every rank's steps, the first excepted
+
+    def __post_init__(self) -> None:
+        self.steps, self.since = [0] * self.world, [0.0] * self.world
+        self.cpu_then, self.cpu_now, self.done = [0.0] * self.world, [0.0] * self.world, [False] * self.world
+
+    def update(self, rank: int, beat: Beat, now: float) -> None:
+        self.cpu_now[rank], self.done[rank] = beat.cpu_s, beat.done
+        if beat.steps == self.steps[rank]:
+            return
+        if self.steps[rank] > 0:  # the first step's time includes the start (model built, checkpoint read)
+            self.durations.append((now - self.since[rank]) / (beat.steps - self.steps[rank]))
+        self.steps[rank], self.since[rank], self.cpu_then[rank] = beat.steps, now, beat.cpu_s
+
+    def stalled(self, now: float, live: list[int], floor_s: float) -> tuple[int, str] | None:
+        """The rank whose step takes over ``PROGRESS_FACTOR`` medians and ``floor_s``, and one line naming it.
+
+        All ranks wait once one stops getting anywhere; the one that burns CPU meanwhile is the
+        cause (its peers sleep in a collective), else the one that finished a step the longest ago.
+        """
+        watched = [r for r in live if self.steps[r] > 0 and not self.done[r]]
+        if len(self.durations) < PROGRESS_MIN_STEPS or not watched:
+            return None
+        median = statistics.median(self.durations[-1000:])
+        limit = max(floor_s, PROGRESS_FACTOR * median)
+        if not any(now - self.since[r] > limit for r in watched):
+            return None
+        rank = max(watched, key=lambda r: (self.cpu_now[r] - self.cpu_then[r], now - self.since[r]))
+        took, busy = now - self.since[rank], self.cpu_now[rank] - self.cpu_then[rank]
+        return rank, (
+            f"rank {rank} stalled: step {self.steps[rank] + 1} has taken {took:.1f} s, {took / median:.0f} times the run's median "
+            f"step of {median:.3g} s, and used {busy:.1f} s of CPU meanwhile (its heartbeat went on: a busy loop or a step that "
+            "never ends)"
+        )
+
+
 def _watch(link: Connection, interval: float) -> None:
     try:
         while True:
-            link.send_bytes(bytes([stop.received() or 0]))
+            link.send_bytes(BEAT.pack(stop.received() or 0, _steps, _done, time.process_time()))
             # The launcher never writes: a readable end means end-of-file, i.e. the launcher is gone.
             if link.poll(interval):
                 link.recv_bytes()

@@ -10,6 +10,7 @@ Each rank runs in its own process group and is linked to the launcher (:mod:`por
   cause: a rank's own error before a rank killed by a signal or crashing, both before the
   connection errors its peers see because it is gone;
 - a rank whose heartbeat stops for ``stall_timeout_s`` (stopped, frozen) is named and the job ended;
+  so is one that beats but whose step takes far longer than the run's median step (and that long);
 - SIGINT / SIGTERM to the launcher are forwarded once to every rank that has not received the
   signal itself; the ranks finish their step and return (see :mod:`portapipe.stop`), and the
   launcher returns their results; ranks still running after ``stop_grace_s`` are killed;
@@ -144,6 +145,7 @@ class LocalJob:
         self.last_beat: list[float] = []
         self.beaten: list[bool] = []
         self.reported: list[int] = []  # the stop signal each rank says it has received
+        self.progress = lifeline.ProgressWatch(world_size)
         self.exited: dict[int, tuple[float, int | None]] = {}  # rank -> (when seen, exit code)
         self.killed_by_us: set[int] = set()
         self.pending: list[int] = []  # signals received by the launcher, not yet acted on
@@ -241,7 +243,7 @@ class LocalJob:
                     f"launch.stop_grace_s = {self.grace:g} s and were killed",
                     stop_signal=self.stop_sig,
                 )
-            stalled = self._stalled(now)
+            stalled = self._stalled(now) or self._not_progressing(now)
             if stalled is not None:
                 return stalled
             if any(not self._succeeded(r) for r in self.exited):
@@ -253,10 +255,11 @@ class LocalJob:
         link = self.links[rank]
         try:
             while link.poll():
-                msg = link.recv_bytes()
+                beat = lifeline.Beat.decode(link.recv_bytes())
                 self.last_beat[rank] = time.monotonic()
                 self.beaten[rank] = True
-                self.reported[rank] = msg[0] if msg else 0
+                self.reported[rank] = beat.stop_signal
+                self.progress.update(rank, beat, self.last_beat[rank])
         except (EOFError, OSError):
             seen = time.monotonic()
             proc = self.procs[rank]
@@ -291,6 +294,14 @@ class LocalJob:
                 limit_text = "while its peers timed out waiting for it" if quick else f"(launch.stall_timeout_s = {self.stall:g})"
                 return LaunchError(f"rank {rank} stalled: no heartbeat for {silent:.1f} s {limit_text}{why}; every rank was ended", rank=rank)
         return None
+
+    def _not_progressing(self, now: float) -> LaunchError | None:
+        """A rank that beats but whose step takes far longer than the run's median (not while
+        stopping: the stop's checkpoint is timed by launch.stop_grace_s)."""
+        if self.stall <= 0 or self.stop_sig is not None or any(self.reported):
+            return None
+        found = self.progress.stalled(now, [r for r in range(self.world) if r not in self.exited], self.stall)
+        return None if found is None else LaunchError(f"{found[1]}; every rank was ended", rank=found[0])
 
     # ---------------------------------------------------------------- signals
     def _on_signals(self, now: float) -> LaunchError | None:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import stop
+from . import lifeline, stop
 from .checkpoint.files import atomic_write
 from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run
 from .config import Config, ConfigError, TrainConfig, config_from_dict
@@ -277,6 +277,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             if every and (step + 1) % every == 0 and step + 1 < tc.steps:
                 ckpt.save_training(step + 1, record(), wait=False)  # written while training goes on
                 saved_at = step + 1
+            lifeline.mark_progress(last=step + 1 == tc.steps)  # the launcher's watch of steps far longer than the median
             sig = stop.agree(backend)
             if sig is not None:
                 path = ckpt.wait() if saved_at == step + 1 else ckpt.save_training(step + 1, record())

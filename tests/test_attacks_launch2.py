@@ -147,3 +147,63 @@ def test_a_stop_while_the_ranks_start_reaches_them_once_their_handlers_are_in_pl
     assert (out.returncode, out.stderr.strip()) == (0, ""), out.stderr[-3000:]
     results = json.loads(out.stdout)
     assert [r["stopped"] for r in results] == [signal.SIGTERM] * 2 and results[0]["steps"] == results[1]["steps"] < 1000
+
+
+# ------------------------------------------------------------------- a rank that stops progressing
+def busy_from(backend, busy_rank: int, at_step: int) -> int:
+    """Steps of a sleep and an all-reduce, each marked as progress; ``busy_rank`` busy-loops at ``at_step``
+    (its heartbeat thread goes on beating)."""
+    import torch
+    import torch.distributed as dist
+
+    from portapipe import lifeline
+
+    flag = torch.ones(1)
+    for step in range(10_000):
+        if dist.get_rank() == busy_rank and step == at_step:
+            while True:
+                pass
+        time.sleep(0.02)
+        backend.all_reduce(flag)
+        lifeline.mark_progress()
+    return 0
+
+
+def test_a_rank_that_busy_loops_while_beating_is_named_as_stalled_by_its_progress() -> None:
+    from portapipe.launch import LaunchError, run_ranks
+
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        run_ranks(busy_from, 3, 1, 8, stall_timeout_s=1.0, pg_timeout_s=30.0, wall_timeout_s=60.0)
+    line = str(err.value)
+    assert line.startswith("rank 1 stalled: step 9 has taken ") and line.endswith(
+        "(its heartbeat went on: a busy loop or a step that never ends); every rank was ended"), line
+    assert err.value.rank == 1 and time.monotonic() - t0 < 25  # well before the collective's 30 s timeout
+
+
+def _beat(steps: int, cpu: float, done: bool = False):
+    from portapipe.lifeline import Beat
+
+    return Beat(0, steps, done, cpu)
+
+
+def test_the_progress_watch_waits_for_a_median_and_names_the_rank_burning_cpu() -> None:
+    from portapipe.lifeline import PROGRESS_FACTOR, ProgressWatch
+
+    watch = ProgressWatch(2)
+    for step in range(1, 5):  # steps of 0.1 s on both ranks; the first is not timed
+        for r in (0, 1):
+            watch.update(r, _beat(step, cpu=0.1 * step), now=0.1 * step)
+    assert watch.durations == pytest.approx([0.1] * 6)
+    limit = PROGRESS_FACTOR * 0.1  # 2 s, above the floor of 1 s
+    assert watch.stalled(0.4 + limit - 0.01, [0, 1], floor_s=1.0) is None
+    watch.update(0, _beat(4, cpu=0.45), now=2.0)  # rank 0 waits in a collective
+    watch.update(1, _beat(4, cpu=2.2), now=2.0)  # rank 1 spins
+    rank, line = watch.stalled(0.4 + limit + 0.01, [0, 1], floor_s=1.0)
+    assert rank == 1 and line.startswith("rank 1 stalled: step 5 has taken 2.0 s, 20 times the run's median step of 0.1 s, and used 1.8 s of CPU")
+    assert watch.stalled(0.4 + 5.0, [0, 1], floor_s=10.0) is None  # the stall timeout is the floor
+    watch.update(1, _beat(4, cpu=2.2, done=True), now=2.0)
+    assert watch.stalled(100.0, [0, 1], floor_s=1.0)[0] == 0  # a rank past its last step is not watched
+    fresh = ProgressWatch(1)
+    fresh.update(0, _beat(1, 0.0), now=1.0)
+    assert fresh.stalled(1000.0, [0], floor_s=1.0) is None  # no median yet: nothing to compare with
