@@ -14,7 +14,8 @@ Each rank runs in its own process group and is linked to the launcher (:mod:`por
 - SIGINT / SIGTERM to the launcher are forwarded once to every rank that has not received the
   signal itself; the ranks finish their step and return (see :mod:`portapipe.stop`), and the
   launcher returns their results; ranks still running after ``stop_grace_s`` are killed;
-- when the launcher dies, every rank ends itself within a fraction of a second.
+- when the launcher dies, every rank ends itself within a fraction of a second, and so does the
+  fork server (:mod:`portapipe.forkserver_tie`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ STARTUP_S = 60.0
 #: After the first failure, how long other ranks' failures are collected before choosing the cause.
 SETTLE_S = 0.25
 
-_PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.launch"]
+_PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.launch", "portapipe.forkserver_tie"]
 
 
 class LaunchError(RuntimeError):

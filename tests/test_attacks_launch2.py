@@ -207,3 +207,30 @@ def test_the_progress_watch_waits_for_a_median_and_names_the_rank_burning_cpu() 
     fresh = ProgressWatch(1)
     fresh.update(0, _beat(1, 0.0), now=1.0)
     assert fresh.stalled(1000.0, [0], floor_s=1.0) is None  # no median yet: nothing to compare with
+
+
+# ------------------------------------------------------------------------ the launcher killed
+def test_killing_the_launcher_under_load_ends_every_process_of_the_job_within_2_s(tmp_path: Path) -> None:
+    """kill -9 of the launcher while every core is busy: its ranks, fork server and resource
+    tracker are gone well within the 5 s promised."""
+    from .test_attacks_launch import Job, alive, descendants
+
+    job = Job(tmp_path, world=2)
+    job.rank_pids()
+    others = descendants(job.proc.pid)
+    assert len(others) >= 3  # 2 ranks and the fork server (and its resource tracker)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        time.sleep(0.5)  # the load is on
+        t0 = time.monotonic()
+        job.proc.kill()
+        job.proc.wait()
+        while any(alive(p) for p in others) and time.monotonic() - t0 < 5.0:
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    left = [p for p in others if alive(p)]
+    assert not left and took < 2.0, f"{left} still running {took:.1f} s after the launcher was killed"
