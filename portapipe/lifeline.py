@@ -123,9 +123,12 @@ class ProgressWatch:
             return None
         median = statistics.median(self.durations[-1000:])
         limit = max(floor_s, PROGRESS_FACTOR * median)
-        if not any(now - self.since[r] > limit for r in watched):
-            return None
-        rank = max(watched, key=lambda r: (self.cpu_now[r] - self.cpu_then[r], now - self.since[r]))
+        over = [r for r in watched if now - self.since[r] > limit]
+        busy = lambda r: (self.cpu_now[r] - self.cpu_then[r], now - self.since[r])  # noqa: E731
+        busiest = max(watched, key=busy)
+        if busiest not in over and not any(now - self.since[r] > 2 * limit for r in over):
+            return None  # the busiest rank finished its last step a moment after its peers: its turn comes
+        rank = busiest if busiest in over else max(over, key=busy)
         took, busy = now - self.since[rank], self.cpu_now[rank] - self.cpu_then[rank]
         return rank, (
             f"rank {rank} stalled: step {self.steps[rank] + 1} has taken {took:.1f} s, {took / median:.0f} times the run's median "
