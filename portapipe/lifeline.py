@@ -56,22 +56,36 @@ def set_parent_death_signal() -> bool:
         return False
 
 
-#: A beat: the stop signal recorded (0: none), steps done, whether the last one was, CPU seconds.
-BEAT = struct.Struct("<BQ?d")
+#: A beat: the stop signal recorded (0: none), steps done, whether the last one was, CPU seconds,
+#: when the last step ended (the machine's monotonic clock, the same in every process) and the
+#: rank's median step so far (0: not enough steps yet).
+BEAT = struct.Struct("<BQ?ddd")
 #: A step is far longer than the run's median when it takes this many medians (and the stall timeout).
 PROGRESS_FACTOR = 20.0
-#: Steps measured (over all ranks) before a median is trusted.
+#: Steps timed before a rank's median is trusted (the first, which includes the start, is not timed).
 PROGRESS_MIN_STEPS = 3
+_KEPT = 1000  # the median is over this many latest steps
 
 _steps = 0
 _done = False
+_last = 0.0
+_durations: list[float] = []
 
 
 def mark_progress(last: bool = False) -> None:
     """Say that this rank finished a step (``last``: its final one; what follows is not timed)."""
-    global _steps, _done
-    _steps += 1
-    _done = last
+    global _steps, _done, _last
+    now = time.monotonic()
+    if _steps:
+        _durations.append(now - _last)
+        if len(_durations) > _KEPT:
+            del _durations[0]
+    _steps, _done, _last = _steps + 1, last, now
+
+
+def _beat() -> bytes:
+    median = statistics.median(_durations[-_KEPT:]) if len(_durations) >= PROGRESS_MIN_STEPS else 0.0
+    return BEAT.pack(stop.received() or 0, _steps, _done, time.process_time(), _last, median)
 
 
 @dataclass
@@ -82,6 +96,8 @@ class Beat:
     steps: int
     done: bool
     cpu_s: float
+    last_step_at: float
+    median_s: float
 
     @classmethod
     def decode(cls, msg: bytes) -> Beat:
@@ -90,7 +106,8 @@ class Beat:
 
 @dataclass
 class ProgressWatch:
-    """The launcher's view of each rank's steps: when each last finished one, and its CPU time then."""
+    """The launcher's view of each rank's steps: when each last finished one, its CPU time then,
+    its median step."""
 
     world: int
     steps: list[int] = field(init=False)
@@ -98,19 +115,16 @@ class ProgressWatch:
     cpu_then: list[float] = field(init=False)
     cpu_now: list[float] = field(init=False)
     done: list[bool] = field(init=False)
-    durations: list[float] = field(default_factory=list)  # every rank's steps, the first excepted
+    medians: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.steps, self.since = [0] * self.world, [0.0] * self.world
-        self.cpu_then, self.cpu_now, self.done = [0.0] * self.world, [0.0] * self.world, [False] * self.world
+        self.steps, self.since, self.done = [0] * self.world, [0.0] * self.world, [False] * self.world
+        self.cpu_then, self.cpu_now, self.medians = [0.0] * self.world, [0.0] * self.world, [0.0] * self.world
 
-    def update(self, rank: int, beat: Beat, now: float) -> None:
-        self.cpu_now[rank], self.done[rank] = beat.cpu_s, beat.done
-        if beat.steps == self.steps[rank]:
-            return
-        if self.steps[rank] > 0:  # the first step's time includes the start (model built, checkpoint read)
-            self.durations.append((now - self.since[rank]) / (beat.steps - self.steps[rank]))
-        self.steps[rank], self.since[rank], self.cpu_then[rank] = beat.steps, now, beat.cpu_s
+    def update(self, rank: int, beat: Beat) -> None:
+        self.cpu_now[rank], self.done[rank], self.medians[rank] = beat.cpu_s, beat.done, beat.median_s
+        if beat.steps != self.steps[rank]:
+            self.steps[rank], self.since[rank], self.cpu_then[rank] = beat.steps, beat.last_step_at, beat.cpu_s
 
     def stalled(self, now: float, live: list[int], floor_s: float) -> tuple[int, str] | None:
         """The rank whose step takes over ``PROGRESS_FACTOR`` medians and ``floor_s``, and one line naming it.
@@ -119,9 +133,10 @@ class ProgressWatch:
         cause (its peers sleep in a collective), else the one that finished a step the longest ago.
         """
         watched = [r for r in live if self.steps[r] > 0 and not self.done[r]]
-        if len(self.durations) < PROGRESS_MIN_STEPS or not watched:
+        timed = [m for m in self.medians if m > 0]
+        if not timed or not watched:
             return None
-        median = statistics.median(self.durations[-1000:])
+        median = statistics.median(timed)  # the run's: the middle of the ranks' medians
         limit = max(floor_s, PROGRESS_FACTOR * median)
         over = [r for r in watched if now - self.since[r] > limit]
         busy = lambda r: (self.cpu_now[r] - self.cpu_then[r], now - self.since[r])  # noqa: E731
@@ -129,10 +144,10 @@ class ProgressWatch:
         if busiest not in over and not any(now - self.since[r] > 2 * limit for r in over):
             return None  # the busiest rank finished its last step a moment after its peers: its turn comes
         rank = busiest if busiest in over else max(over, key=busy)
-        took, busy = now - self.since[rank], self.cpu_now[rank] - self.cpu_then[rank]
+        took, cpu = now - self.since[rank], self.cpu_now[rank] - self.cpu_then[rank]
         return rank, (
             f"rank {rank} stalled: step {self.steps[rank] + 1} has taken {took:.1f} s, {took / median:.0f} times the run's median "
-            f"step of {median:.3g} s, and used {busy:.1f} s of CPU meanwhile (its heartbeat went on: a busy loop or a step that "
+            f"step of {median:.3g} s, and used {cpu:.1f} s of CPU meanwhile (its heartbeat went on: a busy loop or a step that "
             "never ends)"
         )
 
@@ -140,7 +155,7 @@ class ProgressWatch:
 def _watch(link: Connection, interval: float) -> None:
     try:
         while True:
-            link.send_bytes(BEAT.pack(stop.received() or 0, _steps, _done, time.process_time()))
+            link.send_bytes(_beat())
             # The launcher never writes: a readable end means end-of-file, i.e. the launcher is gone.
             if link.poll(interval):
                 link.recv_bytes()

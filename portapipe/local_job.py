@@ -260,7 +260,7 @@ class LocalJob:
                 self.last_beat[rank] = time.monotonic()
                 self.beaten[rank] = True
                 self.reported[rank] = beat.stop_signal
-                self.progress.update(rank, beat, self.last_beat[rank])
+                self.progress.update(rank, beat)
         except (EOFError, OSError):
             seen = time.monotonic()
             proc = self.procs[rank]
