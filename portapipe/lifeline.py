@@ -20,6 +20,7 @@ longer than the run's median step so far (:class:`ProgressWatch`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -28,6 +29,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
@@ -56,9 +58,10 @@ def set_parent_death_signal() -> bool:
         return False
 
 
-#: A beat: the stop signal recorded (0: none), steps done, whether the last one was, CPU seconds,
-#: when the last step ended (the machine's monotonic clock, the same in every process) and the
-#: rank's median step so far (0: not enough steps yet).
+#: A beat: the stop signal recorded (0: none), steps done, whether the rank is past its last one
+#: (or in untimed work), CPU seconds, when the last step ended (the machine's monotonic clock, the
+#: same in every process; moved on by untimed work) and the rank's median step so far (0: not
+#: enough steps yet).
 BEAT = struct.Struct("<BQ?ddd")
 #: A step is far longer than the run's median when it takes this many medians (and the stall timeout).
 PROGRESS_FACTOR = 20.0
@@ -70,6 +73,7 @@ _steps = 0
 _done = False
 _last = 0.0
 _durations: list[float] = []
+_paused = False
 
 
 def mark_progress(last: bool = False) -> None:
@@ -83,9 +87,21 @@ def mark_progress(last: bool = False) -> None:
     _steps, _done, _last = _steps + 1, last, now
 
 
+@contextlib.contextmanager
+def untimed() -> Iterator[None]:
+    """Work of a rank that is not timed as part of its step (waiting for a checkpoint being
+    written): the step's time leaves it out."""
+    global _paused, _last
+    _paused, began = True, time.monotonic()
+    try:
+        yield
+    finally:
+        _last, _paused = _last + (time.monotonic() - began), False
+
+
 def _beat() -> bytes:
     median = statistics.median(_durations[-_KEPT:]) if len(_durations) >= PROGRESS_MIN_STEPS else 0.0
-    return BEAT.pack(stop.received() or 0, _steps, _done, time.process_time(), _last, median)
+    return BEAT.pack(stop.received() or 0, _steps, _done or _paused, time.process_time(), _last, median)
 
 
 @dataclass
@@ -123,7 +139,7 @@ class ProgressWatch:
 
     def update(self, rank: int, beat: Beat) -> None:
         self.cpu_now[rank], self.done[rank], self.medians[rank] = beat.cpu_s, beat.done, beat.median_s
-        if beat.steps != self.steps[rank]:
+        if (beat.steps, beat.last_step_at) != (self.steps[rank], self.since[rank]):  # a step ended, or untimed work
             self.steps[rank], self.since[rank], self.cpu_then[rank] = beat.steps, beat.last_step_at, beat.cpu_s
 
     def stalled(self, now: float, live: list[int], floor_s: float) -> tuple[int, str] | None:

@@ -275,7 +275,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 _show(bar, row)
             every = config.checkpoint.every
             if every and (step + 1) % every == 0 and step + 1 < tc.steps:
-                ckpt.save_training(step + 1, record(), wait=False)  # written while training goes on
+                with lifeline.untimed():  # may wait for the previous save: not a slow step
+                    ckpt.save_training(step + 1, record(), wait=False)  # written while training goes on
                 saved_at = step + 1
             lifeline.mark_progress(last=step + 1 == tc.steps)  # the launcher's watch of steps far longer than the median
             sig = stop.agree(backend)

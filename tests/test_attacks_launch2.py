@@ -210,13 +210,17 @@ def test_a_rank_times_its_own_steps_the_first_excepted(monkeypatch: pytest.Monke
 
     for name, value in (("_steps", 0), ("_done", False), ("_last", 0.0), ("_durations", [])):
         monkeypatch.setattr(lifeline, name, value)
-    clock = iter([10.0, 10.5, 10.7, 10.8, 11.2])  # a first step ending at 10 s (the start before it), then 4 more
+    # a first step ending at 10 s (the start before it), then 4 more; the fourth waits 5 s for a checkpoint
+    clock = iter([10.0, 10.5, 10.7, 10.75, 15.75, 15.8, 16.2])
     monkeypatch.setattr(lifeline.time, "monotonic", lambda: next(clock))
     for step in range(5):
+        if step == 3:
+            with lifeline.untimed():
+                assert lifeline.Beat.decode(lifeline._beat()).done  # not watched meanwhile
         lifeline.mark_progress(last=step == 4)
     beat = lifeline.Beat.decode(lifeline._beat())
-    assert (beat.steps, beat.done, beat.last_step_at) == (5, True, 11.2)
-    assert beat.median_s == pytest.approx(0.3)  # median of 0.5, 0.2, 0.1, 0.4
+    assert (beat.steps, beat.done) == (5, True) and beat.last_step_at == pytest.approx(16.2)
+    assert beat.median_s == pytest.approx(0.3)  # median of 0.5, 0.2, 0.1, 0.4: the wait left out
 
 
 # ------------------------------------------------------------------------ the launcher killed
