@@ -248,3 +248,10 @@ def test_killing_the_launcher_under_load_ends_every_process_of_the_job_within_2_
             b.wait()
     left = [p for p in others if alive(p)]
     assert not left and took < 2.0, f"{left} still running {took:.1f} s after the launcher was killed"
+
+
+def test_the_fork_servers_tie_does_nothing_when_imported_elsewhere() -> None:
+    code = ("import ctypes, portapipe.forkserver_tie; v = ctypes.c_int(-1); "
+            "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)")  # 2: PR_GET_PDEATHSIG
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.stdout.strip() == "0", out.stderr
