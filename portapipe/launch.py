@@ -25,7 +25,7 @@ import torch
 
 from .local_job import LaunchError, LocalJob, write_record
 
-__all__ = ["LaunchError", "run_ranks", "under_torchrun", "under_mpirun", "print_launch_error", "debug_enabled"]
+__all__ = ["LaunchError", "run_ranks", "under_torchrun", "under_mpirun", "launching_rank", "print_launch_error", "debug_enabled"]
 
 DEBUG_HINT = "rerun with log.level: debug (or PORTAPIPE_DEBUG=1) for the traceback"
 
@@ -47,6 +47,18 @@ def under_torchrun() -> bool:
 
 def under_mpirun() -> bool:
     return any(k in os.environ for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"))
+
+
+def launching_rank() -> int:
+    """This process's rank when a launcher (torchrun, mpirun) made it one rank of the job, else 0.
+
+    Read from the environment each launcher sets (torchrun's ``RANK``; Open MPI's, MPICH's and
+    PMIx's own variables), so it is known before any process group exists.
+    """
+    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
 
 
 def _env_from_mpi() -> None:
@@ -146,6 +158,7 @@ def run_ranks(
     stall_timeout_s: float = 60.0,
     stop_grace_s: float = 60.0,
     start_method: str = "forkserver",
+    low_precision: bool = True,
 ) -> list[Any]:
     """Run ``fn(backend, *args)`` on ``world_size`` ranks; return the results in rank order.
 
@@ -156,7 +169,8 @@ def run_ranks(
     before they are killed. On a graceful stop the ranks' results are returned as usual.
     ``start_method`` is multiprocessing's; ``fork`` can hang a rank in its first parallel torch
     operation when this process already ran threads (their locks are copied held), so the
-    default starts ranks from a clean server process.
+    default starts ranks from a clean server process. ``low_precision``: the ranks may compute
+    in bfloat16 (False for a float32 / float64 run, where capping oneDNN is not worth a line).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -166,18 +180,20 @@ def run_ranks(
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise LaunchError(f"the config asks for {world_size} ranks but the launcher started {os.environ['WORLD_SIZE']}")
         return [_rank_main(fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args)]
-    cap_cpu_isa()
+    cap_cpu_isa(say=low_precision)
     body_args = (fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args)
     job = LocalJob(_rank_main, body_args, world_size, threads, stall_timeout_s, stop_grace_s, wall_timeout_s, pg_timeout_s, start_method)
     return job.run()
 
 
-def cap_cpu_isa() -> None:
+def cap_cpu_isa(say: bool = True) -> None:
     """Before this process or its ranks run a bfloat16 matmul: keep oneDNN below an instruction
-    set the CPU advertises but a process may not use (:mod:`portapipe.cpu_isa`), saying so once."""
+    set the CPU advertises but a process may not use (:mod:`portapipe.cpu_isa`), saying so once
+    when ``say``. AMX serves only bfloat16 (and int8) matmuls, so the cap changes nothing for a
+    run in float32 or float64: it is then set without a word."""
     from .cpu_isa import cap_if_amx_traps
 
-    cap_if_amx_traps(lambda line: print(f"portapipe: {line}", file=sys.stderr, flush=True))
+    cap_if_amx_traps((lambda line: print(f"portapipe: {line}", file=sys.stderr, flush=True)) if say else None)
 
 
 def print_launch_error(err: LaunchError) -> int:

@@ -10,10 +10,12 @@ Each rank runs in its own process group and is linked to the launcher (:mod:`por
   cause: a rank's own error before a rank killed by a signal or crashing, both before the
   connection errors its peers see because it is gone;
 - a rank whose heartbeat stops for ``stall_timeout_s`` (stopped, frozen) is named and the job ended;
+  so is one that beats but whose step takes far longer than the run's median step (and that long);
 - SIGINT / SIGTERM to the launcher are forwarded once to every rank that has not received the
   signal itself; the ranks finish their step and return (see :mod:`portapipe.stop`), and the
   launcher returns their results; ranks still running after ``stop_grace_s`` are killed;
-- when the launcher dies, every rank ends itself within a fraction of a second.
+- when the launcher dies, every rank ends itself within a fraction of a second, and so does the
+  fork server (:mod:`portapipe.forkserver_tie`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from . import cpu_isa, lifeline
+from . import cpu_isa, lifeline, stop
 
 #: A rank's first heartbeat may come this late (or launch.stall_timeout_s, if longer): unpickling
 #: its function imports torch, which takes seconds on a loaded machine without the fork server.
@@ -41,7 +43,7 @@ STARTUP_S = 60.0
 #: After the first failure, how long other ranks' failures are collected before choosing the cause.
 SETTLE_S = 0.25
 
-_PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.launch"]
+_PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.launch", "portapipe.forkserver_tie"]
 
 
 class LaunchError(RuntimeError):
@@ -78,6 +80,7 @@ def _rank_entry(
     body_args: tuple[Any, ...],
 ) -> None:
     """First code of a local rank: detach from the terminal's signals, tie to the launcher, run."""
+    stop.install()  # first: a stop forwarded once this rank beats must find its handlers in place
     launcher_pid, launcher_fds = launcher
     if start_method == "fork":
         for fd in launcher_fds:  # copies of the launcher's ends would hide its death from us
@@ -143,19 +146,24 @@ class LocalJob:
         self.last_beat: list[float] = []
         self.beaten: list[bool] = []
         self.reported: list[int] = []  # the stop signal each rank says it has received
+        self.progress = lifeline.ProgressWatch(world_size)
         self.exited: dict[int, tuple[float, int | None]] = {}  # rank -> (when seen, exit code)
         self.killed_by_us: set[int] = set()
         self.pending: list[int] = []  # signals received by the launcher, not yet acted on
         self.stop_sig: int | None = None
         self.stop_at = 0.0
-        self.forwarded = False
+        self.told: set[int] = set()  # ranks the stop signal was forwarded to
         self._results: list[Any] = []
 
     # ---------------------------------------------------------------- public
     def run(self) -> list[Any]:
+        inherited = stop.installed()  # the caller recorded stop signals until now (portapipe train does)
         saved = self._install_handlers()
         store = None
         try:
+            early = stop.received() if inherited else None
+            if early is not None:
+                raise LaunchError(f"stopped by {signal_name(early)} before the ranks started: nothing was trained", stop_signal=early)
             store = self._start()
             failure = self._watch()
         finally:
@@ -228,7 +236,7 @@ class LocalJob:
                 failure = self._on_signals(now)
                 if failure is not None:
                     return failure
-            if self.stop_sig is not None and not self.forwarded and now >= self.stop_at + 2 * self.interval + 0.05:
+            if self.stop_sig is not None and now >= self.stop_at + 2 * self.interval + 0.05:
                 self._forward(self.stop_sig, only_unaware=True)
             if self.stop_sig is not None and now > self.stop_at + self.grace:
                 return LaunchError(
@@ -236,7 +244,7 @@ class LocalJob:
                     f"launch.stop_grace_s = {self.grace:g} s and were killed",
                     stop_signal=self.stop_sig,
                 )
-            stalled = self._stalled(now)
+            stalled = self._stalled(now) or self._not_progressing(now)
             if stalled is not None:
                 return stalled
             if any(not self._succeeded(r) for r in self.exited):
@@ -248,10 +256,11 @@ class LocalJob:
         link = self.links[rank]
         try:
             while link.poll():
-                msg = link.recv_bytes()
+                beat = lifeline.Beat.decode(link.recv_bytes())
                 self.last_beat[rank] = time.monotonic()
                 self.beaten[rank] = True
-                self.reported[rank] = msg[0] if msg else 0
+                self.reported[rank] = beat.stop_signal
+                self.progress.update(rank, beat)
         except (EOFError, OSError):
             seen = time.monotonic()
             proc = self.procs[rank]
@@ -287,6 +296,14 @@ class LocalJob:
                 return LaunchError(f"rank {rank} stalled: no heartbeat for {silent:.1f} s {limit_text}{why}; every rank was ended", rank=rank)
         return None
 
+    def _not_progressing(self, now: float) -> LaunchError | None:
+        """A rank that beats but whose step takes far longer than the run's median (not while
+        stopping: the stop's checkpoint is timed by launch.stop_grace_s)."""
+        if self.stall <= 0 or self.stop_sig is not None or any(self.reported):
+            return None
+        found = self.progress.stalled(now, [r for r in range(self.world) if r not in self.exited], self.stall)
+        return None if found is None else LaunchError(f"{found[1]}; every rank was ended", rank=found[0])
+
     # ---------------------------------------------------------------- signals
     def _on_signals(self, now: float) -> LaunchError | None:
         while self.pending:
@@ -300,12 +317,13 @@ class LocalJob:
         return None
 
     def _forward(self, sig: int, only_unaware: bool) -> None:
-        """Send ``sig`` to the live ranks (those that received it themselves are left alone:
-        a second signal would mean 'now' to them)."""
-        self.forwarded = True
+        """Send ``sig`` to the live ranks. With ``only_unaware``, once to each rank that has beaten
+        (its handlers are in place only then: a rank still starting would die of it) and has not
+        received it itself (a second signal would mean 'now' to it)."""
         for rank, proc in enumerate(self.procs):
-            if rank in self.exited or (only_unaware and self.reported[rank]):
+            if rank in self.exited or (only_unaware and (self.reported[rank] or not self.beaten[rank] or rank in self.told)):
                 continue
+            self.told.add(rank)
             try:
                 os.kill(proc.pid, sig)
             except (ProcessLookupError, TypeError):
@@ -319,7 +337,7 @@ class LocalJob:
             live = {self.links[r]: r for r in range(self.world) if r not in self.exited}
             for link in wait(list(live), timeout=max(0.0, deadline - time.monotonic())):
                 self._drain(live[link])
-        if self.stop_sig is not None and self.forwarded:
+        if self.stop_sig is not None and self.told:
             died = [r for r, (_, code) in self.exited.items() if code is not None and code < 0]
             if died and all(self.exited[r][1] == -self.stop_sig for r in died):
                 return LaunchError(f"stopped by {signal_name(self.stop_sig)} before the ranks could stop gracefully", stop_signal=self.stop_sig)

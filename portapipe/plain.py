@@ -92,11 +92,13 @@ class Pipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.executor.parameters()
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> StepResult:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, accumulate: bool = False) -> StepResult:
         """One training step on this replica's batch, cut into the schedule's micro-batches along dim 0.
 
         Every parameter's ``.grad`` then holds the gradient of the mean over micro-batches (and
-        data-parallel replicas) of ``loss_fn``; ``result.loss`` is that mean.
+        data-parallel replicas) of ``loss_fn``; ``result.loss`` is that mean. With ``accumulate``
+        the gradient is added to the ``.grad`` already there (gradient accumulation: after k such
+        steps ``.grad`` holds the sum of k means; scale by 1 / k for their mean), else it replaces it.
         """
         m = self.schedule.n_microbatches
         if inputs.shape[0] != targets.shape[0] or inputs.shape[0] % m:
@@ -108,7 +110,13 @@ class Pipeline:
         if self._given is None:
             for x, _ in mbs:
                 self._infer(x)
-        return self.executor.step(mbs)
+        # The executor starts every step from no gradient: earlier ones are set aside and added back.
+        before = [(p, p.grad) for p in self.parameters() if p.grad is not None] if accumulate else []
+        result = self.executor.step(mbs)
+        with torch.no_grad():
+            for p, g in before:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        return result
 
     def boundary(self, stage: int, input_shape: torch.Size) -> tuple[tuple[int, ...], torch.dtype]:
         """What ``stage`` sends for a micro-batch of ``input_shape``, as inferred (see :meth:`_infer`)."""
@@ -180,20 +188,32 @@ def pipeline(
 
 @torch.no_grad()
 def _check_identical(modules: Sequence[nn.Module]) -> None:
-    """Every rank must hold the same model: compare a fingerprint of each module over the world."""
+    """Every rank must hold the same model: compare a fingerprint of each module over the world,
+    and which of its parameters require gradients (ranks holding the same block reduce the
+    gradients of exactly those: a parameter frozen on one rank only would pair unequal tensors)."""
     import torch.distributed as dist
 
     mine = []
     for m in modules:
         tensors = [t.detach().to("cpu", torch.float64).reshape(-1) for t in (*m.parameters(), *m.buffers()) if t.is_floating_point()]
         flat = torch.cat(tensors) if tensors else torch.zeros(0, dtype=torch.float64)
-        mine.append((flat.numel(), float(flat.sum()), float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum())))
+        fingerprint = (flat.numel(), float(flat.sum()), float((flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum()))
+        mine.append((fingerprint, {name: p.requires_grad for name, p in m.named_parameters()}))
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     for b in range(len(modules)):
-        ranks = [r for r, fp in enumerate(every) if fp[b] != every[0][b]]
+        ranks = [r for r, fp in enumerate(every) if fp[b][0] != every[0][b][0]]
         if ranks:
             raise ValueError(
                 f"module {b} differs between ranks 0 and {ranks[0]}: every rank must build the same modules "
                 "(seed torch, e.g. torch.manual_seed(0), before building them)"
             )
+        first = every[0][b][1]
+        for r, fp in enumerate(every):
+            odd = [name for name, flag in fp[b][1].items() if first.get(name) != flag]
+            if odd:
+                on, off = (0, r) if first.get(odd[0]) else (r, 0)
+                raise ValueError(
+                    f"parameter {b}.{odd[0]} requires grad on rank {on} but not on rank {off}: every rank must freeze "
+                    "the same parameters (requires_grad_(False) on each)"
+                )

@@ -9,11 +9,11 @@ is restored and the signal re-raised, so an impatient user is never stuck.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
-
-import torch
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -30,13 +30,38 @@ def _handler(signum: int, frame: Any) -> None:
 
 
 def install() -> None:
-    """Record SIGINT / SIGTERM instead of dying at once (main thread only; elsewhere a no-op)."""
+    """Record SIGINT / SIGTERM instead of dying at once (main thread only; elsewhere a no-op).
+
+    Where the handlers are in force already (``portapipe train`` installs them first thing, then
+    the same process becomes a rank under torchrun / mpirun), a signal recorded meanwhile is kept.
+    """
     global _received
-    _received = None
+    if not installed():
+        _received = None
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in STOP_SIGNALS:
         signal.signal(sig, _handler)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[None]:
+    """:func:`install` for the duration of a ``with`` block, the previous handlers restored after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    install()
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def installed() -> bool:
+    """True while this module's handlers are the process's handlers of both stop signals."""
+    return all(signal.getsignal(sig) is _handler for sig in STOP_SIGNALS)
 
 
 def received() -> int | None:
@@ -49,6 +74,8 @@ def agree(backend: Any, group: Any = None) -> int | None:
 
     Collective: every rank of the group must call it at the same point of the step.
     """
+    import torch  # here, not on import: the CLI records stop signals before torch loads
+
     dtype = getattr(torch, backend.capabilities.widest_reduce_dtype)  # a signal number is exact in either
     flag = torch.tensor([float(_received or 0)], dtype=dtype, device=backend.device())
     backend.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import stop
+from . import lifeline, stop
 from .checkpoint.files import atomic_write
 from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run
 from .config import Config, ConfigError, TrainConfig, config_from_dict
@@ -278,8 +278,10 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             ckpt.poll()  # a failed save in the background stops the run at this step boundary
             every = config.checkpoint.every
             if every and (step + 1) % every == 0 and step + 1 < tc.steps:
-                ckpt.save_training(step + 1, record(), wait=False)  # written while training goes on
+                with lifeline.untimed():  # may wait for the previous save: not a slow step
+                    ckpt.save_training(step + 1, record(), wait=False)  # written while training goes on
                 saved_at = step + 1
+            lifeline.mark_progress(last=step + 1 == tc.steps)  # the launcher's watch of steps far longer than the median
             sig = stop.agree(backend)
             if sig is not None:
                 path = ckpt.wait() if saved_at == step + 1 else ckpt.save_training(step + 1, record())
@@ -380,14 +382,6 @@ def rank_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _launching_rank() -> int:
-    """This process's rank when a launcher (torchrun, mpirun) made it one rank of the job, else 0."""
-    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
-
-
 def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
     """Check, prepare the run folder, launch ``world_size`` ranks, train; return the summary.
 
@@ -395,12 +389,12 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
     """
     from .backends.registry import check_available
     from .checkpoint.run import Locks
-    from .launch import run_ranks, under_mpirun, under_torchrun
+    from .launch import launching_rank, run_ranks, under_mpirun, under_torchrun
 
     check_before_launch(config)
     backend = check_available(config.backend)
     plan, locks = None, Locks([])
-    if not (under_torchrun() or under_mpirun()) or _launching_rank() == 0:
+    if not (under_torchrun() or under_mpirun()) or launching_rank() == 0:
         made, locks = prepare_run(config, backend)  # the folder locked until the ranks are done
         plan = made.to_dict()
     with locks:
@@ -416,5 +410,6 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
             wall_timeout_s=wall_timeout_s,
             stall_timeout_s=config.launch.stall_timeout_s,
             stop_grace_s=config.launch.stop_grace_s,
+            low_precision=config.model.dtype == "bfloat16",
         )
     return results[0]

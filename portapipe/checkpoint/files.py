@@ -15,6 +15,7 @@ runs without a process group: the launcher checks checkpoints before any rank st
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -343,10 +344,53 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def remove(d: Path) -> None:
-    """Remove a checkpoint folder, manifest first: a half-removed checkpoint is incomplete."""
-    (d / MANIFEST).unlink(missing_ok=True)
-    shutil.rmtree(d, ignore_errors=True)
+class ReadHold:
+    """A shared lock on a checkpoint folder while a run reads it (``checkpoint.load``):
+    :func:`remove` passes over a folder held so, so a run pruning it cannot delete it mid-read."""
+
+    def __init__(self, d: Path, fd: int) -> None:
+        self.path, self.fd = d, fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the lock
+            self.fd = None
+
+
+def hold_for_reading(d: Path) -> ReadHold | None:
+    """Hold checkpoint folder ``d`` for reading; None when it was removed (or is being removed)."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits for a removal under way to finish
+    try:
+        same = os.fstat(fd).st_ino == os.stat(d).st_ino and (d / MANIFEST).is_file()
+    except OSError:
+        same = False
+    if not same:
+        os.close(fd)
+        return None
+    return ReadHold(d, fd)
+
+
+def remove(d: Path) -> bool:
+    """Remove a checkpoint folder, manifest first: a half-removed checkpoint is incomplete.
+    A folder another run holds for reading (:func:`hold_for_reading`) is left; False then."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        (d / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(d, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def prune(root: Path, run_id: str, keep: int, newest: int) -> None:
@@ -354,8 +398,9 @@ def prune(root: Path, run_id: str, keep: int, newest: int) -> None:
     written); drop its older ones and its unfinished saves.
 
     Checkpoints of other runs are never touched (a folder holds one run; see :mod:`.run`), nor
-    are this run's past ``newest``: a resumed run passed over them as damaged, so counting them
-    among the kept would prune the checkpoints it can resume from; it replaces them as it goes.
+    one that another run is loading from (a later prune removes it), nor are this run's past
+    ``newest``: a resumed run passed over them as damaged, so counting them among the kept would
+    prune the checkpoints it can resume from; it replaces them as it goes.
     """
     mine = []
     for d in scan(root):

@@ -5,7 +5,8 @@ Before any rank starts, :func:`prepare_run` (in the launching process) decides, 
 - that ``log.dir`` and ``checkpoint.dir`` can be written, and locks the run folder for this run
   (``<log.dir>/.portapipe.lock`` holding the pid; a second run on it is refused naming that
   pid; a lock left by a process that died is taken over with a warning);
-- what the run starts from: ``checkpoint.load`` (a new run from a given checkpoint), else with
+- what the run starts from: ``checkpoint.load`` (a new run from a given checkpoint, held for
+  reading until the run ends, so a run pruning its folder passes over it), else with
   ``checkpoint.resume`` this folder's newest complete checkpoint (damaged newer ones are named
   and passed over), else nothing;
 - the run id: the resumed run's, or a new one written to ``<log.dir>/run.json``. A new run in a
@@ -20,6 +21,7 @@ Problems are ConfigErrors (one line each, exit 2); notes go to ``say`` (one line
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -117,9 +119,10 @@ class FolderLock:
 
 
 class Locks:
-    """The run's folder locks, released together (also usable as a context manager)."""
+    """The run's folder locks and the hold on the checkpoint it loads, released together (also
+    usable as a context manager)."""
 
-    def __init__(self, locks: list[FolderLock]) -> None:
+    def __init__(self, locks: list[FolderLock | files.ReadHold]) -> None:
         self.locks = locks
 
     def release(self) -> None:
@@ -134,8 +137,33 @@ class Locks:
 
 
 # ------------------------------------------------------------------------- the folders
+def _broken_link(d: Path) -> str | None:
+    """Why a symbolic link on the way to ``d`` leads nowhere (a loop, a missing target), or None."""
+    for q in [*reversed(d.parents), d]:
+        if not q.is_symlink():
+            continue
+        try:
+            os.stat(q)
+            continue
+        except OSError as exc:
+            loop = exc.errno == errno.ELOOP
+        chain, at = [q], q
+        while at.is_symlink() and len(chain) < 8:  # follow the links up to the first repeat
+            at = Path(os.path.normpath(at.parent / os.readlink(at)))
+            chain.append(at)
+            if at in chain[:-1]:
+                break
+        where = "is" if q == d else f"lies under {str(q)!r}, which is"
+        if loop:
+            return f"{where} a loop of symbolic links ({' -> '.join(map(str, chain))}); point it at a folder"
+        return f"{where} a symbolic link to {os.readlink(q)!r}, which does not exist; create that folder or point it elsewhere"
+    return None
+
+
 def _unwritable(d: Path) -> str | None:
     """Why folder ``d`` cannot hold a run's files (None when it can); creates it if missing."""
+    if (why := _broken_link(d)) is not None:
+        return why
     a = d
     while not a.exists() and a != a.parent:
         a = a.parent
@@ -303,14 +331,30 @@ def prepare_run(config: Config, backend_name: str, say: Callable[[str], None] = 
             lock = FolderLock(folder, key)
             lock.acquire(say)
             locks.locks.append(lock)
-        plan = _decide(config, backend_name, log_dir, root, say)
+        plan = _decide(config, backend_name, log_dir, root, say, locks)
     except BaseException:
         locks.release()
         raise
     return plan, locks
 
 
-def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: Callable[[str], None]) -> RunPlan:
+def _held_source(path: Path, say: Callable[[str], None]) -> tuple[files.Entry, files.ReadHold]:
+    """``checkpoint.load``'s checkpoint, held for reading until the run ends: a run still pruning
+    that folder passes over it (read under a shared lock on the checkpoint's folder, no copy).
+    Removed between its check and the hold, it is looked for again."""
+    for _ in range(3):
+        try:
+            source = files.resolve(path, warn=say)
+        except files.CheckpointError as exc:
+            raise ConfigError([f"checkpoint.load: {exc}"]) from None
+        hold = files.hold_for_reading(source.path)
+        if hold is not None:
+            return source, hold
+        say(f"checkpoint.load: {source.path} was removed while it was checked (its run pruned it); looking again")
+    raise ConfigError([f"checkpoint.load: the checkpoints in {path} were removed as fast as they were checked (a run pruning them); load from a copy"])
+
+
+def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: Callable[[str], None], locks: Locks) -> RunPlan:
     ck = config.checkpoint
     owner = _owner(log_dir)
     checkpoints = [d for d in files.scan(root) if not d.name.startswith(".")]
@@ -320,10 +364,8 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
     source: files.Entry | None = None
     mode = "new"
     if ck.load is not None:
-        try:
-            source = files.resolve(Path(ck.load).expanduser(), warn=say)
-        except files.CheckpointError as exc:
-            raise ConfigError([f"checkpoint.load: {exc}"]) from None
+        source, hold = _held_source(Path(ck.load).expanduser(), say)
+        locks.locks.append(hold)
         mode = "load"
         if source.path.resolve().is_relative_to(root.resolve()):
             raise ConfigError(

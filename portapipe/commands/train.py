@@ -22,7 +22,15 @@ DIVERGED = 3
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch import LaunchError, print_launch_error
+    from ..stop import recording
+
+    # From the start: a stop asked for before the ranks run is not lost (no rank starts, or they stop after a step).
+    with recording():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..launch import LaunchError, launching_rank, print_launch_error
     from ..stop import exit_code
     from ..train import train
 
@@ -37,21 +45,26 @@ def run(args: argparse.Namespace) -> int:
         summary = train(config)
     except LaunchError as err:
         return print_launch_error(err)
-    print(json.dumps(summary, allow_nan=False), file=sys.stdout, flush=True)
+    # Under torchrun / mpirun every rank runs this command: rank 0 speaks for the job, as the local launcher does.
+    speaks = launching_rank() == 0
+    if speaks:
+        print(json.dumps(summary, allow_nan=False), file=sys.stdout, flush=True)
     if "stopped" in summary:
         s = summary["stopped"]
-        print(f"portapipe: stopped by {s['signal']} after step {s['step']}; checkpoint {s['checkpoint']} (the same command resumes)",
-              file=sys.stderr, flush=True)
+        if speaks:
+            print(f"portapipe: stopped by {s['signal']} after step {s['step']}; checkpoint {s['checkpoint']} (the same command resumes)",
+                  file=sys.stderr, flush=True)
         return exit_code(signal.Signals[s["signal"]])
     if "diverged" in summary:
         d = summary["diverged"]
-        print(
-            f"portapipe: training stopped at step {d['step']}: loss {d['loss']}, gradient norm {d['grad_norm']}; that step was not "
-            f"applied and no checkpoint was written of it (last checkpoint: {summary['checkpoint'] or 'none'}); "
-            "lower train.lr or keep train.grad_clip on",
-            file=sys.stderr,
-            flush=True,
-        )
+        if speaks:
+            print(
+                f"portapipe: training stopped at step {d['step']}: loss {d['loss']}, gradient norm {d['grad_norm']}; that step was not "
+                f"applied and no checkpoint was written of it (last checkpoint: {summary['checkpoint'] or 'none'}); "
+                "lower train.lr or keep train.grad_clip on",
+                file=sys.stderr,
+                flush=True,
+            )
         return DIVERGED
     return 0
 

@@ -1,0 +1,97 @@
+"""portapipe under torchrun: two "machines" (two torchrun agents on localhost, 2 ranks each, a
+c10d rendezvous on 127.0.0.1) train as the local launcher does, and rank 0 alone prints the
+summary; under mpirun the same rank detection decides who speaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from portapipe.launch import launching_rank
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "cpu.yaml"
+pytestmark = pytest.mark.multiproc
+
+#: 4 ranks (pp 2 x ep 2) of a small model, 3 steps, no progress bar, no periodic checkpoint.
+SMALL = ["model.hidden=32", "model.seq_len=16", "train.micro_batch_size=2", "train.steps=3", "log.progress=false", "checkpoint.every=0"]
+
+
+def _sets(run: Path) -> list[str]:
+    return [x for s in [*SMALL, f"log.dir={run}"] for x in ("--set", s)]
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r.get("kind") == "train"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_nodes_of_two_ranks_under_torchrun_train_as_the_local_launcher_and_print_one_summary(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    local = subprocess.run([sys.executable, "-m", "portapipe.cli", "train", str(EXAMPLE), *_sets(tmp_path / "local")],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr
+
+    port, run = _free_port(), tmp_path / "torchrun"
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(node),
+             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes", "--max_restarts", "0",
+             "-m", "portapipe.cli", "train", str(EXAMPLE), *_sets(run)],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outs = [a.communicate(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            a.kill() if a.poll() is None else None
+    assert [a.returncode for a in agents] == [0, 0], [err[-2000:] for _, err in outs]
+    summaries = [line for out, _ in outs for line in out.splitlines() if line.startswith("{")]
+    assert len(summaries) == 1, summaries  # rank 0's, not one per rank
+    summary = json.loads(summaries[0])
+    assert (summary["pp"], summary["ep"], summary["steps"]) == (2, 2, 3)
+    assert _losses(run) == _losses(tmp_path / "local") and len(_losses(run)) == 3
+    assert summary["final_loss"] == json.loads(local.stdout)["final_loss"]
+
+
+@pytest.mark.parametrize("key", ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"])
+def test_the_rank_that_speaks_is_read_from_torchruns_and_each_mpis_variable(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    for k in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert launching_rank() == 0  # the local launcher's own process speaks
+    monkeypatch.setenv(key, "3")
+    assert launching_rank() == 3
+
+
+@pytest.mark.parametrize("rank, lines", [(0, 1), (1, 0)])
+def test_under_mpirun_only_rank_0_prints_the_summary(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                                     tmp_path: Path, rank: int, lines: int) -> None:
+    """mpirun is not installed here: its ranks are this process with Open MPI's variables set and
+    the ranks' training replaced by its result (each rank returns the same summary)."""
+    import portapipe.launch
+    from portapipe.cli import main
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", str(rank))
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setattr(portapipe.launch, "run_ranks", lambda *a, **k: [{"final_loss": 2.5, "stopped": {"signal": "SIGTERM", "step": 2, "checkpoint": "c"}}])
+    assert main(["train", str(EXAMPLE), *_sets(tmp_path / "run")]) == 143
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == lines and captured.err.count("stopped by SIGTERM after step 2") == lines
