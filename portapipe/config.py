@@ -163,6 +163,26 @@ class BalancerConfig(_Section):
     torus: tuple[int, int] | None = Field(None, description="lplb: (m, n) for topology torus")
 
 
+class BenchConfig(_Section):
+    """Benchmark-only routing: what the balancers are measured against. Both change which experts
+    the model uses, so a run with either is a benchmark, not training."""
+
+    router_skew_from: str | None = Field(
+        None,
+        description="benchmark only: a loads file (text, JSON, .pt; a run's expert_loads.json) with one row per MoE "
+        "layer (repeated when shorter) and model.n_experts loads; each token's experts are drawn in proportion to them",
+    )
+    force_uniform_routing: bool = Field(
+        False, description="benchmark only: every token's experts chosen round-robin, so every expert gets the same rows"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "BenchConfig":
+        if self.router_skew_from is not None and self.force_uniform_routing:
+            raise ValueError("router_skew_from and force_uniform_routing are two routings; set one")
+        return self
+
+
 class MemoryConfig(_Section):
     zero_memory: Literal["off", "level0", "level1"] = "off"
 
@@ -257,6 +277,7 @@ class Config(_Section):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     balancer: BalancerConfig = Field(default_factory=BalancerConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)

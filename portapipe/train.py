@@ -40,7 +40,8 @@ from .checkpoint.files import atomic_write
 from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run
 from .config import Config, ConfigError, TrainConfig, config_from_dict
 from .data import TextData, data_problems, global_batch_size, replica_of
-from .metrics import Figures, MetricsLog, Progress, StepStats, gather_step_stats, percent, strict
+from .metrics import Figures, MetricsLog, Progress, StepStats, ep_step_figures, gather_step_stats, percent, strict
+from .models.routing import force_routing, skew_table
 from .scheduling.stage import is_expert
 
 VAL_BATCHES = 4  # validation steps' worth of micro-batches evaluated at the end
@@ -222,6 +223,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     progress = Progress(**trainer["progress"]) if trainer else Progress()
     start, horizon = progress.step, run.lr_schedule_steps
     replica, replicas = replica_of(groups)
+    force_routing(config.bench, config.model, {layer.index: layer.moe.router for layer in runtime.moe_layers()}, tc.seed)
 
     def record() -> dict[str, Any]:
         data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_bytes": data.n_bytes("train")}
@@ -242,7 +244,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 g["lr"] = lr
             batches = data.microbatches(step, replica, replicas, config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
             result = runtime.step(batches)
-            stats = gather_step_stats(backend, owned_grad_sq(runtime, groups), result)
+            ep = ep_step_figures(backend, groups, runtime.moe_layers())
+            stats = gather_step_stats(backend, owned_grad_sq(runtime, groups), result, ep)
             if not (math.isfinite(result.loss) and math.isfinite(stats.grad_norm)):
                 # Same figures on every rank, so every rank stops here, before the optimizer applies it.
                 diverged = {"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))}
@@ -339,6 +342,8 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
         "bubble_pct": 100.0 * stats.bubble_frac,
         "a2a_hidden_pct": percent(stats.a2a_hidden_frac),
         "a2a_hidden_steady_pct": percent(stats.a2a_hidden_steady_frac),
+        "ep_wait_frac": stats.ep_wait_frac,
+        "rank_balancedness": stats.rank_balancedness,
     }
 
 
@@ -352,6 +357,9 @@ def _show(bar: Any, record: dict[str, Any]) -> None:
     shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "bubble": f"{record['bubble_pct']:.0f}%"}
     if record["a2a_hidden_pct"] is not None:
         shown["a2a hidden"] = f"{record['a2a_hidden_pct']:.0f}%"
+    if record["ep_wait_frac"] is not None:
+        shown["ep wait"] = f"{100 * record['ep_wait_frac']:.0f}%"
+        shown["ep bal"] = f"{record['rank_balancedness']:.2f}"
     bar.set_postfix(shown, refresh=False)
     bar.update(1)
 
@@ -364,6 +372,10 @@ def check_before_launch(config: Config) -> None:
     from .models.hf_io import init_problems
 
     problems = list(data_problems(config)) + init_problems(config.model)
+    try:
+        skew_table(config.bench, config.model)  # a benchmark's routing file fits the model
+    except ValueError as err:
+        problems.append(str(err))
     try:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:
