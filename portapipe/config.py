@@ -159,6 +159,11 @@ class BalancerConfig(_Section):
         description="eplb: incremental (first placement refined, then move few slots), refined, hierarchical, global",
     )
     max_moved: float = Field(0.1, gt=0, le=1, description="eplb incremental: at most this fraction of a layer's slots change per rebalance")
+    stay_off: bool = Field(
+        True,
+        description="lplb: skip the per-batch LP (every token to its original) while the time it is predicted to save "
+        "per step (from the measured expert compute per row) is below its measured time per step",
+    )
     topology: Literal["cube", "hypercube", "ring", "torus"] = "ring"
     torus: tuple[int, int] | None = Field(None, description="lplb: (m, n) for topology torus")
 

@@ -16,6 +16,8 @@ import pytest
 from portapipe.config import ConfigError, load_config
 
 SKEW = [12, 12, 1, 1, 1, 1, 1, 1]  # experts 0 and 1 (EP rank 0's) take 24 of 30 parts
+STEPS = 4
+LPLB = {"kind": "lplb", "redundant": 1, "topology": "ring", "interval": 100}
 
 
 def _config(log_dir: Path, bench: dict[str, Any], balancer: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -29,7 +31,7 @@ def _config(log_dir: Path, bench: dict[str, Any], balancer: dict[str, Any] | Non
                       "moe_hidden": 256, "n_experts": 8, "top_k": 2, "seq_len": 32, "bias_update_speed": 0.0},
             "balancer": balancer or {"kind": "none"},
             "bench": bench,
-            "train": {"steps": 3, "micro_batch_size": 4, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 0},
+            "train": {"steps": STEPS, "micro_batch_size": 4, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 0},
             "log": {"dir": str(log_dir), "progress": False},
             "checkpoint": {"every": 0},
         }
@@ -60,6 +62,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "balanced": _config(root / "balanced", {"router_skew_from": str(loads)},
                             {"kind": "eplb", "interval": 1, "window": 1, "redundant": 1, "policy": "refined"}),
         "uniform": _config(root / "uniform", {"force_uniform_routing": True}),
+        "lplb": _config(root / "lplb", {"router_skew_from": str(loads)}, LPLB),
+        "lplb_uniform": _config(root / "lplb_uniform", {"force_uniform_routing": True}, LPLB),
     }
     return run_ranks(_train_all, 4, configs, wall_timeout_s=300)[0]
 
@@ -67,7 +71,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.multiproc
 def test_skew_lowers_balancedness_and_a_balancer_wins_it_back(runs: dict[str, Any]) -> None:
     for lines in runs.values():
-        assert [m["step"] for m in lines] == [1, 2, 3]
+        assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
         for m in lines:
             assert 0.0 <= m["ep_wait_frac"] < 1.0 and 0.0 < m["rank_balancedness"] <= 1.0
     last = {name: lines[-1] for name, lines in runs.items()}
@@ -80,9 +84,9 @@ def test_skew_lowers_balancedness_and_a_balancer_wins_it_back(runs: dict[str, An
     assert last["skewed"]["rank_balancedness"] + 0.2 < runs["balanced"][0]["rank_balancedness"]
     assert runs["balanced"][0]["rank_balancedness"] + 0.1 < last["balanced"]["rank_balancedness"]
     # the wait follows, by a wide margin (measured about 4x): three ranks idle while rank 0
-    # computes most rows; steps 2 and 3, after the first step's one-time costs
+    # computes most rows; after the first step's one-time costs
     def wait(name: str) -> float:
-        return sum(m["ep_wait_frac"] for m in runs[name][1:]) / 2
+        return sum(m["ep_wait_frac"] for m in runs[name][1:]) / (STEPS - 1)
 
     assert wait("skewed") > 1.5 * wait("uniform") and wait("skewed") > 1.5 * wait("balanced")
 
@@ -98,3 +102,17 @@ def test_bench_routing_is_checked_before_launch(tmp_path: Path) -> None:
         check_before_launch(config_from_dict(raw))
     with pytest.raises(ConfigError, match="two routings; set one"):
         _config(tmp_path / "log", {"router_skew_from": str(bad), "force_uniform_routing": True})
+
+
+@pytest.mark.multiproc
+def test_lplb_runs_its_lp_where_it_pays_and_stays_off_where_it_cannot(runs: dict[str, Any]) -> None:
+    # skewed: the LP's predicted gain (rows off the busiest rank x its seconds per row) beats its
+    # measured cost every step, so it runs and balances
+    for m in runs["lplb"]:
+        assert m["balancer"]["lp_ran"] and m["balancer"]["lp_gain_ms"] > m["balancer"]["lp_cost_ms"] or m["step"] == 1
+        assert m["rank_balancedness"] > runs["skewed"][-1]["rank_balancedness"] + 0.25
+    # uniform routing: nothing to gain, so after the first step (one-time costs) it stays off
+    lines = runs["lplb_uniform"]
+    assert [m["balancer"]["lp_ran"] for m in lines] == [True, True] + [False] * (STEPS - 2)
+    assert lines[-1]["balancer"]["lp_skipped_steps"] == STEPS - 2 and lines[-1]["balancer"]["lp_gain_ms"] == 0.0
+    assert all(m["rank_balancedness"] == 1.0 for m in lines)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,12 @@ class ExpertBalancer:
             ]
             self.window = LoadWindow(bal.window, n, model.n_experts)
             self.placement = self._lplb_placement(self.planners)
+        # LPLB's per-batch LP this step (seconds, this rank); whether it runs (see _stay_off)
+        self.lp_s = 0.0
+        self.lp_cost_s = 0.0  # the last step's measured LP time, kept while the LP is off
+        self.lp_on = True
+        self.lp_skipped_steps = 0
+        self.stay_off = bal.stay_off
 
     # ------------------------------------------------------------------ placement
     def _lplb_placement(self, planners: list[Any]) -> ExpertPlacement:
@@ -184,7 +191,14 @@ class ExpertBalancer:
         """Physical slot of every (token, k) entry of one micro-batch of MoE layer ``layer``."""
         row = self.row[layer]
         if self.kind == "lplb":
-            return self.planners[row].run(topk_idx)
+            if not self.lp_on:  # every token to its original (the same on every EP rank)
+                return self.placement.log2phy[row, :, 0].to(topk_idx.device)[topk_idx]
+            # processor time, as the experts' (expert_clock): on a shared host the counts'
+            # all-reduce would otherwise measure the ranks waiting for each other
+            t0 = time.thread_time()
+            out = self.planners[row].run(topk_idx)
+            self.lp_s += time.thread_time() - t0
+            return out
         return self.placement.route(row, topk_idx, offset=self.ep_rank)
 
     # ------------------------------------------------------------------ gradients
@@ -357,6 +371,8 @@ class ExpertBalancer:
         if self.layers and result.expert_counts is not None:
             counts = self._global_counts(result.expert_counts)
         mine = self._figures(slots, counts)  # before a rebalance changes the placement the step ran with
+        if self.kind == "lplb":
+            mine["lp"] = self._lp_figures(counts)
         event = None
         if counts is not None:
             self.load_window.record(counts)
@@ -366,7 +382,52 @@ class ExpertBalancer:
         mine["event"] = None if event is None else event.as_dict()
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
-        return merge_figures(parts)
+        merged = merge_figures(parts)
+        if self.kind == "lplb":
+            merged.update(self._stay_off(step + 1, parts))
+        return merged
+
+    def _lp_figures(self, counts: torch.Tensor | None) -> dict[str, float]:
+        """This rank's LP time this step and the time the LP is predicted to save per step: per
+        layer, the rows the most loaded EP rank computes with every token on its original less
+        with the LP's plan (of the step's loads), at this rank's measured expert seconds per row."""
+        cost = self.lp_s
+        self.lp_s = 0.0
+        if cost > 0:
+            self.lp_cost_s = cost
+        gain = 0.0
+        if counts is not None and self.modules:
+            seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
+            rows = sum(layer.moe.clock.last[1] for layer in self.modules)
+            per = self.slots_per_rank
+            first = torch.div(self.placement.log2phy[:, :, 0], per, rounding_mode="floor")
+            for row, planner in enumerate(self.planners):
+                orig = torch.zeros(self.ep, dtype=torch.float64).scatter_add_(0, first[row], counts[row])
+                probe = copy.copy(planner)  # plan() counts solves; probing must not
+                lp = probe.plan(counts[row].round().to(torch.int64).unsqueeze(0)).rank_load
+                gain += float(orig.max() - lp.max().to(torch.float64))
+            # counts are summed over DP: each replica's ranks compute 1/dp of them
+            gain *= seconds / rows / self.groups.dp if rows else 0.0
+        return {"lp_cost_s": self.lp_cost_s, "lp_gain_s": gain}
+
+    def _stay_off(self, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Run the per-batch LP next step only if its predicted gain (mean over ranks) reaches its
+        measured cost (mean over ranks; while it is off, the last measured); every rank decides
+        alike from the gathered figures. One log line when the decision changes."""
+        figures = [p["lp"] for p in parts if p.get("lp") is not None]
+        gain = sum(f["lp_gain_s"] for f in figures) / max(len(figures), 1)
+        cost = sum(f["lp_cost_s"] for f in figures) / max(len(figures), 1)
+        was = self.lp_on
+        # the first step pays one-time costs (the native library's build, first calls): decide from the second
+        self.lp_on = not self.stay_off or not figures or step < 2 or gain >= cost
+        if not was:
+            self.lp_skipped_steps += 1
+        if self.lp_on != was:
+            log.info(
+                "lplb step %d: predicted gain %.3f ms %s LP cost %.3f ms per step: %s the per-batch LP",
+                step, 1e3 * gain, ">=" if self.lp_on else "<", 1e3 * cost, "running" if self.lp_on else "skipping",
+            )
+        return {"lp_ran": was, "lp_skipped_steps": self.lp_skipped_steps, "lp_gain_ms": 1e3 * gain, "lp_cost_ms": 1e3 * cost}
 
     def _figures(self, slots: torch.Tensor, counts: torch.Tensor | None) -> dict[str, Any]:
         """This rank's raw per-layer loads of the step, for :func:`merge_figures`."""

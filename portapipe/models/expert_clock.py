@@ -8,6 +8,11 @@ imbalanced router costs: :func:`portapipe.metrics.ep_step_figures` gathers them 
 that autograd stamps the start and the end of its backward (the tape runs each part's backward
 as one autograd call, so nothing else runs between the stamps). Weight gradients deferred to a
 W action (a W split) are not counted.
+
+Time is the calling thread's processor time (:data:`now`): on a host shared by several ranks
+(or jobs) the wall clock would also count the time a rank sat descheduled, which says nothing
+about its experts' load. Work queued on a device would need the device's events instead; the
+figures are then only the launch time.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+
+#: the clock expert compute is measured with (see the module doc)
+now = time.thread_time
 
 
 class _Stamp(torch.autograd.Function):
@@ -40,6 +49,7 @@ class ExpertClock:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.rows = 0
+        self.last: tuple[float, int] = (0.0, 0)  #: what the last take returned (a balancer reads it)
         self._backward_from: float | None = None
 
     def run(self, fn: Callable[..., torch.Tensor], rows: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -47,22 +57,22 @@ class ExpertClock:
         marked = rows.requires_grad and torch.is_grad_enabled()
         if marked:
             rows = _Stamp.apply(rows, self, True)
-        t0 = time.perf_counter()
+        t0 = now()
         out = fn(rows, *args)
-        self.seconds += time.perf_counter() - t0
+        self.seconds += now() - t0
         self.rows += int(rows.shape[0])
         return _Stamp.apply(out, self, False) if marked else out
 
     def _stamp(self, end: bool) -> None:
-        now = time.perf_counter()
+        t = now()
         if not end:
-            self._backward_from = now
+            self._backward_from = t
         elif self._backward_from is not None:
-            self.seconds += now - self._backward_from
+            self.seconds += t - self._backward_from
             self._backward_from = None
 
     def take(self) -> tuple[float, int]:
         """(seconds, rows) since the last take; starts counting afresh."""
-        out = (self.seconds, self.rows)
+        self.last = (self.seconds, self.rows)
         self.seconds, self.rows = 0.0, 0
-        return out
+        return self.last
