@@ -146,11 +146,19 @@ class BalancerConfig(_Section):
     kind: Literal["none", "eplb", "lplb"] = "none"
     interval: int = Field(50, ge=1, description="eplb: rebalance every N steps")
     window: int = Field(10, ge=1, description="eplb: steps of recorded loads used")
-    min_gain: float = Field(
-        0.0, ge=0,
+    min_gain: float | Literal["auto"] = Field(
+        0.0,
         description="adopt a rebalance only if mean balancedness (mean / max EP-rank load) gains at least "
-        "min_gain x the fraction of expert slots whose rows it moves; i.e. the gain a full migration must win",
+        "min_gain x the fraction of expert slots whose rows it moves; i.e. the gain a full migration must win; "
+        "eplb auto: (measured time of a full migration) / (interval x measured expert time per step), 0 until a migration was timed",
     )
+
+    @field_validator("min_gain")
+    @classmethod
+    def _min_gain_non_negative(cls, v: Any) -> Any:
+        if v != "auto" and not v >= 0:
+            raise ValueError(f"{v} must be >= 0 (or auto)")
+        return v
     redundant: int = Field(0, ge=0, description="eplb: extra expert slots per EP rank")
     groups: int | None = Field(None, ge=1, description="eplb: expert groups (default: model.n_groups)")
     nodes: int = Field(1, ge=1, description="nodes the EP ranks span (consecutive ranks per node)")

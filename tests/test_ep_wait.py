@@ -64,6 +64,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "uniform": _config(root / "uniform", {"force_uniform_routing": True}),
         "lplb": _config(root / "lplb", {"router_skew_from": str(loads)}, LPLB),
         "lplb_uniform": _config(root / "lplb_uniform", {"force_uniform_routing": True}, LPLB),
+        "eplb_auto": _config(root / "eplb_auto", {"router_skew_from": str(loads)},
+                             {"kind": "eplb", "interval": 1, "window": 1, "redundant": 1, "min_gain": "auto"}),
     }
     return run_ranks(_train_all, 4, configs, wall_timeout_s=300)[0]
 
@@ -116,3 +118,18 @@ def test_lplb_runs_its_lp_where_it_pays_and_stays_off_where_it_cannot(runs: dict
     assert [m["balancer"]["lp_ran"] for m in lines] == [True, True] + [False] * (STEPS - 2)
     assert lines[-1]["balancer"]["lp_skipped_steps"] == STEPS - 2 and lines[-1]["balancer"]["lp_gain_ms"] == 0.0
     assert all(m["rank_balancedness"] == 1.0 for m in lines)
+
+
+@pytest.mark.multiproc
+def test_eplb_min_gain_auto_comes_from_the_measured_migration(runs: dict[str, Any]) -> None:
+    lines = runs["eplb_auto"]
+    gains = [m["balancer"]["min_gain"] for m in lines]
+    events = [m["balancer"]["rebalance"] for m in lines]
+    # nothing timed before the first migration: min_gain 0, and the first placement is adopted
+    assert gains[0] == 0.0 and events[0]["applied"] and events[0]["bytes_moved"] > 0
+    # then the migration's measured seconds per byte and the expert time set it, on every step
+    assert all(g > 0 for g in gains[1:])
+    for m in lines[1:]:  # a plan is adopted only when it gains that much per moved fraction
+        e = m["balancer"]["rebalance"]
+        moved = e["rows_moved"] / (2 * 12)  # the share of the slots (2 MoE layers x 12) whose rows moved
+        assert not e["applied"] or e["after"] - e["before"] >= m["balancer"]["min_gain"] * moved - 1e-9

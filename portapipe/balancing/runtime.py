@@ -119,7 +119,11 @@ class ExpertBalancer:
         self.num_experts = model.n_experts
         self.ep, self.ep_rank = groups.ep, groups.ep_rank
         self.num_slots = model.n_experts + bal.redundant * groups.ep
-        self.interval, self.min_gain, self.nodes = bal.interval, bal.min_gain, bal.nodes
+        self.interval, self.nodes = bal.interval, bal.nodes
+        # min_gain auto (eplb): worked out before each decision from the measured migration and expert times
+        self.min_gain_auto = bal.min_gain == "auto"
+        self.min_gain = 0.0 if self.min_gain_auto else bal.min_gain
+        self.migrate_s_per_byte = 0.0  # this rank's last migration: seconds per byte it moved
         self.history: list[Rebalance] = []
         self.last_moved: dict[str, int] = {}  # what the last apply() moved
         self.modules: list[Any] = []  # this rank's MoE layers, set by attach()
@@ -262,6 +266,7 @@ class ExpertBalancer:
         old = self.placement
         done: list[Any] = []
         moved = {"rows_moved": 0, "rows_inter_node": 0, "bytes_moved": 0, "bytes_inter_node": 0}
+        t0 = time.perf_counter()
         try:
             for layer in self.modules:
                 row = self.row[layer.index]
@@ -287,6 +292,8 @@ class ExpertBalancer:
             self.planners = planners
         self._label()
         self.last_moved = moved
+        if moved["bytes_moved"]:
+            self.migrate_s_per_byte = (time.perf_counter() - t0) / moved["bytes_moved"]
         return moved["rows_moved"]
 
     # ------------------------------------------------------------- periodic step
@@ -374,15 +381,20 @@ class ExpertBalancer:
         if self.kind == "lplb":
             mine["lp"] = self._lp_figures(counts)
         event = None
+        due = (step + 1) % self.interval == 0
+        if due and self.min_gain_auto and self.kind == "eplb":
+            mine["min_gain"] = self._auto_min_gain(optimizer)
         if counts is not None:
             self.load_window.record(counts)
-            if (step + 1) % self.interval == 0:
+            if due:
                 event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
                 self.history.append(event)
         mine["event"] = None if event is None else event.as_dict()
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
         merged = merge_figures(parts)
+        if "min_gain" in mine:  # auto: the same on every rank
+            merged["min_gain"] = mine["min_gain"]
         if self.kind == "lplb":
             merged.update(self._stay_off(step + 1, parts))
         return merged
@@ -428,6 +440,28 @@ class ExpertBalancer:
                 step, 1e3 * gain, ">=" if self.lp_on else "<", 1e3 * cost, "running" if self.lp_on else "skipping",
             )
         return {"lp_ran": was, "lp_skipped_steps": self.lp_skipped_steps, "lp_gain_ms": 1e3 * gain, "lp_cost_ms": 1e3 * cost}
+
+    def _auto_min_gain(self, optimizer: Any) -> float:
+        """``min_gain: auto`` (collective over the job, the same value on every rank): the time a
+        migration of every slot would take at the last migration's measured seconds per byte,
+        over ``interval`` steps of expert compute (each rank's last step; means over ranks). The
+        balancedness a plan must gain per moved fraction is then what pays for its bytes within
+        the interval. 0 until a migration was timed (the first placement measures it)."""
+        seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
+        full = 0.0
+        for layer in self.modules:
+            params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
+            full += row_bytes(expert_tensors(params, self.slots_per_rank, optimizer)) * self.num_slots
+        t = torch.tensor([seconds, full * self.migrate_s_per_byte, float(self.migrate_s_per_byte > 0), float(bool(self.modules))],
+                         dtype=torch.float64)
+        dist.all_reduce(t)
+        value = 0.0 if t[2] < t[3] or t[0] <= 0 else float(t[1] / (self.interval * t[0]))
+        self.min_gain = value
+        if self.rebalancer is not None:
+            self.rebalancer.min_gain = value
+        log.info("eplb min_gain auto: %.4f (a full migration %.1f ms, expert time %.1f ms per step, means over ranks)",
+                 value, 1e3 * float(t[1]) / dist.get_world_size(), 1e3 * float(t[0]) / dist.get_world_size())
+        return value
 
     def _figures(self, slots: torch.Tensor, counts: torch.Tensor | None) -> dict[str, Any]:
         """This rank's raw per-layer loads of the step, for :func:`merge_figures`."""
