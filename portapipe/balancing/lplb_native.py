@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -360,28 +361,19 @@ def plan(
     layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     holder: torch.Tensor,
     *,
-    n_groups: int,
-    ep_size: int,
-    n_physical: int,
-    tol: float,
-    max_iter: int,
-    accept_rtol: float,
-    step_frac: float,
-    frac_bits: int,
     indices: torch.Tensor | None = None,
     source: int = 0,
+    **settings: Any,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The C counterpart of ``lplb.Planner.plan`` in one call: counts [S, E] int64 per source,
     layout = (rank_of, lp_slot, orig_phys, copy_phys) [E] each (lp_slot and copy_phys -1 for an
     expert without a copy), holder [g*d]. With ``indices`` (1-d, range-checked, counted in row
     ``source``) the same call maps them as :func:`map_indices` with that row's kept counts.
+    ``settings``: :class:`PlanCall`'s keyword arguments (n_groups, ep_size, n_physical, tol,
+    max_iter, accept_rtol, step_frac, frac_bits).
     Returns ((keep [G, g*d], objective, bound, accepted, iterations) as :func:`balance`,
     moved [S, E], phys_load [P], rank_load [ep], the mapped indices or None)."""
     S, E = counts.shape
     if any(t.numel() != E for t in layout):
         raise ValueError(f"plan: counts [{S}, {E}] and layout maps of {[t.numel() for t in layout]} entries do not fit together")
-    call = PlanCall(
-        layout, holder, n_groups=n_groups, ep_size=ep_size, n_physical=n_physical, tol=tol, max_iter=max_iter,
-        accept_rtol=accept_rtol, step_frac=step_frac, frac_bits=frac_bits,
-    )
-    return call(counts, indices, source)
+    return PlanCall(layout, holder, **settings)(counts, indices, source)
