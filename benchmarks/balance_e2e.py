@@ -17,9 +17,11 @@ last 2 steps' loads) and ``lplb`` (ring, redundant 1; its placement is EPLB's pa
 window's loads, so it is EPLB + LPLB; ``stay_off`` on). Per variant, over the steps after
 ``--warmup``: median step time (slowest rank), median ``ep_wait_frac`` and
 ``rank_balancedness``, the balancer's own time per step (after_step's planning and migration,
-plus the LP's processor time), bytes migrated, and for LPLB the steps it ran. Then for the skewed
-source the share of the gap (none -> uniform) each balancer wins back, in step time and in EP
-wait; for the uniform source what each balancer costs against none.
+plus the LP's processor time), bytes migrated (every step), for LPLB the steps it ran, and the
+median over paired steps of the step-time ratio to the same source without a balancer. Then for
+the skewed source the share of the gap (none -> uniform) each balancer wins back, in step time
+(from the paired ratios) and in EP wait; for the uniform source what each balancer costs
+against none (paired ratio - 1).
 
 Step times are wall clock on a shared machine (load averages recorded); the EP wait is measured
 from processor time (see portapipe/models/expert_clock.py).
@@ -115,9 +117,11 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str
     return out
 
 
-def summarise(steps: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Medians over the steps after ``warmup``; migrations over every step (the first placement too)."""
     med = statistics.median
     rebalances = [s["balancer"]["rebalance"] for s in steps if "rebalance" in s["balancer"]]
+    steps = steps[warmup:]
     ran = [s["balancer"]["lp_ran"] for s in steps if "lp_ran" in s["balancer"]]
     lp_ms = [s["balancer"]["lp_cost_ms"] for s in steps if s["balancer"].get("lp_ran")]
     out = {
@@ -160,17 +164,25 @@ def main() -> None:
                 for source in ("skew", "uniform") for bal in BALANCERS}
         world = LAYOUTS[layout]["pp"] * LAYOUTS[layout]["ep"]
         steps = run_ranks(_rank, world, raws, args.steps, wall_timeout_s=3600)[0]
-        table = {name: summarise(s[args.warmup:]) for name, s in steps.items()}
+        table = {name: summarise(s, args.warmup) for name, s in steps.items()}
+
+        def paired(name: str, base: str) -> float:
+            """Median over the paired steps (same step number, run in turn) of the step-time ratio."""
+            return statistics.median(a["step_s"] / b["step_s"] for a, b in zip(steps[name][args.warmup:], steps[base][args.warmup:]))
+
+        for name in table:
+            table[name]["paired_ratio_vs_none"] = round(paired(name, name.split(":")[0] + ":none"), 4)
         none, top = table["skew:none"], table["uniform:none"]
+        top_ratio = paired("uniform:none", "skew:none")
         won = {}
         for bal in ("eplb", "lplb"):
             row = table[f"skew:{bal}"]
-            gap_t, gap_w = none["step_s"] - top["step_s"], none["ep_wait_frac"] - top["ep_wait_frac"]
+            gap_w = none["ep_wait_frac"] - top["ep_wait_frac"]
             won[bal] = {
-                "step_time": round((none["step_s"] - row["step_s"]) / gap_t, 3) if gap_t > 0 else None,
+                "step_time": round((1 - paired(f"skew:{bal}", "skew:none")) / (1 - top_ratio), 3) if top_ratio < 1 else None,
                 "ep_wait": round((none["ep_wait_frac"] - row["ep_wait_frac"]) / gap_w, 3) if gap_w > 0 else None,
             }
-        cost = {bal: round(table[f"uniform:{bal}"]["step_s"] / top["step_s"] - 1, 4) for bal in ("eplb", "lplb")}
+        cost = {bal: round(table[f"uniform:{bal}"]["paired_ratio_vs_none"] - 1, 4) for bal in ("eplb", "lplb")}
         result["layouts"][layout] = {"ranks": world, "variants": table, "gap_won_back": won,
                                      "balanced_router_cost_frac": cost}
     result["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
