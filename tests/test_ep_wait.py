@@ -3,7 +3,9 @@
 experts take most tokens, both on EP rank 0) lowers the balancedness and raises the wait, a
 balancer (EPLB, rebalancing after step 1) wins both back, and forced uniform routing is perfectly
 balanced. The balancedness (rows per rank) is deterministic; the wait, a timing, is compared
-with a wide margin only."""
+with a wide margin only. The decisions taken from measured figures: LPLB's per-batch LP runs on
+the skewed router and stays off on the uniform one; EPLB's ``min_gain: auto`` is 0 until the
+first migration was timed, then positive, and gates every later plan."""
 
 from __future__ import annotations
 
