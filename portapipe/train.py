@@ -40,8 +40,7 @@ from .checkpoint.files import atomic_write
 from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run
 from .config import Config, ConfigError, TrainConfig, config_from_dict
 from .data import TextData, data_problems, global_batch_size, replica_of
-from .metrics import Figures, MetricsLog, Progress, StepStats, ep_step_figures, gather_step_stats, percent, strict
-from .models.routing import force_routing, skew_table
+from .metrics import Figures, MetricsLog, Progress, StepStats, gather_step_stats, percent, strict
 from .scheduling.stage import is_expert
 
 VAL_BATCHES = 4  # validation steps' worth of micro-batches evaluated at the end
@@ -211,6 +210,8 @@ def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] |
 
 def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any) -> dict[str, Any]:
     from .checkpoint.io import Checkpointer
+    from .metrics import ep_step_figures
+    from .models.routing import force_routing
 
     tc, rank = config.train, groups.rank
     named = list(runtime.named_parameters())
@@ -373,13 +374,15 @@ def check_before_launch(config: Config) -> None:
 
     problems = list(data_problems(config)) + init_problems(config.model)
     try:
-        skew_table(config.bench, config.model)  # a benchmark's routing file fits the model
-    except ValueError as err:
-        problems.append(str(err))
-    try:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:
         problems.extend(err.problems)
+    from .models.routing import skew_table
+
+    try:
+        skew_table(config.bench, config.model)  # a benchmark's routing file fits the model
+    except ValueError as err:
+        problems.append(str(err))
     if problems:
         raise ConfigError(problems)
 
