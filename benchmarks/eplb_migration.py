@@ -7,10 +7,12 @@ From that placement every policy plans for the drifted loads:
 
 - keep: the placement in force (moves nothing);
 - hierarchical (the published algorithm) and refined: plan from scratch;
-- incremental: change at most ``--max-moved`` of each layer's slots (``min_gain`` 0).
+- incremental: change at most ``--max-moved`` of each layer's slots (``min_gain`` 0), moves
+  ranked with a node crossing priced at the default ``inter_node_cost``;
+- incremental_node_blind: the same with ``inter_node_cost`` 1 (every changed slot priced alike).
 
 Per policy: slots whose expert changes (mean over layers and the worst layer), the rows and bytes
-sent within and between nodes (one slot = one DeepSeek-V3 expert, 3 x 7168 x 2048 parameters, in
+sent within and between nodes and the share of the moved rows that stay in their node (one slot = one DeepSeek-V3 expert, 3 x 7168 x 2048 parameters, in
 bfloat16 with bfloat16 AdamW moments and a float32 master copy: the ``--dtype`` flags change it),
 max / mean GPU load (mean over layers and worst layer) and the time of a call for all layers on
 one thread: median wall clock, median and least processor time (the machine may be shared, so
@@ -72,6 +74,7 @@ def figures(w: torch.Tensor, current: torch.Tensor, plan: torch.Tensor, shape: d
         "slots_changed_worst_layer": float(changed.max()),
         "rows_intra_node": int(cost.intra.sum()),
         "rows_inter_node": int(cost.inter.sum()),
+        "intra_node_share": float(cost.intra.sum() / (cost.intra.sum() + cost.inter.sum()).clamp(min=1)),
         "gb_intra_node": cost.bytes(per_slot)["bytes_intra_node"] / 1e9,
         "gb_inter_node": cost.bytes(per_slot)["bytes_inter_node"] / 1e9,
         "max_over_mean": float(ratio.mean()),
@@ -175,6 +178,8 @@ def main() -> None:
                 "hierarchical": lambda: rebalance_experts(w, *plan_args)[0],
                 "refined": lambda: rebalance_experts(w, *plan_args, policy="refined")[0],
                 "incremental": lambda: rebalance_experts(w, *plan_args, policy="incremental", current=current, max_moved=args.max_moved)[0],
+                "incremental_node_blind": lambda: rebalance_experts(w, *plan_args, policy="incremental", current=current,
+                                                                    max_moved=args.max_moved, inter_node_cost=1.0)[0],
             }
             for name, fn in plans.items():
                 if seed == 0 and name != "keep":
@@ -206,6 +211,7 @@ def main() -> None:
             "max_over_mean_worst <= 1.02": inc["max_over_mean_worst"] <= 1.02,
             "median_cpu_ms < 50": inc["median_cpu_ms"] < 50,
             "never_worse_than_keep": inc["never_worse_than_keep"],
+            "intra_node_share > node-blind's": inc["intra_node_share"] > out["drifts"]["0.1"]["policies"]["incremental_node_blind"]["intra_node_share"],
         }
     if args.png:
         plot(out, args.png)

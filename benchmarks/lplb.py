@@ -14,7 +14,8 @@ Speed: one ``Planner.run`` of one rank's tokens (count, solve every group's LP, 
 compiled CPU path (``lplb_native``, the default where a C compiler is found) and with the torch
 path (``use_native=False``), beside scipy's HiGHS (``linprog(method="highs")``) solving the same
 group LPs one by one, called in turn ``--repeats`` times in the same process and thread budget
-(medians and minima); then every layer's group LPs (``--layers`` x groups) in one batched solve,
+(medians and minima), and ``run`` alone back to back (``run_alone_ms``: as in training, where
+it follows the router with the indices still in cache); then every layer's group LPs (``--layers`` x groups) in one batched solve,
 by both paths, against HiGHS one by one.
 
     python benchmarks/lplb.py --threads 1
@@ -166,6 +167,9 @@ def main() -> None:
         },
         args.repeats,
     )
+    # The training path calls run right after the router made the indices (hot in cache) and
+    # nothing else in between: the same call back to back, alone.
+    alone = interleaved({"run": lambda: timer.run(rank_idx)}, args.repeats * 4)["run"]
     same_indices = torch.equal(timer.run(rank_idx), timer_torch.run(rank_idx))
     ours = timer.last_plan.lp_objective.numpy()
     ours_torch = timer_torch.last_plan.lp_objective.numpy()
@@ -217,8 +221,11 @@ def main() -> None:
         "speed_one_layer": {
             "what": f"one rank's Planner.run ({args.tokens} tokens x top-{args.top_k}: count, solve {G} group LPs, map) "
             f"vs scipy HiGHS solving the same {G} LPs one by one; medians of {args.repeats} alternating calls; "
-            "run/plan: the default path (native where available), *_torch: use_native=False",
+            "run/plan: the default path (native where available), *_torch: use_native=False; run_alone: "
+            f"median of {args.repeats * 4} back-to-back calls of run alone",
             "run_ms": ms(times["run"]),
+            "run_alone_ms": ms(alone),
+            "run_alone_within_0.1ms": alone[0] <= 1e-4,
             "plan_only_ms": ms(times["plan"]),
             "run_torch_ms": ms(times["run_torch"]),
             "plan_only_torch_ms": ms(times["plan_torch"]),

@@ -175,11 +175,19 @@ class BalancerConfig(_Section):
     kind: Literal["none", "eplb", "lplb"] = "none"
     interval: int = Field(50, ge=1, description="eplb: rebalance every N steps")
     window: int = Field(10, ge=1, description="eplb: steps of recorded loads used")
-    min_gain: float = Field(
-        0.0, ge=0,
+    min_gain: float | Literal["auto"] = Field(
+        0.0,
         description="adopt a rebalance only if mean balancedness (mean / max EP-rank load) gains at least "
-        "min_gain x the fraction of expert slots whose rows it moves; i.e. the gain a full migration must win",
+        "min_gain x the fraction of expert slots whose rows it moves; i.e. the gain a full migration must win; "
+        "eplb auto: (measured time of a full migration) / (interval x measured expert time per step), 0 until a migration was timed",
     )
+
+    @field_validator("min_gain")
+    @classmethod
+    def _min_gain_non_negative(cls, v: Any) -> Any:
+        if v != "auto" and not v >= 0:
+            raise ValueError(f"{v} must be >= 0 (or auto)")
+        return v
     redundant: int = Field(0, ge=0, description="eplb: extra expert slots per EP rank")
     groups: int | None = Field(None, ge=1, description="eplb: expert groups (default: model.n_groups)")
     nodes: int = Field(1, ge=1, description="nodes the EP ranks span (consecutive ranks per node)")
@@ -188,8 +196,33 @@ class BalancerConfig(_Section):
         description="eplb: incremental (first placement refined, then move few slots), refined, hierarchical, global",
     )
     max_moved: float = Field(0.1, gt=0, le=1, description="eplb incremental: at most this fraction of a layer's slots change per rebalance")
+    stay_off: bool = Field(
+        True,
+        description="lplb: skip the per-batch LP (every token to its original) while the time it is predicted to save "
+        "per step (from the measured expert compute per row) is below its measured time per step",
+    )
     topology: Literal["cube", "hypercube", "ring", "torus"] = "ring"
     torus: tuple[int, int] | None = Field(None, description="lplb: (m, n) for topology torus")
+
+
+class BenchConfig(_Section):
+    """Benchmark-only routing: what the balancers are measured against. Both change which experts
+    the model uses, so a run with either is a benchmark, not training."""
+
+    router_skew_from: str | None = Field(
+        None,
+        description="benchmark only: a loads file (text, JSON, .pt; a run's expert_loads.json) with one row per MoE "
+        "layer (repeated when shorter) and model.n_experts loads; each token's experts are drawn in proportion to them",
+    )
+    force_uniform_routing: bool = Field(
+        False, description="benchmark only: every token's experts chosen round-robin, so every expert gets the same rows"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "BenchConfig":
+        if self.router_skew_from is not None and self.force_uniform_routing:
+            raise ValueError("router_skew_from and force_uniform_routing are two routings; set one")
+        return self
 
 
 class MemoryConfig(_Section):
@@ -289,6 +322,7 @@ class Config(_Section):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     balancer: BalancerConfig = Field(default_factory=BalancerConfig)
+    bench: BenchConfig = Field(default_factory=BenchConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)

@@ -64,6 +64,11 @@ class StepStats:
     bubble_frac: float
     a2a_hidden_frac: float | None
     a2a_hidden_steady_frac: float | None  # over the overlapped F&B pairs only
+    #: share of the ranks' step time spent waiting on a slower EP peer's experts (summed wait /
+    #: summed step time, i.e. the mean over ranks); None without MoE layers
+    ep_wait_frac: float | None = None
+    #: mean over MoE layers of mean / max rows computed per EP rank; None without MoE layers
+    rank_balancedness: float | None = None
 
 
 @dataclass
@@ -96,8 +101,11 @@ class Figures:
     bubble: list[float] = field(default_factory=list)
     hidden: list[float] = field(default_factory=list)
     hidden_steady: list[float] = field(default_factory=list)
+    ep_wait: list[float] = field(default_factory=list)
 
     def add(self, stats: StepStats) -> None:
+        if stats.ep_wait_frac is not None:
+            self.ep_wait.append(stats.ep_wait_frac)
         self.step_s.append(stats.step_s)
         self.bubble.append(stats.bubble_frac)
         if stats.a2a_hidden_frac is not None:
@@ -114,6 +122,7 @@ class Figures:
             "bubble_pct": percent(med(self.bubble)),
             "a2a_hidden_pct": percent(med(self.hidden)),
             "a2a_hidden_steady_pct": percent(med(self.hidden_steady)),
+            "ep_wait_pct": percent(med(self.ep_wait)),
         }
 
 
@@ -137,15 +146,41 @@ def timing(result: Any, key: str) -> float:
     return float(value) if value is not None else 0.0
 
 
-def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any) -> StepStats:
+def ep_step_figures(backend: Any, groups: Any, moe_layers: list[Any]) -> tuple[float, float, int]:
+    """This rank's (seconds waited on EP peers, summed rank balancedness, MoE layers) of the step.
+
+    One all-gather over the EP group of each layer's expert compute time and rows (its
+    :class:`~portapipe.models.expert_clock.ExpertClock`, reset here): in layer l this rank waits
+    ``max_j c_jl - c_l`` at the combine and the gradient's dispatch for the slowest rank j, and the
+    layer's balancedness is mean / max of the rows the EP ranks computed (1 when none did).
+    """
+    taken = [layer.moe.clock.take() for layer in moe_layers]
+    if not taken:
+        return 0.0, 0.0, 0
+    local = torch.tensor(taken, dtype=torch.float64)  # [layers, (seconds, rows)]
+    table = local.unsqueeze(0)
+    if groups.ep > 1:
+        parts = [torch.empty_like(local) for _ in range(groups.ep)]
+        backend.all_gather(parts, local, group=groups.ep_group)
+        table = torch.stack(parts)  # [ep, layers, 2]: the group's ranks hold the same layers
+    seconds, rows = table[..., 0], table[..., 1]
+    wait = float((seconds.max(0).values - local[:, 0]).sum())
+    top = rows.max(0).values
+    balancedness = torch.where(top > 0, rows.mean(0) / top.clamp(min=1), torch.ones_like(top))
+    return wait, float(balancedness.sum()), len(taken)
+
+
+def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any, ep: tuple[float, float, int] = (0.0, 0.0, 0)) -> StepStats:
     """One all-gather per step: the global gradient norm and the step's timings over ranks.
 
     Bubble = the largest idle share over ranks; all-to-all hidden = 1 - (summed wait) /
     (summed all-to-all time), over the whole step and over the F&B pairs (the steady phase),
-    or None when there was no all-to-all.
+    or None when there was no all-to-all. ``ep``: this rank's :func:`ep_step_figures`; the EP
+    wait share is the summed wait over the summed step time (the mean over ranks), the rank
+    balancedness the mean over every rank's MoE layers.
     """
     keys = ("step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s")
-    local = torch.tensor([grad_sq_owned, *(timing(result, k) for k in keys)], dtype=torch.float64)
+    local = torch.tensor([grad_sq_owned, *(timing(result, k) for k in keys), *ep], dtype=torch.float64)
     world = torch.distributed.get_world_size()
     parts = [torch.empty_like(local) for _ in range(world)]
     backend.all_gather(parts, local)
@@ -161,4 +196,6 @@ def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any) -> StepSt
         bubble_frac=float(table[:, 2].max()),
         a2a_hidden_frac=hidden(3, 4),
         a2a_hidden_steady_frac=hidden(5, 6),
+        ep_wait_frac=float(table[:, 7].sum() / table[:, 1].sum()) if table[:, 9].sum() > 0 and table[:, 1].sum() > 0 else None,
+        rank_balancedness=float(table[:, 8].sum() / table[:, 9].sum()) if table[:, 9].sum() > 0 else None,
     )

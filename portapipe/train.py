@@ -211,6 +211,8 @@ def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] |
 
 def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any) -> dict[str, Any]:
     from .checkpoint.io import Checkpointer
+    from .metrics import ep_step_figures
+    from .models.routing import force_routing
 
     tc, rank = config.train, groups.rank
     named = list(runtime.named_parameters())
@@ -223,6 +225,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     progress = Progress(**trainer["progress"]) if trainer else Progress()
     start, horizon = progress.step, run.lr_schedule_steps
     replica, replicas = replica_of(groups)
+    force_routing(config.bench, config.model, {layer.index: layer.moe.router for layer in runtime.moe_layers()}, tc.seed)
 
     def record() -> dict[str, Any]:
         data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_bytes": data.n_bytes("train")}
@@ -244,7 +247,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 g["lr"] = lr
             batches = data.microbatches(step, replica, replicas, config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
             result = runtime.step(batches)
-            stats = gather_step_stats(backend, owned_grad_sq(runtime, groups), result)
+            ep = ep_step_figures(backend, groups, runtime.moe_layers())
+            stats = gather_step_stats(backend, owned_grad_sq(runtime, groups), result, ep)
             if not (math.isfinite(result.loss) and math.isfinite(stats.grad_norm)):
                 # Same figures on every rank, so every rank stops here, before the optimizer applies it.
                 diverged = {"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))}
@@ -344,6 +348,8 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
         "bubble_pct": 100.0 * stats.bubble_frac,
         "a2a_hidden_pct": percent(stats.a2a_hidden_frac),
         "a2a_hidden_steady_pct": percent(stats.a2a_hidden_steady_frac),
+        "ep_wait_frac": stats.ep_wait_frac,
+        "rank_balancedness": stats.rank_balancedness,
     }
 
 
@@ -357,6 +363,9 @@ def _show(bar: Any, record: dict[str, Any]) -> None:
     shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "bubble": f"{record['bubble_pct']:.0f}%"}
     if record["a2a_hidden_pct"] is not None:
         shown["a2a hidden"] = f"{record['a2a_hidden_pct']:.0f}%"
+    if record["ep_wait_frac"] is not None:
+        shown["ep wait"] = f"{100 * record['ep_wait_frac']:.0f}%"
+        shown["ep bal"] = f"{record['rank_balancedness']:.2f}"
     bar.set_postfix(shown, refresh=False)
     bar.update(1)
 
@@ -373,6 +382,12 @@ def check_before_launch(config: Config) -> None:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:
         problems.extend(err.problems)
+    from .models.routing import skew_table
+
+    try:
+        skew_table(config.bench, config.model)  # a benchmark's routing file fits the model
+    except ValueError as err:
+        problems.append(str(err))
     if problems:
         raise ConfigError(problems)
 

@@ -58,7 +58,8 @@ def test_eplb_migration_benchmark_reports_policies_pareto_and_plot(tmp_path: Pat
     assert set(out["drifts"]) == {"0.05", "0.1"}
     for block in out["drifts"].values():
         pol = block["policies"]
-        assert set(pol) == {"keep", "hierarchical", "refined", "incremental"}
+        assert set(pol) == {"keep", "hierarchical", "refined", "incremental", "incremental_node_blind"}
+        assert all(0.0 <= row["intra_node_share"] <= 1.0 for row in pol.values())
         assert pol["keep"]["slots_changed"] == 0 and pol["keep"]["gb_intra_node"] == pol["keep"]["gb_inter_node"] == 0
         inc = pol["incremental"]
         assert inc["slots_changed_worst_layer"] <= float(max_moved) and inc["never_worse_than_keep"] is True

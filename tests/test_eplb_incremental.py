@@ -70,6 +70,26 @@ def test_ten_percent_drift_on_deepseek_v3_few_slots_near_balance(seed: int) -> N
     assert (published != current).float().mean() > 0.8  # planning from scratch moves nearly everything
 
 
+def test_moves_prefer_their_own_node() -> None:
+    # 10% drift, DeepSeek-V3 shape: pricing a node crossing at 2 changed slots (the default)
+    # keeps far more of the moved rows inside their node than the node-blind ranking (~24%),
+    # within the same bounds; a price of 1 is exactly the node-blind plan.
+    w0 = lognormal(61, 256, 0.75, 0)
+    current = rebalance_experts(w0, *DEEPSEEK, policy="refined")[0]
+    w = drifted(w0, 0.10, 0)
+    blind = rebalance_experts(w, *DEEPSEEK, policy="incremental", current=current, inter_node_cost=1.0)[0]
+    one_node = rebalance_experts(w, 288, 8, 1, 32, policy="incremental", current=current)[0]
+    assert torch.equal(blind, one_node)
+    aware = rebalance_experts(w, *DEEPSEEK, policy="incremental", current=current)[0]
+    share = {}
+    for name, plan in (("blind", blind), ("aware", aware)):
+        cost = migration_cost(current, plan, 32, 4)
+        share[name] = float(cost.intra.sum() / (cost.intra.sum() + cost.inter.sum()))
+    assert share["blind"] < 0.3 and share["aware"] > share["blind"] + 0.1
+    changed = (aware != current).float().mean(1)
+    assert changed.max() <= 0.1 and imbalance(w, aware, 32).mean() <= 1.01
+
+
 def test_never_worse_than_keeping_the_placement_on_any_layer() -> None:
     rng = random.Random(0)
     shapes = [(12, 16, 8), (16, 24, 4), (32, 48, 8), (24, 24, 6), (20, 30, 5), (8, 10, 2), (8, 16, 2), (6, 9, 3), (16, 64, 4), (9, 18, 9)]
@@ -225,6 +245,8 @@ def test_drops_and_adds_replicas_when_the_hot_expert_changes() -> None:
         ({"current": torch.arange(16).remainder(12)}, "current must be [layers, num_replicas] = [2, 16], got [16]"),
         ({"current": torch.arange(16).remainder(12).expand(2, 16).t()}, "got [16, 2]"),
         ({"current": torch.tensor([[*range(12), 0, 1, 2, -1]] * 2)}, "they must lie in [0, 12)"),
+        ({"current": torch.arange(16).remainder(12).expand(2, 16), "inter_node_cost": 0.5}, "inter_node_cost must be a finite number >= 1"),
+        ({"current": torch.arange(16).remainder(12).expand(2, 16), "inter_node_cost": math.inf}, "got inf"),
     ],
 )
 def test_bad_incremental_input_is_named(kwargs: dict, message: str) -> None:

@@ -107,6 +107,13 @@ def test_count_and_map_match_torch(native: None, dtype: torch.dtype) -> None:
     assert out.dtype == dtype and torch.equal(out.long(), expect)
     flat[123] = 24
     assert lplb_native.count_experts(flat, 24)[1] == 123
+    # the blocked count: a bad entry late in a block of four, and one in the tail past the blocks
+    flat[123], flat[126] = 0, -2
+    assert lplb_native.count_experts(flat, 24)[1] == 126
+    tail = flat[:127 + 2]  # 129 entries: one past the last block of four
+    tail[126], tail[128] = 3, 30
+    assert lplb_native.count_experts(tail, 24)[1] == 128
+    assert torch.equal(lplb_native.count_experts(tail[:128], 24)[0], torch.bincount(tail[:128].long() + 1, minlength=25))
     empty = torch.empty(0, dtype=dtype)
     assert lplb_native.count_experts(empty, 24)[0].tolist() == [0] * 25
     assert lplb_native.map_indices(empty, stay, orig, copy).numel() == 0

@@ -21,11 +21,12 @@ one expert); the published two stay identical to the published algorithm, which 
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
-from .incremental import check_current, incremental_plan
+from .incremental import INTER_NODE_COST, check_current, incremental_plan
 from .published import check_shape, check_weight, gpu_loads, hierarchical_plan, replicate_experts, uses_hierarchy
 from .refined import refined_plan
 from .slots import check_fits, replicas_in_slot_order
@@ -52,6 +53,7 @@ def rebalance_experts(
     current: torch.Tensor | None = None,
     max_moved: float = 0.1,
     min_gain: float = 0.0,
+    inter_node_cost: float = INTER_NODE_COST,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Replicate and place experts for every layer.
 
@@ -67,6 +69,9 @@ def rebalance_experts(
         max_moved: incremental only: at most this fraction of each layer's slots change (0..1).
         min_gain: incremental only: a layer changes only as far as each changed slot gains at
             least ``min_gain / R`` balancedness (mean / max GPU load) on average.
+        inter_node_cost: incremental only: how much more a changed slot whose expert must come
+            from another node counts than one filled within its node, when moves are ranked
+            (>= 1; 1 ignores the nodes).
 
     Returns:
         phy2log [L, R] int64: logical expert in each slot.
@@ -90,8 +95,10 @@ def rebalance_experts(
             raise ValueError(f"max_moved is a fraction of the slots, in [0, 1]; got {max_moved!r}")
         if not _real(min_gain) or not min_gain >= 0.0:
             raise ValueError(f"min_gain must be a number >= 0, got {min_gain!r}")
+        if not _real(inter_node_cost) or not inter_node_cost >= 1.0 or math.isinf(inter_node_cost):
+            raise ValueError(f"inter_node_cost must be a finite number >= 1, got {inter_node_cost!r}")
         cur = check_current(current, layers, experts, num_replicas, num_gpus)
-        phy2log, logcnt = incremental_plan(w, cur, num_gpus, max_moved, min_gain)
+        phy2log, logcnt = incremental_plan(w, cur, num_gpus, max_moved, min_gain, num_nodes, float(inter_node_cost))
         return phy2log, replicas_in_slot_order(phy2log, experts, num_replicas - experts + 1)[0], logcnt
     if policy == "refined":
         phy2log, logcnt = refined_plan(w, num_replicas, num_groups, num_nodes, num_gpus)

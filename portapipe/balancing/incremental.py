@@ -34,6 +34,7 @@ of one expert; ``current`` must already keep them.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -52,6 +53,9 @@ PARTNERS = 2
 
 #: add candidates: the slots of those GPUs that lose least by giving up their replica
 ADD_SLOTS = 4
+
+#: default price of a change whose expert crosses nodes, against 1 within a node (see _Price)
+INTER_NODE_COST = 2.0
 
 
 def check_current(current: torch.Tensor | object, layers: int, experts: int, num_replicas: int, num_gpus: int) -> torch.Tensor:
@@ -75,13 +79,17 @@ def check_current(current: torch.Tensor | object, layers: int, experts: int, num
     return cur
 
 
-def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Tensor, num_gpus: int, room: torch.Tensor):
+def _round(
+    w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Tensor, num_gpus: int, room: torch.Tensor,
+    price: "_Price",
+):
     """One round of moves for every layer: (accept[A, M], slots[A, M, 2], values[A, M, 2], dec[A, M], inc[A, M]).
 
     Each of the ``M`` most loaded GPUs of a layer proposes its best move; :func:`_resolve` keeps
     those that do not interact with a hotter proposal and fit ``room`` [A] (changed slots the
     layer may still spend). A single-slot move repeats its slot and value in both columns;
-    ``dec`` / ``inc`` lose / gain a replica (equal for a swap).
+    ``dec`` / ``inc`` lose / gain a replica (equal for a swap). Moves are ranked by gain per
+    ``price`` of the slots they change (see :class:`_Price`); the budget counts slots.
 
     Partners: the t-th hottest GPU's are ``PARTNERS`` of the least loaded GPUs (the t-th, the
     (t + M)-th, ...), so no two hot GPUs compete for one. For a swap of slot i (expert a) of hot GPU
@@ -126,10 +134,10 @@ def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Ten
     T = top[:, :, None, None]
     rest = (top[:, :, None] - xa)[..., None]  # [A, M, S, 1] g's load without slot i
 
-    def best(gain: torch.Tensor, cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Best candidate per hot GPU by gain per changed slot (free moves first, by gain): (score, index, cost)."""
+    def best(gain: torch.Tensor, cost: torch.Tensor, priced: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Best candidate per hot GPU by gain per priced change (free moves first, by gain): (score, index, cost)."""
         ok = (gain > T * EPS) & (cost <= room[:, None, None, None])
-        score = torch.where(cost > 0, gain / cost.clamp(min=1), gain + 1e30).masked_fill_(~ok, -math.inf)
+        score = torch.where(priced > 0, gain / priced.clamp(min=1e-9), gain + 1e30).masked_fill_(~ok, -math.inf)
         sc, idx = score.flatten(2).max(2)
         return sc, idx, cost.flatten(2).gather(2, idx[..., None]).squeeze(2)
 
@@ -150,7 +158,10 @@ def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Ten
     twice = holds.gather(1, ((j // s).view(a, m, s, 2 * k) * e + ea[..., None]).view(a, -1)).view(a, m, s, 2 * k)
     twice |= on_g.gather(2, b.view(a, m, -1)).view(a, m, s, 2 * k)
     cost = (b != cur_m[..., None]).float() - ch_m[..., None] + (ea[..., None] != curj).float() - chj
-    sw = best(gain.masked_fill_(twice, -math.inf), cost)
+    mine_x = mine[..., None].expand(a, m, s, 2 * k)
+    j4 = j.view(a, m, s, 2 * k)
+    priced = price.delta(phy, mine_x, b) + price.delta(phy, j4, ea[..., None].expand_as(j4))
+    sw = best(gain.masked_fill_(twice, -math.inf), cost, priced)
 
     # add: a slot of a cold GPU whose expert has other replicas (one of the ADD_SLOTS that lose
     # least by giving it up) becomes a replica of a
@@ -168,7 +179,8 @@ def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Ten
     gain = T - torch.maximum(torch.maximum(hot_new, lq + ya[..., None]), oq)
     twice = holds.gather(1, ((jq // s * e)[:, :, None, :] + ea[..., None]).view(a, -1)).view(a, m, s, q)
     cost = (ea[..., None] != curq).float() - chq
-    ad = best(gain.masked_fill_(twice | ~mq, -math.inf), cost)
+    jq4 = jq[:, :, None, :].expand(a, m, s, q)
+    ad = best(gain.masked_fill_(twice | ~mq, -math.inf), cost, price.delta(phy, jq4, ea[..., None].expand_as(jq4)))
 
     # drop: slot i (a has other replicas) becomes a replica of the expert not on g with the least
     # load per replica, or of the slot's original expert (a restore)
@@ -184,7 +196,8 @@ def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Ten
     worst_other = torch.maximum(others.gather(1, flat_m).view(a, m, s), hot_rise.amax(1))[..., None]
     gain = T - torch.maximum(rest + y_new, worst_other)
     cost = (f != cur_m[..., None]).float() - ch_m[..., None]
-    dr = best(gain.masked_fill_(~multi.gather(1, flat_m).view(a, m, s, 1), -math.inf), cost)
+    dr = best(gain.masked_fill_(~multi.gather(1, flat_m).view(a, m, s, 1), -math.inf), cost,
+              price.delta(phy, mine[..., None].expand_as(f), f))
 
     # decode the chosen move of each hot GPU: (first slot, its value, second slot, its value,
     # expert losing a replica, expert gaining one); a swap changes no count (dec == inc)
@@ -206,6 +219,41 @@ def _round(w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Ten
     return _resolve(kind.values > -math.inf, hot, gpu, holds.view(a, num_gpus, e), s1, v1, s2, v2, dec, inc, spent, room)
 
 
+class _Price:
+    """What changing a slot's expert costs, relative to the placement in force (``current``):
+    nothing when the slot gets back its current expert, 1 when the new expert's rows come from
+    the slot's own node (a GPU of it holds that expert in ``current``), ``inter_node_cost`` when
+    they must cross nodes. With one node every change costs 1: moves are ranked by gain per
+    changed slot. GPUs are numbered node-major."""
+
+    def __init__(self, current: torch.Tensor, experts: int, num_gpus: int, num_nodes: int, inter_node_cost: float) -> None:
+        layers, r = current.shape
+        gpu = torch.arange(r) // (r // num_gpus)
+        self.node = gpu // (num_gpus // num_nodes)  # [R] node of each slot
+        self.experts, self.inter = experts, inter_node_cost
+        self.cur = current
+        self.on_node = torch.zeros(layers, num_nodes * experts, dtype=torch.bool).scatter_(1, self.node * experts + current, True)
+
+    def rows(self, rows: torch.Tensor) -> "_Price":
+        """The same prices for the layers ``rows`` (the still active ones)."""
+        sub = copy.copy(self)
+        sub.cur, sub.on_node = self.cur[rows], self.on_node[rows]
+        return sub
+
+    def of(self, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Price of slot ``slots`` [A, ...] holding expert ``values`` (same shape), float."""
+        a = slots.shape[0]
+        flat_s, flat_v = slots.reshape(a, -1), values.reshape(a, -1)
+        near = self.on_node.gather(1, self.node[flat_s] * self.experts + flat_v)
+        moved = flat_v != self.cur.gather(1, flat_s)
+        price = torch.where(near, 1.0, self.inter) * moved
+        return price.view(slots.shape)
+
+    def delta(self, phy: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Change of the price when slots ``slots`` go from their expert in ``phy`` to ``values``."""
+        return self.of(slots, values) - self.of(slots, phy.gather(1, slots.reshape(slots.shape[0], -1)).view(slots.shape))
+
+
 def _resolve(valid, hot, gpu, holds, s1, v1, s2, v2, dec, inc, spent, room):
     """Take each layer's proposed moves hottest first, skipping any that would interact with a
     hotter proposal (a common GPU: a slot's GPU, the hot GPU, or a holder an add / drop raises; or
@@ -224,11 +272,15 @@ def _resolve(valid, hot, gpu, holds, s1, v1, s2, v2, dec, inc, spent, room):
 
 
 def incremental_plan(
-    w: torch.Tensor, current: torch.Tensor, num_gpus: int, max_moved: float, min_gain: float
+    w: torch.Tensor, current: torch.Tensor, num_gpus: int, max_moved: float, min_gain: float,
+    num_nodes: int = 1, inter_node_cost: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(phy2log [L, R], logcnt [L, E]) of the incremental policy for float32 loads ``w`` (see module doc)."""
+    """(phy2log [L, R], logcnt [L, E]) of the incremental policy for float32 loads ``w`` (see module doc);
+    with ``num_nodes`` > 1 a change whose expert must cross nodes counts ``inter_node_cost`` in the
+    ranking of moves (:class:`_Price`)."""
     layers, experts = w.shape
     r = current.shape[1]
+    price = _Price(current, experts, num_gpus, num_nodes, inter_node_cost)
     budget = math.floor(max_moved * r + 1e-9)
     phy = current.clone()
     cnt = torch.zeros(layers, experts, dtype=torch.int64).scatter_add_(1, phy, torch.ones_like(phy))
@@ -237,7 +289,7 @@ def incremental_plan(
     for _ in range(2 * budget + 8 if budget else 0):  # free moves (restoring slots) may add rounds
         sub = phy[active]
         room = budget - (sub != current[active]).sum(1)
-        accept, slots, values, dec, inc = _round(w[active], sub, cnt[active], current[active], num_gpus, room)
+        accept, slots, values, dec, inc = _round(w[active], sub, cnt[active], current[active], num_gpus, room, price.rows(active))
         moved = accept.any(1)
         if not bool(moved.any()):
             break

@@ -170,7 +170,7 @@ class Rebalancer:
             num_nodes=balancer.nodes,
             interval=balancer.interval,
             window=balancer.window,
-            min_gain=balancer.min_gain,
+            min_gain=0.0 if balancer.min_gain == "auto" else balancer.min_gain,  # auto: set before each decision
             policy=balancer.policy,
             max_moved=balancer.max_moved,
         )

@@ -209,6 +209,7 @@ class Planner:
         self._orig_phys, self._copy_phys, self._lp_slot, self._rank_of = orig_phys, copy_phys, lp_slot, rank_of
         self._replicated = lp_slot >= 0
         self._maps_on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._plan_call: lplb_native.PlanCall | None = None  # the C path bound to this layout (CPU only)
 
     def update_placement(
         self, workload: torch.Tensor, num_groups: int | None = None, num_nodes: int = 1
@@ -290,11 +291,13 @@ class Planner:
         G, g, d = self.n_groups, self.group_size, self.n_classes
         mapped = None
         if native:
-            (keep, objective, _, accepted, _), moved, phys, rank_load, mapped = lplb_native.plan(
-                counts, (self._rank_of, self._lp_slot, self._orig_phys, self._copy_phys), lp.holder,
-                n_groups=G, ep_size=self.ep_size, n_physical=self.n_physical, tol=self.tol, max_iter=self.max_iter,
-                accept_rtol=ACCEPT_RTOL, step_frac=STEP_FRAC, frac_bits=_FRAC_BITS, indices=flat, source=source,
-            )
+            if self._plan_call is None:
+                self._plan_call = lplb_native.PlanCall(
+                    (self._rank_of, self._lp_slot, self._orig_phys, self._copy_phys), lp.holder,
+                    n_groups=G, ep_size=self.ep_size, n_physical=self.n_physical, tol=self.tol, max_iter=self.max_iter,
+                    accept_rtol=ACCEPT_RTOL, step_frac=STEP_FRAC, frac_bits=_FRAC_BITS,
+                )
+            (keep, objective, _, accepted, _), moved, phys, rank_load, mapped = self._plan_call(counts, flat, source)
             plan = Plan(counts, keep.view(G, g, d), moved, phys, rank_load, objective, accepted)
         else:
             plan = self._plan_torch(counts, lp)

@@ -26,10 +26,11 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["available", "why_unavailable", "wanted", "library", "count_experts", "map_indices", "balance", "plan", "cache_dir", "SOURCE", "FLAGS"]
+__all__ = ["available", "why_unavailable", "wanted", "library", "count_experts", "map_indices", "balance", "plan", "PlanCall", "cache_dir", "SOURCE", "FLAGS"]
 
 SOURCE = Path(__file__).with_name("native") / "lplb.c"
 #: no -march=native: a cached build must load on every machine that shares the cache directory.
@@ -199,7 +200,7 @@ def library() -> ctypes.CDLL:
 
 def _cpu(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` as a contiguous CPU tensor of ``dtype`` (a no-op when it already is one)."""
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"the native path takes CPU tensors, got one on {t.device.type}")
     if t.dtype == dtype and t.is_contiguous():
         return t
@@ -285,62 +286,94 @@ def balance(
     return keep, objective, bound, accepted, int(iterations)
 
 
+class PlanCall:
+    """:func:`plan` with everything but the batch bound once: the layout, holder and solver
+    settings are checked and converted here, so a call costs the C work, one ctypes call and
+    three allocations (a planner makes one per placement; per batch it is the hot path).
+
+    ``counts`` of a call must be [S, E] (E = the layout's experts); the result is :func:`plan`'s.
+    """
+
+    def __init__(
+        self,
+        layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        holder: torch.Tensor,
+        *,
+        n_groups: int,
+        ep_size: int,
+        n_physical: int,
+        tol: float,
+        max_iter: int,
+        accept_rtol: float,
+        step_frac: float,
+        frac_bits: int,
+    ) -> None:
+        self.maps = [_cpu(t, torch.int64) for t in layout]  # kept: the C call reads their memory
+        self.holder = _cpu(holder, torch.int64)
+        E, n = self.maps[0].numel(), self.holder.numel()
+        g = n_groups and ep_size // n_groups
+        if any(t.numel() != E for t in self.maps) or g * n_groups != ep_size or not g or n % g or n_physical % ep_size:
+            raise ValueError(
+                f"plan: layout maps of {[t.numel() for t in self.maps]} entries, holder of {n}, "
+                f"{n_groups} groups, EP {ep_size} and {n_physical} slots do not fit together"
+            )
+        self.E, self.G, self.n, self.ep, self.P = E, n_groups, n, ep_size, n_physical
+        self._fn = library().lplb_plan
+        self._head = (*(t.data_ptr() for t in self.maps), n_groups, g, n // g, self.holder.data_ptr(),
+                      tol, max_iter, accept_rtol, step_frac, frac_bits, n_physical, n_physical // ep_size)
+        self._bad_layout = (
+            f"holder must name ranks in [0, {g}), and rank_of, lp_slot, orig_phys and copy_phys ranks, LP slots and "
+            f"physical slots in range (lp_slot and copy_phys may be -1)"
+        )
+
+    def __call__(
+        self, counts: torch.Tensor, indices: torch.Tensor | None = None, source: int = 0
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        S, E = counts.shape
+        if E != self.E or not 0 <= source < S:
+            raise ValueError(f"plan: counts [{S}, {E}] and source {source} do not fit a layout of {self.E} experts")
+        counts = _cpu(counts, torch.int64)
+        G, n, P, ep = self.G, self.n, self.P, self.ep
+        # One buffer per dtype, cut into the plan's tensors: fewer allocations on the hot path.
+        reals = torch.empty(G * (n + 2), dtype=torch.float64)
+        ints = torch.empty(S * E + P + ep, dtype=torch.int64)
+        accepted = torch.empty(G, dtype=torch.bool)  # one byte per entry, 0 or 1
+        mapped = idx_ptr = out_ptr = None
+        n_idx = width = 0
+        if indices is not None:
+            _index_kind(indices)
+            indices = _cpu(indices, indices.dtype)
+            mapped = torch.empty_like(indices)
+            idx_ptr, out_ptr, n_idx, width = indices.data_ptr(), mapped.data_ptr(), indices.numel(), indices.element_size()
+        r, i = reals.data_ptr(), ints.data_ptr()
+        iterations = self._fn(
+            S, E, counts.data_ptr(), *self._head, r, r + 8 * G * n, r + 8 * G * (n + 1), accepted.data_ptr(),
+            i, i + 8 * S * E, i + 8 * (S * E + P), idx_ptr, n_idx, width, source, out_ptr,
+        )
+        _check_status(iterations, "lplb_plan", self._bad_layout, f"indices must be in [-1, {E}) (count_experts names the first one outside)")
+        keep, objective, bound = reals[: G * n].view(G, n), reals[G * n : G * (n + 1)], reals[G * (n + 1) :]
+        moved, phys, rank_load = ints[: S * E].view(S, E), ints[S * E : S * E + P], ints[S * E + P :]
+        return (keep, objective, bound, accepted, int(iterations)), moved, phys, rank_load, mapped
+
+
 def plan(
     counts: torch.Tensor,
     layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     holder: torch.Tensor,
     *,
-    n_groups: int,
-    ep_size: int,
-    n_physical: int,
-    tol: float,
-    max_iter: int,
-    accept_rtol: float,
-    step_frac: float,
-    frac_bits: int,
     indices: torch.Tensor | None = None,
     source: int = 0,
+    **settings: Any,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The C counterpart of ``lplb.Planner.plan`` in one call: counts [S, E] int64 per source,
     layout = (rank_of, lp_slot, orig_phys, copy_phys) [E] each (lp_slot and copy_phys -1 for an
     expert without a copy), holder [g*d]. With ``indices`` (1-d, range-checked, counted in row
     ``source``) the same call maps them as :func:`map_indices` with that row's kept counts.
+    ``settings``: :class:`PlanCall`'s keyword arguments (n_groups, ep_size, n_physical, tol,
+    max_iter, accept_rtol, step_frac, frac_bits).
     Returns ((keep [G, g*d], objective, bound, accepted, iterations) as :func:`balance`,
     moved [S, E], phys_load [P], rank_load [ep], the mapped indices or None)."""
     S, E = counts.shape
-    counts = _cpu(counts, torch.int64)
-    maps = [_cpu(t, torch.int64) for t in layout]
-    holder = _cpu(holder, torch.int64)
-    n = holder.numel()
-    g = n_groups and ep_size // n_groups
-    if any(t.numel() != E for t in maps) or g * n_groups != ep_size or not g or n % g or n_physical % ep_size or not 0 <= source < S:
-        raise ValueError(
-            f"plan: counts [{S}, {E}], layout maps of {[t.numel() for t in maps]} entries, holder of {n}, "
-            f"{n_groups} groups, EP {ep_size}, {n_physical} slots and source {source} do not fit together"
-        )
-    keep = torch.empty(n_groups, n, dtype=torch.float64)
-    objective, bound = torch.empty(n_groups, dtype=torch.float64), torch.empty(n_groups, dtype=torch.float64)
-    accepted = torch.empty(n_groups, dtype=torch.bool)
-    moved = torch.empty(S, E, dtype=torch.int64)
-    phys = torch.empty(n_physical, dtype=torch.int64)
-    rank_load = torch.empty(ep_size, dtype=torch.int64)
-    mapped = idx_ptr = out_ptr = None
-    n_idx = width = 0
-    if indices is not None:
-        _index_kind(indices)
-        indices = _cpu(indices, indices.dtype)
-        mapped = torch.empty_like(indices)
-        idx_ptr, out_ptr, n_idx, width = indices.data_ptr(), mapped.data_ptr(), indices.numel(), indices.element_size()
-    iterations = library().lplb_plan(
-        S, E, counts.data_ptr(), *(t.data_ptr() for t in maps), n_groups, g, n // g, holder.data_ptr(),
-        tol, max_iter, accept_rtol, step_frac, frac_bits, n_physical, n_physical // ep_size,
-        *(t.data_ptr() for t in (keep, objective, bound, accepted, moved, phys, rank_load)),
-        idx_ptr, n_idx, width, source, out_ptr,
-    )
-    _check_status(
-        iterations, "lplb_plan",
-        f"holder must name ranks in [0, {g}), and rank_of, lp_slot, orig_phys and copy_phys ranks, LP slots and "
-        f"physical slots in range (lp_slot and copy_phys may be -1)",
-        f"indices must be in [-1, {E}) (count_experts names the first one outside)",
-    )
-    return (keep, objective, bound, accepted, int(iterations)), moved, phys, rank_load, mapped
+    if any(t.numel() != E for t in layout):
+        raise ValueError(f"plan: counts [{S}, {E}] and layout maps of {[t.numel() for t in layout]} entries do not fit together")
+    return PlanCall(layout, holder, **settings)(counts, indices, source)

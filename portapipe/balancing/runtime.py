@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,7 +119,11 @@ class ExpertBalancer:
         self.num_experts = model.n_experts
         self.ep, self.ep_rank = groups.ep, groups.ep_rank
         self.num_slots = model.n_experts + bal.redundant * groups.ep
-        self.interval, self.min_gain, self.nodes = bal.interval, bal.min_gain, bal.nodes
+        self.interval, self.nodes = bal.interval, bal.nodes
+        # min_gain auto (eplb): worked out before each decision from the measured migration and expert times
+        self.min_gain_auto = bal.min_gain == "auto"
+        self.min_gain = 0.0 if self.min_gain_auto else bal.min_gain
+        self.migrate_s_per_byte = 0.0  # this rank's last migration: seconds per byte it moved
         self.history: list[Rebalance] = []
         self.last_moved: dict[str, int] = {}  # what the last apply() moved
         self.modules: list[Any] = []  # this rank's MoE layers, set by attach()
@@ -139,6 +144,12 @@ class ExpertBalancer:
             ]
             self.window = LoadWindow(bal.window, n, model.n_experts)
             self.placement = self._lplb_placement(self.planners)
+        # LPLB's per-batch LP this step (seconds, this rank); whether it runs (see _stay_off)
+        self.lp_s = 0.0
+        self.lp_cost_s = 0.0  # the last step's measured LP time, kept while the LP is off
+        self.lp_on = True
+        self.lp_skipped_steps = 0
+        self.stay_off = bal.stay_off
 
     # ------------------------------------------------------------------ placement
     def _lplb_placement(self, planners: list[Any]) -> ExpertPlacement:
@@ -184,7 +195,14 @@ class ExpertBalancer:
         """Physical slot of every (token, k) entry of one micro-batch of MoE layer ``layer``."""
         row = self.row[layer]
         if self.kind == "lplb":
-            return self.planners[row].run(topk_idx)
+            if not self.lp_on:  # every token to its original (the same on every EP rank)
+                return self.placement.log2phy[row, :, 0].to(topk_idx.device)[topk_idx]
+            # processor time, as the experts' (expert_clock): on a shared host the counts'
+            # all-reduce would otherwise measure the ranks waiting for each other
+            t0 = time.thread_time()
+            out = self.planners[row].run(topk_idx)
+            self.lp_s += time.thread_time() - t0
+            return out
         return self.placement.route(row, topk_idx, offset=self.ep_rank)
 
     # ------------------------------------------------------------------ gradients
@@ -248,6 +266,7 @@ class ExpertBalancer:
         old = self.placement
         done: list[Any] = []
         moved = {"rows_moved": 0, "rows_inter_node": 0, "bytes_moved": 0, "bytes_inter_node": 0}
+        t0 = time.perf_counter()
         try:
             for layer in self.modules:
                 row = self.row[layer.index]
@@ -273,6 +292,8 @@ class ExpertBalancer:
             self.planners = planners
         self._label()
         self.last_moved = moved
+        if moved["bytes_moved"]:
+            self.migrate_s_per_byte = (time.perf_counter() - t0) / moved["bytes_moved"]
         return moved["rows_moved"]
 
     # ------------------------------------------------------------- periodic step
@@ -357,16 +378,90 @@ class ExpertBalancer:
         if self.layers and result.expert_counts is not None:
             counts = self._global_counts(result.expert_counts)
         mine = self._figures(slots, counts)  # before a rebalance changes the placement the step ran with
+        if self.kind == "lplb":
+            mine["lp"] = self._lp_figures(counts)
         event = None
+        due = (step + 1) % self.interval == 0
+        if due and self.min_gain_auto and self.kind == "eplb":
+            mine["min_gain"] = self._auto_min_gain(optimizer)
         if counts is not None:
             self.load_window.record(counts)
-            if (step + 1) % self.interval == 0:
+            if due:
                 event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
                 self.history.append(event)
         mine["event"] = None if event is None else event.as_dict()
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, mine)
-        return merge_figures(parts)
+        merged = merge_figures(parts)
+        if "min_gain" in mine:  # auto: the same on every rank
+            merged["min_gain"] = mine["min_gain"]
+        if self.kind == "lplb":
+            merged.update(self._stay_off(step + 1, parts))
+        return merged
+
+    def _lp_figures(self, counts: torch.Tensor | None) -> dict[str, float]:
+        """This rank's LP time this step and the time the LP is predicted to save per step: per
+        layer, the rows the most loaded EP rank computes with every token on its original less
+        with the LP's plan (of the step's loads), at this rank's measured expert seconds per row."""
+        cost = self.lp_s
+        self.lp_s = 0.0
+        if cost > 0:
+            self.lp_cost_s = cost
+        gain = 0.0
+        if counts is not None and self.modules:
+            seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
+            rows = sum(layer.moe.clock.last[1] for layer in self.modules)
+            per = self.slots_per_rank
+            first = torch.div(self.placement.log2phy[:, :, 0], per, rounding_mode="floor")
+            for row, planner in enumerate(self.planners):
+                orig = torch.zeros(self.ep, dtype=torch.float64).scatter_add_(0, first[row], counts[row])
+                probe = copy.copy(planner)  # plan() counts solves; probing must not
+                lp = probe.plan(counts[row].round().to(torch.int64).unsqueeze(0)).rank_load
+                gain += float(orig.max() - lp.max().to(torch.float64))
+            # counts are summed over DP: each replica's ranks compute 1/dp of them
+            gain *= seconds / rows / self.groups.dp if rows else 0.0
+        return {"lp_cost_s": self.lp_cost_s, "lp_gain_s": gain}
+
+    def _stay_off(self, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Run the per-batch LP next step only if its predicted gain (mean over ranks) reaches its
+        measured cost (mean over ranks; while it is off, the last measured); every rank decides
+        alike from the gathered figures. One log line when the decision changes."""
+        figures = [p["lp"] for p in parts if p.get("lp") is not None]
+        gain = sum(f["lp_gain_s"] for f in figures) / max(len(figures), 1)
+        cost = sum(f["lp_cost_s"] for f in figures) / max(len(figures), 1)
+        was = self.lp_on
+        # the first step pays one-time costs (the native library's build, first calls): decide from the second
+        self.lp_on = not self.stay_off or not figures or step < 2 or gain >= cost
+        if not was:
+            self.lp_skipped_steps += 1
+        if self.lp_on != was:
+            log.info(
+                "lplb step %d: predicted gain %.3f ms %s LP cost %.3f ms per step: %s the per-batch LP",
+                step, 1e3 * gain, ">=" if self.lp_on else "<", 1e3 * cost, "running" if self.lp_on else "skipping",
+            )
+        return {"lp_ran": was, "lp_skipped_steps": self.lp_skipped_steps, "lp_gain_ms": 1e3 * gain, "lp_cost_ms": 1e3 * cost}
+
+    def _auto_min_gain(self, optimizer: Any) -> float:
+        """``min_gain: auto`` (collective over the job, the same value on every rank): the time a
+        migration of every slot would take at the last migration's measured seconds per byte,
+        over ``interval`` steps of expert compute (each rank's last step; means over ranks). The
+        balancedness a plan must gain per moved fraction is then what pays for its bytes within
+        the interval. 0 until a migration was timed (the first placement measures it)."""
+        seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
+        full = 0.0
+        for layer in self.modules:
+            params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
+            full += row_bytes(expert_tensors(params, self.slots_per_rank, optimizer)) * self.num_slots
+        t = torch.tensor([seconds, full * self.migrate_s_per_byte, float(self.migrate_s_per_byte > 0), float(bool(self.modules))],
+                         dtype=torch.float64)
+        dist.all_reduce(t)
+        value = 0.0 if t[2] < t[3] or t[0] <= 0 else float(t[1] / (self.interval * t[0]))
+        self.min_gain = value
+        if self.rebalancer is not None:
+            self.rebalancer.min_gain = value
+        log.info("eplb min_gain auto: %.4f (a full migration %.1f ms, expert time %.1f ms per step, means over ranks)",
+                 value, 1e3 * float(t[1]) / dist.get_world_size(), 1e3 * float(t[0]) / dist.get_world_size())
+        return value
 
     def _figures(self, slots: torch.Tensor, counts: torch.Tensor | None) -> dict[str, Any]:
         """This rank's raw per-layer loads of the step, for :func:`merge_figures`."""

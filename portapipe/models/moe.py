@@ -45,6 +45,7 @@ from ..backends.base import Backend
 from ..config import ModelConfig
 from ..scheduling.stage import expert_ids, is_expert, mark_expert
 from .attention import HF_PRECISION, Attention, GroupedQueryAttention, LatentAttention
+from .expert_clock import ExpertClock
 from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch
 from .functions import RMSNorm, swiglu
 from .linear import Linear, grouped_linear
@@ -145,6 +146,7 @@ class MoE(nn.Module):
             self.register_buffer("slot_counts", torch.zeros(ep.balancer.num_slots, dtype=torch.int64), persistent=False)
         # Rows routed to each logical expert by this rank since the last bias update.
         self.register_buffer("step_counts", torch.zeros(cfg.n_experts, dtype=torch.int64), persistent=False)
+        self.clock = ExpertClock()  # this rank's expert compute per step (EP wait figures)
 
     def dispatch_plan(self, idx: torch.Tensor) -> DispatchPlan:
         """Plan the dispatch of routed entries ``idx[T, k]`` (logical ids) and count them."""
@@ -203,7 +205,7 @@ class Layer(nn.Module):
         """
         moe = self.moe
         with contextlib.nullcontext() if zm is None else zm.dropping(recv, recv):
-            return moe.experts(recv, weights, plan.offs, moe.ep.backend, moe.ep.size, zm)
+            return moe.clock.run(moe.experts, recv, weights, plan.offs, moe.ep.backend, moe.ep.size, zm)
 
     def shared_part(self, hn: torch.Tensor, zm: Any = None) -> torch.Tensor:
         if zm is None:

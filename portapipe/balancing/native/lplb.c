@@ -20,11 +20,33 @@
 /* ------------------------------------------------------------------ counting and mapping */
 
 /* out[0] = entries equal to -1, out[e + 1] = entries of expert e (out has n_experts + 1 slots).
- * Returns the position of the first entry outside [-1, n_experts), or -1 when all are valid. */
+ * Returns the position of the first entry outside [-1, n_experts), or -1 when all are valid.
+ * Four interleaved 32-bit histograms: consecutive entries of one expert would otherwise wait
+ * on each other's increment (a store-to-load chain through one counter); the blocks are
+ * checked before they are counted, so a bad block is rescanned by the plain loop for its
+ * position. Falls back to the plain loop when n does not fit 32-bit counters or no scratch. */
 #define LPLB_COUNT(NAME, T)                                                                  \
     int64_t NAME(const T *idx, int64_t n, int64_t n_experts, int64_t *out) {                 \
         memset(out, 0, (size_t)(n_experts + 1) * sizeof(int64_t));                           \
-        for (int64_t j = 0; j < n; ++j) {                                                    \
+        const uint64_t top = (uint64_t)n_experts;                                            \
+        int64_t j = 0;                                                                       \
+        uint32_t *h = n < INT32_MAX ? (uint32_t *)calloc((size_t)(4 * (n_experts + 1)), 4) : NULL; \
+        if (h != NULL) {                                                                     \
+            uint32_t *h1 = h + (n_experts + 1), *h2 = h1 + (n_experts + 1), *h3 = h2 + (n_experts + 1); \
+            for (; j + 4 <= n; j += 4) {                                                     \
+                uint64_t a = (uint64_t)((int64_t)idx[j] + 1), b = (uint64_t)((int64_t)idx[j + 1] + 1); \
+                uint64_t c = (uint64_t)((int64_t)idx[j + 2] + 1), d = (uint64_t)((int64_t)idx[j + 3] + 1); \
+                if ((a > top) | (b > top) | (c > top) | (d > top)) break;                    \
+                ++h[a];                                                                      \
+                ++h1[b];                                                                     \
+                ++h2[c];                                                                     \
+                ++h3[d];                                                                     \
+            }                                                                                \
+            for (int64_t e = 0; e <= n_experts; ++e)                                         \
+                out[e] = (int64_t)h[e] + (int64_t)h1[e] + (int64_t)h2[e] + (int64_t)h3[e];   \
+            free(h);                                                                         \
+        }                                                                                    \
+        for (; j < n; ++j) {                                                                 \
             int64_t e = (int64_t)idx[j];                                                     \
             if (e < -1 || e >= n_experts) return j;                                          \
             ++out[e + 1];                                                                    \
@@ -81,7 +103,7 @@ typedef struct {
     const int64_t *holder;
     int64_t *own;  /* j / d, tabulated: a division per use would cost more than the arithmetic */
     double move_cost;
-    double *h, *wn, *X, *Z, *iX, *iZ, *dX, *dZ, *a, *rq, *Ti, *K, *k1, *rho;
+    double *h, *wn, *X, *Z, *iX, *dX, *dZ, *a, *rq, *Ti, *K, *k1, *rho, *inv;
 } Box;
 
 static int64_t own_of(const Box *b, int64_t j) { return b->own[j]; }
@@ -103,45 +125,47 @@ static double max_of(const double *v, int64_t len) {
     return best;
 }
 
-/* In-place Cholesky K = L L^T (lower triangle of the row-major m x m K). 0 when K is not
- * numerically positive definite. */
-static int cholesky(double *K, int64_t m) {
+/* In-place Cholesky K = L L^T (lower triangle of the row-major m x m K), with the reciprocals
+ * of L's diagonal in inv (the solves multiply by them: a division per row on the critical path
+ * of these tiny triangular solves would dominate). 0 when K is not numerically positive definite. */
+static int cholesky(double *K, int64_t m, double *inv) {
     for (int64_t j = 0; j < m; ++j) {
         double s = K[j * m + j];
         for (int64_t k = 0; k < j; ++k) s -= K[j * m + k] * K[j * m + k];
         if (!(s > 0.0) || !isfinite(s)) return 0;
         double l = sqrt(s);
         K[j * m + j] = l;
+        inv[j] = 1.0 / l;
         for (int64_t i = j + 1; i < m; ++i) {
             double t = K[i * m + j];
             for (int64_t k = 0; k < j; ++k) t -= K[i * m + k] * K[j * m + k];
-            K[i * m + j] = t / l;
+            K[i * m + j] = t * inv[j];
         }
     }
     return 1;
 }
 
-/* x <- K^-1 x with K's Cholesky factor L. */
-static void chol_solve(const double *L, int64_t m, double *x) {
+/* x <- K^-1 x with K's Cholesky factor L and inv = 1 / diag(L). */
+static void chol_solve(const double *L, const double *inv, int64_t m, double *x) {
     for (int64_t i = 0; i < m; ++i) {
         double t = x[i];
         for (int64_t k = 0; k < i; ++k) t -= L[i * m + k] * x[k];
-        x[i] = t / L[i * m + i];
+        x[i] = t * inv[i];
     }
     for (int64_t i = m - 1; i >= 0; --i) {
         double t = x[i];
         for (int64_t k = i + 1; k < m; ++k) t -= L[k * m + i] * x[k];
-        x[i] = t / L[i * m + i];
+        x[i] = t * inv[i];
     }
 }
 
 /* The Newton direction for complementarity right-hand side rc (lp_solver._newton): fills
  * dX, dZ and returns the largest step <= 1 that keeps X, Z >= 0. V = [X, Z] with
- * X = [q, 1 - q, y], Z = [u, v, s]; iX = 1 / X, iZ = 1 / Z (divisions dominate otherwise),
+ * X = [q, 1 - q, y], Z = [u, v, s]; iX = 1 / X (divisions dominate otherwise),
  * Ti, K (factored), k1 = K^-1 1 and den = 1^T k1 are the iteration's. */
 static double newton(Box *b, const double *rc, double den) {
     int64_t m = b->m, n = b->n, N = b->N;
-    const double *Z = b->Z, *iX = b->iX, *iZ = b->iZ;
+    const double *X = b->X, *Z = b->Z, *iX = b->iX;
     double *a = b->a, *rq = b->rq, *rho = b->rho, *dX = b->dX, *dZ = b->dZ;
     for (int64_t j = 0; j < N; ++j) a[j] = rc[j] * iX[j];
     for (int64_t i = 0; i < m; ++i) rho[i] = a[2 * n + i];
@@ -151,7 +175,7 @@ static double newton(Box *b, const double *rc, double den) {
         rho[own_of(b, j)] -= v;
         rho[b->holder[j]] += v;
     }
-    chol_solve(b->K, m, rho);
+    chol_solve(b->K, b->inv, m, rho);
     double shift = 0.0;
     for (int64_t i = 0; i < m; ++i) shift += rho[i];
     shift /= den;
@@ -166,10 +190,10 @@ static double newton(Box *b, const double *rc, double den) {
     double lowest = -1.0;
     for (int64_t j = 0; j < N; ++j) {
         dZ[j] = (rc[j] - Z[j] * dX[j]) * iX[j];
-        double rx = dX[j] * iX[j], rz = dZ[j] * iZ[j];
-        if (rx < lowest) lowest = rx;
-        if (rz < lowest) lowest = rz;
-        if (isnan(rx) || isnan(rz)) return NAN;
+        /* dV / V < lowest, tested as dV < lowest * V (V > 0): a division only on a new low */
+        if (dX[j] < lowest * X[j]) lowest = dX[j] * iX[j];
+        if (dZ[j] < lowest * Z[j]) lowest = dZ[j] / Z[j];
+        if (isnan(dX[j]) || isnan(dZ[j])) return NAN;
     }
     return -1.0 / lowest;
 }
@@ -205,7 +229,6 @@ static int64_t box_ipm(Box *b, double tol, int64_t max_iter, double step_frac, d
         double *K = b->K;
         for (int64_t j = 0; j < N; ++j) {
             b->iX[j] = 1.0 / X[j];
-            b->iZ[j] = 1.0 / Z[j];
         }
         memset(K, 0, (size_t)(m * m) * sizeof(double));
         for (int64_t i = 0; i < m; ++i) K[i * m + i] = Z[2 * n + i] * b->iX[2 * n + i];
@@ -225,13 +248,13 @@ static int64_t box_ipm(Box *b, double tol, int64_t max_iter, double step_frac, d
         kappa /= (double)m;
         if (kappa < 1e-12) kappa = 1e-12;
         for (int64_t i = 0; i < m * m; ++i) K[i] += kappa;
-        if (!cholesky(K, m)) {
+        if (!cholesky(K, m, b->inv)) {
             gap = INFINITY;
             break;
         }
         double den = 0.0;
         for (int64_t i = 0; i < m; ++i) b->k1[i] = 1.0;
-        chol_solve(K, m, b->k1);
+        chol_solve(K, b->inv, m, b->k1);
         for (int64_t i = 0; i < m; ++i) den += b->k1[i];
         /* Predictor (affine scaling). */
         for (int64_t j = 0; j < N; ++j) rc[j] = -X[j] * Z[j];
@@ -268,9 +291,9 @@ int64_t lplb_balance(int64_t G, int64_t m, int64_t d, const int64_t *holder, con
     int64_t n = m * d, N = 2 * n + m;
     for (int64_t j = 0; j < n; ++j)
         if (holder[j] < 0 || holder[j] >= m) return -2;
-    /* h, load, even [m]; wn, Ti, rq [n]; X, Z, iX, iZ, dX, dZ [N]; a and rc [2N]; K [m*m];
-     * k1, rho [m]. */
-    size_t words = (size_t)(5 * m + 3 * n + 8 * N + m * m);
+    /* h, load, even [m]; wn, Ti, rq [n]; X, Z, iX, dX, dZ [N]; a and rc [2N]; K [m*m];
+     * k1, rho, inv [m]. */
+    size_t words = (size_t)(6 * m + 3 * n + 7 * N + m * m);
     double *ws = (double *)malloc(words * sizeof(double));
     int64_t *own = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
     if (ws == NULL || own == NULL) {
@@ -288,13 +311,13 @@ int64_t lplb_balance(int64_t G, int64_t m, int64_t d, const int64_t *holder, con
     b.X = b.rq + n;
     b.Z = b.X + N;
     b.iX = b.Z + N;
-    b.iZ = b.iX + N;
-    b.dX = b.iZ + N;
+    b.dX = b.iX + N;
     b.dZ = b.dX + N;
     b.a = b.dZ + N;
     b.K = b.a + 2 * N;
     b.k1 = b.K + m * m;
     b.rho = b.k1 + m;
+    b.inv = b.rho + m;
     int64_t iterations = 0;
     for (int64_t gi = 0; gi < G; ++gi) {
         const double *F = fixed + gi * m, *W = w + gi * n;

@@ -1,0 +1,136 @@
+"""EP-wait figures on 4 gloo ranks (ep=4): every run's metrics carry ``ep_wait_frac`` and
+``rank_balancedness``; a deliberately skewed router (``bench.router_skew_from``: two of eight
+experts take most tokens, both on EP rank 0) lowers the balancedness and raises the wait, a
+balancer (EPLB, rebalancing after step 1) wins both back, and forced uniform routing is perfectly
+balanced. The balancedness (rows per rank) is deterministic; the wait, a timing, is compared
+with a wide margin only. The decisions taken from measured figures: LPLB's per-batch LP runs on
+the skewed router and stays off on the uniform one; EPLB's ``min_gain: auto`` is 0 until the
+first migration was timed, then positive, and gates every later plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from portapipe.config import ConfigError, load_config
+
+SKEW = [12, 12, 1, 1, 1, 1, 1, 1]  # experts 0 and 1 (EP rank 0's) take 24 of 30 parts
+STEPS = 4
+LPLB = {"kind": "lplb", "redundant": 1, "topology": "ring", "interval": 100}
+
+
+def _config(log_dir: Path, bench: dict[str, Any], balancer: dict[str, Any] | None = None) -> dict[str, Any]:
+    return load_config(
+        {
+            "backend": "cpu",
+            "parallel": {"pp": 1, "ep": 4, "dp": 1},
+            "schedule": {"name": "1f1b", "microbatches": 2},
+            # MoE-dominated: wide experts, a narrow attention
+            "model": {"vocab_size": 256, "hidden": 32, "n_layers": 3, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32,
+                      "moe_hidden": 256, "n_experts": 8, "top_k": 2, "seq_len": 32, "bias_update_speed": 0.0},
+            "balancer": balancer or {"kind": "none"},
+            "bench": bench,
+            "train": {"steps": STEPS, "micro_batch_size": 4, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 0},
+            "log": {"dir": str(log_dir), "progress": False},
+            "checkpoint": {"every": 0},
+        }
+    ).to_dict()
+
+
+def _train_all(backend: Any, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    from portapipe.train import train_rank
+
+    out: dict[str, Any] = {}
+    for name, raw in configs.items():
+        train_rank(backend, raw)
+        if backend.parallel_groups(1, 1, 4).rank == 0:
+            path = Path(raw["log"]["dir"]) / "metrics.jsonl"
+            out[name] = [json.loads(line) for line in path.read_text().splitlines() if '"kind": "train"' in line]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from portapipe.launch import run_ranks
+
+    root = tmp_path_factory.mktemp("ep_wait")
+    loads = root / "skew.txt"
+    loads.write_text(" ".join(map(str, SKEW)) + "\n")
+    configs = {
+        "skewed": _config(root / "skewed", {"router_skew_from": str(loads)}),
+        "uniform": _config(root / "uniform", {"force_uniform_routing": True}),
+        "lplb": _config(root / "lplb", {"router_skew_from": str(loads)}, LPLB),
+        "lplb_uniform": _config(root / "lplb_uniform", {"force_uniform_routing": True}, LPLB),
+        # EPLB rebalancing after every step, min_gain from the measured times
+        "balanced": _config(root / "balanced", {"router_skew_from": str(loads)},
+                            {"kind": "eplb", "interval": 1, "window": 1, "redundant": 1, "min_gain": "auto"}),
+    }
+    return run_ranks(_train_all, 4, configs, wall_timeout_s=300)[0]
+
+
+@pytest.mark.multiproc
+def test_skew_lowers_balancedness_and_a_balancer_wins_it_back(runs: dict[str, Any]) -> None:
+    for lines in runs.values():
+        assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+        for m in lines:
+            assert 0.0 <= m["ep_wait_frac"] < 1.0 and 0.0 < m["rank_balancedness"] <= 1.0
+    last = {name: lines[-1] for name, lines in runs.items()}
+    # round-robin routing gives every rank exactly the same rows
+    assert all(m["rank_balancedness"] == 1.0 for m in runs["uniform"])
+    # 24 of 30 parts on rank 0 (two of its experts): mean / max about 0.35
+    assert last["skewed"]["rank_balancedness"] < 0.5
+    # EPLB (one replica per rank): the identity placement's replicas already help at step 1
+    # (about 0.63), the load-based placement adopted after step 1 more (about 0.85)
+    assert last["skewed"]["rank_balancedness"] + 0.2 < runs["balanced"][0]["rank_balancedness"]
+    assert runs["balanced"][0]["rank_balancedness"] + 0.1 < last["balanced"]["rank_balancedness"]
+    # the wait follows, by a wide margin (measured about 4x): three ranks idle while rank 0
+    # computes most rows; after the first step's one-time costs
+    def wait(name: str) -> float:
+        return sum(m["ep_wait_frac"] for m in runs[name][1:]) / (STEPS - 1)
+
+    assert wait("skewed") > 1.5 * wait("uniform") and wait("skewed") > 1.5 * wait("balanced")
+
+
+def test_bench_routing_is_checked_before_launch(tmp_path: Path) -> None:
+    from portapipe.config import config_from_dict
+    from portapipe.train import check_before_launch
+
+    bad = tmp_path / "loads.txt"
+    bad.write_text("1 2 3\n")
+    raw = _config(tmp_path / "log", {"router_skew_from": str(bad)})
+    with pytest.raises(ConfigError, match="has 3 loads per row; the model has model.n_experts = 8"):
+        check_before_launch(config_from_dict(raw))
+    with pytest.raises(ConfigError, match="two routings; set one"):
+        _config(tmp_path / "log", {"router_skew_from": str(bad), "force_uniform_routing": True})
+
+
+@pytest.mark.multiproc
+def test_lplb_runs_its_lp_where_it_pays_and_stays_off_where_it_cannot(runs: dict[str, Any]) -> None:
+    # skewed: the LP's predicted gain (rows off the busiest rank x its seconds per row) beats its
+    # measured cost every step, so it runs and balances
+    for m in runs["lplb"]:
+        assert m["balancer"]["lp_ran"] and m["balancer"]["lp_gain_ms"] > m["balancer"]["lp_cost_ms"] or m["step"] == 1
+        assert m["rank_balancedness"] > runs["skewed"][-1]["rank_balancedness"] + 0.25
+    # uniform routing: nothing to gain, so after the first step (one-time costs) it stays off
+    lines = runs["lplb_uniform"]
+    assert [m["balancer"]["lp_ran"] for m in lines] == [True, True] + [False] * (STEPS - 2)
+    assert lines[-1]["balancer"]["lp_skipped_steps"] == STEPS - 2 and lines[-1]["balancer"]["lp_gain_ms"] == 0.0
+    assert all(m["rank_balancedness"] == 1.0 for m in lines)
+
+
+@pytest.mark.multiproc
+def test_eplb_min_gain_auto_comes_from_the_measured_migration(runs: dict[str, Any]) -> None:
+    lines = runs["balanced"]
+    gains = [m["balancer"]["min_gain"] for m in lines]
+    events = [m["balancer"]["rebalance"] for m in lines]
+    # nothing timed before the first migration: min_gain 0, and the first placement is adopted
+    assert gains[0] == 0.0 and events[0]["applied"] and events[0]["bytes_moved"] > 0
+    # then the migration's measured seconds per byte and the expert time set it, on every step
+    assert all(g > 0 for g in gains[1:])
+    for m in lines[1:]:  # a plan is adopted only when it gains that much per moved fraction
+        e = m["balancer"]["rebalance"]
+        moved = e["rows_moved"] / (2 * 12)  # the share of the slots (2 MoE layers x 12) whose rows moved
+        assert not e["applied"] or e["after"] - e["before"] >= m["balancer"]["min_gain"] * moved - 1e-9
