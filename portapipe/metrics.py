@@ -53,6 +53,8 @@ class StepStats:
     bubble_frac: float
     a2a_hidden_frac: float | None
     a2a_hidden_steady_frac: float | None  # over the overlapped F&B pairs only
+    #: gradient synchronisation left after the last action (the largest over ranks), seconds
+    grad_sync_exposed_s: float = 0.0
 
 
 @dataclass
@@ -85,10 +87,12 @@ class Figures:
     bubble: list[float] = field(default_factory=list)
     hidden: list[float] = field(default_factory=list)
     hidden_steady: list[float] = field(default_factory=list)
+    grad_sync_exposed: list[float] = field(default_factory=list)
 
     def add(self, stats: StepStats) -> None:
         self.step_s.append(stats.step_s)
         self.bubble.append(stats.bubble_frac)
+        self.grad_sync_exposed.append(stats.grad_sync_exposed_s)
         if stats.a2a_hidden_frac is not None:
             self.hidden.append(stats.a2a_hidden_frac)
         if stats.a2a_hidden_steady_frac is not None:
@@ -103,6 +107,7 @@ class Figures:
             "bubble_pct": percent(med(self.bubble)),
             "a2a_hidden_pct": percent(med(self.hidden)),
             "a2a_hidden_steady_pct": percent(med(self.hidden_steady)),
+            "median_grad_sync_exposed_s": med(self.grad_sync_exposed),
         }
 
 
@@ -121,6 +126,16 @@ def percent(frac: float | None) -> float | None:
     return None if frac is None else 100.0 * frac
 
 
+def memory_record(backend: Any, parts: dict[str, int]) -> dict[str, Any]:
+    """The ``memory`` record: the largest per-rank bytes of each part over the ranks (collective)."""
+    keys = sorted(parts)
+    local = torch.tensor([float(parts[k]) for k in keys], dtype=torch.float64)
+    table = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
+    backend.all_gather(table, local)
+    top = torch.stack(table).max(0).values
+    return {"kind": "memory", **{k: int(v) for k, v in zip(keys, top.tolist())}}
+
+
 def timing(result: Any, key: str) -> float:
     value = result.timings.get(key, 0.0)
     return float(value) if value is not None else 0.0
@@ -129,11 +144,11 @@ def timing(result: Any, key: str) -> float:
 def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any) -> StepStats:
     """One all-gather per step: the global gradient norm and the step's timings over ranks.
 
-    Bubble = the largest idle share over ranks; all-to-all hidden = 1 - (summed wait) /
+    Bubble = the largest idle share over ranks, likewise the exposed gradient synchronisation; all-to-all hidden = 1 - (summed wait) /
     (summed all-to-all time), over the whole step and over the F&B pairs (the steady phase),
     or None when there was no all-to-all.
     """
-    keys = ("step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s")
+    keys = ("step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s", "grad_sync_exposed_s")
     local = torch.tensor([grad_sq_owned, *(timing(result, k) for k in keys)], dtype=torch.float64)
     world = torch.distributed.get_world_size()
     parts = [torch.empty_like(local) for _ in range(world)]
@@ -150,4 +165,5 @@ def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any) -> StepSt
         bubble_frac=float(table[:, 2].max()),
         a2a_hidden_frac=hidden(3, 4),
         a2a_hidden_steady_frac=hidden(5, 6),
+        grad_sync_exposed_s=float(table[:, 7].max()),
     )
