@@ -256,6 +256,15 @@ class GradBuckets:
             return bucket.shard_grad
         return bucket.grad[bucket.shard]
 
+    def full_grads(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every trainable parameter's whole reduced gradient, shaped like it (after :meth:`finish`;
+        collective under zero_stage 2, whose ranges are all-gathered)."""
+        out = {}
+        for bucket in self.buckets:
+            full = bucket.grad if bucket.grad is not None else gather(self.backend, bucket, bucket.shard_grad)
+            out.update(zip(bucket.params, bucket.views(full)))
+        return out
+
     def norm_mask(self, bucket: Bucket, counted_block: bool) -> torch.Tensor | None:
         """Which elements of this rank's range count in the global gradient norm (None: all).
 
@@ -283,6 +292,16 @@ class GradBuckets:
 
 
 _DONE = object()
+
+
+def gather(backend: Any, bucket: Bucket, part: torch.Tensor) -> torch.Tensor:
+    """The whole bucket-length tensor from every group rank's range ``part`` (collective)."""
+    full = part.new_empty(bucket.numel)
+    if bucket.group_size == 1:
+        full.copy_(part)
+    else:
+        backend.all_gather_into_tensor(full, part, group=bucket.group)
+    return full
 
 
 def _into_main_grad(p: torch.Tensor) -> None:

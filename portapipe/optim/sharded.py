@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .adamw import adamw_
-from .buckets import Bucket, GradBuckets
+from .buckets import Bucket, GradBuckets, gather
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -170,14 +170,7 @@ class ShardedAdamW:
                 yield p, {kind: bucket.views(t)[i] for kind, t in full.items()}
 
     def _whole(self, bucket: Bucket, part: torch.Tensor) -> torch.Tensor:
-        if self.zero_stage == 0:
-            return part
-        full = part.new_empty(bucket.numel)
-        if bucket.group_size == 1:
-            full.copy_(part)
-        else:
-            self.backend.all_gather_into_tensor(full, part, group=bucket.group)
-        return full
+        return part if self.zero_stage == 0 else gather(self.backend, bucket, part)
 
     def load_full_state(self, loaded: dict[nn.Parameter, dict[str, torch.Tensor]], steps: int) -> None:
         """Put whole per-parameter tensors (as :meth:`full_state` gives; ``master`` optional: the
