@@ -3,9 +3,11 @@
 What a rank contributes to a checkpoint (a nested dict that DCP flattens to dotted keys):
 
 - ``model.<name>``: parameters and persistent buffers (the routers' ``bias``), routed experts one
-  per logical expert (``layers.3.moe.experts.5.gate_up``); where the optimizer keeps master
-  weights, they are the saved parameters (in the master dtype), so a run may resume in another
-  model or master dtype;
+  per logical expert (``layers.3.moe.experts.5.gate_up``), in the model dtype (what ``portapipe
+  export`` writes: the master weights cast);
+- ``master.<name>``: the master weights, when the optimizer keeps them apart from the parameters
+  (another dtype, or sharded), so a run may resume in another model or master dtype and zero
+  stage (a checkpoint without them: the parameters are the master weights);
 - ``optim.<name>.{exp_avg, exp_avg_sq, step}``: AdamW's state under the same names, whole
   (a sharded optimizer's ranges are gathered first), so any ``zero_stage`` and dp size reads it;
 - ``balancer.<layer>.{phy2log, log2phy, loads, planned}``: the expert placement in force (and whether it came from loads), the window of
@@ -59,8 +61,10 @@ def capture(runtime: Any, optimizer: Any, balancer: Any, rng: dict[str, torch.Te
     under a sharded optimizer)."""
     named = named_state(runtime)
     full = dict(optimizer.full_state())  # parameter -> whole exp_avg, exp_avg_sq (and master)
-    saved = [(n, _shaped_like(full[t]["master"], t) if t in full and "master" in full[t] else t) for n, t in named]
-    state: dict[str, Any] = {"model": logical_state(saved)}
+    state: dict[str, Any] = {"model": logical_state(named)}
+    masters = [(n, _shaped_like(full[p]["master"], p)) for n, p in _params(named) if p in full and "master" in full[p]]
+    if masters:
+        state["master"] = logical_state(masters)
     params = [(n, p) for n, p in _params(named) if p in full and optimizer.steps]
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for kind in MOMENTS:
@@ -133,9 +137,10 @@ def targets(runtime: Any, optimizer: Any, rng_kinds: list[str], meta: Mapping[st
         return torch.empty(tuple(m.size), dtype=dtype or m.properties.dtype)
 
     model: dict[str, torch.Tensor] = {}
+    has_master = any(k.startswith("master.") for k in meta)
     for key, t, _ in logical_slices(named):
-        # read in the master dtype where master weights are kept (the checkpoint's dtype is converted)
-        dtype = optimizer.master_dtype if isinstance(t, nn.Parameter) or t.requires_grad else t.dtype
+        # without saved master weights the parameters are them: read in the master dtype (DCP converts)
+        dtype = optimizer.master_dtype if not has_master and t.requires_grad else t.dtype
         if key not in model and (x := want(f"model.{key}", t.shape, dtype)) is not None:
             model[key] = x
     optim: dict[str, dict[str, torch.Tensor]] = {}
@@ -149,6 +154,9 @@ def targets(runtime: Any, optimizer: Any, rng_kinds: list[str], meta: Mapping[st
     if problems:
         raise ValueError(f"the checkpoint does not fit this model ({len(problems)} problems; first: {'; '.join(problems[:4])})")
     out: dict[str, Any] = {"model": model, "optim": optim}
+    if has_master:  # read in this run's master dtype
+        out["master"] = {key: torch.empty(tuple(meta[f"master.{key}"].size), dtype=optimizer.master_dtype)
+                         for n, p in _params(named) for key, _, _ in logical_slices([(n, p)]) if f"master.{key}" in meta}
     rng = {k: torch.empty(tuple(meta[f"rng.{k}"].size), dtype=meta[f"rng.{k}"].properties.dtype) for k in rng_kinds if f"rng.{k}" in meta}
     if rng:
         out["rng"] = rng
@@ -161,7 +169,10 @@ def restore(loaded: dict[str, Any], runtime: Any, optimizer: Any) -> None:
     AdamW's state and the master weights."""
     named = named_state(runtime)
     load_logical_state(named, loaded["model"])
-    _restore_optimizer(optimizer, _params(named), loaded["optim"], loaded["model"])
+    master = {**loaded["model"], **loaded.get("master", {})}  # the master weights where saved, else the parameters
+    if "master" in loaded:  # the parameters as the master weights cast (exactly what the run computed with)
+        load_logical_state(_params(named), master)
+    _restore_optimizer(optimizer, _params(named), loaded["optim"], master)
 
 
 def restore_balancer(balancer: Any, loaded: dict[str, Any], placement_fits: bool) -> None:
