@@ -67,9 +67,11 @@ class Bucket:
         """Each parameter's view of a full-length flat tensor."""
         return [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
-    def segments(self) -> list[tuple[nn.Parameter, int, int, int]]:
-        """Per parameter overlapping this rank's range: (param, start in the param, start in the shard, length)."""
-        lo, hi = self.shard.start, self.shard.stop
+    def segments(self, span: slice | None = None) -> list[tuple[nn.Parameter, int, int, int]]:
+        """Per parameter overlapping ``span`` (this rank's range by default): (param, start in the
+        param, start in the span, length)."""
+        span = self.shard if span is None else span
+        lo, hi = span.start, span.stop
         out = []
         for p, o in zip(self.params, self.offsets):
             a, b = max(lo, o), min(hi, o + p.numel())

@@ -6,8 +6,8 @@ equal range of it with 1 and 2 (Megatron-Core's distributed optimizer: a shared 
 bucket splits over the dp x ep replicas, an expert's over dp). A step updates what the rank
 holds from its range of the reduced gradient, then the parameters are refreshed: copied (cast to
 the model dtype) from the master, or, sharded, all-gathered from every rank's updated range.
-With ``zero_stage`` 0 and the model already in the master dtype the parameters are the master
-weights (no copy kept).
+When the model computes in the master dtype the parameters are the master weights (no copy
+kept: a rank steps its range of them in place).
 
 The global gradient norm is summed from every rank's range (:meth:`ShardedAdamW.local_sq_norm`),
 so it equals the unsharded norm whatever the stage.
@@ -79,7 +79,7 @@ class ShardedAdamW:
         self.lr = 0.0
         self.steps = 0
         #: a separate copy of the weights in the master dtype (else the parameters are it)
-        self.has_master = zero_stage > 0 or self.master_dtype != model_dtype
+        self.has_master = self.master_dtype != model_dtype
         self.states: list[_State] = []
         for bucket in grads.buckets:
             span = bucket.shard if zero_stage > 0 else slice(0, bucket.numel)
@@ -114,17 +114,17 @@ class ShardedAdamW:
             if st.master is not None:
                 adamw_(st.master, g, st.exp_avg, st.exp_avg_sq, decayed=st.decayed, **hp)
                 continue
-            for p, o in zip(bucket.params, bucket.offsets):  # the parameters are the master weights
-                n = p.numel()
-                sl = slice(o, o + n)
-                adamw_(p.detach().view(-1), g[sl], st.exp_avg[sl], st.exp_avg_sq[sl], decayed=[(0, n)] if p.dim() >= 2 else [], **hp)
+            for p, start, at, n in bucket.segments(st.span):  # the parameters are the master weights
+                sl = slice(at, at + n)
+                adamw_(p.detach().view(-1)[start : start + n], g[sl], st.exp_avg[sl], st.exp_avg_sq[sl],
+                       decayed=[(0, n)] if p.dim() >= 2 else [], **hp)
         self._refresh()
 
     def _refresh(self) -> None:
         """The parameters from the master weights: copied, or all-gathered from the shards."""
-        if not self.has_master:
-            return
         if self.zero_stage == 0:
+            if not self.has_master:
+                return
             for bucket, st in zip(self.grads.buckets, self.states):
                 for p, view in zip(bucket.params, bucket.views(st.master)):
                     p.detach().copy_(view)
@@ -132,7 +132,7 @@ class ShardedAdamW:
         pending = []
         for bucket, st in zip(self.grads.buckets, self.states):
             full = torch.empty(bucket.numel, dtype=self.model_dtype, device=self.grads.device)
-            mine = st.master.to(self.model_dtype)
+            mine = st.master.to(self.model_dtype) if st.master is not None else self._own_range(bucket, st)
             if bucket.group_size == 1:
                 full.copy_(mine)
                 pending.append((bucket, full, None))
@@ -143,6 +143,13 @@ class ShardedAdamW:
                 work.wait()
             for p, view in zip(bucket.params, bucket.views(full)):
                 p.detach().copy_(view)
+
+    def _own_range(self, bucket: Bucket, st: _State) -> torch.Tensor:
+        """This rank's range of a bucket's parameters, flat (padding zero)."""
+        mine = torch.zeros(st.span.stop - st.span.start, dtype=self.model_dtype, device=self.grads.device)
+        for p, start, at, n in bucket.segments(st.span):
+            mine[at : at + n] = p.detach().reshape(-1)[start : start + n]
+        return mine
 
     # ------------------------------------------------------------- state out
     @property
@@ -190,6 +197,20 @@ class ShardedAdamW:
                     a, b = max(st.span.start, o), min(st.span.stop, o + p.numel())
                     if a < b:
                         target[a - st.span.start : b - st.span.start].copy_(src.reshape(-1)[a - o : b - o])
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this rank holds, as it is (not logical: for a save and load on the same layout)."""
+        return {"steps": self.steps, "lr": self.lr, "buckets": [
+            {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq, **({"master": st.master} if st.master is not None else {})}
+            for st in self.states]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["buckets"]) != len(self.states):
+            raise ValueError(f"optimizer state of {len(state['buckets'])} buckets; this rank has {len(self.states)}")
+        self.steps, self.lr = int(state["steps"]), float(state["lr"])
+        for st, saved in zip(self.states, state["buckets"]):
+            for kind, t in saved.items():
+                getattr(st, kind).copy_(t)
 
     # ---------------------------------------------------------------- memory
     def memory(self) -> dict[str, int]:
