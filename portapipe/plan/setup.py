@@ -93,12 +93,15 @@ class Setup:
         return self.replicas * self.microbatches * self.micro_batch_size
 
     def memory_label(self) -> str:
-        """The memory option in a few words: ``off``, ``level1``, ``recompute full x1 + level1``."""
+        """The memory option in a few words: ``off``, ``level1``, ``recompute full x1 + level1``,
+        ``recompute moe + zero1`` (the optimizer sharded: ``train.zero_stage``)."""
         parts = []
         if self.recompute != "none":
             parts.append(f"recompute {self.recompute}" + (f" x{self.recompute_layers}" if self.recompute_layers else ""))
         if self.zero_memory != "off":
             parts.append(self.zero_memory + (f" x{self.zero_memory_layers}" if self.zero_memory_layers else ""))
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}")
         return " + ".join(parts) or "off"
 
     def overrides(self) -> dict[str, Any]:
