@@ -14,6 +14,7 @@ gain or a master weight that is not kept all change them.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,8 @@ def _raw(log_dir: Path, zero: int, dtype: str, master: str) -> dict[str, Any]:
 CASES = [(0, "float64", "auto"), (1, "float64", "auto"), (2, "float64", "auto"), (0, "float32", "float64"), (2, "float32", "float64")]
 
 
-def _runs(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def train_runs(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """On every rank: ``train_rank`` on each config in turn; its summary, and rank 0's metrics rows."""
     from portapipe.train import train_rank
 
     out = []
@@ -53,8 +55,6 @@ def _runs(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
         summary = train_rank(type(backend)(backend.options), raw)
         rows = []
         if torch.distributed.get_rank() == 0:
-            import json
-
             rows = [json.loads(line) for line in (Path(raw["log"]["dir"]) / "metrics.jsonl").read_text().splitlines()]
         out.append({"summary": summary, "rows": rows})
     return out
@@ -142,7 +142,7 @@ def test_every_update_equals_adamw_recomputed_by_hand_for_each_zero_stage_and_pr
     from portapipe.launch import run_ranks
 
     raws = [config_from_dict(_raw(tmp_path / f"z{z}-{d}-{mst}", z, d, mst)).to_dict() for z, d, mst in CASES]
-    results = run_ranks(_runs, 2, raws, wall_timeout_s=300)[0]
+    results = run_ranks(train_runs, 2, raws, wall_timeout_s=300)[0]
     refs = {}
     for (zero, dtype, master), raw, got in zip(CASES, raws, results):
         if dtype not in refs:

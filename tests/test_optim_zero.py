@@ -10,14 +10,13 @@ the planner's memory model predicts it within 5%.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from portapipe.config import config_from_dict
+from tests.test_optim_reference import train_runs
 
 MODEL = {"hidden": 16, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16, "n_experts": 4, "top_k": 2,
          "seq_len": 16, "dtype": "float64"}
@@ -38,19 +37,6 @@ def _raw(log_dir: Path, schedule: str, pp: int, ep: int, dp: int, zero: int, **e
         **extra,
     }
     return config_from_dict(raw).to_dict()
-
-
-def _runs(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from portapipe.train import train_rank
-
-    out = []
-    for raw in raws:
-        summary = train_rank(type(backend)(backend.options), raw)
-        rows = []
-        if torch.distributed.get_rank() == 0:
-            rows = [json.loads(line) for line in (Path(raw["log"]["dir"]) / "metrics.jsonl").read_text().splitlines()]
-        out.append({"summary": summary, "rows": rows})
-    return out
 
 
 def _predicted(raw: dict[str, Any]) -> dict[str, float]:
@@ -91,7 +77,7 @@ def test_zero_1_and_2_equal_zero_0_on_dualpipev_and_dualpipe_pp2_dp2(tmp_path):
 
     layouts = [("dualpipev", 2, 1, 2), ("dualpipe", 2, 1, 2)]
     raws = [_raw(tmp_path, s, pp, ep, dp, zero) for s, pp, ep, dp in layouts for zero in (0, 1, 2)]
-    results = run_ranks(_runs, 4, raws, wall_timeout_s=300)[0]
+    results = run_ranks(train_runs, 4, raws, wall_timeout_s=300)[0]
     for i, (s, *_rest) in enumerate(layouts):
         memory = _check(results[3 * i : 3 * i + 3], s, raws[3 * i : 3 * i + 3])
         # dp 2: stage 1 halves AdamW's state, stage 2 the gradients too; in float64 the
@@ -108,7 +94,7 @@ def test_zero_1_and_2_equal_zero_0_on_dualpipe_pp2_ep2_dp2_with_eplb_and_a_redun
 
     balancer = {"balancer": {"kind": "eplb", "redundant": 1, "interval": STEPS + 1, "window": 2}}
     raws = [_raw(tmp_path, "dualpipe", 2, 2, 2, zero, **balancer) for zero in (0, 1, 2)]
-    results = run_ranks(_runs, 8, raws, wall_timeout_s=400)[0]
+    results = run_ranks(train_runs, 8, raws, wall_timeout_s=400)[0]
     _check(results, "dualpipe pp2 x ep2 x dp2, eplb", raws)
 
 
