@@ -7,7 +7,8 @@ Three parts, each a series of ``portapipe train`` runs (gloo ranks, temporary fo
   float16 with dynamic loss scaling: the loss curves, the final validation losses, the median
   step time, float16's overflows;
 - memory: the ``memory`` record (largest per-rank bytes of params, grads, master, optimizer) for
-  zero_stage 0 / 1 / 2 at dp 2 (pp 2 x dp 2) and dp 4 (pp 1 x dp 4), the CPU example's model;
+  zero_stage 0 / 1 / 2 at dp 2 (pp 2 x dp 2) and dp 4 (pp 1 x dp 4), the CPU example's model in
+  float32, and at dp 2 in bfloat16 (float32 master weights);
 - overlap: DualPipeV pp 2 x dp 2, float32, with ``train.overlap_grad_sync`` on and off: the
   median step time and the median gradient synchronisation left exposed after the last action
   (the largest over ranks), over ``--overlap-steps`` steps after the first.
@@ -74,15 +75,17 @@ def precision(steps: int, tmp: Path) -> dict[str, Any]:
 
 def memory(tmp: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for dp, layout in ((2, ["parallel.pp=2", "parallel.ep=1", "parallel.dp=2"]), (4, ["parallel.pp=1", "parallel.ep=1", "parallel.dp=4", "schedule.name=1f1b"])):
+    dp2, dp4 = ["parallel.pp=2", "parallel.ep=1", "parallel.dp=2"], ["parallel.pp=1", "parallel.ep=1", "parallel.dp=4", "schedule.name=1f1b"]
+    layouts = {"dp2": dp2, "dp4": dp4, "dp2_bf16": dp2 + ["model.dtype=bfloat16"]}
+    for name, layout in layouts.items():
         for zero in (0, 1, 2):
-            _, rows = _train(layout + ["train.steps=1", f"train.zero_stage={zero}"], tmp / f"mem-dp{dp}-zero{zero}")
+            _, rows = _train(layout + ["train.steps=1", f"train.zero_stage={zero}"], tmp / f"mem-{name}-zero{zero}")
             record = next(r for r in rows if r["kind"] == "memory")
-            out[f"dp{dp}_zero{zero}"] = {k: record[k] for k in ("params", "grads", "master", "optimizer")}
-    for dp in (2, 4):
-        base = out[f"dp{dp}_zero0"]
+            out[f"{name}_zero{zero}"] = {k: record[k] for k in ("params", "grads", "master", "optimizer")}
+    for name in layouts:
+        base = out[f"{name}_zero0"]
         for zero in (1, 2):
-            e = out[f"dp{dp}_zero{zero}"]
+            e = out[f"{name}_zero{zero}"]
             e["master_plus_optimizer_vs_zero0"] = (e["master"] + e["optimizer"]) / (base["master"] + base["optimizer"])
             e["grads_vs_zero0"] = e["grads"] / base["grads"]
     return out
