@@ -99,12 +99,13 @@ def test_zero_1_and_2_equal_zero_0_on_dualpipe_pp2_ep2_dp2_with_eplb_and_a_redun
 
 
 @pytest.mark.multiproc
-def test_verify_is_exact_with_zero_stages_1_and_2():
-    """One pipelined step against one process (float64): zero 2's gradient ranges gathered back are exact."""
+def test_verify_is_exact_with_zero_stage_2():
+    """One pipelined step against one process (float64): zero 2's gradient ranges gathered back are
+    exact (zero 1 reduces whole buckets as zero 0 does)."""
     from portapipe.verify import verify_many
 
     base = {"backend": "cpu", "parallel": {"pp": 2, "ep": 1, "dp": 2}, "schedule": {"name": "dualpipev", "microbatches": 4},
             "model": dict(MODEL), "train": {"micro_batch_size": 1, "grad_bucket_mb": 0.01}}
-    configs = [config_from_dict({**base, "train": {**base["train"], "zero_stage": z}}) for z in (1, 2)]
+    configs = [config_from_dict({**base, "train": {**base["train"], "zero_stage": 2}})]
     for report in verify_many(configs):
         assert report.ok and report.loss_diff == 0.0 and report.max_rel_grad_diff <= 1e-12, report
