@@ -1,7 +1,8 @@
 """The optimizer step against a hand-computed reference.
 
 Short runs of ``train_rank`` on 2 data-parallel gloo ranks, for each ``train.zero_stage`` and for
-float64 compute as well as float32 compute with float64 master weights. Every update is
+float64 compute as well as float32 compute with float64 master weights (once with the gradients
+reduce-scattered in float32). Every update is
 recomputed here, in one process and independently of portapipe's optimizer: the same batches
 through the same initial model, the gradient of the global mean loss, the global norm and its
 clipping, AdamW (decoupled weight decay on matrices only, bias corrections) in float64 with the
@@ -28,7 +29,7 @@ MODEL = {"hidden": 16, "n_layers": 2, "n_dense": 1, "n_heads": 2, "ffn_hidden": 
 STEPS, LR, MIN_LR, WARMUP, WD, BETAS, CLIP = 5, 2e-2, 2e-3, 2, 0.1, (0.9, 0.95), 0.9
 
 
-def _raw(log_dir: Path, zero: int, dtype: str, master: str) -> dict[str, Any]:
+def _raw(log_dir: Path, zero: int, dtype: str, master: str, reduce: str = "auto") -> dict[str, Any]:
     return {
         "backend": "cpu",
         "parallel": {"pp": 1, "ep": 1, "dp": 2},
@@ -36,14 +37,16 @@ def _raw(log_dir: Path, zero: int, dtype: str, master: str) -> dict[str, Any]:
         "model": {**MODEL, "dtype": dtype},
         "train": {"steps": STEPS, "micro_batch_size": 2, "lr": LR, "min_lr": MIN_LR, "warmup_steps": WARMUP, "lr_schedule_steps": STEPS,
                   "weight_decay": WD, "betas": list(BETAS), "grad_clip": CLIP, "zero_stage": zero, "master_dtype": master,
-                  "grad_bucket_mb": 0.004},  # several buckets per block
+                  "grad_reduce_dtype": reduce, "grad_bucket_mb": 0.004},  # several buckets per block
         "data": {"val_fraction": 0.05},
         "log": {"dir": str(log_dir), "progress": False},
         "checkpoint": {"every": 0, "keep": 1},
     }
 
 
-CASES = [(0, "float64", "auto"), (1, "float64", "auto"), (2, "float64", "auto"), (0, "float32", "float64"), (2, "float32", "float64")]
+#: (zero_stage, model dtype, master dtype, gradients' reduction dtype)
+CASES = [(0, "float64", "auto", "auto"), (1, "float64", "auto", "auto"), (2, "float64", "auto", "auto"), (0, "float32", "float64", "auto"),
+         (2, "float32", "float64", "float32")]
 
 
 def train_runs(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -141,16 +144,16 @@ def _reference(config: Any) -> dict[str, Any]:
 def test_every_update_equals_adamw_recomputed_by_hand_for_each_zero_stage_and_precision(tmp_path):
     from portapipe.launch import run_ranks
 
-    raws = [config_from_dict(_raw(tmp_path / f"z{z}-{d}-{mst}", z, d, mst)).to_dict() for z, d, mst in CASES]
+    raws = [config_from_dict(_raw(tmp_path / f"z{z}-{d}-{mst}-{rd}", z, d, mst, rd)).to_dict() for z, d, mst, rd in CASES]
     results = run_ranks(train_runs, 2, raws, wall_timeout_s=300)[0]
     refs = {}
-    for (zero, dtype, master), raw, got in zip(CASES, raws, results):
+    for (zero, dtype, master, reduce), raw, got in zip(CASES, raws, results):
         if dtype not in refs:
             refs[dtype] = _reference(config_from_dict(raw))
         ref = refs[dtype]
         rows = [r for r in got["rows"] if r["kind"] == "train"]
         tol = 1e-11 if dtype == "float64" else 2e-5
-        case = f"zero {zero}, {dtype} / master {master}"
+        case = f"zero {zero}, {dtype} / master {master} / reduced in {reduce}"
         assert [r["lr"] for r in rows] == pytest.approx([_lr(s) for s in range(STEPS)], rel=1e-15, abs=0), case
         assert [r["loss"] for r in rows] == pytest.approx(ref["losses"], rel=tol, abs=0), case
         assert [r["grad_norm"] for r in rows] == pytest.approx(ref["norms"], rel=max(tol, 1e-9) if dtype == "float64" else 1e-3), case
