@@ -209,12 +209,13 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     ckpt = Checkpointer(run, config, backend, rank, groups.world_size, runtime, optimizer, balancer)
     trainer = ckpt.restore()  # the plan's checkpoint into model, optimizer, balancer, RNG
     progress = Progress(**trainer["progress"]) if trainer else Progress()
+    scaler.load_state_dict(trainer.get("loss_scale", {}) if trainer else {})  # float16 resumes at its scale
     start, horizon = progress.step, run.lr_schedule_steps
     replica, replicas = replica_of(groups)
 
     def record() -> dict[str, Any]:
         data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_bytes": data.n_bytes("train")}
-        return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "data": data_id}
+        return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "data": data_id, "loss_scale": scaler.state_dict()}
 
     metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None) if rank == 0 else None
     memory = memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory()})
@@ -238,25 +239,18 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             stats = gather_step_stats(backend, float(optimizer.local_sq_norm(counted)), result)
             stats.grad_norm /= scale
             finite = math.isfinite(result.loss) and math.isfinite(stats.grad_norm)
-            if scaler.enabled and not scaler.update(finite):
-                # float16: the same figures on every rank, so every rank skips this step and lowers the scale
-                runtime.grads.zero_grad()
-                if rank == 0:
-                    say_stderr(f"step {step + 1}: gradients overflowed at loss scale {scale:g}; step skipped, scale now {scaler.scale:g}")
-                if metrics is not None:
-                    metrics.write({"kind": "overflow", "step": step + 1, "loss_scale": scale, "next_loss_scale": scaler.scale,
-                                   "overflows": scaler.overflows})
-                progress.record(step + 1, float(result.loss), int(result.tokens), time.perf_counter() - t0)
-                continue
-            if not finite:
+            # float16: the same figures on every rank, so every rank skips an overflowed step alike
+            skipped = scaler.enabled and not scaler.update(finite)
+            if not finite and not skipped:
                 # Same figures on every rank, so every rank stops here, before the optimizer applies it.
                 diverged = {"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))}
                 if metrics is not None:
                     metrics.write({"kind": "diverged", **diverged, "lr": lr})
                 break
-            coef = clip_coefficient(stats.grad_norm, tc.grad_clip)
-            with torch.no_grad():
-                optimizer.step(coef / scale)
+            coef = 1.0 if skipped else clip_coefficient(stats.grad_norm, tc.grad_clip)
+            if not skipped:
+                with torch.no_grad():
+                    optimizer.step(coef / scale)
             runtime.grads.zero_grad()
             # loads recorded; every balancer.interval steps maybe a new placement, weights migrated
             balance = balancer.after_step(step, result, optimizer) if balancer is not None else None
@@ -265,15 +259,22 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             iter_s = time.perf_counter() - t0
 
             progress.record(step + 1, float(result.loss), int(result.tokens), iter_s)
-            if step > start:  # the first step of a process pays one-time costs
-                figures.add(stats)
-            row = step_record(step + 1, lr, result, stats, coef, iter_s)
-            if balance is not None:
-                row["balancer"] = balance
-            if metrics is not None and ((step + 1) % config.log.every == 0 or step + 1 == tc.steps):
-                metrics.write(row)
-            if bar is not None:
-                _show(bar, row)
+            if skipped:
+                if rank == 0:
+                    say_stderr(f"step {step + 1}: gradients overflowed at loss scale {scale:g}; step skipped, scale now {scaler.scale:g}")
+                if metrics is not None:
+                    metrics.write({"kind": "overflow", "step": step + 1, "loss_scale": scale, "next_loss_scale": scaler.scale,
+                                   "overflows": scaler.overflows})
+            else:
+                if step > start:  # the first step of a process pays one-time costs
+                    figures.add(stats)
+                row = step_record(step + 1, lr, result, stats, coef, iter_s)
+                if balance is not None:
+                    row["balancer"] = balance
+                if metrics is not None and ((step + 1) % config.log.every == 0 or step + 1 == tc.steps):
+                    metrics.write(row)
+                if bar is not None:
+                    _show(bar, row)
             every = config.checkpoint.every
             if every and (step + 1) % every == 0 and step + 1 < tc.steps:
                 ckpt.save_training(step + 1, record(), wait=False)  # written while training goes on

@@ -40,6 +40,9 @@ def test_loss_scale_halves_on_overflow_and_doubles_after_clean_steps():
     assert s2.scale == 16.0
     s2.update(False)
     assert s2.scale == 8.0 and s2.clean == 0
+    again = LossScaler(True)
+    again.load_state_dict(s2.state_dict())
+    assert (again.scale, again.clean, again.overflows) == (8.0, 0, 1)
     off = LossScaler(False)
     assert off.scale == 1.0 and off.update(False) is False and off.overflows == 0
 
@@ -65,3 +68,6 @@ def test_float16_overflows_skip_steps_lower_the_scale_and_training_goes_on(tmp_p
     assert summary["overflows"] == len(overflow) and "diverged" not in summary
     assert err.count("gradients overflowed at loss scale") == len(overflow)
     assert train[-1]["loss"] < train[0]["loss"]
+    # the checkpoint carries the scale, so a resumed run goes on where this one stopped
+    manifest = json.loads(next((tmp_path / "checkpoints").glob("step_*/manifest.json")).read_text())
+    assert manifest["trainer"]["loss_scale"]["scale"] == 2.0**16 / 2 ** len(overflow)
