@@ -161,6 +161,7 @@ class GradBuckets:
                     bucket.hooks.append(p.register_post_accumulate_grad_hook(_into_main_grad))
         self.exposed_s = 0.0  # the last step's synchronisation time after the last action
         self.sync_s = 0.0  # the last step's time from the first reduction issued to the last done
+        self._first_issue: float | None = None
 
     # -------------------------------------------------------------------- step
     def deferred(self, bucket: Bucket) -> bool:
@@ -169,7 +170,7 @@ class GradBuckets:
 
     def start(self) -> None:
         """Before a step: zeroed buffers, every parameter's gradient pointed at its view."""
-        self._first_issue: float | None = None
+        self._first_issue = None
         for bucket in self.buckets:
             if bucket.grad is None:
                 bucket.grad = torch.zeros(bucket.numel, dtype=self.master_dtype, device=self.device)
