@@ -160,3 +160,6 @@ def test_every_update_equals_adamw_recomputed_by_hand_for_each_zero_stage_and_pr
         assert [r["clipped"] for r in rows] == ref["clipped"], case
         assert got["summary"]["val_loss"] == pytest.approx(ref["val_loss"], rel=tol, abs=0), case
     assert any(refs["float64"]["clipped"]) and not all(refs["float64"]["clipped"])  # clipping is exercised, and its absence too
+    # 1F1B dp 2: zero_stage 1 and 2 equal zero_stage 0 on every loss, within 1e-12
+    by_stage = [[r["loss"] for r in got["rows"] if r["kind"] == "train"] for got in results[:3]]
+    assert by_stage[1] == pytest.approx(by_stage[0], rel=0, abs=1e-12) and by_stage[2] == pytest.approx(by_stage[0], rel=0, abs=1e-12)
