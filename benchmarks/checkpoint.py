@@ -44,7 +44,7 @@ from portapipe.checkpoint.run import RunPlan  # noqa: E402
 from portapipe.config import config_from_dict, load_config  # noqa: E402
 from portapipe.data import TextData, replica_of  # noqa: E402
 from portapipe.launch import run_ranks  # noqa: E402
-from portapipe.train import make_optimizer  # noqa: E402
+from portapipe.train import make_sharded_optimizer  # noqa: E402
 
 
 def _timed(backend: Any, fn: Any) -> tuple[float, Any]:
@@ -73,11 +73,12 @@ def _rank(backend: Any, raw: dict[str, Any], repeats: int, folder: str) -> dict[
     groups = backend.parallel_groups(config.parallel.pp, config.parallel.dp, config.parallel.ep)
     rank, world = groups.rank, groups.world_size
     runtime = PipelineRuntime(config, backend, groups)
-    optimizer = make_optimizer(list(runtime.named_parameters()), config.train)
+    optimizer = make_sharded_optimizer(runtime, config, backend)
+    optimizer.lr = config.train.lr
     replica, replicas = replica_of(groups)
     runtime.step(TextData(config).microbatches(0, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len))
     optimizer.step()  # AdamW's moments exist from here on
-    optimizer.zero_grad(set_to_none=True)
+    runtime.grads.zero_grad()
     plan = RunPlan(run_id="bench", root=str(Path(folder) / "dcp"), mode="new", lr_schedule_steps=1)
     ckpt = Checkpointer(plan, config, backend, rank, world, runtime, optimizer, runtime.balancer)
     trainer = {"progress": {"step": 1}, "lr_schedule_steps": 1, "data": {}}

@@ -56,7 +56,7 @@ from portapipe.plan.profile import Profile
 from portapipe.setup import Setup
 from portapipe.plan.time_model import TimeModel
 from portapipe.scheduling.executor import build_schedule
-from portapipe.train import make_optimizer
+from portapipe.train import make_sharded_optimizer
 from portapipe.verify import runtime_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,13 +83,15 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
     built = {}
     for name, raw in raws.items():
         rt, data = runtime_for(backend, raw)
-        built[name] = (rt, data, make_optimizer(list(rt.named_parameters()), config_from_dict(raw).train))
+        opt = make_sharded_optimizer(rt, config_from_dict(raw), rt.backend)
+        opt.lr = config_from_dict(raw).train.lr
+        built[name] = (rt, data, opt)
     out: dict[str, Any] = {}
     for name, (rt, data, opt) in built.items():
         tracker = SavedActivations(ignore=rt.parameters())
         with tracker.step():
             rt.step(data)
-        opt.zero_grad(set_to_none=True)
+        rt.grads.zero_grad()
         out[name] = {"pp_rank": rt.groups.pp_rank, "saved_peak": tracker.peak_bytes, "step_s": [], "cpu_s": []}
     host0, own0 = _host_times(), time.process_time()
     for i in range(warmup + steps):
@@ -98,7 +100,7 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
             t0, c0 = time.perf_counter(), time.process_time()
             rt.step(data)
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            rt.grads.zero_grad()
             cpu = time.process_time() - c0  # this rank's processor time, all its threads
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)

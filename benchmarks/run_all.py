@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "memory": [],
     "checkpoint": ["--repeats", "5"],
     "plan_accuracy": ["--steps", "8", "--warmup", "2"],
+    "precision": ["--steps", "200", "--png", "{root}/docs/precision.png"],  # the README's precision section
 }
 
 

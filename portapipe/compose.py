@@ -11,7 +11,10 @@ training or verification run builds it:
 - this rank's model blocks (:func:`build_model`), with the memory options of ``memory`` and on
   the backend's device;
 - the executor, told the stage boundary (``[*tokens.shape, hidden]`` in the model's dtype) and
-  the model's end-of-step work (:func:`model_end_step`).
+  the model's end-of-step work (:func:`model_end_step`);
+- the gradient buckets (:class:`~portapipe.optim.buckets.GradBuckets`) at the executor's seams:
+  each block's buckets reduced as soon as its backward work of the step is done, DualPipe's
+  copy sums and the balancer's replica sums first where they apply.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from .config import Config
 from .memory.policy import configure as configure_memory
 from .models.expert_parallel import ExpertParallel
 from .models.moe import DTYPES, Block, Layer, build_blocks
+from .optim.buckets import GradBuckets
+from .optim.precision import master_dtype, reduce_dtype
 from .scheduling.executor import PipelineExecutor, build_schedule, placed
 from .scheduling.ir import Schedule
 
@@ -68,6 +73,15 @@ class PipelineRuntime(PipelineExecutor):
         )
         if self.balancer is not None:
             self.balancer.attach(self.moe_layers())
+        m, t = config.model, config.train
+        self.grad_sync = self.grads = GradBuckets(
+            self.blocks, groups, backend,
+            master_dtype=DTYPES[master_dtype(m.dtype, t.master_dtype)],
+            reduce_dtype=DTYPES[reduce_dtype(m.dtype, t.master_dtype, t.grad_reduce_dtype)],
+            zero_stage=t.zero_stage, bucket_mb=t.grad_bucket_mb, overlap=t.overlap_grad_sync,
+            copy_sum=self.sum_over_copies, copies=set(self.copy_rank),
+            before_expert_reduce=self.balancer.reduce_gradients if self.balancer is not None else None,
+        )
 
     @property
     def balancer(self) -> Any:
@@ -81,15 +95,13 @@ class PipelineRuntime(PipelineExecutor):
 
 
 def model_end_step(rt: PipelineRuntime) -> dict[str, Any]:
-    """The model's end of a step, after the executor's gradient reduction (collective).
+    """The model's end of a step, after the gradient reduction (collective).
 
-    A balancer sums each replicated expert's gradient over its replicas; the step's expert
+    (A balancer's replica sums of expert gradients run inside the reduction.) The step's expert
     loads are summed over DualPipe's copies, the EP group and DP, and every router's
     aux-loss-free bias takes one step on them. Returns the StepResult fields ``expert_counts``
     (summed over EP only, this rank's MoE layers) and ``expert_layers``.
     """
-    if rt.balancer is not None:
-        rt.balancer.reduce_gradients()
     g = rt.groups
     by_block = {b: block.moe_layers() for b, block in rt.blocks.items()}
     if not any(by_block.values()):

@@ -122,7 +122,9 @@ class ModelConfig(_Section):
     bias_update_speed: float = Field(1e-3, ge=0, description="aux-loss-free bias step per update")
     routed_scale: float = Field(1.0, gt=0, description="routed experts' weights are scaled by it (deepseek_v3: routed_scaling_factor)")
     seq_len: int = Field(64, ge=2)
-    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
+        "float32", description="compute dtype of weights and activations; bfloat16 / float16 train against master weights (train.master_dtype)"
+    )
     init_std: float = Field(0.02, gt=0)
     norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon (rms_norm_eps)")
     # ---- deepseek_v3: multi-head latent attention
@@ -256,6 +258,24 @@ class TrainConfig(_Section):
         "so the schedule never depends on train.steps; a resumed or loaded run keeps its checkpoint's unless this is set",
     )
 
+    master_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype of the master weights, the gradient accumulation and AdamW's state; auto: float32 when "
+        "model.dtype is bfloat16 or float16, else model.dtype",
+    )
+    grad_reduce_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto", description="dtype gradients are summed over the data-parallel replicas in; auto: the master dtype"
+    )
+    zero_stage: Literal[0, 1, 2] = Field(
+        0,
+        description="0: every replica holds the whole optimizer; 1: master weights and AdamW state sharded over the "
+        "replicas, updated parameters all-gathered; 2: gradients also reduce-scattered into the shards",
+    )
+    grad_bucket_mb: float = Field(25.0, gt=0, description="size of one gradient bucket (MB of master-dtype gradients)")
+    overlap_grad_sync: bool = Field(
+        True, description="reduce a block's gradient buckets as soon as its last backward of the step ran (false: all after the schedule)"
+    )
+
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
@@ -351,6 +371,9 @@ def _cross_checks(c: Config) -> list[str]:
     from .setup import Setup
 
     out = violations(Setup.from_config(c)) + _without_effect(c)
+    from .optim.precision import precision_problems
+
+    out += precision_problems(c)
     if c.checkpoint.load is not None and not c.checkpoint.load.strip():
         out.append("checkpoint.load: empty; name a checkpoint folder (step_NNNNNNNN) or a folder of checkpoints")
     return out

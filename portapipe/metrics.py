@@ -69,6 +69,8 @@ class StepStats:
     ep_wait_frac: float | None = None
     #: mean over MoE layers of mean / max rows computed per EP rank; None without MoE layers
     rank_balancedness: float | None = None
+    #: gradient synchronisation left after the last action (the largest over ranks), seconds
+    grad_sync_exposed_s: float = 0.0
 
 
 @dataclass
@@ -102,12 +104,14 @@ class Figures:
     hidden: list[float] = field(default_factory=list)
     hidden_steady: list[float] = field(default_factory=list)
     ep_wait: list[float] = field(default_factory=list)
+    grad_sync_exposed: list[float] = field(default_factory=list)
 
     def add(self, stats: StepStats) -> None:
         if stats.ep_wait_frac is not None:
             self.ep_wait.append(stats.ep_wait_frac)
         self.step_s.append(stats.step_s)
         self.bubble.append(stats.bubble_frac)
+        self.grad_sync_exposed.append(stats.grad_sync_exposed_s)
         if stats.a2a_hidden_frac is not None:
             self.hidden.append(stats.a2a_hidden_frac)
         if stats.a2a_hidden_steady_frac is not None:
@@ -123,6 +127,7 @@ class Figures:
             "a2a_hidden_pct": percent(med(self.hidden)),
             "a2a_hidden_steady_pct": percent(med(self.hidden_steady)),
             "ep_wait_pct": percent(med(self.ep_wait)),
+            "median_grad_sync_exposed_s": med(self.grad_sync_exposed),
         }
 
 
@@ -139,6 +144,16 @@ def strict(value: Any) -> Any:
 
 def percent(frac: float | None) -> float | None:
     return None if frac is None else 100.0 * frac
+
+
+def memory_record(backend: Any, parts: dict[str, int]) -> dict[str, Any]:
+    """The ``memory`` record: the largest per-rank bytes of each part over the ranks (collective)."""
+    keys = sorted(parts)
+    local = torch.tensor([float(parts[k]) for k in keys], dtype=torch.float64)
+    table = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
+    backend.all_gather(table, local)
+    top = torch.stack(table).max(0).values
+    return {"kind": "memory", **{k: int(v) for k, v in zip(keys, top.tolist())}}
 
 
 def timing(result: Any, key: str) -> float:
@@ -173,13 +188,13 @@ def ep_step_figures(backend: Any, groups: Any, moe_layers: list[Any]) -> tuple[f
 def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any, ep: tuple[float, float, int] = (0.0, 0.0, 0)) -> StepStats:
     """One all-gather per step: the global gradient norm and the step's timings over ranks.
 
-    Bubble = the largest idle share over ranks; all-to-all hidden = 1 - (summed wait) /
+    Bubble = the largest idle share over ranks, likewise the exposed gradient synchronisation; all-to-all hidden = 1 - (summed wait) /
     (summed all-to-all time), over the whole step and over the F&B pairs (the steady phase),
     or None when there was no all-to-all. ``ep``: this rank's :func:`ep_step_figures`; the EP
     wait share is the summed wait over the summed step time (the mean over ranks), the rank
     balancedness the mean over every rank's MoE layers.
     """
-    keys = ("step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s")
+    keys = ("step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s", "grad_sync_exposed_s")
     local = torch.tensor([grad_sq_owned, *(timing(result, k) for k in keys), *ep], dtype=torch.float64)
     world = torch.distributed.get_world_size()
     parts = [torch.empty_like(local) for _ in range(world)]
@@ -196,6 +211,7 @@ def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any, ep: tuple
         bubble_frac=float(table[:, 2].max()),
         a2a_hidden_frac=hidden(3, 4),
         a2a_hidden_steady_frac=hidden(5, 6),
-        ep_wait_frac=float(table[:, 7].sum() / table[:, 1].sum()) if table[:, 9].sum() > 0 and table[:, 1].sum() > 0 else None,
-        rank_balancedness=float(table[:, 8].sum() / table[:, 9].sum()) if table[:, 9].sum() > 0 else None,
+        grad_sync_exposed_s=float(table[:, 7].max()),
+        ep_wait_frac=float(table[:, 8].sum() / table[:, 1].sum()) if table[:, 10].sum() > 0 and table[:, 1].sum() > 0 else None,
+        rank_balancedness=float(table[:, 9].sum() / table[:, 10].sum()) if table[:, 10].sum() > 0 else None,
     )

@@ -41,6 +41,7 @@ class Setup:
     overlap: bool = True
     w_split: bool = True
     world_size: int | None = None
+    zero_stage: int = 0
     # sections a plan keeps as they are (compared by identity: shared by every candidate)
     model: Any = field(default=None, compare=False, repr=False)
     balancer: Any = field(default=None, compare=False, repr=False)
@@ -62,7 +63,7 @@ class Setup:
             pp=p.pp, ep=p.ep, dp=p.dp, schedule=s.name, microbatches=s.microbatches, chunks=s.chunks,
             micro_batch_size=c.train.micro_batch_size, zero_memory=mem.zero_memory, zero_memory_layers=mem.zero_memory_layers,
             recompute=mem.recompute, recompute_layers=mem.recompute_layers, overlap=s.overlap, w_split=s.w_split,
-            world_size=p.world_size, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
+            world_size=p.world_size, zero_stage=c.train.zero_stage, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
             backend_options=c.backend_options,
         )
 
@@ -94,12 +95,15 @@ class Setup:
         return self.replicas * self.microbatches * self.micro_batch_size
 
     def memory_label(self) -> str:
-        """The memory option in a few words: ``off``, ``level1``, ``recompute full x1 + level1``."""
+        """The memory option in a few words: ``off``, ``level1``, ``recompute full x1 + level1``,
+        ``recompute moe + zero1`` (the optimizer sharded: ``train.zero_stage``)."""
         parts = []
         if self.recompute != "none":
             parts.append(f"recompute {self.recompute}" + (f" x{self.recompute_layers}" if self.recompute_layers else ""))
         if self.zero_memory != "off":
             parts.append(self.zero_memory + (f" x{self.zero_memory_layers}" if self.zero_memory_layers else ""))
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}")
         return " + ".join(parts) or "off"
 
     def overrides(self) -> dict[str, Any]:
@@ -108,7 +112,7 @@ class Setup:
             "parallel.pp": self.pp, "parallel.ep": self.ep, "parallel.dp": self.dp, "parallel.world_size": None,
             "schedule.name": self.schedule, "schedule.microbatches": self.microbatches, "schedule.chunks": self.chunks,
             "schedule.overlap": self.overlap, "schedule.w_split": self.w_split,
-            "train.micro_batch_size": self.micro_batch_size,
+            "train.micro_batch_size": self.micro_batch_size, "train.zero_stage": self.zero_stage,
             "memory.zero_memory": self.zero_memory, "memory.zero_memory_layers": self.zero_memory_layers,
             "memory.recompute": self.recompute, "memory.recompute_layers": self.recompute_layers,
         }

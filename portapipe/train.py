@@ -4,10 +4,13 @@
 before any rank starts), then runs :func:`train_rank` on ``world_size`` ranks through
 :func:`portapipe.launch.run_ranks` and returns rank 0's summary. Each rank builds its
 :class:`~portapipe.compose.PipelineRuntime`, which runs one step of the schedule and
-leaves every parameter's ``.grad`` holding the gradient of the global mean loss (DP / EP
-reduction and DualPipe's copy summing included); this loop adds AdamW with a warm-up, then a
-constant learning rate or a cosine to ``train.lr_schedule_steps`` (:func:`lr_at`), and clipping by the
-global gradient norm.
+leaves its gradient buckets holding the gradient of the global mean loss (DP / EP
+reduction and DualPipe's copy summing included); this loop adds AdamW over master weights,
+sharded over the replicas with ``train.zero_stage`` 1 / 2 (:mod:`portapipe.optim`), with a
+warm-up, then a constant learning rate or a cosine to ``train.lr_schedule_steps``
+(:func:`lr_at`), and clipping by the global gradient norm. With ``model.dtype: float16`` the
+loss is scaled dynamically: a step whose gradients overflow is skipped and lowers the scale
+(one line on stderr, a ``overflow`` row in the metrics, the count in the summary).
 
 Per step, rank 0 appends one JSON line to ``<log.dir>/metrics.jsonl``: loss, learning rate,
 gradient norm, tokens/s, step time, the measured pipeline bubble (the largest idle share of
@@ -19,7 +22,7 @@ Checkpoints (logical, resumable on any layout; one run per folder) are in
 :mod:`portapipe.checkpoint`; this loop asks for one every ``checkpoint.every`` steps (written in
 the background), at the end, and when every rank agreed to stop on SIGINT / SIGTERM
 (:mod:`portapipe.stop`). A non-finite loss or gradient norm ends the run at that step, before the
-optimizer applies it, and writes no checkpoint of it.
+optimizer applies it, and writes no checkpoint of it (under float16 that is an overflow instead).
 """
 
 from __future__ import annotations
@@ -37,12 +40,12 @@ import torch
 
 from . import lifeline, stop
 from .checkpoint.files import atomic_write
-from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run
+from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run, say_stderr
 from .config import Config, ConfigError, TrainConfig, config_from_dict
 from .data import TextData, data_problems, global_batch_size, replica_of
-from .metrics import Figures, MetricsLog, Progress, StepStats, gather_step_stats, percent, strict
+from .metrics import Figures, MetricsLog, Progress, StepStats, gather_step_stats, memory_record, percent, strict
 from .metrics_tb import log_problems
-from .scheduling.stage import is_expert
+from .optim.precision import LossScaler
 
 VAL_BATCHES = 4  # validation steps' worth of micro-batches evaluated at the end
 
@@ -69,14 +72,6 @@ def lr_at(step: int, train: TrainConfig, horizon: int | None) -> float:
 
 
 # ------------------------------------------------------------------------------- optimizer
-def make_optimizer(named_parameters: list[tuple[str, torch.nn.Parameter]], train: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (norm gains and biases are not decayed)."""
-    decay = [p for _, p in named_parameters if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for _, p in named_parameters if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=train.lr, betas=train.betas)
-
-
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """Factor the gradients are scaled by: 1 unless the global norm exceeds ``max_norm`` (> 0)."""
     if max_norm <= 0 or not math.isfinite(total_norm) or total_norm <= max_norm:
@@ -85,34 +80,28 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 
 # ------------------------------------------------------------------------------ rank helpers
-def owned_grad_sq(runtime: Any, groups: Any) -> float:
-    """Sum of squared gradients of the parameters this rank counts in the global norm.
-
-    Each distinct parameter is counted once over the world: a model block held by two ranks
-    (DualPipe) by the rank of its first virtual stage; a parameter replicated over the data-
-    and expert-parallel ranks by their first rank; an expert's parameters, sharded over the EP
-    group, by every EP rank for its own experts (first DP rank only).
-    """
-    schedule = runtime.schedule
+def counted_blocks(schedule: Any, pp_rank: int) -> set[int]:
+    """The blocks whose gradients this pipeline rank counts in the global norm: each block once
+    over the world, by the rank of its first virtual stage (DualPipe holds a block twice)."""
     owner: dict[int, int] = {}
     for v, block in enumerate(schedule.stage_block):
         owner.setdefault(block, schedule.stage_rank[v])
-    total = 0.0
-    for block_id, block in runtime.blocks.items():
-        if owner.get(block_id) != groups.pp_rank:
-            continue
-        for p in block.parameters():
-            if p.grad is None:
-                continue
-            if is_expert(p):
-                counted = groups.dp_rank == 0
-            else:
-                counted = groups.dp_rank == 0 and groups.ep_rank == 0
-            if counted:
-                sq = p.grad.detach().double().pow(2)
-                owned = getattr(p, "slot_owned", None)  # a balancer's replicated expert counts once
-                total += float(sq.sum() if owned is None else sq.reshape(sq.shape[0], -1)[owned.to(sq.device)].sum())
-    return total
+    return {b for b, r in owner.items() if r == pp_rank}
+
+
+def param_bytes(runtime: Any) -> int:
+    """Bytes of this rank's parameters (both DualPipe copies of a block count: both are held)."""
+    return sum(p.numel() * p.element_size() for p in runtime.parameters())
+
+
+def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
+    """AdamW with master weights over the runtime's gradient buckets (``train.zero_stage``)."""
+    from .models.moe import DTYPES
+    from .optim.sharded import ShardedAdamW
+
+    t = config.train
+    return ShardedAdamW(runtime.grads, model_dtype=DTYPES[config.model.dtype], zero_stage=t.zero_stage, betas=t.betas,
+                        weight_decay=t.weight_decay, backend=backend)
 
 
 def _snapshot_buffers(runtime: Any) -> dict[int, dict[str, torch.Tensor]]:
@@ -141,8 +130,7 @@ def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -
             i, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len, split="val"
         )
         losses.append(float(runtime.step(batches).loss))
-        for p in runtime.parameters():
-            p.grad = None
+        runtime.grads.zero_grad()
     _restore_buffers(runtime, saved)
     return sum(losses) / len(losses)
 
@@ -215,24 +203,30 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     from .models.routing import force_routing
 
     tc, rank = config.train, groups.rank
-    named = list(runtime.named_parameters())
-    optimizer = make_optimizer(named, tc)
+    optimizer = make_sharded_optimizer(runtime, config, backend)
+    scaler = LossScaler(config.model.dtype == "float16")
+    counted = counted_blocks(runtime.schedule, groups.pp_rank)
     data = TextData(config)
     balancer = runtime.balancer  # eplb / lplb on the running model (portapipe.balancing.runtime)
     hook = BalancerHook(config, balancer, groups) if config.balancer.kind == "eplb" else None
     ckpt = Checkpointer(run, config, backend, rank, groups.world_size, runtime, optimizer, balancer)
     trainer = ckpt.restore()  # the plan's checkpoint into model, optimizer, balancer, RNG
     progress = Progress(**trainer["progress"]) if trainer else Progress()
+    scaler.load_state_dict(trainer.get("loss_scale", {}) if trainer else {})  # float16 resumes at its scale
     start, horizon = progress.step, run.lr_schedule_steps
     replica, replicas = replica_of(groups)
     force_routing(config.bench, config.model, {layer.index: layer.moe.router for layer in runtime.moe_layers()}, tc.seed)
 
     def record() -> dict[str, Any]:
         data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_bytes": data.n_bytes("train")}
-        return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "data": data_id}
+        return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "data": data_id, "loss_scale": scaler.state_dict()}
 
     tb_run = run.run_id if config.log.tensorboard else None
     metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run) if rank == 0 else None
+    memory = memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory()})
+    if metrics is not None:
+        metrics.write(memory)
+        say_stderr("memory per rank (largest): " + ", ".join(f"{k} {memory[k] / 2**20:.2f} MiB" for k in ("params", "grads", "master", "optimizer")))
     bar = _progress_bar(tc.steps, start) if rank == 0 and config.log.progress else None
     figures = Figures()
     stopped: dict[str, Any] | None = None
@@ -242,27 +236,28 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     try:
         for step in range(start, tc.steps):
             t0 = time.perf_counter()
-            lr = lr_at(step, tc, horizon)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
+            optimizer.lr = lr_at(step, tc, horizon)
+            lr = optimizer.lr
             batches = data.microbatches(step, replica, replicas, config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
+            runtime.grad_scale = scale = scaler.scale
             result = runtime.step(batches)
             ep = ep_step_figures(backend, groups, runtime.moe_layers())
-            stats = gather_step_stats(backend, owned_grad_sq(runtime, groups), result, ep)
-            if not (math.isfinite(result.loss) and math.isfinite(stats.grad_norm)):
+            stats = gather_step_stats(backend, float(optimizer.local_sq_norm(counted)), result, ep)
+            stats.grad_norm /= scale
+            finite = math.isfinite(result.loss) and math.isfinite(stats.grad_norm)
+            # float16: the same figures on every rank, so every rank skips an overflowed step alike
+            skipped = scaler.enabled and not scaler.update(finite)
+            if not finite and not skipped:
                 # Same figures on every rank, so every rank stops here, before the optimizer applies it.
                 diverged = {"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))}
                 if metrics is not None:
                     metrics.write({"kind": "diverged", **diverged, "lr": lr})
                 break
-            coef = clip_coefficient(stats.grad_norm, tc.grad_clip)
-            if coef != 1.0:
+            coef = 1.0 if skipped else clip_coefficient(stats.grad_norm, tc.grad_clip)
+            if not skipped:
                 with torch.no_grad():
-                    for _, p in named:
-                        if p.grad is not None:
-                            p.grad.mul_(coef)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                    optimizer.step(coef / scale)
+            runtime.grads.zero_grad()
             # loads recorded; every balancer.interval steps maybe a new placement, weights migrated
             balance = balancer.after_step(step, result, optimizer) if balancer is not None else None
             if hook is not None:
@@ -270,15 +265,22 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             iter_s = time.perf_counter() - t0
 
             progress.record(step + 1, float(result.loss), int(result.tokens), iter_s)
-            if step > start:  # the first step of a process pays one-time costs
-                figures.add(stats)
-            row = step_record(step + 1, lr, result, stats, coef, iter_s)
-            if balance is not None:
-                row["balancer"] = balance
-            if metrics is not None and ((step + 1) % config.log.every == 0 or step + 1 == tc.steps):
-                metrics.write(row)
-            if bar is not None:
-                _show(bar, row)
+            if skipped:
+                if rank == 0:
+                    say_stderr(f"step {step + 1}: gradients overflowed at loss scale {scale:g}; step skipped, scale now {scaler.scale:g}")
+                if metrics is not None:
+                    metrics.write({"kind": "overflow", "step": step + 1, "loss_scale": scale, "next_loss_scale": scaler.scale,
+                                   "overflows": scaler.overflows})
+            else:
+                if step > start:  # the first step of a process pays one-time costs
+                    figures.add(stats)
+                row = step_record(step + 1, lr, result, stats, coef, iter_s)
+                if balance is not None:
+                    row["balancer"] = balance
+                if metrics is not None and ((step + 1) % config.log.every == 0 or step + 1 == tc.steps):
+                    metrics.write(row)
+                if bar is not None:
+                    _show(bar, row)
             ckpt.poll()  # a failed save in the background stops the run at this step boundary
             every = config.checkpoint.every
             if every and (step + 1) % every == 0 and step + 1 < tc.steps:
@@ -318,6 +320,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         "train_s": progress.train_s,
         "tokens_per_s": progress.tokens / progress.train_s if progress.train_s else None,
         **figures.medians(),
+        "overflows": scaler.overflows,
         "metrics": str(metrics.path) if metrics is not None else None,
         "checkpoint": str(last_ckpt) if last_ckpt else None,
     }
@@ -350,6 +353,7 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
         "a2a_hidden_steady_pct": percent(stats.a2a_hidden_steady_frac),
         "ep_wait_frac": stats.ep_wait_frac,
         "rank_balancedness": stats.rank_balancedness,
+        "grad_sync_exposed_s": stats.grad_sync_exposed_s,
     }
 
 
@@ -366,6 +370,7 @@ def _show(bar: Any, record: dict[str, Any]) -> None:
     if record["ep_wait_frac"] is not None:
         shown["ep wait"] = f"{100 * record['ep_wait_frac']:.0f}%"
         shown["ep bal"] = f"{record['rank_balancedness']:.2f}"
+    shown["grad sync"] = f"{1000 * record['grad_sync_exposed_s']:.0f}ms"
     bar.set_postfix(shown, refresh=False)
     bar.update(1)
 

@@ -179,10 +179,11 @@ def step_report(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.T
     """Run one step; return what :func:`compare` checks (picklable, for the launcher)."""
     result = runtime.step(data)
     params = dict(runtime.named_parameters())
+    grads = runtime.grads.full_grads()  # zero_stage 2 keeps only its ranges: gathered here
     return {
         "ep_rank": runtime.groups.ep_rank,
         "loss": result.loss,
-        "grads": {n: q.grad.detach().cpu().clone() for n, q in params.items()},
+        "grads": {n: grads[q].detach().cpu().clone() for n, q in params.items()},
         "experts": sorted(n for n, q in params.items() if is_expert(q)),
         # logical expert of each local slot, per expert parameter (a balancer may replicate / reorder)
         "expert_ids": {

@@ -296,14 +296,14 @@ def _load_on_other_device(backend: Any, raw: dict[str, Any]) -> dict[str, Any]:
     from portapipe.checkpoint.state import capture
     from portapipe.config import config_from_dict
     from portapipe.compose import PipelineRuntime
-    from portapipe.train import make_optimizer
+    from portapipe.train import make_sharded_optimizer
 
     other = OtherDevice(backend.options)
     cfg = config_from_dict(raw)
     groups = other.parallel_groups(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.ep)
     plan, locks = plan_on_ranks(cfg, other, groups.rank, None)
     runtime = PipelineRuntime(cfg, other, groups)
-    optimizer = make_optimizer(list(runtime.named_parameters()), cfg.train)
+    optimizer = make_sharded_optimizer(runtime, cfg, other)
     ckpt = Checkpointer(plan, cfg, other, groups.rank, groups.world_size, runtime, optimizer, None)
     trainer = ckpt.restore()
     share = capture(runtime, optimizer, None, None)

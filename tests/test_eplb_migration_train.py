@@ -78,7 +78,7 @@ def _ep_expert_state(rt: Any, optimizer: Any) -> dict[tuple[int, str, str, int],
 
 def _train(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from portapipe.compose import PipelineRuntime
-    from portapipe.train import make_optimizer
+    from portapipe.train import make_sharded_optimizer
     from portapipe.verify import microbatches
 
     out: dict[str, Any] = {}
@@ -87,13 +87,14 @@ def _train(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
         be = type(backend)(backend.options)
         groups = be.parallel_groups(2, 1, 2)
         rt = PipelineRuntime(config, be, groups)
-        optimizer = make_optimizer(list(rt.named_parameters()), config.train)
+        optimizer = make_sharded_optimizer(rt, config, be)
+        optimizer.lr = config.train.lr
         balancer = rt.ep.balancer
         events, checks = [], []
         for step in range(STEPS):
             result = rt.step(_batches(config, step, groups.ep_rank))
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            rt.grads.zero_grad()
             known = _ep_expert_state(rt, optimizer) if (step + 1) % INTERVAL == 0 else {}
             figures = balancer.after_step(step, result, optimizer)
             if "rebalance" in figures:

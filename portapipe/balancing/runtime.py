@@ -226,9 +226,12 @@ class ExpertBalancer:
             local = (slot_pos >= 0).nonzero().flatten()
             for name in EXPERT_PARAMS:
                 p = getattr(layer.moe.experts, name)
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                rows = p.grad.view(p.shape[0], -1)
+                grad = getattr(p, "main_grad", None)  # the accumulator of a wider dtype, when there is one
+                if grad is None:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    grad = p.grad
+                rows = grad.view(p.shape[0], -1)
                 idx, to = local.to(rows.device), slot_pos[local].to(rows.device)
                 buf = rows.new_zeros(len(rep), rows.shape[1]).index_add_(0, to, rows.index_select(0, idx))
                 parts.append(buf)

@@ -263,12 +263,13 @@ def _model_line(config: Config, theirs: dict[str, Any], path: Path, key: str) ->
     """One line naming how the checkpoint's model differs from this config's (None when it does not).
 
     Another architecture is named alone (its other keys differ as a matter of course); a key the
-    checkpoint's config lacks (added to the config since) counts as its default.
+    checkpoint's config lacks (added to the config since) counts as its default. ``dtype`` may
+    differ: the checkpoint holds the master weights, read in whatever dtype this run keeps them.
     """
     fields = type(config.model).model_fields
     mine = config.to_dict()["model"]
     then = {k: theirs[k] if k in theirs else json.loads(json.dumps(fields[k].get_default(call_default_factory=True))) for k in mine}
-    diff = [k for k in mine if then[k] != mine[k]]
+    diff = [k for k in mine if then[k] != mine[k] and k != "dtype"]
     if "arch" in diff:
         diff = ["arch"]
     if not diff:

@@ -3,8 +3,13 @@
 What a rank contributes to a checkpoint (a nested dict that DCP flattens to dotted keys):
 
 - ``model.<name>``: parameters and persistent buffers (the routers' ``bias``), routed experts one
-  per logical expert (``layers.3.moe.experts.5.gate_up``);
-- ``optim.<name>.{exp_avg, exp_avg_sq, step}``: AdamW's state under the same names;
+  per logical expert (``layers.3.moe.experts.5.gate_up``), in the model dtype (what ``portapipe
+  export`` writes: the master weights cast);
+- ``master.<name>``: the master weights, when the optimizer keeps them apart from the parameters
+  (another dtype, or sharded), so a run may resume in another model or master dtype and zero
+  stage (a checkpoint without them: the parameters are the master weights);
+- ``optim.<name>.{exp_avg, exp_avg_sq, step}``: AdamW's state under the same names, whole
+  (a sharded optimizer's ranges are gathered first), so any ``zero_stage`` and dp size reads it;
 - ``balancer.<layer>.{phy2log, log2phy, loads, planned}``: the expert placement in force (and whether it came from loads), the window of
   recorded per-expert loads, per MoE layer (global index);
 - ``rng.<device type>``: rank 0's generator states;
@@ -51,18 +56,23 @@ def _shaped_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def capture(runtime: Any, optimizer: torch.optim.Optimizer, balancer: Any, rng: dict[str, torch.Tensor] | None) -> dict[str, Any]:
-    """This rank's share of the logical state (CPU copies; see the module docstring)."""
+def capture(runtime: Any, optimizer: Any, balancer: Any, rng: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    """This rank's share of the logical state (CPU copies; see the module docstring; collective
+    under a sharded optimizer)."""
     named = named_state(runtime)
+    full = dict(optimizer.full_state())  # parameter -> whole exp_avg, exp_avg_sq (and master)
     state: dict[str, Any] = {"model": logical_state(named)}
-    params = [(n, p) for n, p in _params(named) if optimizer.state.get(p)]
+    masters = [(n, _shaped_like(full[p]["master"], p)) for n, p in _params(named) if p in full and "master" in full[p]]
+    if masters:
+        state["master"] = logical_state(masters)
+    params = [(n, p) for n, p in _params(named) if p in full and optimizer.steps]
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for kind in MOMENTS:
-        moments = [(n, _shaped_like(optimizer.state[p][kind], p)) for n, p in params]
+        moments = [(n, _shaped_like(full[p][kind], p)) for n, p in params]
         for key, t in logical_state(moments).items():
             optim.setdefault(key, {})[kind] = t
+    step = torch.tensor(float(optimizer.steps))
     for n, p in params:
-        step = torch.as_tensor(optimizer.state[p]["step"]).detach().cpu().reshape(()).clone()
         for key, _, owned in logical_slices([(n, p)]):
             if owned:
                 optim[key]["step"] = step
@@ -106,7 +116,7 @@ def balancer_targets(balancer: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
     return {"balancer": layers} if layers else {}
 
 
-def targets(runtime: Any, optimizer: torch.optim.Optimizer, rng_kinds: list[str], meta: Mapping[str, Any]) -> dict[str, Any]:
+def targets(runtime: Any, optimizer: Any, rng_kinds: list[str], meta: Mapping[str, Any]) -> dict[str, Any]:
     """Empty CPU tensors for every key this rank needs, to be filled by DCP's load.
 
     ``meta`` is DCP's index of the checkpoint (key -> size and dtype). Which experts a rank
@@ -127,32 +137,42 @@ def targets(runtime: Any, optimizer: torch.optim.Optimizer, rng_kinds: list[str]
         return torch.empty(tuple(m.size), dtype=dtype or m.properties.dtype)
 
     model: dict[str, torch.Tensor] = {}
+    has_master = any(k.startswith("master.") for k in meta)
     for key, t, _ in logical_slices(named):
-        if key not in model and (x := want(f"model.{key}", t.shape, t.dtype)) is not None:
+        # without saved master weights the parameters are them: read in the master dtype (DCP converts)
+        dtype = optimizer.master_dtype if not has_master and t.requires_grad else t.dtype
+        if key not in model and (x := want(f"model.{key}", t.shape, dtype)) is not None:
             model[key] = x
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for n, p in _params(named):
         for key, t, _ in logical_slices([(n, p)]):
             if key in optim:
                 continue
-            entry = {kind: want(f"optim.{key}.{kind}", t.shape, t.dtype) for kind in MOMENTS}
+            entry = {kind: want(f"optim.{key}.{kind}", t.shape, optimizer.master_dtype) for kind in MOMENTS}
             entry["step"] = want(f"optim.{key}.step", ())
             optim[key] = entry  # type: ignore[assignment]
     if problems:
         raise ValueError(f"the checkpoint does not fit this model ({len(problems)} problems; first: {'; '.join(problems[:4])})")
     out: dict[str, Any] = {"model": model, "optim": optim}
+    if has_master:  # read in this run's master dtype
+        out["master"] = {key: torch.empty(tuple(meta[f"master.{key}"].size), dtype=optimizer.master_dtype)
+                         for n, p in _params(named) for key, _, _ in logical_slices([(n, p)]) if f"master.{key}" in meta}
     rng = {k: torch.empty(tuple(meta[f"rng.{k}"].size), dtype=meta[f"rng.{k}"].properties.dtype) for k in rng_kinds if f"rng.{k}" in meta}
     if rng:
         out["rng"] = rng
     return out
 
 
-def restore(loaded: dict[str, Any], runtime: Any, optimizer: torch.optim.Optimizer) -> None:
+def restore(loaded: dict[str, Any], runtime: Any, optimizer: Any) -> None:
     """Put what :func:`targets` was filled with into the rank's model and optimizer: the weights
-    by logical name (every replica of an expert gets its expert), then AdamW's state."""
+    by logical name (every replica of an expert gets its expert; cast to the model dtype), then
+    AdamW's state and the master weights."""
     named = named_state(runtime)
     load_logical_state(named, loaded["model"])
-    _restore_optimizer(optimizer, _params(named), loaded["optim"])
+    master = {**loaded["model"], **loaded.get("master", {})}  # the master weights where saved, else the parameters
+    if "master" in loaded:  # the parameters as the master weights cast (exactly what the run computed with)
+        load_logical_state(_params(named), master)
+    _restore_optimizer(optimizer, _params(named), loaded["optim"], master)
 
 
 def restore_balancer(balancer: Any, loaded: dict[str, Any], placement_fits: bool) -> None:
@@ -177,23 +197,24 @@ def restore_balancer(balancer: Any, loaded: dict[str, Any], placement_fits: bool
     balancer.load_state_dict(state)
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer, params: list[tuple[str, nn.Parameter]], optim: dict[str, dict[str, torch.Tensor]]) -> None:
-    """AdamW's state per parameter from logical entries, through ``optimizer.load_state_dict``
-    (which puts each moment on its parameter's device and dtype)."""
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+def _restore_optimizer(optimizer: Any, params: list[tuple[str, nn.Parameter]], optim: dict[str, dict[str, torch.Tensor]],
+                       model: dict[str, torch.Tensor]) -> None:
+    """AdamW's state and the master weights (the saved parameters, in the master dtype) per
+    parameter from logical entries, into what this rank holds of them."""
     by_kind = {kind: {key: e[kind] for key, e in optim.items()} for kind in MOMENTS}
-    state: dict[int, dict[str, torch.Tensor]] = {}
+    by_kind["master"] = model
+    loaded: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    steps: set[float] = set()
     for n, p in params:
-        if id(p) not in index:
+        if not p.requires_grad:
             continue
         entry = {}
-        for kind in MOMENTS:
-            buf = torch.zeros(p.shape, dtype=p.dtype)
-            load_logical_state([(n, _shaped_like(buf, p))], by_kind[kind])
-            entry[kind] = buf
-        steps = {float(optim[key]["step"]) for key, _, _ in logical_slices([(n, p)])}
-        if len(steps) != 1:
-            raise ValueError(f"optimizer state of {n}: its experts were saved at different step counts {sorted(steps)}")
-        entry["step"] = torch.tensor(steps.pop(), dtype=optim[next(k for k, _, _ in logical_slices([(n, p)]))]["step"].dtype)
-        state[index[id(p)]] = entry
-    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+        for kind, values in by_kind.items():
+            buf = torch.zeros(p.shape, dtype=optimizer.master_dtype)
+            load_logical_state([(n, _shaped_like(buf, p))], values)
+            entry[kind] = buf.to(p.device)
+        steps |= {float(optim[key]["step"]) for key, _, _ in logical_slices([(n, p)])}
+        loaded[p] = entry
+    if len(steps) > 1:
+        raise ValueError(f"optimizer state saved at different step counts {sorted(steps)}")
+    optimizer.load_full_state(loaded, int(steps.pop()) if steps else 0)

@@ -52,7 +52,7 @@ from .linear import Linear, grouped_linear
 from .rope import apply_rope, rope_tables
 from .routing import Router, SoftmaxRouter
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 __all__ = ["Attention", "Block", "Router", "apply_rope", "build_blocks", "layer_range", "rope_tables"]
 
@@ -79,7 +79,9 @@ ARCHITECTURES: dict[str, Arch] = {
 
 
 def norm(cfg: ModelConfig, dim: int, dtype: torch.dtype) -> RMSNorm:
-    return RMSNorm(dim, dtype, cfg.norm_eps, ARCHITECTURES[cfg.arch].norm_precision)
+    # float16's range cannot hold the backward's rsqrt(mean x^2)^3 of small activations: float32 there
+    precision = ARCHITECTURES[cfg.arch].norm_precision or (torch.float32 if dtype == torch.float16 else None)
+    return RMSNorm(dim, dtype, cfg.norm_eps, precision)
 
 
 class DenseFFN(nn.Module):

@@ -2,8 +2,10 @@
 
 Static, per pipeline rank: the parameters of every block the rank holds (DualPipe: two blocks,
 each also held by another rank; routed experts: ``n_experts / ep`` plus the balancer's redundant
-slots), their gradients (same dtype), AdamW's two moments and step counters, the model's
-buffers.
+slots), their gradients (accumulated in the master dtype), the master weights (when kept apart
+from the parameters: another dtype, or ``zero_stage`` 1 / 2), AdamW's two moments (in the master
+dtype; this rank's ranges under ``zero_stage`` 1 / 2, and the gradients' too under 2), the
+model's buffers.
 
 In flight: each rank's lowered action list is walked in order, and each compute action through
 its stage program (:mod:`.programs`), part by part; an F&B interleaves its two programs as the
@@ -17,8 +19,8 @@ executor does. Two running totals:
   tape keeps until the backward, posted receive buffers, every tensor sent (the executor keeps
   them until the step ends), deferred weight gradients between B and W (an estimate).
 
-The step's peak is the larger of the walk's peak and what is left at its end plus the gradient
-reductions' flat copies and the optimizer's temporaries.
+The step's peak is the larger of the walk's peak and what is left at its end plus a gradient
+bucket's temporaries and the parameters' refresh after the optimizer step.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from ..scheduling.ir import Action, Kind, Schedule
 from .programs import Programs, StageSpec, interleave, stage_specs
 from .shape import Shape, block_params, layer_buffer_bytes, wqueue_bytes
-from .time_model import _block_count, _block_params
+from .time_model import _block_params
 
 
 @dataclass
@@ -57,6 +59,7 @@ class _Walk:
 class RankMemory:
     params: float = 0.0
     grads: float = 0.0
+    master: float = 0.0
     optimizer: float = 0.0
     buffers: float = 0.0
     saved_peak: float = 0.0  # activations saved for backward (the accounting's figure)
@@ -66,7 +69,7 @@ class RankMemory:
 
     @property
     def static(self) -> float:
-        return self.params + self.grads + self.optimizer + self.buffers
+        return self.params + self.grads + self.master + self.optimizer + self.buffers
 
     @property
     def total(self) -> float:
@@ -74,7 +77,7 @@ class RankMemory:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "params": self.params, "grads": self.grads, "optimizer": self.optimizer, "buffers": self.buffers,
+            "params": self.params, "grads": self.grads, "master": self.master, "optimizer": self.optimizer, "buffers": self.buffers,
             "saved_peak": self.saved_peak, "held_peak": self.held_peak, "post": self.post, "total": self.total,
             "microbatches_peak": self.microbatches_peak,
         }
@@ -98,27 +101,44 @@ class MemoryReport:
 
 
 def static_memory(setup: Any, schedule: Schedule, rank: int) -> RankMemory:
-    """Parameters, gradients, AdamW state and buffers of pipeline rank ``rank``."""
+    """Parameters, gradients, master weights, AdamW state and buffers of pipeline rank ``rank``."""
     s = setup.shape
     bal = getattr(setup, "balancer", None)
     redundant = bal.redundant if bal is not None and bal.kind != "none" else 0
-    return _static(s, tuple(schedule.blocks_of(rank)), schedule.n_blocks, s.n_experts // setup.ep + redundant, s.n_experts + redundant * setup.ep)
+    train, model = getattr(setup, "train", None), getattr(setup, "model", None)
+    master = _master_bytes(model.dtype if model is not None else "float32", train.master_dtype if train is not None else "auto")
+    return _static(s, tuple(schedule.blocks_of(rank)), schedule.n_blocks, s.n_experts // setup.ep + redundant,
+                   s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep)
+
+
+def _master_bytes(model_dtype: str, setting: str) -> int:
+    from ..optim.precision import master_dtype
+
+    return {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[master_dtype(model_dtype, setting)]
 
 
 @functools.lru_cache(maxsize=8192)
-def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, slots: int) -> RankMemory:
+def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, slots: int, em: int = 4, zero: int = 0,
+            dp: int = 1, ep: int = 1) -> RankMemory:
+    """Gradients accumulate in the master dtype (``em`` bytes); zero_stage 1 shards the master
+    weights and AdamW's moments, 2 the gradients too, over dp x ep (shared) or dp (experts).
+    The parameters are the master weights when the model computes in the master dtype (no copy)."""
     from ..models.moe import layer_range
 
     mem = RankMemory()
-    elements = tensors = 0
+    elements = experts = 0
     for b in blocks:
         c = _block_params(s, b, n_blocks, local_slots)
         elements += c.elements
-        tensors += c.tensors
+        experts += c.expert_elements
         first, last = layer_range(s.n_layers, n_blocks, b)
         mem.buffers += sum(layer_buffer_bytes(s, i, slots) for i in range(first, last))
-    mem.params = mem.grads = float(elements * s.e)
-    mem.optimizer = float(2 * elements * s.e + 4 * tensors)  # exp_avg, exp_avg_sq; a float32 step per tensor
+    sharded = (elements - experts) / (dp * ep) + experts / dp  # this rank's ranges of its buckets
+    mem.params = float(elements * s.e)
+    mem.grads = float((sharded if zero == 2 else elements) * em)
+    kept = sharded if zero >= 1 else elements
+    mem.optimizer = float(2 * kept * em)  # exp_avg, exp_avg_sq
+    mem.master = float(kept * em) if em != s.e else 0.0
     return mem
 
 
@@ -309,13 +329,12 @@ class MemoryModel:
         tops = torch.stack([s_start + h_start + posts_h, s_start + h_start + posts_h + pre_s + pre_h + st[:, 3], s_end + h_end])
         mem.held_peak = max(0.0, float(tops.max()))
         mem.microbatches_peak = walk.most
-        # after the schedule: flat gradient copies for the reductions (DualPipe: mine, theirs, sum)
-        # and AdamW's foreach temporaries (about one parameter-sized buffer)
-        c = [_block_count(self.setup, s, b, sched.n_blocks) for b in sched.blocks_of(r)]
-        shared = sum(x.elements - x.expert_elements for x in c) * s.e
-        experts = sum(x.expert_elements for x in c) * s.e
-        swap = 3 * max((x.elements for x in c), default=0) * s.e if sched.name == "dualpipe" else 0
-        mem.post = float(s_end[-1] + h_end[-1]) + max(swap, shared, experts) + mem.params
+        # after the schedule: no flat copy of the gradients (they sit in their buckets); a bucket's
+        # temporaries (DualPipe's copy sum: theirs and the sum; the clipped gradient) and the
+        # parameters' refresh (all-gathered under zero_stage 1 / 2, about one parameter-sized buffer)
+        train = getattr(self.setup, "train", None)
+        bucket = min(float(train.grad_bucket_mb if train is not None else 25.0) * 2**20, mem.grads)
+        mem.post = float(s_end[-1] + h_end[-1]) + 2 * bucket + mem.params
         return mem
 
     def _block_spec(self, block: int) -> StageSpec:

@@ -5,7 +5,8 @@ own micro-batches, so a layout with ``r`` = dp x ep replicas runs ``m`` micro-ba
 sequences with ``r * m * b`` equal to the user's. Enumerated: pp x ep x dp layouts of the
 devices, the five schedules (interleaved with the user's chunk count), every micro-batch count
 that divides a replica's share, and the memory options (off, zero-memory level0 / level1,
-recompute moe / full, and full recompute of each stage's first layer with level1 on the rest).
+recompute moe / full, and full recompute of each stage's first layer with level1 on the rest); per
+candidate, the least ``train.zero_stage`` whose memory fits the budget.
 
 Each candidate is checked against the rule table first, then its per-rank peak memory
 (:mod:`.memory_model`) against the budget; only then is its step time simulated
@@ -212,9 +213,9 @@ def _reason(line: str) -> str:
     return line.split(":")[0]
 
 
-def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context) -> Candidate:
-    """Rules, then memory (parameters first, then the schedule's activations); a time bound.
-    The time itself is left to :func:`plan`."""
+def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: bool = True) -> Candidate:
+    """Rules, then memory (parameters first, then the schedule's activations; with ``search_zero``
+    the least zero_stage from the setup's that fits); a time bound. The time itself is left to :func:`plan`."""
     c = Candidate(x)
     for _rule, lines in broken(x, PLANNED):  # the model, train and backend rules hold for every candidate
         c.problems += lines
@@ -224,21 +225,29 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context) -> Candidate:
     if isinstance(place, str):
         c.problems.append(place)
         return c
-    if memory_bytes is not None:
-        static = max(static_memory(x, place, r).static for r in range(place.n_ranks))
-        if static > memory_bytes:
-            c.problems.append(f"memory: parameters, gradients and optimizer state alone need {gib(static)} > budget {gib(memory_bytes)}")
-            return c
     built = ctx.schedule(x)
     if isinstance(built, str):
         c.problems.append(built)
         return c
     sched, lists = built
-    c.memory = MemoryModel(
-        x, sched, ctx.imb(x.ep), programs=ctx.programs(x), walks=ctx.walks, lists=lists, specs=ctx.specs(x, sched)
-    ).report(memory_bytes)
-    if c.memory.over is not None:
+    # zero_stage: the least sharding of the optimizer (and then the gradients) that fits the budget
+    searched = search_zero and memory_bytes is not None and x.dp * x.ep > 1
+    stages = [z for z in (0, 1, 2) if z >= x.zero_stage] if searched else [x.zero_stage]
+    for zero in stages:
+        c.problems = []
+        c.setup = x = x.replace(zero_stage=zero)
+        if memory_bytes is not None:
+            static = max(static_memory(x, place, r).static for r in range(place.n_ranks))
+            if static > memory_bytes:
+                c.problems.append(f"memory: parameters, gradients and optimizer state alone need {gib(static)} > budget {gib(memory_bytes)}")
+                continue
+        c.memory = MemoryModel(
+            x, sched, ctx.imb(x.ep), programs=ctx.programs(x), walks=ctx.walks, lists=lists, specs=ctx.specs(x, sched)
+        ).report(memory_bytes)
+        if c.memory.over is None:
+            break
         c.problems.append(f"memory: pipeline rank {c.memory.over} needs {gib(c.memory.over_total)} > budget {gib(memory_bytes)}")
+    if c.problems:
         return c
     tm = ctx.time_model(x, sched, lists)
     c.bound_s = ctx.busy(tm, sched) + tm.post_step()
@@ -286,7 +295,7 @@ def plan(
     dropped: dict[str, int] = {}
     user_c: Candidate | None = None
     for i, x in enumerate(setups):
-        c = evaluate(x, memory_bytes, ctx)
+        c = evaluate(x, memory_bytes, ctx, search_zero=x != user)  # the user's own setup is judged as it is
         if x == user:
             user_c = c
         if c.kept:

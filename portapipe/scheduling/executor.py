@@ -16,7 +16,12 @@ parallel groups; :meth:`~PipelineExecutor.step` runs one training step's actions
   ``W``; ``BW`` the backward with weight gradients at once; ``FB`` the two programs
   interleaved (:func:`~portapipe.scheduling.overlap.run_pair`) when ``overlap`` is on, else one
   after the other. A micro-batch's tape is dropped as soon as its backward ran.
-- After the list (:meth:`~PipelineExecutor.reduce_gradients`): DualPipe's two copies of each
+- Gradient synchronisation: with a ``grad_sync`` (:class:`GradSync`, e.g. portapipe's gradient
+  buckets) the executor only offers the seams: ``start()`` before the step,
+  ``block_done(block)`` right after the action that ends a block's backward work of the step on
+  this rank (its last ``B``, ``BW``, ``W`` or ``FB``, read from the action list), ``finish()``
+  after the last action; what is launched there is the composer's business. Without one,
+  after the list (:meth:`~PipelineExecutor.reduce_gradients`): DualPipe's two copies of each
   block sum their gradients; gradients of parameters not marked as experts are summed over the
   replica group (dp x ep), expert gradients (:func:`~.stage.is_expert`) over dp; each
   micro-batch's backward was seeded with 1 / (micro-batches x replicas), so ``.grad`` is the
@@ -33,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -125,6 +130,34 @@ def placed(schedule: Schedule, groups: ParallelGroups) -> Schedule:
     return schedule
 
 
+class GradSync(Protocol):
+    """What the executor tells a step's gradient synchronisation (see the module docstring).
+    ``exposed_s``: time ``finish`` took (the synchronisation left exposed after the last action);
+    ``sync_s``: from the first reduction issued to the last one done."""
+
+    exposed_s: float
+    sync_s: float
+
+    def start(self) -> None: ...
+
+    def block_done(self, block: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+def last_backward(actions: list[Action], stage_block: list[int]) -> dict[int, list[int]]:
+    """Index of the action after which each block's backward work on a rank is done -> blocks."""
+    last: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        part = a.pair[1] if a.kind is Kind.FB else a
+        if part.kind in (Kind.B, Kind.BW, Kind.W):
+            last[stage_block[part.stage]] = i
+    out: dict[int, list[int]] = {}
+    for block, i in sorted(last.items()):
+        out.setdefault(i, []).append(block)
+    return out
+
+
 #: the model's end-of-step work: gets the executor after its gradient reduction, returns extra
 #: StepResult fields (e.g. ``expert_counts``, ``expert_layers``)
 EndStep = Callable[["PipelineExecutor"], Mapping[str, Any]]
@@ -135,7 +168,9 @@ class PipelineExecutor:
 
     ``stages`` maps each model block this rank's schedule places here to its stage (already on
     the backend's device). ``exchange_stats``: where the stages' exchanges record their time
-    (reported in the timings); ``end_step``: see :data:`EndStep`.
+    (reported in the timings); ``end_step``: see :data:`EndStep`; ``grad_sync``: see
+    :class:`GradSync` (None: the blocking reduction after the list). ``grad_scale`` multiplies
+    every backward's seed (a loss scale).
     """
 
     def __init__(
@@ -149,6 +184,7 @@ class PipelineExecutor:
         overlap: bool = True,
         exchange_stats: A2AStats | None = None,
         end_step: EndStep | None = None,
+        grad_sync: GradSync | None = None,
     ) -> None:
         self.backend, self.groups = backend, groups
         self.schedule = s = placed(schedule, groups)
@@ -158,6 +194,8 @@ class PipelineExecutor:
         self.overlap = overlap
         self.exchange_stats = A2AStats() if exchange_stats is None else exchange_stats
         self.end_step = end_step
+        self.grad_sync = grad_sync
+        self.grad_scale = 1.0
         self.device = backend.device()
         self.actions: list[Action] = s.actions[groups.pp_rank]
         # DualPipe: the other pipeline rank holding the same block (its gradients are summed).
@@ -171,6 +209,7 @@ class PipelineExecutor:
                 self.copy_rank[b] = others[0]
         self.fb_stats = A2AStats()
         self._copy_calls: dict[int, int] = {}
+        self.grads_final = last_backward(self.actions, s.stage_block)
 
     # ------------------------------------------------------------- parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -187,14 +226,21 @@ class PipelineExecutor:
         s = self.schedule
         if len(microbatches) != s.n_microbatches:
             raise ValueError(f"step() got {len(microbatches)} micro-batches; schedule {s.name} runs {s.n_microbatches}")
-        for p in self.parameters():
-            p.grad = None
+        self._copy_calls.clear()  # copy-exchange tags restart every step
+        if self.grad_sync is not None:
+            self.grad_sync.start()
+        else:
+            for p in self.parameters():
+                p.grad = None
         self.exchange_stats.reset()
         self.fb_stats.reset()
         run_ = _Step(self, microbatches)
         t0 = time.perf_counter()
         run_.execute()
-        self.reduce_gradients()
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        else:
+            self.reduce_gradients()
         losses = self._gather_losses(run_.losses)
         extra = dict(self.end_step(self)) if self.end_step is not None else {}
         step_s = time.perf_counter() - t0
@@ -215,6 +261,8 @@ class PipelineExecutor:
             "edge_a2a_wait_s": st.wait_s - fb.wait_s,
             "edge_a2a_hidden_frac": A2AStats(st.total_s - fb.total_s, st.wait_s - fb.wait_s).hidden_frac,
             "peak_activations": float(run_.peak_activations),
+            "grad_sync_exposed_s": self.grad_sync.exposed_s if self.grad_sync is not None else 0.0,
+            "grad_sync_s": self.grad_sync.sync_s if self.grad_sync is not None else 0.0,
         }
         return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, losses=losses, **extra)
 
@@ -228,7 +276,6 @@ class PipelineExecutor:
         gradient would still let AdamW's weight decay move them).
         """
         g = self.groups
-        self._copy_calls.clear()  # copy-exchange tags restart every step
         params = [p for p in self.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
@@ -314,7 +361,7 @@ class _Step:
         self.rt = rt
         self.s = rt.schedule
         self.mbs = [(x.to(rt.device), y.to(rt.device)) for x, y in microbatches]
-        self.scale = 1.0 / (self.s.n_microbatches * rt.groups.dp * rt.groups.ep)
+        self.scale = rt.grad_scale / (self.s.n_microbatches * rt.groups.dp * rt.groups.ep)
         self.recvs: dict[tuple[Kind, int, int], tuple[Any, torch.Tensor]] = {}
         self.local: dict[tuple[Kind, int, int], torch.Tensor] = {}  # same-rank hand-offs
         self.outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # waiting for their SEND
@@ -339,6 +386,10 @@ class _Step:
                 i = j
                 continue
             self._compute(acts[i])
+            sync = self.rt.grad_sync
+            if sync is not None:
+                for block in self.rt.grads_final.get(i, ()):
+                    sync.block_done(block)
             i += 1
         for work, _ in self.sends:
             work.wait()

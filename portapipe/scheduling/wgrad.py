@@ -68,8 +68,12 @@ def deferring(queue: WeightGradQueue | None) -> Iterator[WeightGradQueue | None]
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add ``grad`` into ``param.grad`` the way autograd's accumulation would."""
-    if param.grad is None:
+    """Add ``grad`` into ``param.grad`` the way autograd's accumulation would, or into
+    ``param.main_grad`` when the parameter has one (an accumulator in a wider dtype)."""
+    main = getattr(param, "main_grad", None)
+    if main is not None:
+        main.add_(grad)
+    elif param.grad is None:
         param.grad = grad.detach()
     else:
         param.grad.add_(grad)

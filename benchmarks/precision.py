@@ -1,0 +1,147 @@
+"""Precision and optimizer sharding: what each costs and what it buys, on the CPU example.
+
+Three parts, each a series of ``portapipe train`` runs (gloo ranks, temporary folders):
+
+- precision: examples/cpu.yaml for ``--steps`` steps at lr 3e-4 (cosine to the end) in float32,
+  bfloat16 with float32 master weights, bfloat16 without them (``master_dtype: bfloat16``) and
+  float16 with dynamic loss scaling: the loss curves, the final validation losses, the median
+  step time, float16's overflows;
+- memory: the ``memory`` record (largest per-rank bytes of params, grads, master, optimizer) for
+  zero_stage 0 / 1 / 2 at dp 2 (pp 2 x dp 2) and dp 4 (pp 1 x dp 4), the CPU example's model in
+  float32, and at dp 2 in bfloat16 (float32 master weights);
+- overlap: DualPipeV pp 2 x dp 2, float32, with ``train.overlap_grad_sync`` on and off: the
+  median step time and the median gradient synchronisation left exposed after the last action
+  (the largest over ranks), over ``--overlap-steps`` steps after the first.
+
+Prints one JSON object; ``--png`` draws the loss curves.
+
+    python benchmarks/precision.py [--steps 200] [--overlap-steps 30] [--png docs/precision.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from portapipe.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "cpu.yaml"
+
+PRECISIONS: dict[str, list[str]] = {
+    "float32": ["model.dtype=float32"],
+    "bfloat16+float32 master": ["model.dtype=bfloat16"],
+    "bfloat16, no master": ["model.dtype=bfloat16", "train.master_dtype=bfloat16"],
+    "float16+loss scaling": ["model.dtype=float16"],
+}
+
+
+def _train(sets: list[str], folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    from portapipe.train import train
+
+    sets = [*sets, f"log.dir={folder}", "log.progress=false", "checkpoint.every=0", "checkpoint.overwrite=true"]
+    summary = train(load_config(EXAMPLE, sets))
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+def precision(steps: int, tmp: Path) -> dict[str, Any]:
+    out = {}
+    for name, sets in PRECISIONS.items():
+        common = [f"train.steps={steps}", "train.lr=3e-4", "train.min_lr=3e-5", f"train.lr_schedule_steps={steps}"]
+        summary, rows = _train(common + sets, tmp / name.replace(" ", "_").replace(",", "").replace("+", "_"))
+        train = [r for r in rows if r["kind"] == "train"]
+        out[name] = {
+            "val_loss": summary["val_loss"],
+            "final_loss_avg5": summary["final_loss_avg5"],
+            "median_step_s": summary["median_step_s"],
+            "overflows": summary["overflows"],
+            "curve": [[r["step"], r["loss"]] for r in train],
+        }
+        print(f"{name}: val {summary['val_loss']:.4f}, step {summary['median_step_s']:.3f} s", file=sys.stderr)
+    ref = out["float32"]["val_loss"]
+    for entry in out.values():
+        entry["val_loss_vs_float32_pct"] = 100.0 * (entry["val_loss"] / ref - 1.0)
+    return out
+
+
+def memory(tmp: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    dp2, dp4 = ["parallel.pp=2", "parallel.ep=1", "parallel.dp=2"], ["parallel.pp=1", "parallel.ep=1", "parallel.dp=4", "schedule.name=1f1b"]
+    layouts = {"dp2": dp2, "dp4": dp4, "dp2_bf16": dp2 + ["model.dtype=bfloat16"]}
+    for name, layout in layouts.items():
+        for zero in (0, 1, 2):
+            _, rows = _train(layout + ["train.steps=1", f"train.zero_stage={zero}"], tmp / f"mem-{name}-zero{zero}")
+            record = next(r for r in rows if r["kind"] == "memory")
+            out[f"{name}_zero{zero}"] = {k: record[k] for k in ("params", "grads", "master", "optimizer")}
+    for name in layouts:
+        base = out[f"{name}_zero0"]
+        for zero in (1, 2):
+            e = out[f"{name}_zero{zero}"]
+            e["master_plus_optimizer_vs_zero0"] = (e["master"] + e["optimizer"]) / (base["master"] + base["optimizer"])
+            e["grads_vs_zero0"] = e["grads"] / base["grads"]
+    return out
+
+
+def overlap(steps: int, tmp: Path) -> dict[str, Any]:
+    out = {}
+    layout = ["parallel.pp=2", "parallel.ep=1", "parallel.dp=2", f"train.steps={steps}"]
+    for on in (True, False):
+        _, rows = _train(layout + [f"train.overlap_grad_sync={str(on).lower()}"], tmp / f"overlap-{on}")
+        train = [r for r in rows if r["kind"] == "train"][1:]  # the first step pays one-time costs
+        out["on" if on else "off"] = {
+            "median_step_s": statistics.median(r["step_s"] for r in train),
+            "median_grad_sync_exposed_s": statistics.median(r["grad_sync_exposed_s"] for r in train),
+        }
+    out["exposed_on_vs_off"] = out["on"]["median_grad_sync_exposed_s"] / out["off"]["median_grad_sync_exposed_s"]
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, entry in result["precision"].items():
+        steps, losses = zip(*entry["curve"])
+        ax.plot(steps, losses, label=f"{name} (val {entry['val_loss']:.3f})", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("examples/cpu.yaml, lr 3e-4")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200, help="training steps of each precision run")
+    ap.add_argument("--overlap-steps", type=int, default=30)
+    ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: precision, memory, overlap")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    result: dict[str, Any] = {"machine": {"processor": platform.processor(), "torch": torch.__version__}, "steps": args.steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        for part, run in (("overlap", lambda: overlap(args.overlap_steps, Path(tmp))), ("memory", lambda: memory(Path(tmp))),
+                          ("precision", lambda: precision(args.steps, Path(tmp)))):
+            if part not in skip:
+                result[part] = run()
+                print(json.dumps({part: result[part]}), file=sys.stderr, flush=True)  # a long run's parts as they finish
+    if args.png is not None and "precision" in result:
+        plot(result, args.png)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""Gradient buckets: where a step's gradients accumulate, and how they are summed over replicas.
+
+Each of a rank's model blocks gets its trainable parameters laid out in flat buckets of at
+most ``train.grad_bucket_mb`` (Megatron's main_grad): one kind of parameter per bucket, because
+a shared parameter is summed over the replica group (dp x ep) and an expert's over dp. A
+bucket's length is padded to a multiple of its group's size n so that it splits in n equal
+ranges, range i belonging to the group's i-th rank: the same layout serves the reduce-scatter of
+``zero_stage`` 2 and the master-weight / AdamW shards of stages 1 and 2 (see :mod:`.sharded`).
+
+Gradients accumulate in the master dtype: when the model computes in it, a parameter's
+``.grad`` *is* its view of the bucket (autograd adds into it in place); otherwise a hook adds
+each accumulated gradient into ``param.main_grad`` (the view) and drops ``.grad``, and the
+deferred weight gradients of the W split do the same (:func:`~portapipe.scheduling.wgrad.accumulate_grad`).
+There is no flat copy of all gradients.
+
+The executor calls :meth:`GradBuckets.block_done` when a block's last backward work of the
+step ran on this rank; its buckets' reductions are issued there, asynchronously, while the rest
+of the schedule runs (``train.overlap_grad_sync``). :meth:`GradBuckets.finish`, after the last
+action, does what cannot start early (DualPipe's copy sums, a balancer's replica sums of expert
+gradients, both before the replica reduction), then waits for everything; its time is the
+gradient synchronisation left exposed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..scheduling.stage import is_expert, owned_rows
+
+
+@dataclass
+class Bucket:
+    """One flat gradient buffer: ``params`` at ``offsets``, ``numel`` elements (padded)."""
+
+    block: int
+    expert: bool
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    group: Any
+    group_size: int
+    group_rank: int
+    #: the full gradient (master dtype) while it exists; under zero_stage 2 freed once reduced
+    grad: torch.Tensor | None = None
+    #: zero_stage 2: this rank's reduced range of ``grad``
+    shard_grad: torch.Tensor | None = None
+    work: Any = None
+    sent: torch.Tensor | None = None  # what is travelling, when not ``grad`` itself (another dtype)
+    hooks: list[Any] = field(default_factory=list)
+
+    @property
+    def shard_size(self) -> int:
+        return self.numel // self.group_size
+
+    @property
+    def shard(self) -> slice:
+        """This rank's equal range of the bucket."""
+        return slice(self.group_rank * self.shard_size, (self.group_rank + 1) * self.shard_size)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view of a full-length flat tensor."""
+        return [flat[o : o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+    def segments(self, span: slice | None = None) -> list[tuple[nn.Parameter, int, int, int]]:
+        """Per parameter overlapping ``span`` (this rank's range by default): (param, start in the
+        param, start in the span, length)."""
+        span = self.shard if span is None else span
+        lo, hi = span.start, span.stop
+        out = []
+        for p, o in zip(self.params, self.offsets):
+            a, b = max(lo, o), min(hi, o + p.numel())
+            if a < b:
+                out.append((p, a - o, a - lo, b - a))
+        return out
+
+
+def _group_of(groups: Any, expert: bool) -> tuple[Any, int, int]:
+    if expert:
+        ranks = groups.dp_ranks if groups.dp > 1 else [groups.rank]
+        return (groups.dp_group if groups.dp > 1 else None), len(ranks), ranks.index(groups.rank)
+    n = groups.dp * groups.ep
+    ranks = groups.replica_ranks if n > 1 else [groups.rank]
+    return (groups.replica_group if n > 1 else None), len(ranks), ranks.index(groups.rank)
+
+
+def layout(blocks: Mapping[int, nn.Module], groups: Any, bucket_elems: int) -> list[Bucket]:
+    """Buckets of every block (in block order), shared parameters before expert ones, each at most
+    ``bucket_elems`` elements unless one parameter alone is larger."""
+    out: list[Bucket] = []
+    for b in sorted(blocks):
+        params = [p for p in blocks[b].parameters() if p.requires_grad]
+        for expert in (False, True):
+            group, n, r = _group_of(groups, expert)
+            chunk: list[nn.Parameter] = []
+            size = 0
+            for p in [q for q in params if is_expert(q) == expert]:
+                if chunk and size + p.numel() > bucket_elems:
+                    out.append(_bucket(b, expert, chunk, group, n, r))
+                    chunk, size = [], 0
+                chunk.append(p)
+                size += p.numel()
+            if chunk:
+                out.append(_bucket(b, expert, chunk, group, n, r))
+    return out
+
+
+def _bucket(block: int, expert: bool, params: list[nn.Parameter], group: Any, n: int, r: int) -> Bucket:
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    padded = -(-total // n) * n
+    return Bucket(block, expert, params, offsets, padded, group, n, r)
+
+
+class GradBuckets:
+    """A rank's gradient buckets and their reduction over the replicas (see the module docstring).
+
+    ``copy_sum(block, tensor)``: the sum with DualPipe's other copy of ``block`` (collective
+    with that rank; identity for a block held once); ``copies``: the blocks that have one.
+    ``before_expert_reduce``: run once per step before expert buckets are reduced (a balancer's
+    replica sums), or None. ``zero_stage`` 2 reduce-scatters; 0 and 1 all-reduce.
+    """
+
+    def __init__(
+        self,
+        blocks: Mapping[int, nn.Module],
+        groups: Any,
+        backend: Any,
+        *,
+        master_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        zero_stage: int,
+        bucket_mb: float,
+        overlap: bool,
+        copy_sum: Callable[[int, torch.Tensor], torch.Tensor],
+        copies: set[int],
+        before_expert_reduce: Callable[[], None] | None = None,
+    ) -> None:
+        self.backend, self.groups = backend, groups
+        self.master_dtype, self.reduce_dtype = master_dtype, reduce_dtype
+        self.zero_stage, self.overlap = zero_stage, overlap
+        self.copy_sum, self.copies = copy_sum, set(copies)
+        self.before_expert_reduce = before_expert_reduce
+        elem = torch.tensor([], dtype=master_dtype).element_size()
+        self.buckets = layout(blocks, groups, max(1, int(bucket_mb * 2**20 / elem)))
+        self.device = next((b.params[0].device for b in self.buckets), torch.device("cpu"))
+        self.by_block: dict[int, list[Bucket]] = {}
+        for bucket in self.buckets:
+            self.by_block.setdefault(bucket.block, []).append(bucket)
+            if zero_stage == 2:
+                bucket.shard_grad = torch.zeros(bucket.shard_size, dtype=master_dtype, device=self.device)
+            for p in bucket.params:
+                if p.dtype != master_dtype:
+                    bucket.hooks.append(p.register_post_accumulate_grad_hook(_into_main_grad))
+        self.exposed_s = 0.0  # the last step's synchronisation time after the last action
+        self.sync_s = 0.0  # the last step's time from the first reduction issued to the last done
+        self._first_issue: float | None = None
+
+    # -------------------------------------------------------------------- step
+    def deferred(self, bucket: Bucket) -> bool:
+        """Whether a bucket waits for :meth:`finish` (copy sum or replica sum first)."""
+        return bucket.block in self.copies or (bucket.expert and self.before_expert_reduce is not None)
+
+    def start(self) -> None:
+        """Before a step: zeroed buffers, every parameter's gradient pointed at its view."""
+        self._first_issue = None
+        for bucket in self.buckets:
+            if bucket.grad is None:
+                bucket.grad = torch.zeros(bucket.numel, dtype=self.master_dtype, device=self.device)
+            else:
+                bucket.grad.zero_()
+            bucket.work = bucket.sent = None
+            for p, view in zip(bucket.params, bucket.views(bucket.grad)):
+                if p.dtype == self.master_dtype:
+                    p.grad = view
+                else:
+                    p.grad = None
+                    p.main_grad = view  # type: ignore[attr-defined]
+
+    def block_done(self, block: int) -> None:
+        """The executor's seam: ``block``'s gradients on this rank are final for the step."""
+        if not self.overlap:
+            return
+        for bucket in self.by_block.get(block, ()):
+            if not self.deferred(bucket):
+                self._issue(bucket)
+
+    def finish(self) -> None:
+        """After the last action: the deferred reductions, then wait for all (collective)."""
+        t0 = time.perf_counter()
+        for bucket in self.buckets:
+            if bucket.block in self.copies:
+                bucket.grad.copy_(self.copy_sum(bucket.block, bucket.grad))
+        if self.before_expert_reduce is not None:
+            self.before_expert_reduce()
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._issue(bucket)
+        for bucket in self.buckets:
+            self._complete(bucket)
+        t1 = time.perf_counter()
+        self.exposed_s = t1 - t0
+        self.sync_s = t1 - (self._first_issue if self._first_issue is not None else t0)
+
+    def _issue(self, bucket: Bucket) -> None:
+        if self._first_issue is None:
+            self._first_issue = time.perf_counter()
+        if bucket.group_size == 1:
+            bucket.work = _DONE
+            return
+        sent = bucket.grad if self.reduce_dtype == self.master_dtype else bucket.grad.to(self.reduce_dtype)
+        bucket.sent = sent
+        if self.zero_stage == 2:
+            out = bucket.shard_grad if self.reduce_dtype == self.master_dtype else sent.new_empty(bucket.shard_size)
+            bucket.work = (self.backend.reduce_scatter_tensor(out, sent, group=bucket.group, async_op=True), out)
+        else:
+            bucket.work = (self.backend.all_reduce(sent, group=bucket.group, async_op=True), sent)
+
+    def _complete(self, bucket: Bucket) -> None:
+        if bucket.work is _DONE:
+            if self.zero_stage == 2:
+                bucket.shard_grad.copy_(bucket.grad[bucket.shard])
+        else:
+            work, out = bucket.work
+            work.wait()
+            if self.zero_stage == 2:
+                if out is not bucket.shard_grad:
+                    bucket.shard_grad.copy_(out)
+            elif out is not bucket.grad:
+                bucket.grad.copy_(out)
+        bucket.work = bucket.sent = None
+        if self.zero_stage == 2:  # the full gradient is freed as soon as it is reduced
+            bucket.grad = None
+            self.release(bucket)
+
+    def release(self, bucket: Bucket) -> None:
+        """Drop the parameters' views of a bucket's full gradient."""
+        for p in bucket.params:
+            p.grad = None
+            if hasattr(p, "main_grad"):
+                del p.main_grad
+
+    def zero_grad(self) -> None:
+        """After the optimizer step: no parameter keeps a gradient (the buffers are reused)."""
+        for bucket in self.buckets:
+            self.release(bucket)
+
+    # -------------------------------------------------------------- reading
+    def grad_shard(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's reduced range of a bucket's gradient (after :meth:`finish`)."""
+        if self.zero_stage == 2:
+            return bucket.shard_grad
+        return bucket.grad[bucket.shard]
+
+    def full_grads(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every trainable parameter's whole reduced gradient, shaped like it (after :meth:`finish`;
+        collective under zero_stage 2, whose ranges are all-gathered)."""
+        out = {}
+        for bucket in self.buckets:
+            full = bucket.grad if bucket.grad is not None else gather(self.backend, bucket, bucket.shard_grad)
+            out.update(zip(bucket.params, bucket.views(full)))
+        return out
+
+    def norm_mask(self, bucket: Bucket, counted_block: bool) -> torch.Tensor | None:
+        """Which elements of this rank's range count in the global gradient norm (None: all).
+
+        Each range is one rank's, so a replicated parameter is counted once over its group;
+        DualPipe's second copy of a block (``counted_block`` False) counts nothing; a balancer's
+        replicated expert counts only in the slot that owns it, padding never."""
+        mask = torch.zeros(bucket.shard_size, dtype=torch.bool, device=self.device)
+        if not counted_block:
+            return mask
+        for p, start, at, n in bucket.segments():
+            owned = owned_rows(p)
+            if owned is None:
+                mask[at : at + n] = True
+            else:
+                rows = owned.to(self.device).repeat_interleave(p[0].numel())
+                mask[at : at + n] = rows[start : start + n]
+        return None if bool(mask.all()) else mask
+
+    def memory(self) -> int:
+        """Bytes of gradient buffers held between steps (full buffers, or shards under zero 2)."""
+        if self.zero_stage == 2:
+            return sum(b.shard_grad.numel() * b.shard_grad.element_size() for b in self.buckets)
+        elem = torch.tensor([], dtype=self.master_dtype).element_size()
+        return sum(b.numel * elem for b in self.buckets)
+
+
+_DONE = object()
+
+
+def gather(backend: Any, bucket: Bucket, part: torch.Tensor) -> torch.Tensor:
+    """The whole bucket-length tensor from every group rank's range ``part`` (collective)."""
+    full = part.new_empty(bucket.numel)
+    if bucket.group_size == 1:
+        full.copy_(part)
+    else:
+        backend.all_gather_into_tensor(full, part, group=bucket.group)
+    return full
+
+
+def _into_main_grad(p: torch.Tensor) -> None:
+    """Post-accumulate hook of a parameter computing in another dtype than the master's."""
+    main = getattr(p, "main_grad", None)
+    if main is not None and p.grad is not None:
+        main.add_(p.grad)
+        p.grad = None

@@ -1,0 +1,83 @@
+"""Which dtype does what, and float16's dynamic loss scaling.
+
+``model.dtype`` is the compute dtype (weights as the model sees them, activations);
+``train.master_dtype`` the dtype of the master weights, of the gradient accumulation and of
+AdamW's state (``auto``: float32 under bfloat16 / float16, else the model dtype);
+``train.grad_reduce_dtype`` the dtype gradients travel in when summed over the replicas (``auto``:
+the master dtype). Everything here works on dtype names, so config validation stays light.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: bits of mantissa: the order in which one dtype is "at least as precise" as another
+_PRECISION = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
+LOW_PRECISION = ("bfloat16", "float16")
+
+
+def master_dtype(model_dtype: str, setting: str) -> str:
+    """The master dtype a config asks for (``auto`` resolved)."""
+    if setting != "auto":
+        return setting
+    return "float32" if model_dtype in LOW_PRECISION else model_dtype
+
+
+def reduce_dtype(model_dtype: str, master_setting: str, setting: str) -> str:
+    """The dtype gradients are summed in (``auto``: the master dtype)."""
+    return master_dtype(model_dtype, master_setting) if setting == "auto" else setting
+
+
+def precision_problems(config: Any) -> list[str]:
+    """Config lines that cannot train: a master dtype less precise than the compute dtype, an EPLB
+    migration under a sharded optimizer (it moves whole expert rows of optimizer state, which
+    zero_stage 1 / 2 splits over the data-parallel replicas)."""
+    m, t, b = config.model, config.train, config.balancer
+    out = []
+    master = master_dtype(m.dtype, t.master_dtype)
+    if _PRECISION[master] < _PRECISION[m.dtype] or (master in LOW_PRECISION and master != m.dtype):
+        out.append(f"train.master_dtype: {master} is less precise than model.dtype {m.dtype}; use auto, float32 or float64")
+    if t.zero_stage > 0 and b.kind == "eplb" and b.interval <= t.steps:
+        out.append(
+            f"train.zero_stage: {t.zero_stage} shards the optimizer state that an EPLB rebalance (balancer.interval "
+            f"{b.interval} <= train.steps {t.steps}) moves between ranks; use zero_stage 0 or balancer.interval > train.steps"
+        )
+    return out
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 (torch.amp.GradScaler's rule): gradients are computed of
+    ``scale`` x the loss; a step whose gradients overflow is skipped and halves the scale, and
+    ``growth_interval`` clean steps in a row double it. With ``enabled`` False the scale is 1."""
+
+    def __init__(self, enabled: bool, init: float = 2.0**16, growth_interval: int = 2000) -> None:
+        self.enabled = enabled
+        self.scale = init if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.clean = 0  # steps since the last overflow or growth
+        self.overflows = 0
+
+    def update(self, finite: bool) -> bool:
+        """After a step's gradients were checked; True when the step may be applied."""
+        if not self.enabled:
+            return finite
+        if not finite:
+            self.scale = max(self.scale * 0.5, 1.0)
+            self.clean = 0
+            self.overflows += 1
+            return False
+        self.clean += 1
+        if self.clean >= self.growth_interval:
+            self.scale *= 2.0
+            self.clean = 0
+        return True
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "clean": float(self.clean), "overflows": float(self.overflows)}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        if self.enabled and math.isfinite(state.get("scale", math.nan)):
+            self.scale = float(state["scale"])
+            self.clean = int(state.get("clean", 0))
+            self.overflows = int(state.get("overflows", 0))

@@ -1,0 +1,224 @@
+"""AdamW over gradient buckets: master weights, ZeRO shards, the step and the parameters' update.
+
+:class:`ShardedAdamW` keeps, per bucket of :class:`~.buckets.GradBuckets`, AdamW's two moments
+and the master weights in the master dtype: the whole bucket with ``zero_stage`` 0, this rank's
+equal range of it with 1 and 2 (Megatron-Core's distributed optimizer: a shared parameter's
+bucket splits over the dp x ep replicas, an expert's over dp). A step updates what the rank
+holds from its range of the reduced gradient, then the parameters are refreshed: copied (cast to
+the model dtype) from the master, or, sharded, all-gathered from every rank's updated range.
+When the model computes in the master dtype the parameters are the master weights (no copy
+kept: a rank steps its range of them in place).
+
+The global gradient norm is summed from every rank's range (:meth:`ShardedAdamW.local_sq_norm`),
+so it equals the unsharded norm whatever the stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .adamw import adamw_
+from .buckets import Bucket, GradBuckets, gather
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class _State:
+    """What the optimizer holds for one bucket (full length, or this rank's range)."""
+
+    def __init__(self, bucket: Bucket, span: slice, master: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        n = span.stop - span.start
+        self.span = span
+        self.master = master
+        self.exp_avg = torch.zeros(n, dtype=dtype, device=device)
+        self.exp_avg_sq = torch.zeros(n, dtype=dtype, device=device)
+        # weight decay on matrices only: their (start, end) within the span
+        self.decayed = []
+        for p, o in zip(bucket.params, bucket.offsets):
+            a, b = max(span.start, o), min(span.stop, o + p.numel())
+            if p.dim() >= 2 and a < b:
+                self.decayed.append((a - span.start, b - span.start))
+
+
+class _InPlace(dict):
+    """A parameter's optimizer state as a balancer migration sees it: replacing an entry writes
+    the new rows into the optimizer's own buffer."""
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        if key in self:
+            self[key].copy_(value)
+        else:
+            super().__setitem__(key, value)
+
+
+class ShardedAdamW:
+    """AdamW with master weights over a rank's gradient buckets (see the module docstring).
+
+    ``lr`` is the learning rate the next :meth:`step` uses (the training loop sets it);
+    ``steps`` the updates applied so far.
+    """
+
+    def __init__(
+        self,
+        grads: GradBuckets,
+        *,
+        model_dtype: torch.dtype,
+        zero_stage: int,
+        betas: tuple[float, float],
+        weight_decay: float,
+        backend: Any,
+    ) -> None:
+        self.grads, self.backend = grads, backend
+        self.model_dtype, self.master_dtype = model_dtype, grads.master_dtype
+        self.zero_stage = zero_stage
+        self.betas, self.weight_decay = betas, weight_decay
+        self.lr = 0.0
+        self.steps = 0
+        #: a separate copy of the weights in the master dtype (else the parameters are it)
+        self.has_master = self.master_dtype != model_dtype
+        self.states: list[_State] = []
+        for bucket in grads.buckets:
+            span = bucket.shard if zero_stage > 0 else slice(0, bucket.numel)
+            master = None
+            if self.has_master:
+                full = torch.zeros(bucket.numel, dtype=self.master_dtype, device=grads.device)
+                for p, view in zip(bucket.params, bucket.views(full)):
+                    view.copy_(p.detach())
+                master = full[span].clone() if zero_stage > 0 else full
+            self.states.append(_State(bucket, span, master, self.master_dtype, grads.device))
+
+    # ------------------------------------------------------------------ step
+    def local_sq_norm(self, counted_blocks: set[int]) -> torch.Tensor:
+        """Sum of squares (float64) of this rank's ranges of the reduced gradients, counted once
+        over the world (see :meth:`GradBuckets.norm_mask`); summed over ranks: the global norm²."""
+        total = torch.zeros((), dtype=torch.float64, device=self.grads.device)
+        for bucket in self.grads.buckets:
+            g = self.grads.grad_shard(bucket).double()
+            mask = self.grads.norm_mask(bucket, bucket.block in counted_blocks)
+            total += (g.pow(2) if mask is None else g.pow(2) * mask).sum()
+        return total
+
+    def step(self, grad_coef: float = 1.0) -> None:
+        """One AdamW update at ``self.lr`` from the reduced gradients times ``grad_coef`` (clipping,
+        loss-scale removal), then the parameters refreshed (collective under zero_stage 1 / 2)."""
+        self.steps += 1
+        hp = {"step": self.steps, "lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay}
+        for bucket, st in zip(self.grads.buckets, self.states):
+            g = self.grads.grad_shard(bucket) if self.zero_stage > 0 else bucket.grad
+            if grad_coef != 1.0:
+                g = g * grad_coef
+            if st.master is not None:
+                adamw_(st.master, g, st.exp_avg, st.exp_avg_sq, decayed=st.decayed, **hp)
+                continue
+            for p, start, at, n in bucket.segments(st.span):  # the parameters are the master weights
+                sl = slice(at, at + n)
+                adamw_(p.detach().view(-1)[start : start + n], g[sl], st.exp_avg[sl], st.exp_avg_sq[sl],
+                       decayed=[(0, n)] if p.dim() >= 2 else [], **hp)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """The parameters from the master weights: copied, or all-gathered from the shards."""
+        if self.zero_stage == 0:
+            if not self.has_master:
+                return
+            for bucket, st in zip(self.grads.buckets, self.states):
+                for p, view in zip(bucket.params, bucket.views(st.master)):
+                    p.detach().copy_(view)
+            return
+        pending = []
+        for bucket, st in zip(self.grads.buckets, self.states):
+            full = torch.empty(bucket.numel, dtype=self.model_dtype, device=self.grads.device)
+            mine = st.master.to(self.model_dtype) if st.master is not None else self._own_range(bucket, st)
+            if bucket.group_size == 1:
+                full.copy_(mine)
+                pending.append((bucket, full, None))
+            else:
+                pending.append((bucket, full, self.backend.all_gather_into_tensor(full, mine, group=bucket.group, async_op=True)))
+        for bucket, full, work in pending:
+            if work is not None:
+                work.wait()
+            for p, view in zip(bucket.params, bucket.views(full)):
+                p.detach().copy_(view)
+
+    def _own_range(self, bucket: Bucket, st: _State) -> torch.Tensor:
+        """This rank's range of a bucket's parameters, flat (padding zero)."""
+        mine = torch.zeros(st.span.stop - st.span.start, dtype=self.model_dtype, device=self.grads.device)
+        for p, start, at, n in bucket.segments(st.span):
+            mine[at : at + n] = p.detach().reshape(-1)[start : start + n]
+        return mine
+
+    # ------------------------------------------------------------- state out
+    @property
+    def state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """Per parameter, its moments (and master weights) shaped like it: what an EPLB migration
+        moves with an expert's rows. Only whole buckets (zero_stage 0) can be seen this way."""
+        if self.zero_stage > 0:
+            raise RuntimeError("zero_stage 1 / 2 shard the optimizer state; a parameter's state is split over the replicas")
+        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        for bucket, st in zip(self.grads.buckets, self.states):
+            entry = {kind: bucket.views(getattr(st, kind)) for kind in MOMENTS}
+            if st.master is not None:
+                entry["master"] = bucket.views(st.master)
+            for i, p in enumerate(bucket.params):
+                out[p] = _InPlace({kind: views[i] for kind, views in entry.items()})
+        return out
+
+    def full_state(self) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
+        """Every parameter's whole moments (and master weights, when kept), shaped like it
+        (collective under zero_stage 1 / 2: every rank's ranges are gathered)."""
+        for bucket, st in zip(self.grads.buckets, self.states):
+            kinds = list(MOMENTS) + (["master"] if st.master is not None else [])
+            full = {kind: self._whole(bucket, getattr(st, kind)) for kind in kinds}
+            for i, p in enumerate(bucket.params):
+                yield p, {kind: bucket.views(t)[i] for kind, t in full.items()}
+
+    def _whole(self, bucket: Bucket, part: torch.Tensor) -> torch.Tensor:
+        return part if self.zero_stage == 0 else gather(self.backend, bucket, part)
+
+    def load_full_state(self, loaded: dict[nn.Parameter, dict[str, torch.Tensor]], steps: int) -> None:
+        """Put whole per-parameter tensors (as :meth:`full_state` gives; ``master`` optional: the
+        parameters stand for it) into what this rank holds."""
+        self.steps = steps
+        for bucket, st in zip(self.grads.buckets, self.states):
+            kinds = list(MOMENTS) + (["master"] if st.master is not None else [])
+            for kind in kinds:
+                target = getattr(st, kind)
+                for p, o in zip(bucket.params, bucket.offsets):
+                    entry = loaded.get(p)
+                    if entry is None:
+                        continue
+                    src = entry.get(kind, p.detach() if kind == "master" else None)
+                    if src is None:
+                        continue
+                    a, b = max(st.span.start, o), min(st.span.stop, o + p.numel())
+                    if a < b:
+                        target[a - st.span.start : b - st.span.start].copy_(src.reshape(-1)[a - o : b - o])
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this rank holds, as it is (not logical: for a save and load on the same layout)."""
+        return {"steps": self.steps, "lr": self.lr, "buckets": [
+            {"exp_avg": st.exp_avg, "exp_avg_sq": st.exp_avg_sq, **({"master": st.master} if st.master is not None else {})}
+            for st in self.states]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["buckets"]) != len(self.states):
+            raise ValueError(f"optimizer state of {len(state['buckets'])} buckets; this rank has {len(self.states)}")
+        self.steps, self.lr = int(state["steps"]), float(state["lr"])
+        for st, saved in zip(self.states, state["buckets"]):
+            for kind, t in saved.items():
+                getattr(st, kind).copy_(t)
+
+    # ---------------------------------------------------------------- memory
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds: ``master`` weights and ``optimizer`` state (AdamW's moments)."""
+        def size(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return {
+            "master": sum(size(st.master) for st in self.states),
+            "optimizer": sum(size(st.exp_avg) + size(st.exp_avg_sq) for st in self.states),
+        }

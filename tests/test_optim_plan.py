@@ -1,0 +1,47 @@
+"""The planner counts master weights and ZeRO shards, and picks the least zero_stage that fits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from portapipe.config import load_config
+from portapipe.plan.memory_model import static_memory
+from portapipe.plan.planner import plan
+from portapipe.plan.published import published
+from portapipe.plan.setup import Setup
+from portapipe.plan.shape import Shape
+from portapipe.scheduling.executor import build_schedule
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
+DP2 = ["parallel.pp=2", "parallel.ep=1", "parallel.dp=2"]
+
+
+def _static(*sets: str):
+    cfg = load_config(EXAMPLE, [*DP2, *sets])
+    return static_memory(Setup.from_config(cfg), build_schedule(cfg), 0)
+
+
+def test_bfloat16_keeps_float32_master_weights_and_zero_shards_them_over_dp():
+    base = _static()  # float32: the parameters are the master weights
+    n = base.params / 4  # elements on pipeline rank 0
+    assert (base.grads, base.master, base.optimizer) == (4 * n, 0.0, 8 * n)
+    bf = _static("model.dtype=bfloat16")
+    assert (bf.params, bf.grads, bf.master, bf.optimizer) == (2 * n, 4 * n, 4 * n, 8 * n)
+    z1, z2 = _static("model.dtype=bfloat16", "train.zero_stage=1"), _static("model.dtype=bfloat16", "train.zero_stage=2")
+    assert (z1.grads, z1.master, z1.optimizer) == (4 * n, 2 * n, 4 * n)  # dp 2: half the master weights and moments
+    assert (z2.grads, z2.master, z2.optimizer) == (2 * n, 2 * n, 4 * n)  # and half the gradients
+    assert (z1.master + z1.optimizer) / (bf.master + bf.optimizer) == 0.5
+
+
+def test_the_plan_shards_the_optimizer_only_where_the_budget_needs_it():
+    cfg = load_config(EXAMPLE, ["model.dtype=bfloat16"])
+    prof = published("h800", Shape.of(cfg.model))
+    roomy = plan(cfg, 4, None, prof, keep=3)
+    assert roomy.ranked and all(c.setup.zero_stage == 0 for c in roomy.ranked)
+    best = roomy.ranked[0]
+    # a budget just below that candidate's peak: it fits again only with a sharded optimizer
+    tight = plan(cfg, 4, best.memory.peak - 1, prof, keep=50)
+    same = [c for c in tight.ranked if c.setup.replace(zero_stage=0) == best.setup]
+    assert best.setup.dp * best.setup.ep > 1 and same and same[0].setup.zero_stage >= 1
+    assert same[0].memory.peak < best.memory.peak
+    assert tight.config_of(same[0]).train.zero_stage == same[0].setup.zero_stage  # the config it proposes says so
