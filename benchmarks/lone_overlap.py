@@ -29,13 +29,15 @@ from typing import Any
 import torch
 
 from portapipe.backends.cpu import CPUBackend
+import portapipe
 from portapipe.config import load_config
 from portapipe.models.expert_parallel import ExpertParallel
 from portapipe.models.moe import build_blocks
 from portapipe.scheduling.overlap import Tape, run
 from portapipe.scheduling.wgrad import WeightGradQueue
 
-ROOT = Path(__file__).resolve().parents[1]
+# examples/cpu.yaml as the package ships it: the default works when installed, too
+DEFAULT_CONFIG = Path(portapipe.__file__).resolve().parent / "configs" / "cpu.yaml"
 
 
 class _Late:
@@ -121,7 +123,7 @@ def measure(config: Any, latency: float, reps: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "examples" / "cpu.yaml"))
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="[examples/cpu.yaml]")
     parser.add_argument("--latency-us", default="100,300", help="comma-separated exchange latencies in microseconds")
     parser.add_argument("--reps", type=int, default=30, help="timed F+B and F+BW rounds per latency")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

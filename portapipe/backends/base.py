@@ -326,11 +326,12 @@ class Backend(ABC):
         ``input.numel()`` must be ``n * output.numel()`` for the group's size n; slice i goes to
         the group's i-th rank (the distributed optimizer's shards).
         """
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor warns that it is deprecated)
+        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
         """``output`` = every rank's ``input`` concatenated in group-rank order (``n * input.numel()``)."""
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        return dist.all_gather_single(output, input, group=group, async_op=async_op)  # all_gather_into_tensor's name from torch 2.13
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)

@@ -17,6 +17,8 @@ from typing import Any
 
 #: Benchmarks not shipped in the package, and why they need a source checkout.
 CHECKOUT_ONLY = {
+    "balance_e2e": "its skewed router follows examples/expert_loads.txt of the checkout",
+    "precision": "it trains examples/cpu.yaml of the checkout and draws with matplotlib (the viz extra)",
     "lplb": "its peer is scipy's HiGHS, which only the test extra installs",
     "plan_accuracy": "it plans examples/plan/deepseek_v3.yaml of the checkout",
     "run_all": "it writes the checkout's benchmarks/results.json from every benchmark and the README's examples",

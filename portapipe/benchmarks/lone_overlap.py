@@ -1,0 +1,1 @@
+../../benchmarks/lone_overlap.py
