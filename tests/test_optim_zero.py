@@ -42,7 +42,7 @@ def _raw(log_dir: Path, schedule: str, pp: int, ep: int, dp: int, zero: int, **e
 def _predicted(raw: dict[str, Any]) -> dict[str, float]:
     """The planner's memory model for a config: the largest per-rank static parts."""
     from portapipe.plan.memory_model import static_memory
-    from portapipe.plan.setup import Setup
+    from portapipe.setup import Setup
     from portapipe.scheduling.executor import build_schedule
 
     config = config_from_dict(raw)
