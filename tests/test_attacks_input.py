@@ -159,7 +159,9 @@ def test_an_unexpected_error_is_one_line_with_a_hint_and_its_traceback_only_when
         raise KeyError("layers.9.attn.wq.weight")
 
     monkeypatch.setattr(portapipe.train, "train", broken)
-    monkeypatch.delenv("PORTAPIPE_DEBUG", raising=False)
+    # set (empty: not debug) rather than deleted, so that the PORTAPIPE_DEBUG=1 which log.level: debug
+    # writes into this process below is undone after the test
+    monkeypatch.setenv("PORTAPIPE_DEBUG", "")
     code, lines = cli(capsys, *train(tmp_path))
     assert code == 1
     assert lines == [

@@ -286,8 +286,9 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_a_full_disk_stops_the_run_at_the_next_step_naming_the_previous_checkpoint(small_disk, capsys) -> None:
+def test_a_full_disk_stops_the_run_at_the_next_step_naming_the_previous_checkpoint(small_disk, capsys, monkeypatch) -> None:
     """Checkpoints of 4 MB on 6 MB: step 2's fits, step 4's (in the background) does not."""
+    monkeypatch.delenv("PORTAPIPE_DEBUG", raising=False)  # the one-line failure, not the debug traceback
     run = small_disk / "run"
     argv = ["train", str(EXAMPLE), "--set", f"log.dir={run}", "--set", "parallel.ep=1", "--set", "schedule.name=1f1b",
             "--set", "train.steps=8", "--set", "checkpoint.every=2", "--set", "log.progress=false"]

@@ -159,7 +159,7 @@ def test_every_declared_dtype_is_one_the_library_takes_and_the_double_refuses_th
         for dtype in dtypes:
             _drive(be, dtype, family)
     calls = {c for c, _ in seen}
-    assert calls == {"all_reduce", "reduce_scatter_tensor", "all_to_all_single", "all_gather_into_tensor", "all_gather", "broadcast", "batch_isend_irecv"}
+    assert calls == {"all_reduce", "reduce_scatter_single", "all_to_all_single", "all_gather_single", "all_gather", "broadcast", "batch_isend_irecv"}
     undeclared = [d for d in ("float64", "float32", "bfloat16", "float16") if d not in caps.reduce_dtypes]
     for dtype in undeclared:  # what the backend does not declare, the library refuses
         with pytest.raises(TypeError, match=f"{library} all_reduce: dtype {dtype} is not supported"):

@@ -26,7 +26,7 @@ import torch
 from portapipe.config import config_from_dict
 
 MODEL = {"hidden": 16, "n_layers": 2, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16, "n_experts": 4, "top_k": 2, "seq_len": 16}
-STEPS, LR, MIN_LR, WARMUP, WD, BETAS, CLIP = 5, 2e-2, 2e-3, 2, 0.1, (0.9, 0.95), 0.9
+STEPS, LR, MIN_LR, WARMUP, WD, BETAS, CLIP = 10, 2e-2, 2e-3, 2, 0.1, (0.9, 0.95), 0.9
 
 
 def _raw(log_dir: Path, zero: int, dtype: str, master: str, reduce: str = "auto") -> dict[str, Any]:
