@@ -49,7 +49,9 @@ sys.path.insert(0, str(ROOT))
 from portapipe.config import load_config  # noqa: E402
 from portapipe.launch import run_ranks  # noqa: E402
 
-LAYOUTS = {"ep4": {"pp": 1, "ep": 4, "dp": 1}, "pp2ep4": {"pp": 2, "ep": 4, "dp": 1}}
+# ep2: one rank per core of a 2-core machine, where a rank waiting on its EP peer leaves its core idle
+# (with more ranks than cores a waiting rank hands its core to another, and the wait costs no wall time)
+LAYOUTS = {"ep4": {"pp": 1, "ep": 4, "dp": 1}, "pp2ep4": {"pp": 2, "ep": 4, "dp": 1}, "ep2": {"pp": 1, "ep": 2, "dp": 1}}
 BALANCERS = {
     "none": {"kind": "none"},
     "eplb": {"kind": "eplb", "redundant": 1, "interval": 2, "window": 2, "policy": "incremental"},
@@ -82,7 +84,7 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str
     from portapipe.data import TextData, replica_of
     from portapipe.metrics import ep_step_figures, gather_step_stats
     from portapipe.models.routing import force_routing
-    from portapipe.train import make_optimizer, owned_grad_sq
+    from portapipe.train import counted_blocks, make_sharded_optimizer
 
     runs = {}
     first = config_from_dict(next(iter(raws.values()))).parallel  # every variant has the same layout
@@ -92,7 +94,9 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str
         backend.manual_seed(config.train.seed)
         runtime = PipelineRuntime(config, backend, groups)
         force_routing(config.bench, config.model, {layer.index: layer.moe.router for layer in runtime.moe_layers()}, config.train.seed)
-        runs[name] = (config, groups, runtime, make_optimizer(list(runtime.named_parameters()), config.train), TextData(config))
+        optimizer = make_sharded_optimizer(runtime, config, backend)
+        optimizer.lr = config.train.lr  # constant: every variant steps alike
+        runs[name] = (config, groups, runtime, optimizer, TextData(config))
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     for step in range(steps):
         for name, (config, groups, runtime, optimizer, data) in runs.items():
@@ -103,9 +107,10 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str
             t0 = time.perf_counter()
             result = runtime.step(batches)
             ep = ep_step_figures(backend, groups, runtime.moe_layers())
-            stats = gather_step_stats(backend, owned_grad_sq(runtime, groups), result, ep)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            stats = gather_step_stats(backend, float(optimizer.local_sq_norm(counted_blocks(runtime.schedule, groups.pp_rank))), result, ep)
+            with torch.no_grad():
+                optimizer.step(1.0)
+            runtime.grads.zero_grad()
             t1 = time.perf_counter()
             balance = runtime.balancer.after_step(step, result, optimizer) if runtime.balancer is not None else {}
             t2 = time.perf_counter()
