@@ -41,6 +41,8 @@ def _numeric(annotation: Any) -> bool:
     if annotation in (int, float):
         return True
     args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:  # e.g. zero_stage: Literal[0, 1, 2] (True == 1)
+        return all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return bool not in args and any(_numeric(a) for a in args)
     return typing.get_origin(annotation) is tuple and any(_numeric(a) for a in args)

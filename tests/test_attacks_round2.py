@@ -26,6 +26,7 @@ from .test_attacks_input import EXAMPLE, cli, no_ranks, train  # noqa: F401  (no
         ("balancer.torus=[true,2]", "balancer.torus: [True, 2]"),
         ("memory.recompute_layers=true", "memory.recompute_layers: True"),
         ("launch.stall_timeout_s=false", "launch.stall_timeout_s: False"),
+        ("train.zero_stage=true", "train.zero_stage: True"),  # a choice of numbers: True == 1 would pass
     ],
 )
 def test_a_boolean_in_a_number_key_is_refused(tmp_path, capsys, no_ranks, setting, key) -> None:
