@@ -202,8 +202,9 @@ class BalancerConfig(_Section):
     max_moved: float = Field(0.1, gt=0, le=1, description="eplb incremental: at most this fraction of a layer's slots change per rebalance")
     stay_off: bool = Field(
         True,
-        description="lplb: skip the per-batch LP (every token to its original) while the time it is predicted to save "
-        "per step (from the measured expert compute per row) is below its measured time per step",
+        description="eplb / lplb: route every token to its expert's first slot (no spread over replicas, no per-batch LP, "
+        "no replica gradient sum) while the time the replicas are predicted to save per step (from the measured expert "
+        "compute per row) is below what they cost per step (LP, gradient sum; measured)",
     )
     topology: Literal["cube", "hypercube", "ring", "torus"] = "ring"
     torus: tuple[int, int] | None = Field(None, description="lplb: (m, n) for topology torus")

@@ -71,8 +71,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from portapipe.train import check_before_launch
 
     root = tmp_path_factory.mktemp("balancer_train")
-    eplb = _config(root / "eplb", {"kind": "eplb", "interval": 2, "window": 4, "redundant": 1, "min_gain": 0.0})
-    lplb = _config(root / "lplb", {"kind": "lplb", "topology": "ring", "redundant": 1, "interval": 2, "window": 2})
+    eplb = _config(root / "eplb", {"kind": "eplb", "interval": 2, "window": 4, "redundant": 1, "min_gain": 0.0, "stay_off": False})
+    lplb = _config(root / "lplb", {"kind": "lplb", "topology": "ring", "redundant": 1, "interval": 2, "window": 2, "stay_off": False})
     for raw in (eplb, lplb):
         check_before_launch(config_from_dict(raw))  # what train() checks before starting ranks
     return run_ranks(_train_both, 4, eplb, lplb, wall_timeout_s=300)[0]

@@ -112,12 +112,13 @@ def test_lplb_runs_its_lp_where_it_pays_and_stays_off_where_it_cannot(runs: dict
     # skewed: the LP's predicted gain (rows off the busiest rank x its seconds per row) beats its
     # measured cost every step, so it runs and balances
     for m in runs["lplb"]:
-        assert m["balancer"]["lp_ran"] and m["balancer"]["lp_gain_ms"] > m["balancer"]["lp_cost_ms"] or m["step"] == 1
+        b = m["balancer"]
+        assert b["replicas_used"] and b["replica_gain_ms"] > b["replica_cost_ms"] or m["step"] == 1
         assert m["rank_balancedness"] > runs["skewed"][-1]["rank_balancedness"] + 0.25
     # uniform routing: nothing to gain, so after the first step (one-time costs) it stays off
     lines = runs["lplb_uniform"]
-    assert [m["balancer"]["lp_ran"] for m in lines] == [True, True] + [False] * (STEPS - 2)
-    assert lines[-1]["balancer"]["lp_skipped_steps"] == STEPS - 2 and lines[-1]["balancer"]["lp_gain_ms"] == 0.0
+    assert [m["balancer"]["replicas_used"] for m in lines] == [True, True] + [False] * (STEPS - 2)
+    assert lines[-1]["balancer"]["replicas_off_steps"] == STEPS - 2 and lines[-1]["balancer"]["replica_gain_ms"] == 0.0
     assert all(m["rank_balancedness"] == 1.0 for m in lines)
 
 

@@ -32,7 +32,7 @@ def _raw(policy: str) -> dict[str, Any]:
                       "moe_hidden": 16, "n_experts": 8, "top_k": 2, "seq_len": 8, "dtype": "float64",
                       "bias_update_speed": 0.05},
             "balancer": {"kind": "eplb", "interval": INTERVAL, "window": INTERVAL, "redundant": 2, "policy": policy,
-                         "max_moved": 0.25},
+                         "max_moved": 0.25, "stay_off": False},
             "train": {"micro_batch_size": 2, "seed": 3, "lr": 3e-2},
         }
     ).to_dict()

@@ -189,12 +189,17 @@ class MigrationPlan:
         return sum(kind == "keep" for src in self.source for kind, _ in src)
 
 
-def plan_migration(old: ExpertPlacement, new: ExpertPlacement, layer: int = 0, num_nodes: int = 1) -> MigrationPlan:
+def plan_migration(
+    old: ExpertPlacement, new: ExpertPlacement, layer: int = 0, num_nodes: int = 1, stale: frozenset[int] = frozenset()
+) -> MigrationPlan:
     """Which rows each rank keeps, copies locally, sends and receives to go from ``old`` to ``new``.
 
     An expert a rank lacks comes from a rank of the same node when one holds it (ranks are
     numbered node-major, ``num_ranks / num_nodes`` per node), else from any holder; the sending is
     spread over the candidates. :func:`portapipe.balancing.cost.migration_cost` counts the same rows.
+    ``stale``: slots of ``old`` (global indices) whose rows are out of date (a replica that took no
+    tokens and skipped its gradient sum): they hold nothing, so they are refilled from a current
+    copy and never serve as one.
     """
     if (old.num_ranks, old.num_slots, old.num_experts) != (new.num_ranks, new.num_slots, new.num_experts):
         raise ValueError(
@@ -209,10 +214,13 @@ def plan_migration(old: ExpertPlacement, new: ExpertPlacement, layer: int = 0, n
         raise ValueError(f"{ranks} ranks do not split evenly over {num_nodes} nodes")
     per_node = ranks // num_nodes
     before, after = old.phy2log[layer].tolist(), new.phy2log[layer].tolist()
+    for s in stale:
+        before[s] = -1
     # where each expert sits in the old placement: {expert: {rank: first local slot}}
     holders: dict[int, dict[int, int]] = {}
     for s, e in enumerate(before):
-        holders.setdefault(e, {}).setdefault(s // per, s % per)
+        if e >= 0:
+            holders.setdefault(e, {}).setdefault(s // per, s % per)
     sends: dict[tuple[int, int], list[int]] = {}
     sent_by = [0] * ranks  # spread the sending over the ranks that hold a copy
     source: list[list[tuple[str, int]]] = []
@@ -267,6 +275,7 @@ def migrate(
     rank: int | None = None,
     fault: Callable[[str, int], None] | None = None,
     num_nodes: int = 1,
+    stale: frozenset[int] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """Move this rank's expert tensors of one layer from ``old`` to ``new``; collective over ``group``.
 
@@ -276,7 +285,8 @@ def migrate(
     inputs are never written. Raises :class:`MigrationError` on every rank if any rank failed
     (bad input, or an exception while packing or unpacking), with the failing ranks named.
     ``fault(phase, rank)`` is called at "prepare" and "build" (a test hook for injected failures).
-    ``num_nodes`` groups the ranks into nodes so experts are fetched within a node when possible.
+    ``num_nodes`` groups the ranks into nodes so experts are fetched within a node when possible;
+    ``stale`` slots are refilled, never copied from (see :func:`plan_migration`).
     """
     world = dist.get_world_size(group)
     me = dist.get_rank(group) if rank is None else rank
@@ -288,7 +298,7 @@ def migrate(
     try:  # ---- prepare: validate and pack what this rank sends
         if old.num_ranks != world:
             raise ValueError(f"the placement spans {old.num_ranks} ranks but the group has {world}")
-        plan = plan_migration(old, new, layer, num_nodes)
+        plan = plan_migration(old, new, layer, num_nodes, stale)
         for name, t in tensors.items():
             if t.dim() < 1 or t.shape[0] != plan.slots_per_rank:
                 raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; its first dim must be the {plan.slots_per_rank} local slots")
@@ -304,7 +314,7 @@ def migrate(
     # ---- agree: every rank ready, same plan, same tensor layout
     spec = _fingerprint(old.phy2log[layer].tolist() if layer < old.num_layers else None,
                         new.phy2log[layer].tolist() if layer < new.num_layers else None,
-                        sorted((str(dt), ns, widths[dt]) for dt, ns in names.items()))
+                        sorted((str(dt), ns, widths[dt]) for dt, ns in names.items()), sorted(stale))
     _agree(backend, group, world, me, bool(problem), spec, "prepare", problem)
     assert plan is not None
     # ---- exchange: one all-to-all per dtype, sizes known to every rank from the plan
@@ -386,6 +396,7 @@ def migrate_parameters(
     rank: int | None = None,
     fault: Callable[[str, int], None] | None = None,
     num_nodes: int = 1,
+    stale: frozenset[int] = frozenset(),
 ) -> None:
     """Migrate expert parameters in place, with their gradients and per-slot optimizer state.
 
@@ -394,7 +405,7 @@ def migrate_parameters(
     Nothing is replaced unless every rank succeeded (see :func:`migrate`).
     """
     tensors = expert_tensors(params, new.slots_per_rank, optimizer)
-    moved = migrate(old, new, tensors, backend, group, layer, rank, fault, num_nodes)
+    moved = migrate(old, new, tensors, backend, group, layer, rank, fault, num_nodes, stale)
     # commit: only reached when every rank succeeded
     for name, p in params.items():
         p.data = moved[name]

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from .cost import migration_cost
 from .loads import LoadWindow, Rebalancer
 from .placement import ExpertPlacement, MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
+from .replica_switch import ReplicaSwitch, first_slot_loads, spread_loads
 
 log = logging.getLogger("portapipe.balancing")
 
@@ -144,12 +145,11 @@ class ExpertBalancer:
             ]
             self.window = LoadWindow(bal.window, n, model.n_experts)
             self.placement = self._lplb_placement(self.planners)
-        # LPLB's per-batch LP this step (seconds, this rank); whether it runs (see _stay_off)
-        self.lp_s = 0.0
-        self.lp_cost_s = 0.0  # the last step's measured LP time, kept while the LP is off
-        self.lp_on = True
-        self.lp_skipped_steps = 0
-        self.stay_off = bal.stay_off
+        # whether the replicas take tokens (and LPLB's LP runs) next step: see replica_switch.py
+        self.switch = ReplicaSwitch(bal.stay_off, self.kind)
+        # replicas skip their gradient sum while off only where their optimizer rows can be refilled
+        self.can_refresh = config.train.zero_stage == 0
+        self.stale = False  # replicas missed a gradient sum: refill them before they take tokens
 
     # ------------------------------------------------------------------ placement
     def _lplb_placement(self, planners: list[Any]) -> ExpertPlacement:
@@ -194,14 +194,14 @@ class ExpertBalancer:
     def route(self, layer: int, topk_idx: torch.Tensor) -> torch.Tensor:
         """Physical slot of every (token, k) entry of one micro-batch of MoE layer ``layer``."""
         row = self.row[layer]
+        if not self.switch.on:  # every token to its expert's first slot (the same on every EP rank)
+            return self.placement.log2phy[row, :, 0].to(topk_idx.device)[topk_idx]
         if self.kind == "lplb":
-            if not self.lp_on:  # every token to its original (the same on every EP rank)
-                return self.placement.log2phy[row, :, 0].to(topk_idx.device)[topk_idx]
             # processor time, as the experts' (expert_clock): on a shared host the counts'
             # all-reduce would otherwise measure the ranks waiting for each other
             t0 = time.thread_time()
             out = self.planners[row].run(topk_idx)
-            self.lp_s += time.thread_time() - t0
+            self.switch.charge(time.thread_time() - t0)
             return out
         return self.placement.route(row, topk_idx, offset=self.ep_rank)
 
@@ -212,7 +212,18 @@ class ExpertBalancer:
         Every EP rank packs, per layer and tensor, one row per replicated expert (the sum of its
         local replicas' rows, zeros where it holds none); one all-reduce adds the ranks' rows;
         each replica slot then takes its expert's total. Experts with one slot are untouched.
+        While the replicas are switched off they took no tokens, so a first slot's gradient is
+        already its expert's total: the sum is skipped (under ``zero_stage`` 0) and the replicas
+        are marked out of date.
         """
+        if not self.switch.on and self.can_refresh:
+            self.stale = self.stale or bool((self.placement.logcnt > 1).any())
+            return
+        t0 = time.perf_counter()
+        self._sum_replica_gradients()
+        self.switch.charge(time.perf_counter() - t0)
+
+    def _sum_replica_gradients(self) -> None:
         parts: list[torch.Tensor] = []
         where: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for layer in self.modules:
@@ -266,6 +277,27 @@ class ExpertBalancer:
         so the old placement stays in force everywhere, and the error is raised. ``fault`` is
         passed to :func:`migrate_parameters` (a test hook for injected failures).
         """
+        moved = self._move(new, optimizer, fault)
+        self.placement = new
+        if self.rebalancer is not None:
+            self.rebalancer.placement = new
+            self.rebalancer.planned = True
+        if planners is not None:
+            self.planners = planners
+        self._label()
+        self.last_moved = moved
+        return moved["rows_moved"]
+
+    def _stale_slots(self, row: int) -> frozenset[int]:
+        """Global slots of layer ``row`` that are out of date: every replica but the first slot."""
+        if not self.stale:
+            return frozenset()
+        first = set(self.placement.log2phy[row, :, 0].tolist())
+        return frozenset(s for s in range(self.num_slots) if s not in first)
+
+    def _move(self, new: ExpertPlacement, optimizer: Any, fault: Any = None) -> dict[str, int]:
+        """Move every layer's expert rows from the placement in force (its out-of-date replicas
+        refilled) to ``new``; all or nothing (see :meth:`apply`). Clears :attr:`stale`."""
         old = self.placement
         done: list[Any] = []
         moved = {"rows_moved": 0, "rows_inter_node": 0, "bytes_moved": 0, "bytes_inter_node": 0}
@@ -275,9 +307,10 @@ class ExpertBalancer:
                 row = self.row[layer.index]
                 params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
                 per_row = row_bytes(expert_tensors(params, self.slots_per_rank, optimizer))
-                migrate_parameters(old, new, params, self.backend, self.groups.ep_group, row, optimizer, self.ep_rank, fault, self.nodes)
+                stale = self._stale_slots(row)
+                migrate_parameters(old, new, params, self.backend, self.groups.ep_group, row, optimizer, self.ep_rank, fault, self.nodes, stale)
                 done.append(layer)
-                plan = plan_migration(old, new, row, self.nodes)
+                plan = plan_migration(old, new, row, self.nodes, stale)
                 for key, rows in (("moved", plan.rows_moved), ("inter_node", plan.rows_inter_node)):
                     moved[f"rows_{key}"] += rows
                     moved[f"bytes_{key}"] += rows * per_row
@@ -287,17 +320,10 @@ class ExpertBalancer:
                 migrate_parameters(new, old, params, self.backend, self.groups.ep_group, layer=self.row[layer.index],
                                    optimizer=optimizer, rank=self.ep_rank, num_nodes=self.nodes)
             raise
-        self.placement = new
-        if self.rebalancer is not None:
-            self.rebalancer.placement = new
-            self.rebalancer.planned = True
-        if planners is not None:
-            self.planners = planners
-        self._label()
-        self.last_moved = moved
+        self.stale = False
         if moved["bytes_moved"]:
             self.migrate_s_per_byte = (time.perf_counter() - t0) / moved["bytes_moved"]
-        return moved["rows_moved"]
+        return moved
 
     # ------------------------------------------------------------- periodic step
     def _global_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -381,8 +407,7 @@ class ExpertBalancer:
         if self.layers and result.expert_counts is not None:
             counts = self._global_counts(result.expert_counts)
         mine = self._figures(slots, counts)  # before a rebalance changes the placement the step ran with
-        if self.kind == "lplb":
-            mine["lp"] = self._lp_figures(counts)
+        mine["switch"] = self.switch.figures(self._replica_gain(counts)) if self.modules else None
         event = None
         due = (step + 1) % self.interval == 0
         if due and self.min_gain_auto and self.kind == "eplb":
@@ -398,51 +423,32 @@ class ExpertBalancer:
         merged = merge_figures(parts)
         if "min_gain" in mine:  # auto: the same on every rank
             merged["min_gain"] = mine["min_gain"]
-        if self.kind == "lplb":
-            merged.update(self._stay_off(step + 1, parts))
+        merged.update(self.switch.decide(step + 1, [p["switch"] for p in parts]))
+        if self.switch.on and self.stale:
+            moved = self._move(self.placement, optimizer)
+            merged["replicas_refreshed_rows"] = moved["rows_moved"]
+            log.info("%s step %d: %d out-of-date replica rows refilled from their first slots", self.kind, step + 1, moved["rows_moved"])
         return merged
 
-    def _lp_figures(self, counts: torch.Tensor | None) -> dict[str, float]:
-        """This rank's LP time this step and the time the LP is predicted to save per step: per
-        layer, the rows the most loaded EP rank computes with every token on its original less
-        with the LP's plan (of the step's loads), at this rank's measured expert seconds per row."""
-        cost = self.lp_s
-        self.lp_s = 0.0
-        if cost > 0:
-            self.lp_cost_s = cost
-        gain = 0.0
-        if counts is not None and self.modules:
-            seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
-            rows = sum(layer.moe.clock.last[1] for layer in self.modules)
-            per = self.slots_per_rank
-            first = torch.div(self.placement.log2phy[:, :, 0], per, rounding_mode="floor")
-            for row, planner in enumerate(self.planners):
-                orig = torch.zeros(self.ep, dtype=torch.float64).scatter_add_(0, first[row], counts[row])
-                probe = copy.copy(planner)  # plan() counts solves; probing must not
-                lp = probe.plan(counts[row].round().to(torch.int64).unsqueeze(0)).rank_load
-                gain += float(orig.max() - lp.max().to(torch.float64))
-            # counts are summed over DP: each replica's ranks compute 1/dp of them
-            gain *= seconds / rows / self.groups.dp if rows else 0.0
-        return {"lp_cost_s": self.lp_cost_s, "lp_gain_s": gain}
-
-    def _stay_off(self, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Run the per-batch LP next step only if its predicted gain (mean over ranks) reaches its
-        measured cost (mean over ranks; while it is off, the last measured); every rank decides
-        alike from the gathered figures. One log line when the decision changes."""
-        figures = [p["lp"] for p in parts if p.get("lp") is not None]
-        gain = sum(f["lp_gain_s"] for f in figures) / max(len(figures), 1)
-        cost = sum(f["lp_cost_s"] for f in figures) / max(len(figures), 1)
-        was = self.lp_on
-        # the first step pays one-time costs (the native library's build, first calls): decide from the second
-        self.lp_on = not self.stay_off or not figures or step < 2 or gain >= cost
-        if not was:
-            self.lp_skipped_steps += 1
-        if self.lp_on != was:
-            log.info(
-                "lplb step %d: predicted gain %.3f ms %s LP cost %.3f ms per step: %s the per-batch LP",
-                step, 1e3 * gain, ">=" if self.lp_on else "<", 1e3 * cost, "running" if self.lp_on else "skipping",
-            )
-        return {"lp_ran": was, "lp_skipped_steps": self.lp_skipped_steps, "lp_gain_ms": 1e3 * gain, "lp_cost_ms": 1e3 * cost}
+    def _replica_gain(self, counts: torch.Tensor | None) -> float:
+        """Seconds per step the replicas are predicted to save on this rank: per layer, the rows of
+        the busiest EP rank with every token on its first slot less with the replicas in use
+        (LPLB's plan, EPLB's even spread) of the step's loads, at the measured seconds per row."""
+        if counts is None or not self.modules:
+            return 0.0
+        seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
+        rows = sum(layer.moe.clock.last[1] for layer in self.modules)
+        p, per = self.placement, self.slots_per_rank
+        first = first_slot_loads(counts, p.log2phy, per, self.ep)
+        if self.kind == "lplb":
+            # plan() counts solves; probing must not
+            used = torch.stack([copy.copy(planner).plan(counts[row].round().to(torch.int64).unsqueeze(0)).rank_load.to(torch.float64).reshape(-1)
+                                for row, planner in enumerate(self.planners)])
+        else:
+            used = spread_loads(counts, p.log2phy, p.logcnt, per, self.ep)
+        gain = float((first.max(1).values - used.max(1).values).sum())
+        # counts are summed over DP: each replica's ranks compute 1/dp of them
+        return gain * seconds / rows / self.groups.dp if rows else 0.0
 
     def _auto_min_gain(self, optimizer: Any) -> float:
         """``min_gain: auto`` (collective over the job, the same value on every rank): the time a

@@ -53,6 +53,8 @@ class Bucket:
     work: Any = None
     sent: torch.Tensor | None = None  # what is travelling, when not ``grad`` itself (another dtype)
     hooks: list[Any] = field(default_factory=list)
+    #: the last norm mask and what it was built from (see GradBuckets.norm_mask)
+    norm_cache: tuple[Any, ...] | None = None
 
     @property
     def shard_size(self) -> int:
@@ -273,7 +275,17 @@ class GradBuckets:
 
         Each range is one rank's, so a replicated parameter is counted once over its group;
         DualPipe's second copy of a block (``counted_block`` False) counts nothing; a balancer's
-        replicated expert counts only in the slot that owns it, padding never."""
+        replicated expert counts only in the slot that owns it, padding never. Kept until a
+        balancer relabels its slots (a new ``slot_owned`` tensor), not rebuilt every step."""
+        key = (counted_block, *(owned_rows(p) for p in bucket.params))
+        cached = bucket.norm_cache
+        if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
+            return cached[1]
+        mask = self._norm_mask(bucket, counted_block)
+        bucket.norm_cache = (key, mask)
+        return mask
+
+    def _norm_mask(self, bucket: Bucket, counted_block: bool) -> torch.Tensor | None:
         mask = torch.zeros(bucket.shard_size, dtype=torch.bool, device=self.device)
         if not counted_block:
             return mask

@@ -31,16 +31,16 @@ def reduce_dtype(model_dtype: str, master_setting: str, setting: str) -> str:
 
 def precision_problems(config: Any) -> list[str]:
     """Config lines that cannot train: a master dtype less precise than the compute dtype, an EPLB
-    migration under a sharded optimizer (it moves whole expert rows of optimizer state, which
+    or LPLB migration under a sharded optimizer (it moves whole expert rows of optimizer state, which
     zero_stage 1 / 2 splits over the data-parallel replicas)."""
     m, t, b = config.model, config.train, config.balancer
     out = []
     master = master_dtype(m.dtype, t.master_dtype)
     if _PRECISION[master] < _PRECISION[m.dtype] or (master in LOW_PRECISION and master != m.dtype):
         out.append(f"train.master_dtype: {master} is less precise than model.dtype {m.dtype}; use auto, float32 or float64")
-    if t.zero_stage > 0 and b.kind == "eplb" and b.interval <= t.steps:
+    if t.zero_stage > 0 and b.kind in ("eplb", "lplb") and b.interval <= t.steps:
         out.append(
-            f"train.zero_stage: {t.zero_stage} shards the optimizer state that an EPLB rebalance (balancer.interval "
+            f"train.zero_stage: {t.zero_stage} shards the optimizer state that an {b.kind.upper()} rebalance (balancer.interval "
             f"{b.interval} <= train.steps {t.steps}) moves between ranks; use zero_stage 0 or balancer.interval > train.steps"
         )
     return out

@@ -1,0 +1,119 @@
+"""The balancers' on / off switch (``balancer.stay_off``): the predicted gain of the replicas
+against their measured cost, the loads it is computed from, out-of-date replicas refilled from
+their first slots, and a run whose replicas go off and on again training exactly as one whose
+replicas never go off."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from portapipe.balancing.placement import ExpertPlacement, plan_migration
+from portapipe.balancing.replica_switch import ReplicaSwitch, first_slot_loads, spread_loads
+from portapipe.config import load_config
+
+
+def test_loads_with_and_without_replicas() -> None:
+    # 4 experts on 2 ranks, 3 slots each: rank 0 holds 0, 1, 2; rank 1 holds 3, 0 (copy), 1 (copy)
+    p = ExpertPlacement(torch.tensor([[0, 1, 2, 3, 0, 1]]), 2, 4)
+    counts = torch.tensor([[40.0, 20.0, 10.0, 10.0]])
+    first = first_slot_loads(counts, p.log2phy, 3, 2)
+    assert first.tolist() == [[70.0, 10.0]]
+    spread = spread_loads(counts, p.log2phy, p.logcnt, 3, 2)
+    assert spread.tolist() == [[20.0 + 10.0 + 10.0, 10.0 + 20.0 + 10.0]]
+
+
+def test_switch_decides_from_the_mean_gain_and_cost(caplog: pytest.LogCaptureFixture) -> None:
+    sw = ReplicaSwitch(enabled=True, kind="eplb")
+    sw.charge(0.004)
+    assert sw.figures(0.001) == {"gain_s": 0.001, "cost_s": 0.004}
+    assert sw.decide(1, [{"gain_s": 0.001, "cost_s": 0.004}])["replicas_used"] and sw.on  # step 1 only measures
+    with caplog.at_level(logging.INFO, logger="portapipe.balancing"):
+        sw.decide(2, [{"gain_s": 0.001, "cost_s": 0.004}, {"gain_s": 0.002, "cost_s": 0.004}, None])
+    assert not sw.on and "predicted gain 1.500 ms < cost 4.000 ms per step: skipping routing to replicas" in caplog.text
+    # while off nothing is charged: the last measured cost is kept
+    assert sw.figures(0.0)["cost_s"] == 0.004
+    out = sw.decide(3, [{"gain_s": 0.01, "cost_s": 0.004}])
+    assert sw.on and out == {"replicas_used": False, "replicas_off_steps": 1, "replica_gain_ms": 10.0, "replica_cost_ms": 4.0}
+    never = ReplicaSwitch(enabled=False, kind="lplb")
+    never.decide(5, [{"gain_s": 0.0, "cost_s": 1.0}])
+    assert never.on
+
+
+def test_stale_replicas_are_refilled_and_never_copied_from() -> None:
+    # expert 0 on rank 0 (slot 0, first) and rank 1 (slot 3, a replica gone out of date)
+    p = ExpertPlacement(torch.tensor([[0, 1, 2, 0]]), 2, 3)
+    fresh = plan_migration(p, p)
+    assert fresh.rows_moved == 0
+    plan = plan_migration(p, p, stale=frozenset({3}))
+    assert plan.rows_moved == 1 and plan.sends == {(0, 1): [0]}  # rank 0 sends its slot 0 to rank 1
+    assert plan.source[1] == [("keep", 0), ("recv", 0)]
+    # a new placement that puts expert 0 on rank 1 twice takes neither copy from the stale slot
+    new = ExpertPlacement(torch.tensor([[0, 1, 0, 2]]), 2, 3)
+    assert plan_migration(p, new).source[1] == [("copy", 1), ("copy", 0)]  # slot 2 from the replica in slot 3
+    plan = plan_migration(p, new, stale=frozenset({3}))
+    assert plan.sends == {(0, 1): [0]} and plan.source[1] == [("recv", 0), ("copy", 0)]
+
+
+STEPS = 6
+
+
+def _config(log_dir: Path, stay_off: bool) -> dict[str, Any]:
+    return load_config(
+        {
+            "backend": "cpu",
+            "parallel": {"pp": 1, "ep": 2, "dp": 1},
+            "schedule": {"name": "1f1b", "microbatches": 2},
+            "model": {"vocab_size": 256, "hidden": 32, "n_layers": 2, "n_dense": 0, "n_heads": 2, "ffn_hidden": 32,
+                      "moe_hidden": 32, "n_experts": 4, "top_k": 2, "seq_len": 16, "dtype": "float64"},
+            # the identity placement replicates experts 0 and 1; no rebalance in the run
+            "balancer": {"kind": "eplb", "redundant": 1, "interval": 100, "stay_off": stay_off},
+            "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0},
+            "log": {"dir": str(log_dir), "progress": False},
+            "checkpoint": {"every": 0},
+        }
+    ).to_dict()
+
+
+def _train_both(backend: Any, configs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    from portapipe.balancing import replica_switch
+    from portapipe.train import train_rank
+
+    decide = replica_switch.ReplicaSwitch.decide
+
+    def forced(self: Any, step: int, parts: list[Any]) -> dict[str, Any]:
+        out = decide(self, step, parts)
+        if self.enabled:  # off for steps 2 and 3, on again from step 4
+            self.on = step not in (1, 2)
+        return out
+
+    replica_switch.ReplicaSwitch.decide = forced
+    out = {}
+    for name, raw in configs.items():
+        train_rank(backend, raw)
+        path = Path(raw["log"]["dir"]) / "metrics.jsonl"
+        out[name] = [json.loads(line) for line in path.read_text().splitlines() if '"kind": "train"' in line]
+    return out
+
+
+@pytest.mark.multiproc
+def test_replicas_off_then_on_train_exactly_as_replicas_always_on(tmp_path: Path) -> None:
+    from portapipe.launch import run_ranks
+
+    configs = {"switched": _config(tmp_path / "switched", True), "always": _config(tmp_path / "always", False)}
+    runs = run_ranks(_train_both, 2, configs, wall_timeout_s=300)[0]
+    switched, always = runs["switched"], runs["always"]
+    assert [m["balancer"]["replicas_used"] for m in switched] == [True, False, False, True, True, True]
+    assert all(m["balancer"]["replicas_used"] for m in always)
+    # steps 2-3 routed nothing to replicas; after step 3 the two replicas of each layer were refilled
+    assert [m["balancer"]["replica_tokens"] > 0 for m in switched] == [True, False, False, True, True, True]
+    assert [m["balancer"].get("replicas_refreshed_rows", 0) for m in switched] == [0, 0, 4, 0, 0, 0]
+    # replicas are exact copies, so only the order of the gradient sums differs: an out-of-date
+    # replica (weights and AdamW moments of two steps ago) would change the loss from step 4 on
+    for a, b in zip(switched, always):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-12, abs=0)
