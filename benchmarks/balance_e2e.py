@@ -1,37 +1,45 @@
 """Balancers end to end: training-step time and EP wait under routing skew; prints one JSON object.
 
-One launch of gloo ranks per layout (``ep4``: 4 ranks, ep 4; ``pp2ep4``: 8 ranks, pp 2 x ep 4)
-training a small MoE-dominated model (wide routed experts, a narrow attention). In the same
-processes it builds one training run per variant and steps them in turns, step by step, each
-step starting at a barrier, so a change in machine load hits every variant alike (paired
-steps). Variants, for each routing source:
+One launch of gloo ranks per layout (``ep2``: 2 ranks, ep 2, one rank per core here; ``ep4``: 4
+ranks, ep 4; ``pp2ep4``: 8 ranks, pp 2 x ep 4) training a small MoE-dominated Qwen3-MoE-shaped
+model (wide routed experts, no shared expert, a narrow attention). In the same processes it
+builds one training run per variant and steps them in turns, step by step, each step starting at
+a barrier, so a change in machine load hits every variant alike (paired steps). Routing sources:
 
-- ``skew``: ``bench.router_skew_from`` (``--loads``, default examples/expert_loads.txt, whose
+- ``trained``: the model trained by portapipe itself (``portapipe train``, 2 ranks, no load
+  balancing: the Qwen3-MoE router has no bias and the run has no auxiliary loss) until its
+  routing skewed, exported as a Hugging Face folder and loaded with ``model.init_from``. It is
+  trained once and kept in ``--trained-dir`` (retrained when the model or the recipe changes);
+- ``loads``: ``bench.router_skew_from`` (``--loads``, default examples/expert_loads.txt, whose
   first row has max / mean 2.19): each token's experts drawn in proportion to the file's loads;
 - ``uniform``: ``bench.force_uniform_routing`` (round-robin: every expert the same rows), the
-  peers' benchmark mode: the upper bound for the skewed runs, and a balanced router on which the
-  balancers should stay off;
+  peers' benchmark mode: the upper bound for the skewed sources, and a balanced router on which
+  the balancers should stay off;
 
 and balancer: ``none``, ``eplb`` (incremental, redundant 1, rebalancing every 2 steps on the
-last 2 steps' loads) and ``lplb`` (ring, redundant 1; its placement is EPLB's packing of the
-window's loads, so it is EPLB + LPLB; ``stay_off`` on). Per variant, over the steps after
-``--warmup``: median step time (slowest rank), median ``ep_wait_frac`` and
-``rank_balancedness``, the balancer's own time per step (after_step's planning and migration,
-plus the LP's processor time), bytes migrated (every step), for LPLB the steps it ran, and the
-median over paired steps of the step-time ratio to the same source without a balancer. Then for
-the skewed source the share of the gap (none -> uniform) each balancer wins back, in step time
-(from the paired ratios) and in EP wait; for the uniform source what each balancer costs
-against none (paired ratio - 1).
+last 2 steps' loads, ``min_gain: auto``) and ``lplb`` (ring, redundant 1; its placement is EPLB's
+packing of the window's loads, so it is EPLB + LPLB), both with ``stay_off``. Per variant, over
+the steps after ``--warmup``: median step time (the whole iteration: step, figures, optimizer,
+the balancer's after-step; slowest rank), median ``ep_wait_frac`` and ``rank_balancedness``, the
+balancer's own time per step (after-step planning and migration; the replicas' measured cost:
+LP and replica gradient sum), bytes migrated, the steps the replicas were in use, and the median
+over paired steps of the step-time ratio to the same source without a balancer. Then for each
+skewed source the share of the gap (none -> uniform routing) each balancer wins back, in step
+time (paired ratios) and in EP wait; for the uniform source what each balancer costs against
+none (paired ratio - 1). How skewed each source is: max / mean of its expert loads (mean over
+layers) and the rank balancedness without a balancer.
 
-Step times are wall clock on a shared machine (load averages recorded); the EP wait is measured
-from processor time (see portapipe/models/expert_clock.py).
+Step times are wall clock (load averages recorded); the EP wait is measured from processor time
+(see portapipe/models/expert_clock.py).
 
-    python benchmarks/balance_e2e.py [--layouts ep4 pp2ep4] [--steps 12] [--warmup 3]
+    python benchmarks/balance_e2e.py [--layouts ep2 ep4 pp2ep4] [--steps 12] [--warmup 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -50,31 +58,71 @@ from portapipe.config import load_config  # noqa: E402
 from portapipe.launch import run_ranks  # noqa: E402
 
 # ep2: one rank per core of a 2-core machine, where a rank waiting on its EP peer leaves its core idle
-# (with more ranks than cores a waiting rank hands its core to another, and the wait costs no wall time)
-LAYOUTS = {"ep4": {"pp": 1, "ep": 4, "dp": 1}, "pp2ep4": {"pp": 2, "ep": 4, "dp": 1}, "ep2": {"pp": 1, "ep": 2, "dp": 1}}
+# (with more ranks than cores a waiting rank hands its core to another, and the wait costs less wall time)
+LAYOUTS = {"ep2": {"pp": 1, "ep": 2, "dp": 1}, "ep4": {"pp": 1, "ep": 4, "dp": 1}, "pp2ep4": {"pp": 2, "ep": 4, "dp": 1}}
 BALANCERS = {
     "none": {"kind": "none"},
-    "eplb": {"kind": "eplb", "redundant": 1, "interval": 2, "window": 2, "policy": "incremental"},
+    "eplb": {"kind": "eplb", "redundant": 1, "interval": 2, "window": 2, "policy": "incremental", "min_gain": "auto"},
     "lplb": {"kind": "lplb", "redundant": 1, "topology": "ring", "interval": 2, "window": 2},
 }
+SOURCES = ("trained", "loads", "uniform")
+SKEWED = ("trained", "loads")
+MODEL = {"arch": "qwen3_moe", "vocab_size": 256, "hidden": 64, "n_layers": 4, "n_dense": 0, "n_heads": 2, "ffn_hidden": 64,
+         "moe_hidden": 1024, "n_experts": 12, "n_shared": 0, "top_k": 4, "seq_len": 64}
+MICRO_BATCH = 8
+# how the trained source is made: 2 ranks, constant lr, no load balancing
+RECIPE = {"parallel": {"pp": 1, "ep": 2, "dp": 1}, "schedule": {"name": "1f1b", "microbatches": 4},
+          "train": {"micro_batch_size": MICRO_BATCH, "lr": 3e-3, "min_lr": 3e-3, "warmup_steps": 5}}
 
 
-def variant_config(layout: str, source: str, balancer: str, loads: str, log_dir: Path, steps: int) -> dict[str, Any]:
-    bench = {"router_skew_from": loads} if source == "skew" else {"force_uniform_routing": True}
+def variant_config(layout: str, source: str, balancer: str, loads: str, log_dir: Path, steps: int,
+                   trained: Path | None = None) -> dict[str, Any]:
+    model = dict(MODEL)
+    bench: dict[str, Any] = {}
+    if source == "trained":
+        model["init_from"] = str(trained)
+    elif source == "loads":
+        bench["router_skew_from"] = loads
+    else:
+        bench["force_uniform_routing"] = True
     return load_config(
         {
             "backend": "cpu",
             "parallel": LAYOUTS[layout],
             "schedule": {"name": "1f1b", "microbatches": 4},
-            "model": {"vocab_size": 256, "hidden": 64, "n_layers": 4, "n_dense": 0, "n_heads": 2, "ffn_hidden": 64,
-                      "moe_hidden": 512, "n_experts": 12, "top_k": 4, "seq_len": 64, "bias_update_speed": 0.0},
+            "model": model,
             "balancer": BALANCERS[balancer],
             "bench": bench,
-            "train": {"steps": steps, "micro_batch_size": 4, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 0},
+            "train": {"steps": steps, "micro_batch_size": MICRO_BATCH, "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 0},
             "log": {"dir": str(log_dir), "progress": False},
             "checkpoint": {"every": 0},
         }
     ).to_dict()
+
+
+def trained_model(folder: Path, steps: int) -> Path:
+    """The Hugging Face folder of the trained source, trained and exported once into ``folder``
+    (again when the model or the recipe changed). Returns the exported folder."""
+    from portapipe.cli import main as cli
+
+    recipe = {"model": MODEL, **RECIPE, "steps": steps}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    out = folder / f"hf-{key}"
+    if (out / "config.json").is_file():
+        return out
+    folder.mkdir(parents=True, exist_ok=True)
+    run = folder / f"run-{key}"
+    raw = {"backend": "cpu", "model": MODEL, **RECIPE, "log": {"dir": str(run), "progress": False},
+           "checkpoint": {"every": 0, "overwrite": True}}
+    raw["train"] = {**RECIPE["train"], "steps": steps}
+    cfg = folder / f"train-{key}.json"
+    cfg.write_text(json.dumps(raw, indent=1))
+    print(f"balance_e2e: training the skewed source ({steps} steps, 2 ranks) into {run}", file=sys.stderr)
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries this benchmark's JSON only
+        ok = cli(["train", str(cfg)]) == 0 and cli(["export", str(run), str(out), "--format", "hf"]) == 0
+    if not ok:
+        raise SystemExit(f"balance_e2e: could not train or export the trained source in {folder}")
+    return out
 
 
 def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str, list[dict[str, Any]]]:
@@ -114,11 +162,12 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str
             t1 = time.perf_counter()
             balance = runtime.balancer.after_step(step, result, optimizer) if runtime.balancer is not None else {}
             t2 = time.perf_counter()
-            # the slowest rank's step and balancer time
-            times = torch.tensor([t1 - t0, t2 - t1], dtype=torch.float64)
+            # the slowest rank's iteration and balancer time
+            times = torch.tensor([t2 - t0, t2 - t1], dtype=torch.float64)
             backend.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
             out[name].append({"step_s": float(times[0]), "after_step_s": float(times[1]), "ep_wait_frac": stats.ep_wait_frac,
-                              "rank_balancedness": stats.rank_balancedness, "balancer": balance})
+                              "rank_balancedness": stats.rank_balancedness, "balancer": balance,
+                              "expert_counts": None if result.expert_counts is None else result.expert_counts.tolist()})
     return out
 
 
@@ -127,8 +176,8 @@ def summarise(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     med = statistics.median
     rebalances = [s["balancer"]["rebalance"] for s in steps if "rebalance" in s["balancer"]]
     steps = steps[warmup:]
-    ran = [s["balancer"]["lp_ran"] for s in steps if "lp_ran" in s["balancer"]]
-    lp_ms = [s["balancer"]["lp_cost_ms"] for s in steps if s["balancer"].get("lp_ran")]
+    used = [s["balancer"]["replicas_used"] for s in steps if "replicas_used" in s["balancer"]]
+    cost = [s["balancer"]["replica_cost_ms"] for s in steps if s["balancer"].get("replicas_used")]
     out = {
         "step_s": round(med(s["step_s"] for s in steps), 4),
         "ep_wait_frac": round(med(s["ep_wait_frac"] for s in steps), 4),
@@ -137,22 +186,38 @@ def summarise(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "bytes_migrated": sum(r["bytes_moved"] for r in rebalances),
         "rebalances_applied": sum(bool(r["applied"]) for r in rebalances),
     }
-    if ran:
-        out["lp_steps_run"] = sum(ran)
-        out["lp_ms_per_step"] = round(med(lp_ms), 3) if lp_ms else 0.0
+    if used:
+        out["replicas_used_steps"] = sum(used)
+        out["replica_cost_ms_per_step"] = round(med(cost), 3) if cost else 0.0
     return out
+
+
+def load_skew(steps: list[dict[str, Any]]) -> float | None:
+    """max / mean of the expert loads summed over the steps, mean over the MoE layers (rank 0's)."""
+    rows = [s["expert_counts"] for s in steps if s.get("expert_counts")]
+    if not rows:
+        return None
+    loads = torch.tensor(rows, dtype=torch.float64).sum(0)  # [layers, experts]
+    return round(float((loads.max(1).values / loads.mean(1)).mean()), 3)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES))
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out (one-time costs, first placement)")
     ap.add_argument("--loads", default=str(ROOT / "examples" / "expert_loads.txt"))
+    ap.add_argument("--trained-dir", default=str(ROOT / "benchmarks" / ".cache" / "balance_e2e"),
+                    help="where the trained source is kept (trained on first use)")
+    ap.add_argument("--train-steps", type=int, default=60, help="steps the trained source is trained for")
     ap.add_argument("--out-dir", default=None, help="run folders (default: a temporary one)")
     args = ap.parse_args()
     import tempfile
 
+    if "uniform" not in args.sources:
+        ap.error("--sources needs uniform: it is the upper bound of the skewed sources and the balanced router")
+    trained = trained_model(Path(args.trained_dir), args.train_steps) if "trained" in args.sources else None
     root = Path(args.out_dir or tempfile.mkdtemp(prefix="balance_e2e-"))
     result: dict[str, Any] = {
         "benchmark": "balance_e2e",
@@ -162,12 +227,14 @@ def main() -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "loads": args.loads,
+        "trained": None if trained is None else {"folder": str(trained), "train_steps": args.train_steps},
         "layouts": {},
     }
     for layout in args.layouts:
-        raws = {f"{source}:{bal}": variant_config(layout, source, bal, args.loads, root / layout / f"{source}-{bal}", args.steps)
-                for source in ("skew", "uniform") for bal in BALANCERS}
+        raws = {f"{source}:{bal}": variant_config(layout, source, bal, args.loads, root / layout / f"{source}-{bal}", args.steps, trained)
+                for source in args.sources for bal in BALANCERS}
         world = LAYOUTS[layout]["pp"] * LAYOUTS[layout]["ep"]
+        t0 = time.perf_counter()
         steps = run_ranks(_rank, world, raws, args.steps, wall_timeout_s=3600)[0]
         table = {name: summarise(s, args.warmup) for name, s in steps.items()}
 
@@ -177,19 +244,24 @@ def main() -> None:
 
         for name in table:
             table[name]["paired_ratio_vs_none"] = round(paired(name, name.split(":")[0] + ":none"), 4)
-        none, top = table["skew:none"], table["uniform:none"]
-        top_ratio = paired("uniform:none", "skew:none")
-        won = {}
-        for bal in ("eplb", "lplb"):
-            row = table[f"skew:{bal}"]
-            gap_w = none["ep_wait_frac"] - top["ep_wait_frac"]
-            won[bal] = {
-                "step_time": round((1 - paired(f"skew:{bal}", "skew:none")) / (1 - top_ratio), 3) if top_ratio < 1 else None,
-                "ep_wait": round((none["ep_wait_frac"] - row["ep_wait_frac"]) / gap_w, 3) if gap_w > 0 else None,
-            }
+        top = table["uniform:none"]
+        won: dict[str, Any] = {}
+        skew: dict[str, Any] = {}
+        for source in (s for s in SKEWED if s in args.sources):
+            none = table[f"{source}:none"]
+            top_ratio = paired("uniform:none", f"{source}:none")
+            skew[source] = {"expert_load_max_over_mean": load_skew(steps[f"{source}:none"]),
+                            "rank_balancedness": none["rank_balancedness"], "uniform_over_none": round(top_ratio, 4)}
+            for bal in ("eplb", "lplb"):
+                row = table[f"{source}:{bal}"]
+                gap_w = none["ep_wait_frac"] - top["ep_wait_frac"]
+                won[f"{source}:{bal}"] = {
+                    "step_time": round((1 - paired(f"{source}:{bal}", f"{source}:none")) / (1 - top_ratio), 3) if top_ratio < 1 else None,
+                    "ep_wait": round((none["ep_wait_frac"] - row["ep_wait_frac"]) / gap_w, 3) if gap_w > 0 else None,
+                }
         cost = {bal: round(table[f"uniform:{bal}"]["paired_ratio_vs_none"] - 1, 4) for bal in ("eplb", "lplb")}
-        result["layouts"][layout] = {"ranks": world, "variants": table, "gap_won_back": won,
-                                     "balanced_router_cost_frac": cost}
+        result["layouts"][layout] = {"ranks": world, "seconds": round(time.perf_counter() - t0, 1), "skew": skew,
+                                     "variants": table, "gap_won_back": won, "balanced_router_cost_frac": cost}
     result["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result, indent=1))
 

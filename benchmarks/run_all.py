@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "checkpoint": ["--repeats", "5"],
     "plan_accuracy": ["--steps", "8", "--warmup", "2"],
     "precision": ["--steps", "200", "--png", "{root}/docs/precision.png"],  # the README's precision section
+    "balance_e2e": ["--steps", "12", "--warmup", "3"],  # docs/balancers-in-training.md's end-to-end table
 }
 
 

@@ -1,14 +1,16 @@
-"""benchmarks/balance_e2e.py's summary of a variant's steps (its runs are too slow for the suite:
-the figures in docs/balancers-in-training.md come from the script itself)."""
+"""benchmarks/balance_e2e.py's summary of a variant's steps and its variants (its runs are too
+slow for the suite: the figures in docs/balancers-in-training.md come from the script itself)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from balance_e2e import summarise, variant_config  # noqa: E402
+from balance_e2e import load_skew, summarise, variant_config  # noqa: E402
 
 
 def _step(step_s: float, wait: float, bal: float, balancer: dict) -> dict:
@@ -16,19 +18,33 @@ def _step(step_s: float, wait: float, bal: float, balancer: dict) -> dict:
 
 
 def test_summary_takes_medians_after_warmup_and_migrations_over_every_step() -> None:
-    moved = {"rebalance": {"bytes_moved": 100, "applied": True}, "lp_ran": True, "lp_cost_ms": 9.0}
+    moved = {"rebalance": {"bytes_moved": 100, "applied": True}, "replicas_used": True, "replica_cost_ms": 9.0}
     steps = [_step(9.0, 0.5, 0.5, moved)] + [
-        _step(s, w, 0.9, {"lp_ran": ran, "lp_cost_ms": 2.0}) for s, w, ran in ((1.0, 0.1, True), (3.0, 0.3, False), (2.0, 0.2, True))
+        _step(s, w, 0.9, {"replicas_used": used, "replica_cost_ms": c})
+        for s, w, used, c in ((1.0, 0.1, True, 2.0), (3.0, 0.3, False, 5.0), (2.0, 0.2, True, 4.0))
     ]
     out = summarise(steps, warmup=1)
     assert out["step_s"] == 2.0 and out["ep_wait_frac"] == 0.2 and out["rank_balancedness"] == 0.9
     assert out["bytes_migrated"] == 100 and out["rebalances_applied"] == 1  # the warm-up step's migration counts
-    assert out["lp_steps_run"] == 2 and out["lp_ms_per_step"] == 2.0 and out["after_step_ms"] == 10.0
+    # the replicas' cost is the median over the steps they were in use
+    assert out["replicas_used_steps"] == 2 and out["replica_cost_ms_per_step"] == 3.0 and out["after_step_ms"] == 10.0
+
+
+def test_load_skew_is_max_over_mean_of_the_summed_loads_mean_over_layers() -> None:
+    steps = [{"expert_counts": [[3, 1, 0, 0], [1, 1, 1, 1]]}, {"expert_counts": [[1, 1, 1, 1], [1, 1, 1, 1]]}, {"expert_counts": None}]
+    # layer 0: loads 4, 2, 1, 1 (max / mean 2); layer 1: even (1)
+    assert load_skew(steps) == 1.5
+    assert load_skew([{"expert_counts": None}]) is None
 
 
 def test_variants_differ_only_in_routing_and_balancer(tmp_path: Path) -> None:
-    a = variant_config("ep4", "skew", "none", "examples/expert_loads.txt", tmp_path / "a", 4)
+    a = variant_config("ep4", "loads", "none", "examples/expert_loads.txt", tmp_path / "a", 4)
     b = variant_config("ep4", "uniform", "lplb", "examples/expert_loads.txt", tmp_path / "b", 4)
     assert a["bench"]["router_skew_from"] == "examples/expert_loads.txt" and b["bench"]["force_uniform_routing"] is True
     assert a["model"] == b["model"] and a["parallel"] == b["parallel"] == {"pp": 1, "ep": 4, "dp": 1, "world_size": None}
     assert b["balancer"]["kind"] == "lplb" and b["balancer"]["stay_off"] is True
+    c = variant_config("ep2", "trained", "eplb", "unused", tmp_path / "c", 4, trained=tmp_path / "hf")
+    assert c["model"]["init_from"] == str(tmp_path / "hf") and c["bench"]["router_skew_from"] is None
+    assert c["balancer"]["min_gain"] == "auto" and c["balancer"]["stay_off"] is True
+    with pytest.raises(KeyError):
+        variant_config("ep3", "loads", "none", "x", tmp_path / "d", 4)
