@@ -28,6 +28,20 @@ def test_loads_with_and_without_replicas() -> None:
     assert spread.tolist() == [[20.0 + 10.0 + 10.0, 10.0 + 20.0 + 10.0]]
 
 
+def test_first_slots_are_spread_over_the_ranks() -> None:
+    # identity layout of 6 experts in 8 slots on 2 ranks: rank 0 holds 0-3, rank 1 holds 4, 5 and copies of 0, 1
+    p = ExpertPlacement.identity(1, 6, 2, 8)
+    assert first_slot_loads(torch.ones(1, 6), p.log2phy, 4, 2).tolist() == [[4.0, 2.0]]
+    even = p.with_first_slots_balanced()
+    assert torch.equal(even.phy2log, p.phy2log) and torch.equal(even.logcnt, p.logcnt)
+    assert first_slot_loads(torch.ones(1, 6), even.log2phy, 4, 2).tolist() == [[3.0, 3.0]]
+    assert sorted(even.log2phy[0, 0, :2].tolist()) == [0, 6]  # the same replicas, another one first
+    # by load: the heavy expert 0 keeps rank 0 for itself, expert 1 goes first to rank 1
+    loads = torch.tensor([[10.0, 5.0, 1.0, 1.0, 1.0, 1.0]])
+    by_load = p.with_first_slots_balanced(loads)
+    assert first_slot_loads(loads, by_load.log2phy, 4, 2).tolist() == [[12.0, 7.0]]
+
+
 def test_switch_decides_from_the_mean_gain_and_cost(caplog: pytest.LogCaptureFixture) -> None:
     sw = ReplicaSwitch(enabled=True, kind="eplb")
     sw.charge(0.004)

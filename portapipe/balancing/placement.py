@@ -116,6 +116,23 @@ class ExpertPlacement:
         s = self.slots_per_rank
         return self.phy2log[layer, rank * s:(rank + 1) * s]
 
+    def with_first_slots_balanced(self, loads: torch.Tensor | None = None) -> ExpertPlacement:
+        """The same slots, each replicated expert's first slot (the one routed to when replicas are
+        off, and the one counted in the gradient norm and checkpoints) chosen so that the ranks'
+        first-slot loads ``loads[L, E]`` (default: equal) are as even as a greedy pass makes them:
+        heaviest expert first, onto the rank with the least so far."""
+        order = self.log2phy.clone()
+        weights = torch.ones(self.num_layers, self.num_experts, dtype=torch.float64) if loads is None else loads.to(torch.float64)
+        per = self.slots_per_rank
+        for layer in range(self.num_layers):
+            rank_load = [0.0] * self.num_ranks
+            for e in torch.argsort(weights[layer], descending=True, stable=True).tolist():
+                slots = order[layer, e, : int(self.logcnt[layer, e])].tolist()
+                best = min(slots, key=lambda s: (rank_load[s // per], s))
+                order[layer, e, : len(slots)] = torch.tensor([best] + [s for s in slots if s != best])
+                rank_load[best // per] += float(weights[layer, e])
+        return ExpertPlacement(self.phy2log, self.num_ranks, self.num_experts, log2phy=order)
+
     # ------------------------------------------------------------------ routing
     def route(self, layer: int, experts: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Physical slot for each routed (token, expert) entry; -1 (a dropped token) stays -1.

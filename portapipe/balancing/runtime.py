@@ -133,7 +133,8 @@ class ExpertBalancer:
         self.planners: list[Any] = []
         if self.kind == "eplb":
             self.rebalancer = Rebalancer.from_config(bal, n, model.n_experts, groups.ep, model.n_groups)
-            self.placement = self.rebalancer.placement
+            # with the replicas off every token goes to its expert's first slot: spread those evenly
+            self.placement = self.rebalancer.placement = self.rebalancer.placement.with_first_slots_balanced()
         else:
             from .lplb import Planner
 
@@ -278,6 +279,8 @@ class ExpertBalancer:
         passed to :func:`migrate_parameters` (a test hook for injected failures).
         """
         moved = self._move(new, optimizer, fault)
+        if self.kind == "eplb":  # (lplb's planner sets which slot is an expert's original)
+            new = new.with_first_slots_balanced(self.load_window.loads() if len(self.load_window) else None)
         self.placement = new
         if self.rebalancer is not None:
             self.rebalancer.placement = new

@@ -53,7 +53,7 @@ class Bucket:
     work: Any = None
     sent: torch.Tensor | None = None  # what is travelling, when not ``grad`` itself (another dtype)
     hooks: list[Any] = field(default_factory=list)
-    #: the last norm mask and what it was built from (see GradBuckets.norm_mask)
+    #: the last norm runs and what they were built from (see GradBuckets.norm_runs)
     norm_cache: tuple[Any, ...] | None = None
 
     @property
@@ -270,20 +270,28 @@ class GradBuckets:
             out.update(zip(bucket.params, bucket.views(full)))
         return out
 
-    def norm_mask(self, bucket: Bucket, counted_block: bool) -> torch.Tensor | None:
-        """Which elements of this rank's range count in the global gradient norm (None: all).
+    def norm_runs(self, bucket: Bucket, counted_block: bool) -> list[tuple[int, int]] | None:
+        """The ``[start, end)`` runs of this rank's range that count in the global gradient norm
+        (None: all of it).
 
         Each range is one rank's, so a replicated parameter is counted once over its group;
         DualPipe's second copy of a block (``counted_block`` False) counts nothing; a balancer's
         replicated expert counts only in the slot that owns it, padding never. Kept until a
         balancer relabels its slots (a new ``slot_owned`` tensor), not rebuilt every step."""
+        return self._norm_cached(bucket, counted_block)
+
+    def _norm_cached(self, bucket: Bucket, counted_block: bool) -> list[tuple[int, int]] | None:
         key = (counted_block, *(owned_rows(p) for p in bucket.params))
         cached = bucket.norm_cache
         if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
             return cached[1]
         mask = self._norm_mask(bucket, counted_block)
-        bucket.norm_cache = (key, mask)
-        return mask
+        runs = None
+        if mask is not None:
+            edges = torch.diff(mask.to(torch.int8).cpu(), prepend=torch.zeros(1, dtype=torch.int8), append=torch.zeros(1, dtype=torch.int8))
+            runs = list(zip((edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()))
+        bucket.norm_cache = (key, runs)
+        return runs
 
     def _norm_mask(self, bucket: Bucket, counted_block: bool) -> torch.Tensor | None:
         mask = torch.zeros(bucket.shard_size, dtype=torch.bool, device=self.device)

@@ -94,12 +94,13 @@ class ShardedAdamW:
     # ------------------------------------------------------------------ step
     def local_sq_norm(self, counted_blocks: set[int]) -> torch.Tensor:
         """Sum of squares (float64) of this rank's ranges of the reduced gradients, counted once
-        over the world (see :meth:`GradBuckets.norm_mask`); summed over ranks: the global norm²."""
+        over the world (see :meth:`GradBuckets.norm_runs`); summed over ranks: the global norm²."""
         total = torch.zeros((), dtype=torch.float64, device=self.grads.device)
         for bucket in self.grads.buckets:
-            g = self.grads.grad_shard(bucket).double()
-            mask = self.grads.norm_mask(bucket, bucket.block in counted_blocks)
-            total += (g.pow(2) if mask is None else g.pow(2) * mask).sum()
+            g = self.grads.grad_shard(bucket)
+            runs = self.grads.norm_runs(bucket, bucket.block in counted_blocks)
+            for start, end in [(0, g.numel())] if runs is None else runs:
+                total += g[start:end].double().pow(2).sum()
         return total
 
     def step(self, grad_coef: float = 1.0) -> None:
