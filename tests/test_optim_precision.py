@@ -28,6 +28,9 @@ def test_a_master_dtype_less_precise_than_the_model_and_zero_with_eplb_rebalanci
     with pytest.raises(ConfigError, match=r"train.zero_stage: 1 shards the optimizer state that an EPLB rebalance"):
         load_config({**base, "balancer": {"kind": "eplb", "interval": 5}, "train": {"steps": 10, "zero_stage": 1}})
     load_config({**base, "balancer": {"kind": "eplb", "interval": 50}, "train": {"steps": 10, "zero_stage": 1}})  # no rebalance: fine
+    # LPLB re-plans which experts are copied at its interval too, and moves their rows the same way
+    with pytest.raises(ConfigError, match=r"train.zero_stage: 2 shards the optimizer state that an LPLB rebalance"):
+        load_config({**base, "balancer": {"kind": "lplb", "redundant": 1, "interval": 5}, "train": {"steps": 10, "zero_stage": 2}})
 
 
 def test_loss_scale_halves_on_overflow_and_doubles_after_clean_steps():
