@@ -55,6 +55,10 @@ class _InPlace(dict):
             super().__setitem__(key, value)
 
 
+#: elements of a gradient squared and summed at a time for the norm (a float64 piece of 2 MiB)
+NORM_PIECE = 1 << 18
+
+
 class ShardedAdamW:
     """AdamW with master weights over a rank's gradient buckets (see the module docstring).
 
@@ -100,7 +104,9 @@ class ShardedAdamW:
             g = self.grads.grad_shard(bucket)
             runs = self.grads.norm_runs(bucket, bucket.block in counted_blocks)
             for start, end in [(0, g.numel())] if runs is None else runs:
-                total += g[start:end].double().pow(2).sum()
+                # in pieces: a float64 copy of a whole bucket would leave the caches for memory
+                for at in range(start, end, NORM_PIECE):
+                    total += g[at:min(at + NORM_PIECE, end)].double().pow(2).sum()
         return total
 
     def step(self, grad_coef: float = 1.0) -> None:
