@@ -43,7 +43,10 @@ def test_recompute_layers_picks_the_first_layers_of_a_block() -> None:
 
 
 def _backward_yields(memory: dict[str, Any]) -> int:
-    block = one_block(memory)
+    from portapipe.models.expert_parallel import ExpertParallel
+    from tests.test_overlap import _LoopbackBackend  # one process playing both EP ranks
+
+    block = one_block(memory, ExpertParallel(_LoopbackBackend(), size=2, rank=0))
     tokens = torch.randint(0, 256, (2, MODEL["seq_len"] + 1))
     tape = Tape()
     out = run(block.program(tape, tokens[:, :-1], tokens[:, 1:]))
