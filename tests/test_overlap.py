@@ -143,7 +143,7 @@ def test_fb_overlap_computes_the_other_microbatch_while_each_exchange_is_in_flig
     assert ref_log.index(("B", "issue")) > max(i for i, e in enumerate(ref_log) if e[0] == "F")
 
 
-def test_lone_forward_hides_the_dispatch_behind_the_shared_expert_and_the_local_rows() -> None:
+def test_lone_forward_hides_the_dispatch_behind_the_shared_expert_and_the_combine_behind_the_local_rows() -> None:
     block, data = _setup()
     calls: list[str] = []
 
@@ -160,7 +160,7 @@ def test_lone_forward_hides_the_dispatch_behind_the_shared_expert_and_the_local_
     run(block.program(Logging(), *data[0]))
     first_layer = calls[1 : calls.index("combine_part") + 1]
     assert first_layer == [
-        "attention_part", "exchange", "exchange", "shared_part", "experts_part local", "experts_part", "exchange", "combine_part",
+        "attention_part", "exchange", "exchange", "shared_part", "experts_part", "exchange", "experts_part local", "combine_part",
     ]
 
 

@@ -17,10 +17,10 @@ experts), so any split, any EP sharding and the single-process model hold identi
 
 Each block's forward is a program (see :mod:`portapipe.scheduling.overlap`): an MoE layer is
 the parts ``attention`` (norms, attention, routing, send order) -> dispatch all-to-all of the
-rows routed to other EP ranks -> ``shared`` and ``experts`` on the rows this rank routed to
-itself (both computed while the dispatch is in flight) -> ``experts`` on the received rows (one
-grouped matmul per projection over (source rank, expert) groups) -> combine all-to-all ->
-``combine`` (sum of the top-k outputs + residual). Each row's router weight travels with it (a
+rows routed to other EP ranks -> ``shared`` (computed while the dispatch is in flight) ->
+``experts`` on the received rows (one grouped matmul per projection over (source rank, expert)
+groups) -> combine all-to-all -> ``experts`` on the rows this rank routed to itself (computed
+while the combine is in flight) -> ``combine`` (sum of the top-k outputs + residual). Each row's router weight travels with it (a
 small exchange beside the dispatch) and scales the expert's activation before the down
 projection, the same function as weighting the expert's output but without keeping the outputs
 for the weights' gradient.
@@ -257,31 +257,31 @@ class Layer(nn.Module):
         plan: DispatchPlan,
         zm: Any = None,
     ) -> Generator[Any, None, torch.Tensor]:
-        """The parts after attention: dispatch, shared expert and the local rows' experts,
-        the received rows' experts, combine, sum over top-k."""
+        """The parts after attention: dispatch, shared expert, the received rows' experts,
+        combine, the local rows' experts, sum over top-k."""
         moe = self.moe
-        remote = moe.ep.size > 1
-        if zm is not None and remote:  # zero-memory's re-dispatch needs no gradient: the backward may start it early
-            tape.ahead(zm.issue)
-        if remote:
-            # The router weights go first: the small exchange is done by the time the rows are.
-            dispatch_w = tape.all_to_all(moe.ep, weights, plan.remote_recv_splits, plan.remote_send_splits)
-            dispatch = tape.all_to_all(moe.ep, send, plan.remote_recv_splits, plan.remote_send_splits)
-            yield dispatch
-        # The shared expert and the rows this rank routed to itself need nothing from other
-        # ranks: they compute while the rows travel (in a lone forward they are what can; in
-        # an F&B the other micro-batch's parts run at the yield first). Their backwards hide
-        # the combine's reverse exchange alike.
-        shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
-        mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)
-        back = None
-        if remote:
-            out = tape.part(self.experts_part, dispatch.wait(), dispatch_w.wait(), plan, zm)
-            combine = tape.all_to_all(moe.ep, out, plan.remote_send_splits, plan.remote_recv_splits)
-            yield combine
-            back = combine.wait()
         last = self.combine_part if zm is None else zm.issue_early(self.combine_part)
-        return tape.part(last, h, shared, back, mine, plan)
+        if moe.ep.size == 1:  # every row is local: nothing to exchange
+            shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
+            mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)
+            return tape.part(last, h, shared, None, mine, plan)
+        if zm is not None:  # zero-memory's re-dispatch needs no gradient: the backward may start it early
+            tape.ahead(zm.issue)
+        # The router weights go first: the small exchange is done by the time the rows are.
+        dispatch_w = tape.all_to_all(moe.ep, weights, plan.remote_recv_splits, plan.remote_send_splits)
+        dispatch = tape.all_to_all(moe.ep, send, plan.remote_recv_splits, plan.remote_send_splits)
+        yield dispatch
+        # The shared expert and the rows this rank routed to itself need nothing from other
+        # ranks: the shared expert computes while the rows travel, the local rows' experts
+        # while the combine does (in a lone forward they are what can; in an F&B the other
+        # micro-batch's parts run at each yield first). Their backwards hide the combine's
+        # reverse exchange.
+        shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
+        out = tape.part(self.experts_part, dispatch.wait(), dispatch_w.wait(), plan, zm)
+        combine = tape.all_to_all(moe.ep, out, plan.remote_send_splits, plan.remote_recv_splits)
+        yield combine
+        mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)
+        return tape.part(last, h, shared, combine.wait(), mine, plan)
 
 
 class Block(nn.Module):
