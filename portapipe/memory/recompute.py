@@ -173,10 +173,11 @@ class Recompute:
             return (yield from layer.moe_program(t, *xs, plan))
 
         def values() -> list[torch.Tensor]:
-            rows = dispatch_rows(hn.detach(), plan, layer.top_k)
-            n = plan.n_remote
-            return [h.detach(), hn.detach(), rows[:n], rows[n:], weights.detach(), local_weights.detach()]
+            sent, kept = slice(None, plan.n_remote), slice(plan.n_remote, None)
+            rows = [dispatch_rows(hn.detach(), plan, layer.top_k, part) for part in (sent, kept)]
+            return [h.detach(), hn.detach(), *rows, weights.detach(), local_weights.detach()]
 
         out = yield from self.segment(tape, layer, run, [h, hn, send, local, weights, local_weights], values)
-        free_storage(send)  # sent (and, being one buffer, the local rows too); the replay gathers them again
+        free_storage(send)  # the replay gathers both again
+        free_storage(local)
         return out

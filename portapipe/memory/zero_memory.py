@@ -45,17 +45,13 @@ from ..scheduling.exchange import issue as issue_exchange
 from . import accounting
 
 
-def dispatch_rows(
-    tokens: torch.Tensor, plan: DispatchPlan, top_k: int, rows: slice = slice(None), out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The rows a dispatch sends and keeps: token ``i // top_k`` for each (token, slot) in
-    ``plan.send_order[rows]`` (into ``out`` when given).
+def dispatch_rows(tokens: torch.Tensor, plan: DispatchPlan, top_k: int, rows: slice) -> torch.Tensor:
+    """The rows a dispatch sends (``rows`` ``[:n_remote]``) or keeps (``[n_remote:]``): token
+    ``i // top_k`` for each (token, slot) in ``plan.send_order[rows]``.
 
     Must match what :meth:`portapipe.models.moe.Layer.attention_part` gathers.
     """
-    flat = tokens.reshape(-1, tokens.shape[-1])
-    index = plan.send_order[rows] // top_k
-    return flat.index_select(0, index) if out is None else torch.index_select(flat, 0, index, out=out)
+    return tokens.reshape(-1, tokens.shape[-1]).index_select(0, plan.send_order[rows] // top_k)
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -103,9 +99,6 @@ class ExpertRefetch:
     ) -> None:
         self.config, self.ep, self.tokens, self.plan, self.top_k = config, ep, tokens, plan, top_k
         self._send: torch.Tensor | None = send
-        # the parts still reading the sender's buffer: the local rows' experts, and the
-        # dispatch (done once the received rows' experts run)
-        self._readers = 2 if ep.size > 1 else 1
         self._remakes: dict[Any, Callable[[], torch.Tensor]] = {}
         self._pending: Pending | None = None
         self._inputs: torch.Tensor | None = None
@@ -116,7 +109,7 @@ class ExpertRefetch:
         """Run the experts' MLP on ``inputs`` without keeping it.
 
         ``inputs``: the received rows, or with ``local`` the rows this rank routed to itself
-        (a view of the sender's buffer, remade by a gather from the tokens). Tensors saved for
+        (remade by a gather from the tokens, no exchange). Tensors saved for
         backward that share ``inputs``' storage (and, at level1, the activation's output) are
         replaced by recipes; everything else is saved as usual (and counted by an active
         :class:`~portapipe.memory.accounting.SavedActivations`).
@@ -124,11 +117,9 @@ class ExpertRefetch:
         self._watch(inputs, self.local_rows if local else self.expert_inputs)
         with self.recipes():
             yield
-        # No exchange buffer is read again: index_select's backward needs only the index.
-        if not local:
-            free_storage(inputs)
-        self._readers -= 1
-        if self._readers == 0 and self._send is not None:
+        # Nothing reads these buffers again: index_select's backward needs only the index.
+        free_storage(inputs)
+        if not local and self._send is not None:  # sent: the dispatch is over
             free_storage(self._send)
             self._send = None
 
@@ -192,12 +183,8 @@ class ExpertRefetch:
         return self._inputs
 
     def local_rows(self) -> torch.Tensor:
-        """The rows this rank routed to itself, gathered again, where they lay in the sender's
-        buffer (after the remote rows), so a saved view of them is remade in place."""
-        n = self.plan.n_remote
-        out = self.tokens.new_empty(self.plan.send_order.numel(), self.tokens.shape[-1])
-        dispatch_rows(self.tokens, self.plan, self.top_k, slice(n, None), out[n:])
-        return out
+        """The rows this rank routed to itself, gathered again."""
+        return dispatch_rows(self.tokens, self.plan, self.top_k, slice(self.plan.n_remote, None))
 
     # ------------------------------------------------------------------- hooks
     def _watch(self, t: torch.Tensor, remake: Callable[[], torch.Tensor]) -> None:

@@ -191,17 +191,17 @@ class Layer(nn.Module):
         """Attention + residual, FFN norm, routing, and the rows to send with their router
         weights: ``(h, hn, send, local, weights, local_weights, plan)``. ``send`` / ``weights``
         go to other EP ranks; ``local`` / ``local_weights`` (routed to this rank's own experts)
-        need no exchange. Each pair is two views of one gather in ``plan.send_order``."""
+        need no exchange. Both gathered in ``plan.send_order``, each into a buffer of its own
+        (the local rows are kept for the experts' backward, the sent ones are not)."""
         moe = self.moe
         h = x + self.attn(self.norm1(x))
         hn = self.norm2(h)
         flat = hn.reshape(-1, hn.shape[-1])
         w, idx = moe.router(flat)
         plan = moe.dispatch_plan(idx)
-        rows = flat.index_select(0, plan.send_order // self.top_k)
-        weights = w.reshape(-1).index_select(0, plan.send_order)
-        n = plan.n_remote
-        return h, hn, rows[:n], rows[n:], weights[:n], weights[n:], plan
+        n, order, tokens = plan.n_remote, plan.send_order, plan.send_order // self.top_k
+        w = w.reshape(-1)
+        return h, hn, flat.index_select(0, tokens[:n]), flat.index_select(0, tokens[n:]), w.index_select(0, order[:n]), w.index_select(0, order[n:]), plan
 
     def experts_part(self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, zm: Any = None, local: bool = False) -> torch.Tensor:
         """Rows through the grouped expert MLP, each scaled by its router weight (beside it).
