@@ -15,8 +15,8 @@ there is nothing else to run.
 Segments:
 
 - ``full``: a whole layer, from its input;
-- ``moe``: an MoE layer's dispatch -> shared expert and local experts -> experts -> combine
-  -> combine parts,
+- ``moe``: an MoE layer's dispatch -> shared expert -> experts -> combine -> local rows'
+  experts -> combine parts,
   from the attention part's outputs (the attention part is kept; the rows to send are
   gathered again from the normed tokens).
 

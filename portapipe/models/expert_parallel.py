@@ -7,8 +7,8 @@ are (source, expert) pairs in that order. Combine is the same exchange with the 
 
 The rows a rank routes to its own experts need no exchange: the dispatch and the combine carry
 only the rows of the other ranks (this rank's split is 0 both ways), and the local rows go to
-the experts straight from the sender's buffer, so their compute can run while the remote rows
-travel (see :meth:`portapipe.models.moe.Layer.moe_program`).
+the experts without leaving the rank, so their compute can run while an exchange of the remote
+rows travels (see :meth:`portapipe.models.moe.Layer.moe_program`).
 
 The exchanges themselves (asynchronous with timing, or as an autograd function) are the
 scheduling layer's (:mod:`portapipe.scheduling.exchange`): :class:`ExpertParallel` is an

@@ -20,10 +20,10 @@ the parts ``attention`` (norms, attention, routing, send order) -> dispatch all-
 rows routed to other EP ranks -> ``shared`` (computed while the dispatch is in flight) ->
 ``experts`` on the received rows (one grouped matmul per projection over (source rank, expert)
 groups) -> combine all-to-all -> ``experts`` on the rows this rank routed to itself (computed
-while the combine is in flight) -> ``combine`` (sum of the top-k outputs + residual). Each row's router weight travels with it (a
-small exchange beside the dispatch) and scales the expert's activation before the down
-projection, the same function as weighting the expert's output but without keeping the outputs
-for the weights' gradient.
+while the combine is in flight) -> ``combine`` (sum of the top-k outputs + residual). Each
+row's router weight travels with it (a small exchange beside the dispatch) and scales the
+expert's activation before the down projection, the same function as weighting the expert's
+output but without keeping the outputs for the weights' gradient.
 
 The part-wise backward (:meth:`~portapipe.scheduling.overlap.Tape.backward`) follows the data:
 it issues the combine's reverse exchange first; the local rows' experts backward and the shared
@@ -199,9 +199,9 @@ class Layer(nn.Module):
         flat = hn.reshape(-1, hn.shape[-1])
         w, idx = moe.router(flat)
         plan = moe.dispatch_plan(idx)
-        n, order, tokens = plan.n_remote, plan.send_order, plan.send_order // self.top_k
-        w = w.reshape(-1)
-        return h, hn, flat.index_select(0, tokens[:n]), flat.index_select(0, tokens[n:]), w.index_select(0, order[:n]), w.index_select(0, order[n:]), plan
+        n, order, tokens, w = plan.n_remote, plan.send_order, plan.send_order // self.top_k, w.reshape(-1)
+        send, local = flat.index_select(0, tokens[:n]), flat.index_select(0, tokens[n:])
+        return h, hn, send, local, w.index_select(0, order[:n]), w.index_select(0, order[n:]), plan
 
     def experts_part(self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, zm: Any = None, local: bool = False) -> torch.Tensor:
         """Rows through the grouped expert MLP, each scaled by its router weight (beside it).
