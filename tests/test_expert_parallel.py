@@ -23,6 +23,56 @@ def test_plan_on_one_rank_groups_rows_by_expert() -> None:
     assert plan.send_splits == plan.recv_splits == [6]
     assert plan.offs.tolist() == [2, 3, 5, 6]
     assert plan.counts.tolist() == [2, 1, 2, 1]
+    # every row is local: nothing to exchange, one group per expert
+    assert torch.equal(plan.send_order, plan.order) and plan.n_remote == 0
+    assert plan.remote_send_splits == plan.remote_recv_splits == [0]
+    assert plan.local_offs.tolist() == [2, 3, 5, 6] and plan.remote_offs.numel() == 0
+    assert torch.equal(plan.inverse_order[plan.send_order], torch.arange(6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_experts_on_rows_split_by_source_give_every_row_bit_for_bit(dtype: torch.dtype) -> None:
+    """Rank 1 of 3: its own rows through the experts apart from the received ones (while those
+    travel) give the values of one grouped matmul over every (source, expert) group: each
+    group's product is the same whatever groups run beside it, on the fused kernel (float32,
+    bfloat16) and the loop (float64). Input gradients too; weight gradients are two sums
+    added instead of three terms, equal to rounding."""
+    from portapipe.config import ModelConfig
+    from portapipe.models.moe import Experts
+
+    cfg = ModelConfig(hidden=32, moe_hidden=16, n_experts=9, n_heads=2)
+    experts = Experts(cfg, 3, 3, dtype)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    counts = torch.tensor([[4, 0, 7], [5, 3, 2], [1, 6, 3]])  # [source rank, local expert]
+    rows = int(counts.sum())
+    x = torch.randn(rows, cfg.hidden, generator=g).to(dtype)
+    w = torch.rand(rows, generator=g).to(dtype)
+    backend = CPUBackend()
+    start, end = int(counts[0].sum()), int(counts[:2].sum())
+    grad = torch.randn(rows, cfg.hidden, generator=g).to(dtype)
+
+    def run(parts: list[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Each (rows, offs, tiles) through the experts; outputs and input gradients back in arrival order."""
+        experts.zero_grad()
+        leaves = [x[idx].clone().requires_grad_() for idx, _, _ in parts]
+        outs = [experts(leaf, w[idx], offs, backend, tiles) for leaf, (idx, offs, tiles) in zip(leaves, parts)]
+        torch.autograd.backward(outs, [grad[idx] for idx, _, _ in parts])
+        order = torch.cat([idx for idx, _, _ in parts])
+        out, gx = torch.empty_like(x), torch.empty_like(x)
+        out[order], gx[order] = torch.cat(outs).detach(), torch.cat([leaf.grad for leaf in leaves])
+        return out, gx, [p.grad.clone() for p in experts.parameters()]
+
+    whole = run([(torch.arange(rows), torch.cumsum(counts.reshape(-1), 0), 3)])
+    remote = torch.cat([torch.arange(start), torch.arange(end, rows)])
+    split = run([(torch.arange(start, end), torch.cumsum(counts[1], 0), 1), (remote, torch.cumsum(counts[[0, 2]].reshape(-1), 0), 2)])
+    assert torch.equal(split[0], whole[0])
+    assert torch.equal(split[1], whole[1])
+    for a, b in zip(split[2], whole[2]):
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(a, b, rtol=4 * eps, atol=4 * eps * float(b.abs().max()))
 
 
 def test_hidden_fraction_is_share_not_spent_waiting() -> None:
@@ -60,6 +110,10 @@ def _ranks(backend: Any) -> dict[str, Any]:
     idx = [torch.tensor([[0, 3], [1, 0], [3, 2], [0, 1]]), torch.tensor([[2, 3], [3, 0], [2, 3], [1, 2]])][r]
     plan = plan_dispatch(ep, idx, 4)
     out["plan"] = (plan.send_splits, plan.recv_splits, plan.offs.tolist())
+    out["split"] = (
+        plan.send_order.tolist(), plan.n_remote, plan.remote_send_splits, plan.remote_recv_splits,
+        plan.remote_offs.tolist(), plan.local_offs.tolist(),
+    )
     return out
 
 
@@ -79,3 +133,6 @@ def test_uneven_exchanges_and_plans_on_two_ranks() -> None:
     # rank 1 routes experts 0,1: 1+1 rows, experts 2,3: 3+3 rows
     assert r0["plan"] == ([5, 3], [5, 2], [3, 5, 6, 7])
     assert r1["plan"] == ([2, 6], [3, 6], [1, 3, 6, 9])
+    # the rows routed to a rank's own experts go last and are not exchanged
+    assert r0["split"] == ([5, 1, 4, 0, 3, 6, 2, 7], 3, [0, 3], [0, 2], [1, 2], [3, 5])
+    assert r1["split"] == ([3, 6, 0, 4, 7, 1, 2, 5], 2, [2, 0], [3, 0], [1, 3], [3, 6])

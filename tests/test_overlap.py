@@ -143,13 +143,14 @@ def test_fb_overlap_computes_the_other_microbatch_while_each_exchange_is_in_flig
     assert ref_log.index(("B", "issue")) > max(i for i, e in enumerate(ref_log) if e[0] == "F")
 
 
-def test_lone_forward_hides_the_dispatch_behind_the_shared_expert() -> None:
+def test_lone_forward_hides_the_dispatch_behind_the_shared_expert_and_the_combine_behind_the_local_rows() -> None:
     block, data = _setup()
     calls: list[str] = []
 
     class Logging(Tape):
         def part(self, fn: Any, *args: Any) -> Any:
-            calls.append(fn.__name__)
+            local = fn.__name__ == "experts_part" and args[-1] is True
+            calls.append(fn.__name__ + (" local" if local else ""))
             return super().part(fn, *args)
 
         def all_to_all(self, *args: Any) -> Any:
@@ -158,7 +159,9 @@ def test_lone_forward_hides_the_dispatch_behind_the_shared_expert() -> None:
 
     run(block.program(Logging(), *data[0]))
     first_layer = calls[1 : calls.index("combine_part") + 1]
-    assert first_layer == ["attention_part", "exchange", "exchange", "shared_part", "experts_part", "exchange", "combine_part"]
+    assert first_layer == [
+        "attention_part", "exchange", "exchange", "shared_part", "experts_part", "exchange", "experts_part local", "combine_part",
+    ]
 
 
 # ------------------------------------------------------- what the tape records, and refuses
@@ -223,6 +226,15 @@ def _lone_backward_log(full: bool, monkeypatch: Any) -> tuple[list[str], dict[st
         return out
 
     top.shared_part = shared_part  # type: ignore[method-assign]
+    experts = top.experts_part
+
+    def experts_part(*args: Any) -> torch.Tensor:
+        out = experts(*args)
+        if args[-1] is True:  # the rows this rank routed to itself
+            out.register_hook(lambda g: events.append("local experts backward"))
+        return out
+
+    top.experts_part = experts_part  # type: ignore[method-assign]
     accumulate = wgrad.accumulate_grad
 
     def logged(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -254,14 +266,18 @@ def _lone_backward_log(full: bool, monkeypatch: Any) -> tuple[list[str], dict[st
 
 
 def test_a_lone_backward_issues_each_reverse_exchange_first_and_computes_beside_it(monkeypatch: Any) -> None:
-    # the top layer: the combine's reverse exchange goes out, then the shared expert's
-    # backward runs while it travels; the experts' backward needs its rows; then the rows'
-    # and the router weights' reverse exchanges go out together
+    # the top layer: the combine's reverse exchange goes out, then the local rows' experts
+    # backward and the shared expert's backward run while it travels; the received rows'
+    # experts backward needs its rows; then the rows' and the router weights' reverse
+    # exchanges go out together
     events, b_grads, _ = _lone_backward_log(False, monkeypatch)
-    assert events[:6] == ["issue", "shared backward", "wait", "issue", "issue", "wait"]
-    # a full backward also computes the experts' weight gradients while the rows travel
+    assert events[:7] == ["issue", "local experts backward", "shared backward", "wait", "issue", "issue", "wait"]
+    # a full backward also computes the experts' weight gradients while the rows travel: the
+    # local rows' behind the combine's, the received rows' behind the dispatch's
     events, bw_grads, _ = _lone_backward_log(True, monkeypatch)
-    assert events[:7] == ["issue", "shared backward", "wait", "issue", "issue", "experts W", "wait"]
+    assert events[:9] == [
+        "issue", "local experts backward", "shared backward", "experts W", "wait", "issue", "issue", "experts W", "wait",
+    ]
     assert b_grads.keys() == bw_grads.keys()
     for n in b_grads:
         assert torch.equal(b_grads[n], bw_grads[n]), n  # the same arithmetic, reordered

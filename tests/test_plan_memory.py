@@ -94,7 +94,7 @@ def test_the_tape_holds_what_held_bytes_says() -> None:
         extra = sum(n for k, n in alive.items() if k not in saved)
         T = x.numel()
         rows = T * s.top_k  # one EP rank receives every routed row
-        want = sum(held_bytes(s, part, option, T, rows) for part, _ in obs.units.values() if part != "other")
+        want = sum(held_bytes(s, part, option, T, rows, ep=1) for part, _ in obs.units.values() if part != "other")
         if option == "recompute_full":  # the recomputed layers' inputs: the parts do not run under the tape
             want = s.n_layers * T * s.hidden * s.e
         want += s.e  # the loss

@@ -25,53 +25,61 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
 
 
 def profile(shape: Shape, parts: dict, a2a: float = 0.0, processors: float | None = None, a2a_cpu: float = 0.0, **extra: object) -> Profile:
-    """A made-up profile: ``parts[part][phase]`` seconds per call (fixed), all-to-all ``a2a``
+    """A made-up profile: ``parts[part][phase]`` seconds per call (fixed; or (fixed, per unit)), all-to-all ``a2a``
     seconds taking ``a2a_cpu`` seconds of the communication threads' processor time."""
     return Profile.from_dict({
         "format": FORMAT, "device": {"backend": "test"}, "torch": "-", "shape": shape.to_dict(),
-        "parts": {"off": {p: {ph: {"fixed": v, "per_unit": 0.0} for ph, v in t.items()} for p, t in parts.items()}},
+        "parts": {"off": {p: {ph: _cost(v) for ph, v in t.items()} for p, t in parts.items()}},
         "a2a": {"2": {"fixed": a2a, "per_unit": 0.0}}, "p2p": {"fixed": 0.0, "per_unit": 0.0},
         "a2a_cpu": {"2": {"fixed": a2a_cpu, "per_unit": 0.0}},
         "allreduce": {}, "optimizer": {"fixed": 0.0, "per_unit": 0.0}, "processors": processors, **extra,
     })
 
 
-MOE = {"attention": {"F": 4.0, "B": 4.0, "W": 2.0}, "experts": {"F": 3.0, "B": 3.0, "W": 1.0},
+def _cost(v: float | tuple[float, float]) -> dict[str, float]:
+    fixed, per_unit = v if isinstance(v, tuple) else (v, 0.0)
+    return {"fixed": fixed, "per_unit": per_unit}
+
+
+# the experts by the row (3 s and 1 s for the 512 rows of every test's micro-batch), so that
+# their calls on the local and on the received rows add up whatever the split
+MOE = {"attention": {"F": 4.0, "B": 4.0, "W": 2.0}, "experts": {"F": (0.0, 3 / 512), "B": (0.0, 3 / 512), "W": (0.0, 1 / 512)},
        "shared": {"F": 1.0, "B": 1.0, "W": 0.5}, "combine": {"F": 0.5, "B": 0.5}}
 
 
 def _one_layer() -> tuple[Shape, Programs, StageSpec]:
     cfg = load_config(EXAMPLE, ["parallel.pp=1", "model.n_layers=2", "model.n_dense=1"])
     s = Shape.of(cfg.model)
-    return s, Programs(s, 256, 512), StageSpec((1,), ("off",), False, False)
+    return s, Programs(s, 256, 512, ep=2), StageSpec((1,), ("off",), False, False)
 
 
-def test_a_lone_forward_hides_part_of_its_dispatch_behind_the_shared_expert() -> None:
+def test_a_lone_forward_hides_its_dispatch_behind_the_shared_expert_and_its_combine_behind_the_local_rows() -> None:
     s, progs, spec = _one_layer()
     prof = profile(s, MOE, a2a=2.0)
     t = run_ops([(0, op) for op in progs.forward(spec)], prof, ep=2)
     # attention 4; counts, weights and rows exchanged in turn on one channel (2 s each): the
-    # rows arrive at 4 + 6 = 10, of which the shared expert (1) hides 1 s; experts 3; nothing
-    # is left to hide the combine (2 s)
+    # rows arrive at 4 + 6 = 10, of which the shared expert (1) hides 1 s; the received rows'
+    # experts 1.5 (half the rows at ep 2); the local rows' 1.5 hide as much of the combine (2 s)
     assert t.compute == pytest.approx(4 + 1 + 3 + 0.5)
-    assert t.exposed == pytest.approx(2 + 3 + 2)
+    assert t.exposed == pytest.approx(2 + 3 + 0.5)
     assert t.wall == pytest.approx(t.compute + t.exposed)
     assert t.comm == pytest.approx(8.0)
 
 
-def test_a_lone_backward_hides_its_exchanges_behind_the_shared_expert_and_in_a_bw_the_w_work() -> None:
+def test_a_lone_backward_hides_its_exchanges_behind_the_local_rows_and_the_shared_expert_and_in_a_bw_the_w_work() -> None:
     s, progs, spec = _one_layer()
     prof = profile(s, MOE, a2a=2.0)
     b = run_ops([(0, op) for op in progs.backward(spec, "B")], prof, ep=2)
-    # combine 0.5, then its reverse exchange (arrives at 2.5) while the shared expert's
-    # backward runs (1): 1 s exposed; experts 3 (to 5.5); the rows' and the weights' reverse
-    # exchanges in turn (to 7.5 and 9.5), nothing left to hide them: 4 s exposed
-    assert b.exposed == pytest.approx(1 + 4)
+    # combine 0.5, then its reverse exchange (arrives at 2.5) while the local rows' experts
+    # backward (1.5) and the shared expert's (1) run: nothing exposed; the received rows'
+    # experts 1.5 (to 4.5); the rows' and the weights' reverse exchanges in turn (to 6.5 and
+    # 8.5), nothing left to hide them: 4 s exposed
+    assert b.exposed == pytest.approx(4)
     bw = run_ops([(0, op) for op in progs.backward(spec, "BW")], prof, ep=2)
-    # a full backward also computes the shared expert's W (0.5) before the first wait and the
-    # experts' W (1) while the rows travel: 0.5 + 1 + 2 exposed
-    assert bw.exposed == pytest.approx(0.5 + 1 + 2)
-    assert bw.compute == pytest.approx(b.compute + sum(p.get("W", 0.0) for p in MOE.values()))
+    # a full backward also computes the local rows' and the shared expert's W before the first
+    # wait and the received rows' experts W (0.5) while the rows travel: 1.5 + 2 exposed
+    assert bw.exposed == pytest.approx(1.5 + 2)
+    assert bw.compute == pytest.approx(b.compute + 2.0 + 1.0 + 0.5)  # W: attention, experts (every row), shared
     # the W ops are the W pass's, each moved to the first wait after its part
     assert sorted(op for op in progs.backward(spec, "BW") if op[0] == "C" and op[2] == "W") == sorted(progs.weights(spec))
 
@@ -93,7 +101,9 @@ def test_zero_memorys_re_dispatch_goes_first_and_the_combines_reverse_exchange_q
     s, progs, _ = _one_layer()
     off, lvl0 = StageSpec((1,), ("off",), False, False), StageSpec((1,), ("level0",), False, False)
     combine = MOE["combine"]["B"]
-    before_wait = combine + MOE["shared"]["B"] + MOE["shared"]["W"]  # 2.0 s of full backward
+    # 4.0 s of full backward: the combine, the local rows' experts (half the rows: B and W)
+    # and the shared expert (B and W)
+    before_wait = combine + (3.0 + 1.0) / 2 + MOE["shared"]["B"] + MOE["shared"]["W"]
     for a2a in (2.0, 5.0):
         prof = profile(s, MOE, a2a=a2a)
         lone_off = run_ops([(0, op) for op in progs.backward(off, "BW")], prof, 2)
@@ -266,15 +276,16 @@ def test_point_to_point_transfers_charge_both_ends() -> None:
 def test_an_exchange_waits_for_its_peers_lag_after_computing() -> None:
     """lag = 0.5 s + 0.25 x the compute since the peers last lined up (the last wait): the row
     counts follow 4 s of attention (1.5 s late), the routing weights and rows follow the counts'
-    wait (0.5 s: the rows queue behind the weights), the combine follows 3 s of experts (1.25 s)."""
+    wait (0.5 s: the rows queue behind the weights), the combine follows 1.5 s of the received
+    rows' experts (0.875 s late, 1.375 s after its issue, of which the local rows' 1.5 s hid 0.5)."""
     s, progs, spec = _one_layer()
     prof = profile(s, MOE, a2a=2.0)
     ops = [(0, op) for op in progs.forward(spec)]
     plain = run_ops(ops, prof, ep=2)
     late = run_ops(ops, prof, ep=2, lag=Linear(0.5, 0.25))
     assert late.compute == plain.compute == pytest.approx(8.5)
-    assert late.exposed == pytest.approx(plain.exposed + 1.5 + 0.5 + 1.25)
-    assert late.wall == pytest.approx(18.75)
+    assert late.exposed == pytest.approx(plain.exposed + 1.5 + 0.5 + 0.875)
+    assert late.wall == pytest.approx(16.875)
 
 
 def test_the_lag_is_the_one_measured_with_as_many_ranks_computing() -> None:
@@ -352,15 +363,15 @@ def test_a_wait_for_a_late_peer_keeps_the_processors_busy() -> None:
     """Exchanges that take no time but wait 0.25 s for the late peer: four EP ranks on two
     processors compute at half speed and the late peers' catching up holds the processors,
     so every action takes twice its compute plus its waits (without a lag: twice its compute,
-    see above). A forward waits twice: for the row counts and for the rows (queued behind the
-    routing weights); the shared expert hides the combine's."""
+    see above). A forward waits once: for the row counts (a blocking exchange); the shared
+    expert hides the rows' lag, the local rows' experts the combine's."""
     cfg, s, sched, x = _moe_ep2(["parallel.ep=4"])
     parts = {"dense": {"F": 1.0, "B": 2.0, "W": 0.5}, **MOE}
     lag = {"2": {"fixed": 0.25, "per_unit": 0.0}}
     alone = TimeModel(x, profile(s, parts, processors=8, a2a_lag=lag), sched)
     acts = [a for a in sched.actions[0] if a.kind.is_compute]
     f = next(a for a in acts if a.kind is Kind.F)
-    assert alone.action(f).lagged == alone.action(f).exposed == pytest.approx(2 * 0.25)
+    assert alone.action(f).lagged == alone.action(f).exposed == pytest.approx(0.25)
     work = sum(alone.action(a).compute for a in acts)
     waits = sum(alone.action(a).exposed for a in acts)
     assert alone.predict().pipeline_s == pytest.approx(work + waits)  # processors to spare
@@ -385,7 +396,7 @@ def test_actions_count_the_exchanges_they_issue() -> None:
 def test_recomputes_next_replay_runs_beside_the_backward_above_and_before_a_plain_layers_first_wait() -> None:
     cfg = load_config(EXAMPLE, ["parallel.pp=1", "model.n_layers=3", "model.n_dense=1"])
     s = Shape.of(cfg.model)
-    progs = Programs(s, 256, 512)
+    progs = Programs(s, 256, 512, ep=2)
     prof = profile(s, MOE, a2a=2.0)
     both = StageSpec((1, 2), ("recompute_moe", "recompute_moe"), False, False)
     ops = progs.backward(both, "B")
@@ -427,7 +438,7 @@ def test_the_step_reports_the_lone_actions_exchanges_apart_from_the_pairs(name: 
 
 def test_zero_memorys_re_dispatch_goes_out_one_layer_ahead_at_the_waits_above() -> None:
     cfg = load_config(EXAMPLE, ["parallel.pp=1", "model.n_layers=4", "model.n_dense=1"])
-    progs = Programs(Shape.of(cfg.model), 256, 512)
+    progs = Programs(Shape.of(cfg.model), 256, 512, ep=2)
     ops = progs.backward(StageSpec((1, 2, 3), ("level0", "level0", "level0"), False, False), "B")
     at = {op[:2]: i for i, op in enumerate(ops) if op[0] in ("I", "A")}
     # the top layer's at its own start; layer 2's once layer 3 sent its dispatch's gradients,

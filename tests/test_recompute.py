@@ -42,19 +42,31 @@ def test_recompute_layers_picks_the_first_layers_of_a_block() -> None:
     assert modes == [None, "moe", None]  # layer 0 is dense
 
 
-def _backward_yields(memory: dict[str, Any]) -> int:
-    block = one_block(memory)
-    tokens = torch.randint(0, 256, (2, MODEL["seq_len"] + 1))
-    tape = Tape()
-    out = run(block.program(tape, tokens[:, :-1], tokens[:, 1:]))
-    program = tape.backward(out, torch.ones_like(out))
+def _yields(program: Any) -> tuple[int, Any]:
     n = 0
     while True:
         try:
             next(program)
             n += 1
-        except StopIteration:
-            return n
+        except StopIteration as stop:
+            return n, stop.value
+
+
+def _backward_yields(memory: dict[str, Any], ep_size: int = 2) -> int:
+    from portapipe.models.expert_parallel import ExpertParallel
+    from tests.test_overlap import _LoopbackBackend  # one process playing both EP ranks
+
+    block = one_block(memory, ExpertParallel(_LoopbackBackend(), size=2, rank=0) if ep_size == 2 else None)
+    tokens = torch.randint(0, 256, (2, MODEL["seq_len"] + 1))
+    tape = Tape()
+    forward, out = _yields(block.program(tape, tokens[:, :-1], tokens[:, 1:]))
+    backward, _ = _yields(tape.backward(out, torch.ones_like(out)))
+    return backward if ep_size == 2 else forward + backward
+
+
+def test_with_one_ep_rank_an_moe_layer_exchanges_nothing() -> None:
+    for memory in ({}, {"recompute": "moe"}, {"zero_memory": "level0"}):
+        assert _backward_yields(memory, ep_size=1) == 0, memory
 
 
 def test_replayed_all_to_alls_are_program_steps() -> None:

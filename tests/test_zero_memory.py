@@ -22,10 +22,10 @@ from portapipe.scheduling.wgrad import WeightGradQueue
 MODEL = {"n_layers": 3, "n_dense": 1, "dtype": "float64", "hidden": 32, "n_heads": 4, "moe_hidden": 16, "top_k": 4, "n_experts": 8, "seq_len": 12}
 
 
-def one_block(memory: dict[str, Any]) -> Any:
-    """The whole model as one block in this process (EP size 1), with memory options applied."""
+def one_block(memory: dict[str, Any], ep: ExpertParallel | None = None) -> Any:
+    """The whole model as one block in this process (EP size 1 unless ``ep``), with memory options applied."""
     cfg = load_config({"model": MODEL, "schedule": {"name": "1f1b", "microbatches": 1}, "memory": memory})
-    block = build_blocks(cfg.model, [0], 1, ExpertParallel(CPUBackend()), seed=7)[0]
+    block = build_blocks(cfg.model, [0], 1, ep or ExpertParallel(CPUBackend()), seed=7)[0]
     configure({0: block}, cfg.memory)
     return block
 
@@ -137,21 +137,26 @@ def test_zero_memory_layers_picks_the_first_moe_layers_of_a_block() -> None:
     assert layers[2].memory is None
 
 
-def test_exchange_buffers_are_freed_after_the_forward() -> None:
-    block = one_block({"zero_memory": "level0"})
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_exchange_buffers_are_freed_after_the_forward(ep_size: int) -> None:
+    from tests.test_overlap import _LoopbackBackend  # one process playing both EP ranks
+
+    ep = ExpertParallel(_LoopbackBackend(), size=2, rank=1) if ep_size == 2 else None
+    block = one_block({"zero_memory": "level0"}, ep)
     layer = block.moe_layers()[0]
     seen: list[torch.Tensor] = []
     original = layer.experts_part
 
-    def spy(recv: torch.Tensor, weights: torch.Tensor, plan: Any, zm: Any = None) -> Any:
-        seen.append(recv)
-        return original(recv, weights, plan, zm)
+    def spy(rows: torch.Tensor, weights: torch.Tensor, plan: Any, zm: Any = None, local: bool = False) -> Any:
+        seen.append(rows)
+        return original(rows, weights, plan, zm, local)
 
     layer.experts_part = spy
     tokens = torch.randint(0, 256, (2, MODEL["seq_len"] + 1))
     tape = Tape()
     out = run(block.program(tape, tokens[:, :-1], tokens[:, 1:]))
-    assert seen and seen[0].untyped_storage().nbytes() == 0
+    # the local rows (a view of the sender's buffer) and, with a peer, the received ones
+    assert len(seen) == ep_size and all(rows.untyped_storage().nbytes() == 0 for rows in seen)
     run(tape.backward(out, torch.ones_like(out)))  # still runs: nothing reads the freed rows
     assert all(p.grad is not None for p in layer.parameters() if p.requires_grad)
 

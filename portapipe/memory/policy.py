@@ -39,11 +39,12 @@ class LayerMemory:
             return (yield from self.recompute.full(tape, layer, x))
         if layer.moe is None:
             return (yield from layer.program(tape, x))
-        h, hn, send, weights, plan = tape.part(layer.attention_part, x)
+        routed = tape.part(layer.attention_part, x)
         if self.recompute is not None:
-            return (yield from self.recompute.moe(tape, layer, h, hn, send, weights, plan))
+            return (yield from self.recompute.moe(tape, layer, *routed))
+        h, hn, send, plan = routed[0], routed[1], routed[2], routed[-1]
         zm = self.zero_memory.begin(layer, hn, send, plan) if self.zero_memory is not None else None
-        return (yield from layer.moe_program(tape, h, hn, send, weights, plan, zm))
+        return (yield from layer.moe_program(tape, *routed, zm))
 
 
 def plan_layers(memory: MemoryConfig, is_moe: list[bool]) -> list[LayerMemory | None]:

@@ -15,7 +15,8 @@ there is nothing else to run.
 Segments:
 
 - ``full``: a whole layer, from its input;
-- ``moe``: an MoE layer's dispatch -> experts -> combine -> shared expert -> combine parts,
+- ``moe``: an MoE layer's dispatch -> shared expert -> experts -> combine -> local rows'
+  experts -> combine parts,
   from the attention part's outputs (the attention part is kept; the rows to send are
   gathered again from the normed tokens).
 
@@ -157,21 +158,26 @@ class Recompute:
         return (yield from self.segment(tape, layer, run, [x]))
 
     def moe(
-        self, tape: Tape, layer: Any, h: torch.Tensor, hn: torch.Tensor, send: torch.Tensor, weights: torch.Tensor, plan: Any
+        self, tape: Tape, layer: Any, h: torch.Tensor, hn: torch.Tensor, send: torch.Tensor, local: torch.Tensor,
+        weights: torch.Tensor, local_weights: torch.Tensor, plan: Any,
     ) -> Generator[Any, None, torch.Tensor]:
         """Program: an MoE layer's parts after attention, recomputed in backward.
 
-        The rows to send are not kept: the replay gathers them again from the normed tokens
-        (kept by the attention part), and their gradient goes back through ``send`` as usual.
-        The router weights in dispatch order (one number per row) are kept.
+        The rows to send and the local rows are not kept: the replay gathers them again from
+        the normed tokens (kept by the attention part), and their gradients go back through
+        ``send`` and ``local`` as usual. The router weights in dispatch order (one number per
+        row) are kept.
         """
 
         def run(t: Tape, *xs: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
             return (yield from layer.moe_program(t, *xs, plan))
 
         def values() -> list[torch.Tensor]:
-            return [h.detach(), hn.detach(), dispatch_rows(hn.detach(), plan, layer.top_k), weights.detach()]
+            sent, kept = slice(None, plan.n_remote), slice(plan.n_remote, None)
+            rows = [dispatch_rows(hn.detach(), plan, layer.top_k, part) for part in (sent, kept)]
+            return [h.detach(), hn.detach(), *rows, weights.detach(), local_weights.detach()]
 
-        out = yield from self.segment(tape, layer, run, [h, hn, send, weights], values)
-        free_storage(send)  # sent; the replay gathers the rows again
+        out = yield from self.segment(tape, layer, run, [h, hn, send, local, weights, local_weights], values)
+        free_storage(send)  # the replay gathers both again
+        free_storage(local)
         return out

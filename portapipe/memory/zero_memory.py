@@ -7,13 +7,14 @@ instead of keeping it:
 
 - ``level0``: the dispatched tokens are dropped after the forward (autograd keeps a recipe
   instead, through saved-tensor hooks; the exchange buffers are freed too). The backward
-  re-runs the dispatch all-to-all from the saved tokens and routing. :meth:`ExpertRefetch.issue`
-  is recorded with :meth:`~portapipe.scheduling.overlap.Tape.ahead`, so the stage's backward
-  starts it while the layer above waits for its dispatch's reverse exchanges (one layer
-  ahead); at the latest it is issued as the layer's own backward starts (before the combine
-  backward and the shared expert's backward, and before the combine all-to-all, behind which
-  an F&B runs the other micro-batch's parts). It is waited for only when the experts'
-  backward reads its input.
+  re-runs the dispatch all-to-all of the remote rows from the saved tokens and routing, and
+  gathers the rows this rank routed to itself from the tokens again (no exchange).
+  :meth:`ExpertRefetch.issue` is recorded with :meth:`~portapipe.scheduling.overlap.Tape.ahead`,
+  so the stage's backward starts it while the layer above waits for its dispatch's reverse
+  exchanges (one layer ahead); at the latest it is issued as the layer's own backward starts
+  (before the combine backward and the shared expert's backward, and before the combine
+  all-to-all, behind which an F&B runs the other micro-batch's parts). It is waited for only
+  when the received rows' experts backward reads its input.
 - ``level1``: in addition, the activation function's output (the down projection's input) is
   dropped and recomputed from its input (the gate/up projection's output), which the
   activation function keeps for its own backward anyway; in the routed experts and in the
@@ -44,12 +45,13 @@ from ..scheduling.exchange import issue as issue_exchange
 from . import accounting
 
 
-def dispatch_rows(tokens: torch.Tensor, plan: DispatchPlan, top_k: int) -> torch.Tensor:
-    """The rows a dispatch sends: token ``i // top_k`` for each (token, slot) in expert order.
+def dispatch_rows(tokens: torch.Tensor, plan: DispatchPlan, top_k: int, rows: slice) -> torch.Tensor:
+    """The rows a dispatch sends (``rows`` ``[:n_remote]``) or keeps (``[n_remote:]``): token
+    ``i // top_k`` for each (token, slot) in ``plan.send_order[rows]``.
 
-    Must match what :meth:`portapipe.models.moe.Layer.attention_part` sends.
+    Must match what :meth:`portapipe.models.moe.Layer.attention_part` gathers.
     """
-    return tokens.reshape(-1, tokens.shape[-1]).index_select(0, plan.order // top_k)
+    return tokens.reshape(-1, tokens.shape[-1]).index_select(0, plan.send_order[rows] // top_k)
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -100,26 +102,24 @@ class ExpertRefetch:
         self._remakes: dict[Any, Callable[[], torch.Tensor]] = {}
         self._pending: Pending | None = None
         self._inputs: torch.Tensor | None = None
-        self._permuted = False
 
     # ----------------------------------------------------------------- forward
     @contextlib.contextmanager
-    def dropping(self, inputs: torch.Tensor, received: torch.Tensor) -> Iterator[None]:
-        """Run the experts' MLP on ``inputs`` keeping neither it nor the ``received`` rows.
+    def dropping(self, inputs: torch.Tensor, local: bool = False) -> Iterator[None]:
+        """Run the experts' MLP on ``inputs`` without keeping it.
 
-        ``inputs`` is ``received`` itself, or its rows permuted by ``plan.expert_perm``.
-
-        Tensors saved for backward that share ``inputs``' storage (and, at level1, the
-        activation's output) are replaced by recipes; everything else is saved as usual (and
-        counted by an active :class:`~portapipe.memory.accounting.SavedActivations`).
+        ``inputs``: the received rows, or with ``local`` the rows this rank routed to itself
+        (remade by a gather from the tokens, no exchange). Tensors saved for
+        backward that share ``inputs``' storage (and, at level1, the activation's output) are
+        replaced by recipes; everything else is saved as usual (and counted by an active
+        :class:`~portapipe.memory.accounting.SavedActivations`).
         """
-        self._permuted = inputs is not received
-        self._watch(inputs, self.expert_inputs)
+        self._watch(inputs, self.local_rows if local else self.expert_inputs)
         with self.recipes():
             yield
-        # Neither exchange buffer is read again: index_select's backward needs only the index.
-        free_storage(received)
-        if self._send is not None:
+        # Nothing reads these buffers again: index_select's backward needs only the index.
+        free_storage(inputs)
+        if not local and self._send is not None:  # sent: the dispatch is over
             free_storage(self._send)
             self._send = None
 
@@ -167,20 +167,24 @@ class ExpertRefetch:
 
     # ---------------------------------------------------------------- backward
     def issue(self) -> None:
-        """Start the re-dispatch all-to-all (once); the experts' backward waits for it."""
-        if self._pending is None and self._inputs is None:
-            rows = dispatch_rows(self.tokens, self.plan, self.top_k)
-            self._pending = issue_exchange(self.ep, rows, self.plan.recv_splits, self.plan.send_splits, stats=self.config.stats)
+        """Start the re-dispatch all-to-all of the remote rows (once); their experts' backward waits for it."""
+        if self._pending is None and self._inputs is None and self.ep.size > 1:
+            plan = self.plan
+            rows = dispatch_rows(self.tokens, plan, self.top_k, slice(None, plan.n_remote))
+            self._pending = issue_exchange(self.ep, rows, plan.remote_recv_splits, plan.remote_send_splits, stats=self.config.stats)
 
     def expert_inputs(self) -> torch.Tensor:
-        """The experts' input rows again: the received rows (in the plan's expert order if permuted)."""
+        """The received rows again."""
         if self._inputs is None:
             self.issue()
             assert self._pending is not None
-            received = self._pending.wait()
+            self._inputs = self._pending.wait()
             self._pending = None
-            self._inputs = received.index_select(0, self.plan.expert_perm) if self._permuted else received
         return self._inputs
+
+    def local_rows(self) -> torch.Tensor:
+        """The rows this rank routed to itself, gathered again."""
+        return dispatch_rows(self.tokens, self.plan, self.top_k, slice(self.plan.n_remote, None))
 
     # ------------------------------------------------------------------- hooks
     def _watch(self, t: torch.Tensor, remake: Callable[[], torch.Tensor]) -> None:

@@ -2,8 +2,13 @@
 
 EP rank ``j`` of ``ep`` holds the logical experts ``[j*E/ep, (j+1)*E/ep)``. A dispatch sends
 each (token, k) row to the rank holding its expert; rows arrive grouped by source rank, then
-by expert (the all-to-all keeps the sender's order), and run as one grouped matmul whose groups
+by expert (the all-to-all keeps the sender's order), and run as a grouped matmul whose groups
 are (source, expert) pairs in that order. Combine is the same exchange with the splits swapped.
+
+The rows a rank routes to its own experts need no exchange: the dispatch and the combine carry
+only the rows of the other ranks (this rank's split is 0 both ways), and the local rows go to
+the experts without leaving the rank, so their compute can run while an exchange of the remote
+rows travels (see :meth:`portapipe.models.moe.Layer.moe_program`).
 
 The exchanges themselves (asynchronous with timing, or as an autograd function) are the
 scheduling layer's (:mod:`portapipe.scheduling.exchange`): :class:`ExpertParallel` is an
@@ -42,8 +47,8 @@ class ExpertParallel(ExchangeGroup):
 class DispatchPlan:
     """Where each (token, k) row of one micro-batch goes and how received rows are grouped.
 
-    ``order``: flat (token*k + slot) indices sorted by expert (stable), the send order.
-    ``send_splits`` / ``recv_splits``: rows to / from each EP rank.
+    ``order``: flat (token*k + slot) indices sorted by expert (stable).
+    ``send_splits`` / ``recv_splits``: rows to / from each EP rank, this one included.
     ``offs``: cumulative received rows per (source rank, local expert), source-major: the
     grouped-matmul offsets. Each source's rows for an expert form a group of their own, so a
     row meets exactly the neighbours it would meet in a single process running that source's
@@ -57,10 +62,25 @@ class DispatchPlan:
     recv_splits: list[int]
     offs: torch.Tensor
     counts: torch.Tensor
-    #: received row feeding each grouped-matmul row: the identity, as groups follow arrival order
-    expert_perm: torch.Tensor
-    #: position in ``order`` of each flat (token*k + slot) row: ``inverse_order[order] = arange``
+    #: ``order`` with this rank's own rows moved to the end: the remote rows (rank order, what
+    #: the dispatch sends), then the local ones (what the local experts take without an exchange)
+    send_order: torch.Tensor
+    #: rows sent to other ranks: ``send_order[:n_remote]``
+    n_remote: int
+    #: the exchanged splits: ``send_splits`` / ``recv_splits`` with this rank's entry 0
+    remote_send_splits: list[int]
+    remote_recv_splits: list[int]
+    #: grouped-matmul offsets of the received (remote) rows: (source, expert) groups, source-major
+    remote_offs: torch.Tensor
+    #: grouped-matmul offsets of the local rows: one group per local expert
+    local_offs: torch.Tensor
+    #: position in ``send_order`` of each flat (token*k + slot) row: ``inverse_order[send_order] = arange``
     inverse_order: torch.Tensor
+
+    @property
+    def remote_tiles(self) -> int:
+        """Source ranks in ``remote_offs`` (each a tile of the local experts' groups)."""
+        return len(self.recv_splits) - 1
 
 
 def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) -> DispatchPlan:
@@ -78,6 +98,17 @@ def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) ->
         recv_counts = got.view(ep.size, per)  # [source rank, local expert]
     recv_splits = recv_counts.sum(1).tolist()
     offs = torch.cumsum(recv_counts.reshape(-1), 0)
-    identity = torch.arange(int(sum(recv_splits)), device=flat.device)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return DispatchPlan(order, send_splits, recv_splits, offs, counts, identity, inverse)
+    me = ep.rank
+    start = sum(send_splits[:me])
+    end = start + send_splits[me]
+    send_order = torch.cat([order[:start], order[end:], order[start:end]]) if ep.size > 1 else order
+    inverse = torch.empty_like(send_order).scatter_(0, send_order, torch.arange(send_order.numel(), device=order.device))
+    remote_send = [0 if j == me else n for j, n in enumerate(send_splits)]
+    remote_recv = [0 if j == me else n for j, n in enumerate(recv_splits)]
+    others = [j for j in range(ep.size) if j != me]
+    remote_offs = torch.cumsum(recv_counts[others].reshape(-1), 0)
+    local_offs = torch.cumsum(recv_counts[me], 0)
+    return DispatchPlan(
+        order, send_splits, recv_splits, offs, counts, send_order, int(order.numel()) - send_splits[me],
+        remote_send, remote_recv, remote_offs, local_offs, inverse,
+    )

@@ -16,16 +16,19 @@ layer index and initialised from a seed per parameter name (per logical expert f
 experts), so any split, any EP sharding and the single-process model hold identical weights.
 
 Each block's forward is a program (see :mod:`portapipe.scheduling.overlap`): an MoE layer is
-the parts ``attention`` (norms, attention, routing, send order) -> dispatch all-to-all ->
-``shared`` (computed while the dispatch is in flight) -> ``experts`` (one grouped matmul per
-projection over (source rank, expert) groups) -> combine all-to-all -> ``combine`` (sum of the
-top-k outputs + residual). Each row's router weight travels with it (a small exchange beside
-the dispatch) and scales the expert's activation before the down projection, the same function
-as weighting the expert's output but without keeping the outputs for the weights' gradient.
+the parts ``attention`` (norms, attention, routing, send order) -> dispatch all-to-all of the
+rows routed to other EP ranks -> ``shared`` (computed while the dispatch is in flight) ->
+``experts`` on the received rows (one grouped matmul per projection over (source rank, expert)
+groups) -> combine all-to-all -> ``experts`` on the rows this rank routed to itself (computed
+while the combine is in flight) -> ``combine`` (sum of the top-k outputs + residual). Each
+row's router weight travels with it (a small exchange beside the dispatch) and scales the
+expert's activation before the down projection, the same function as weighting the expert's
+output but without keeping the outputs for the weights' gradient.
 
 The part-wise backward (:meth:`~portapipe.scheduling.overlap.Tape.backward`) follows the data:
-it issues the combine's reverse exchange before the shared expert's backward, which then runs
-while those rows travel; in a full backward the experts' weight gradients hide the dispatch's.
+it issues the combine's reverse exchange first; the local rows' experts backward and the shared
+expert's backward then run while those rows travel; in a full backward the experts' weight
+gradients hide the dispatch's reverse exchange.
 """
 
 from __future__ import annotations
@@ -184,30 +187,36 @@ class Layer(nn.Module):
         h = x + self.attn(self.norm1(x))
         return h + self.ffn(self.norm2(h))
 
-    def attention_part(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchPlan]:
+    def attention_part(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Attention + residual, FFN norm, routing, and the rows to send with their router
-        weights, both in dispatch order."""
+        weights: ``(h, hn, send, local, weights, local_weights, plan)``. ``send`` / ``weights``
+        go to other EP ranks; ``local`` / ``local_weights`` (routed to this rank's own experts)
+        need no exchange. Both gathered in ``plan.send_order``, each into a buffer of its own
+        (the local rows are kept for the experts' backward, the sent ones are not)."""
         moe = self.moe
         h = x + self.attn(self.norm1(x))
         hn = self.norm2(h)
         flat = hn.reshape(-1, hn.shape[-1])
         w, idx = moe.router(flat)
         plan = moe.dispatch_plan(idx)
-        send = flat.index_select(0, plan.order // self.top_k)
-        weights = w.reshape(-1).index_select(0, plan.order)
-        return h, hn, send, weights, plan
+        n, order, tokens, w = plan.n_remote, plan.send_order, plan.send_order // self.top_k, w.reshape(-1)
+        send, local = flat.index_select(0, tokens[:n]), flat.index_select(0, tokens[n:])
+        return h, hn, send, local, w.index_select(0, order[:n]), w.index_select(0, order[n:]), plan
 
-    def experts_part(self, recv: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, zm: Any = None) -> torch.Tensor:
-        """Received rows (grouped by source rank, then expert) through the grouped expert MLP,
-        each scaled by its router weight (received beside it).
+    def experts_part(self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, zm: Any = None, local: bool = False) -> torch.Tensor:
+        """Rows through the grouped expert MLP, each scaled by its router weight (beside it).
 
-        Each (source, expert) block is a group of its own, with the rows in arrival order, so
-        the output rows come back in the received order with no permutation.
-        ``zm`` (zero-memory) keeps the expert inputs out of what autograd saves.
+        ``local``: the rows this rank routed to itself (one group per local expert), else the
+        received ones (grouped by source rank, then expert). Each (source, expert) block is a
+        group of its own, with the rows in arrival order, so the output rows come back in the
+        received order with no permutation, and a row meets the neighbours it meets in one
+        process. ``zm`` (zero-memory) keeps the expert inputs out of what autograd saves.
         """
         moe = self.moe
-        with contextlib.nullcontext() if zm is None else zm.dropping(recv, recv):
-            return moe.clock.run(moe.experts, recv, weights, plan.offs, moe.ep.backend, moe.ep.size, zm)
+        offs, tiles = (plan.local_offs, 1) if local else (plan.remote_offs, plan.remote_tiles)
+        keep = contextlib.nullcontext() if zm is None else zm.dropping(rows, local)
+        with keep:
+            return moe.clock.run(moe.experts, rows, weights, offs, moe.ep.backend, tiles, zm)
 
     def shared_part(self, hn: torch.Tensor, zm: Any = None) -> torch.Tensor:
         if zm is None:
@@ -215,12 +224,16 @@ class Layer(nn.Module):
         with zm.recipes():
             return self.moe.shared(hn, zm)
 
-    def combine_part(self, h: torch.Tensor, shared: torch.Tensor | None, back: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    def combine_part(
+        self, h: torch.Tensor, shared: torch.Tensor | None, back: torch.Tensor | None, local: torch.Tensor, plan: DispatchPlan
+    ) -> torch.Tensor:
         """Rows back in (token, k) order (already weighted by the experts), summed over k, plus
-        shared expert and residual. Keeps nothing for backward."""
+        shared expert and residual. ``back``: the remote rows' outputs (None without other EP
+        ranks), ``local``: the local rows'. Keeps nothing for backward."""
         # A gather by the inverse permutation: its backward needs only the index (an
-        # out-of-place index_copy by ``order`` would keep ``back`` as well).
-        rows = back.index_select(0, plan.inverse_order)
+        # out-of-place index_copy by ``send_order`` would keep the rows as well).
+        sent = local if back is None else torch.cat([back, local])
+        rows = sent.index_select(0, plan.inverse_order)
         routed = rows.view(-1, self.top_k, rows.shape[-1]).sum(1).view_as(h)
         out = h + routed
         return out if shared is None else out + shared
@@ -229,8 +242,8 @@ class Layer(nn.Module):
     def program(self, tape: Any, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
         if self.moe is None:
             return tape.part(self.dense_part, x)
-        h, hn, send, weights, plan = tape.part(self.attention_part, x)
-        return (yield from self.moe_program(tape, h, hn, send, weights, plan))
+        routed = tape.part(self.attention_part, x)
+        return (yield from self.moe_program(tape, *routed))
 
     def moe_program(
         self,
@@ -238,27 +251,37 @@ class Layer(nn.Module):
         h: torch.Tensor,
         hn: torch.Tensor,
         send: torch.Tensor,
+        local: torch.Tensor,
         weights: torch.Tensor,
+        local_weights: torch.Tensor,
         plan: DispatchPlan,
         zm: Any = None,
     ) -> Generator[Any, None, torch.Tensor]:
-        """The parts after attention: dispatch, shared expert, experts, combine, sum over top-k."""
+        """The parts after attention: dispatch, shared expert, the received rows' experts,
+        combine, the local rows' experts, sum over top-k."""
         moe = self.moe
+        last = self.combine_part if zm is None else zm.issue_early(self.combine_part)
+        if moe.ep.size == 1:  # every row is local: nothing to exchange
+            shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
+            mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)
+            return tape.part(last, h, shared, None, mine, plan)
         if zm is not None:  # zero-memory's re-dispatch needs no gradient: the backward may start it early
             tape.ahead(zm.issue)
         # The router weights go first: the small exchange is done by the time the rows are.
-        dispatch_w = tape.all_to_all(moe.ep, weights, plan.recv_splits, plan.send_splits)
-        dispatch = tape.all_to_all(moe.ep, send, plan.recv_splits, plan.send_splits)
+        dispatch_w = tape.all_to_all(moe.ep, weights, plan.remote_recv_splits, plan.remote_send_splits)
+        dispatch = tape.all_to_all(moe.ep, send, plan.remote_recv_splits, plan.remote_send_splits)
         yield dispatch
-        # The shared expert needs only this rank's tokens: it computes while the rows travel
-        # (in a lone forward it is the one part that can; in an F&B the other micro-batch's
-        # parts run at the yield first). Its backward hides the reverse exchanges alike.
+        # The shared expert and the rows this rank routed to itself need nothing from other
+        # ranks: the shared expert computes while the rows travel, the local rows' experts
+        # while the combine does (in a lone forward they are what can; in an F&B the other
+        # micro-batch's parts run at each yield first). Their backwards hide the combine's
+        # reverse exchange.
         shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
         out = tape.part(self.experts_part, dispatch.wait(), dispatch_w.wait(), plan, zm)
-        combine = tape.all_to_all(moe.ep, out, plan.send_splits, plan.recv_splits)
+        combine = tape.all_to_all(moe.ep, out, plan.remote_send_splits, plan.remote_recv_splits)
         yield combine
-        last = self.combine_part if zm is None else zm.issue_early(self.combine_part)
-        return tape.part(last, h, shared, combine.wait(), plan)
+        mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)
+        return tape.part(last, h, shared, combine.wait(), mine, plan)
 
 
 class Block(nn.Module):

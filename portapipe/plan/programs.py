@@ -42,10 +42,17 @@ class StageSpec:
 
 class Programs:
     """Op lists of the stages of one setup, per micro-batch of ``tokens`` tokens whose EP rank
-    receives ``rows`` routed rows per MoE layer (``slots`` grouped-matmul groups)."""
+    receives ``rows`` routed rows per MoE layer (``slots`` grouped-matmul groups) over ``ep``
+    EP ranks.
 
-    def __init__(self, shape: Shape, tokens: int, rows: float, slots: int | None = None) -> None:
-        self.s, self.T, self.R, self.slots = shape, tokens, rows, slots
+    Of those rows, the ones a rank routes to its own experts (``tokens * top_k / ep``) are not
+    exchanged: the experts run on them in a call of their own (``local`` below), while the
+    combine travels; the rest arrive by the dispatch. With one EP rank every row is local and
+    a layer exchanges nothing."""
+
+    def __init__(self, shape: Shape, tokens: int, rows: float, slots: int | None = None, *, ep: int) -> None:
+        self.s, self.T, self.R, self.slots, self.ep = shape, tokens, rows, slots, ep
+        self.local_rows = min(rows, tokens * shape.top_k / ep)
         self._cache: dict[tuple[StageSpec, str], list[Op]] = {}
         self.stats: dict[tuple, tuple[float, float, float, float]] = {}  # the memory model's, per program
         self.wqueue: dict[StageSpec, float] = {}  # the memory model's, per stage
@@ -58,56 +65,72 @@ class Programs:
         tokens = setup.micro_batch_size * m.seq_len
         bal = getattr(setup, "balancer", None)
         slots = m.n_experts + bal.redundant * setup.ep if bal is not None and bal.kind != "none" else None
-        return cls(setup.shape, tokens, tokens * m.top_k * imbalance, slots)
+        return cls(setup.shape, tokens, tokens * m.top_k * imbalance, slots, ep=setup.ep)
 
     # ------------------------------------------------------------------ parts
-    def _c(self, part: str, phase: str, option: str, sign: int, layer_key: int = 0) -> Op:
+    def _c(self, part: str, phase: str, option: str, sign: int, units: float | None = None, memory: bool = True) -> Op:
+        """A part's op, for ``units`` (default the part's whole: tokens, or all routed rows);
+        ``memory`` False: the bytes the part keeps are another op's (the experts' two calls
+        count theirs once, on the received rows' call)."""
         s, T, R = self.s, self.T, self.R
-        units = R if part == "experts" else T
-        saved = saved_bytes(s, part, option, T, R, self.slots)
-        held = held_bytes(s, part, option, T, R)
+        saved = saved_bytes(s, part, option, T, R, self.slots) if memory else 0
+        held = held_bytes(s, part, option, T, R, ep=self.ep) if memory else 0
+        if units is None:
+            units = R if part == "experts" else T
         return ("C", part, phase, units, sign * saved, sign * held, option if option in ("level0", "level1") else "off")
 
+    def _experts(self, phase: str, option: str, sign: int, local: bool) -> Op:
+        """The experts' call on the local rows, or on the received ones."""
+        return self._c("experts", phase, option, sign, self.local_rows if local else self.R - self.local_rows, memory=not local)
+
     def _moe_forward(self, layer: int, option: str, replay: bool = False) -> list[Op]:
-        """Dispatch -> shared expert -> experts -> combine -> combine part, as ``moe_program``.
-        ``replay``: the recompute replay, which saves what ``off`` saves."""
+        """Dispatch -> shared expert -> received rows' experts -> combine -> local rows' experts
+        -> combine part, as ``moe_program``. ``replay``: the recompute replay, which saves what
+        ``off`` saves."""
         s, T, R, e, h = self.s, self.T, self.R, self.s.e, self.s.hidden
         opt = "off" if replay else option
-        ops: list[Op] = [
+        shared = [self._c("shared", "F", opt, 1)] if s.n_shared else []
+        if self.ep == 1:
+            return shared + [self._c("experts", "F", opt, 1), self._c("combine", "F", opt, 1)]
+        return [
             ("I", ("dw", layer), T * s.top_k * e),
             ("I", ("d", layer), T * s.top_k * h * e),
             ("Y", ("d", layer)),
-        ]
-        if s.n_shared:  # while the rows travel
-            ops.append(self._c("shared", "F", opt, 1))
-        ops += [
+            *shared,  # while the rows travel
             ("A", ("d", layer)),
             ("A", ("dw", layer)),
-            self._c("experts", "F", opt, 1),
+            self._experts("F", opt, 1, local=False),
             ("I", ("c", layer), R * h * e),
             ("Y", ("c", layer)),
+            self._experts("F", opt, 1, local=True),  # while the combine travels
             ("A", ("c", layer)),
             self._c("combine", "F", opt, 1),
         ]
-        return ops
 
     def _moe_backward(self, layer: int, option: str, phase: str) -> list[Op]:
         """The MoE parts' backward as the tape's data flow runs it: the combine's reverse
         exchange is issued as soon as the combine part's backward gave its gradient, and the
-        shared expert's backward runs while it travels."""
+        local rows' experts backward and the shared expert's run while it travels."""
         s, T, R, e, h = self.s, self.T, self.R, self.s.e, self.s.hidden
         opt = "off" if option.startswith("recompute") else option
+        shared = [self._c("shared", phase, opt, -1)] if s.n_shared else []
+        if self.ep == 1:
+            return [self._c("combine", phase, opt, -1), self._c("experts", phase, opt, -1), *shared]
         ops: list[Op] = []
         if opt in ("level0", "level1"):  # the re-dispatch starts as the layer's backward begins
             ops.append(("I", ("r", layer), T * s.top_k * h * e))
-        ops += [self._c("combine", phase, opt, -1), ("I", ("c'", layer), T * s.top_k * h * e), ("Y", ("c'", layer))]
-        if s.n_shared:
-            ops.append(self._c("shared", phase, opt, -1))
-        ops.append(("A", ("c'", layer)))
+        ops += [
+            self._c("combine", phase, opt, -1),
+            ("I", ("c'", layer), T * s.top_k * h * e),
+            ("Y", ("c'", layer)),
+            self._experts(phase, opt, -1, local=True),
+            *shared,
+            ("A", ("c'", layer)),
+        ]
         if opt in ("level0", "level1"):
             ops.append(("A", ("r", layer)))
         ops += [
-            self._c("experts", phase, opt, -1),
+            self._experts(phase, opt, -1, local=False),
             ("I", ("d'", layer), R * h * e),
             ("Y", ("d'", layer)),
             ("I", ("dw'", layer), R * e),
@@ -154,7 +177,7 @@ class Programs:
             ops.append(self._c("attention", phase, option, -1))
         if full:  # the rotary tables and the layer input, kept for the replay, are let go
             custom, ops = ops, []
-            kept = held_bytes(s, "attention", "recompute_full", self.T, self.R)
+            kept = held_bytes(s, "attention", "recompute_full", self.T, self.R, ep=self.ep)
             ops.append(("C", "input", phase, self.T, -s.rope_bytes(), -kept, "off"))
         return replay, custom, ops
 

@@ -120,12 +120,15 @@ def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slot
     raise ValueError(f"unknown part {part!r}; known: {', '.join(PARTS)}")
 
 
-def held_bytes(s: Shape, part: str, option: str, tokens: int, rows: float) -> float:
+def held_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, *, ep: int) -> float:
     """Bytes the tape keeps for ``part`` until its backward besides what autograd saves.
 
     Part outputs stay referenced as the roots of the part's backward: the rows to send and
-    their router weights, the experts' output, the rows combined back and the shared expert's
-    output. Zero-memory frees the sent rows but keeps the dispatch plan for the re-dispatch; a
+    their router weights, the experts' output, the rows combined back from the other ``ep - 1``
+    EP ranks (a rank's own rows, ``1 / ep`` of them, are not exchanged) and the shared expert's
+    output. The rows to send and the local rows are one buffer (as are their router weights):
+    the experts save the local rows, so only the ``(ep - 1) / ep`` sent to other ranks count
+    here. Zero-memory frees the sent rows but keeps the dispatch plan for the re-dispatch; a
     recomputed MoE block keeps its router weights and dispatch plan (for the replay) and a
     recomputed layer its input.
     """
@@ -133,16 +136,19 @@ def held_bytes(s: Shape, part: str, option: str, tokens: int, rows: float) -> fl
     if option == "recompute_full":
         return T * h * e if part in ("attention", "dense") else 0
     if part == "attention":
-        sent = 0 if option in ("level0", "level1", "recompute_moe") else T * k * h * e
-        if option == "recompute_moe":  # the replay's dispatch plan: both row orders, counts, offsets
-            sent += (T * k + rows) * INDEX_BYTES + 2 * s.n_experts * INDEX_BYTES
-        return sent + T * k * e
+        remote = (ep - 1) / ep  # the share of the rows sent to other ranks
+        sent = 0 if option in ("level0", "level1", "recompute_moe") else T * k * remote * h * e
+        if option == "recompute_moe":  # the replay's dispatch plan: the expert order and (with other EP
+            # ranks) the send order apart; counts, offsets of all rows, and of the local and received ones
+            sent += T * k * (2 if ep > 1 else 1) * INDEX_BYTES + 3 * s.n_experts * INDEX_BYTES
+        return sent + T * k * (1 if option == "recompute_moe" else remote) * e
     if option == "recompute_moe":
         return 0
     if part == "experts":  # its output, and the combine exchange's output
-        out = rows * h * e + T * k * h * e
-        if option in ("level0", "level1"):  # the dispatch plan kept for the re-dispatch: row order, counts
-            out += rows * INDEX_BYTES + s.n_experts * INDEX_BYTES
+        out = rows * h * e + T * k * (ep - 1) / ep * h * e
+        if option in ("level0", "level1"):  # the dispatch plan kept for the re-dispatch: counts, offsets and
+            # (with other EP ranks) the expert order apart from the send order
+            out += (T * k if ep > 1 else 0) * INDEX_BYTES + 2 * s.n_experts * INDEX_BYTES
         return out
     if part == "shared" and s.n_shared:
         return T * h * e
