@@ -486,9 +486,7 @@ class ExpertBalancer:
         out["rank_loads"] = slots.view(len(self.layers), self.ep, per).sum(-1).tolist()
         out["replica_tokens"] = float(slots[~primary].sum())
         if self.kind == "lplb" and counts is not None:
-            orig = torch.zeros(len(self.layers), self.ep, dtype=torch.float64)
-            orig.scatter_add_(1, torch.div(first, per, rounding_mode="floor"), counts)
-            out["orig_loads"] = orig.tolist()
+            out["orig_loads"] = first_slot_loads(counts, self.placement.log2phy, per, self.ep).tolist()
         return out
 
     # ------------------------------------------------------------- checkpoints
