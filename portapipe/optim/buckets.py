@@ -278,9 +278,6 @@ class GradBuckets:
         DualPipe's second copy of a block (``counted_block`` False) counts nothing; a balancer's
         replicated expert counts only in the slot that owns it, padding never. Kept until a
         balancer relabels its slots (a new ``slot_owned`` tensor), not rebuilt every step."""
-        return self._norm_cached(bucket, counted_block)
-
-    def _norm_cached(self, bucket: Bucket, counted_block: bool) -> list[tuple[int, int]] | None:
         key = (counted_block, *(owned_rows(p) for p in bucket.params))
         cached = bucket.norm_cache
         if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
