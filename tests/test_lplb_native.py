@@ -116,6 +116,16 @@ def test_count_and_map_match_torch(native: None, dtype: torch.dtype) -> None:
     assert torch.equal(lplb_native.count_experts(tail[:128], 24)[0], torch.bincount(tail[:128].long() + 1, minlength=25))
     empty = torch.empty(0, dtype=dtype)
     assert lplb_native.count_experts(empty, 24)[0].tolist() == [0] * 25
+    # count_row: one row of a counts matrix, in place, the other rows untouched
+    counts = torch.full((3, 24), 7, dtype=torch.int64)
+    rows = flat[:120].view(12, 10)
+    assert lplb_native.count_row(rows, counts, 1) == -1
+    assert torch.equal(counts[1], torch.bincount(rows.reshape(-1).long() + 1, minlength=25)[1:])
+    assert bool((counts[[0, 2]] == 7).all())
+    assert lplb_native.count_row(flat, counts, 2) == 128  # flat[128] = 30 from above
+    for bad_counts, row in ((counts, 3), (counts.t().contiguous().t(), 0), (counts.int(), 0)):
+        with pytest.raises(ValueError, match="count_row"):
+            lplb_native.count_row(rows, bad_counts, row)
     assert lplb_native.map_indices(empty, stay, orig, copy).numel() == 0
 
 
@@ -238,8 +248,9 @@ def test_kernels_reject_out_of_range_data(native: None) -> None:
     kw = dict(move_cost=0.0, tol=1e-8, max_iter=50, accept_rtol=1e-6, step_frac=0.9999)
     with pytest.raises(ValueError, match=r"holder must name ranks in \[0, 8\)"):
         lplb_native.balance(torch.tensor([1] * 15 + [8]), torch.ones(1, 8), torch.ones(1, 16), **kw)
-    with pytest.raises(ValueError, match=r"indices must be in \[-1, 4\)"):
-        lplb_native.map_indices(torch.tensor([0, 4]), torch.ones(4, dtype=torch.int64), torch.arange(4), torch.arange(4))
+    for bad in ([0, 4], [0, 1, -2, 3, 0, 1, 2, 3, 0], [0, 1, 2, 3, 0, 1, 2, 3, -5]):  # in a block of four, in the tail
+        with pytest.raises(ValueError, match=r"indices must be in \[-1, 4\)"):
+            lplb_native.map_indices(torch.tensor(bad), torch.ones(4, dtype=torch.int64), torch.arange(4), torch.arange(4))
     p = Planner(cube(), 32, 16, ep_size=8, use_native=True)
     layout = (p._rank_of, p._lp_slot, p._orig_phys, p._copy_phys)
     counts = torch.ones(1, 16, dtype=torch.int64)

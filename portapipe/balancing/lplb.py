@@ -51,6 +51,20 @@ class Plan:
     accepted: torch.Tensor  #: [G] bool: the group's LP solution passed its checks
 
 
+class _CutPlan(Plan):
+    """A :class:`Plan` over the C path's :class:`~portapipe.balancing.lplb_native.PlanOutput`:
+    its tensors are cut from the call's buffers when first read."""
+
+    def __init__(self, counts: torch.Tensor, out: lplb_native.PlanOutput) -> None:  # noqa: D107 - not the dataclass's
+        self.counts, self.accepted, self._out = counts, out.accepted, out
+
+    keep = property(lambda self: self._out.keep)
+    moved = property(lambda self: self._out.moved)
+    phys_load = property(lambda self: self._out.phys)
+    rank_load = property(lambda self: self._out.rank_load)
+    lp_objective = property(lambda self: self._out.objective)
+
+
 def occurrence_rank(flat: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """For each entry of ``flat`` (values in [-1, E)), how many earlier entries have its value.
 
@@ -287,23 +301,21 @@ class Planner:
         """:meth:`plan` of int64 counts by the C path (``native``; it also maps ``flat``, this
         rank's entries counted in row ``source``, in the same call) or in tensor operations
         (then the mapping is left to the caller: None)."""
-        lp = self._lp(counts.device)
-        G, g, d = self.n_groups, self.group_size, self.n_classes
         mapped = None
         if native:
             if self._plan_call is None:
                 self._plan_call = lplb_native.PlanCall(
-                    (self._rank_of, self._lp_slot, self._orig_phys, self._copy_phys), lp.holder,
-                    n_groups=G, ep_size=self.ep_size, n_physical=self.n_physical, tol=self.tol, max_iter=self.max_iter,
+                    (self._rank_of, self._lp_slot, self._orig_phys, self._copy_phys), self._lp(counts.device).holder,
+                    n_groups=self.n_groups, ep_size=self.ep_size, n_physical=self.n_physical, tol=self.tol, max_iter=self.max_iter,
                     accept_rtol=ACCEPT_RTOL, step_frac=STEP_FRAC, frac_bits=_FRAC_BITS,
                 )
-            (keep, objective, _, accepted, _), moved, phys, rank_load, mapped = self._plan_call(counts, flat, source)
-            plan = Plan(counts, keep.view(G, g, d), moved, phys, rank_load, objective, accepted)
+            out, mapped = self._plan_call(counts, flat, source)
+            plan: Plan = _CutPlan(counts, out)
         else:
-            plan = self._plan_torch(counts, lp)
+            plan = self._plan_torch(counts, self._lp(counts.device))
         n_ok = plan.accepted.tolist().count(True)  # G flags: cheaper than a reduction and int()
         self._accepted += n_ok
-        self._fallback += G - n_ok
+        self._fallback += self.n_groups - n_ok
         self.last_plan = plan
         return plan, mapped
 
@@ -400,22 +412,25 @@ class Planner:
         group's LP, and returns physical ids of the same shape and dtype.
         """
         self._check_type(indices)
-        flat = indices.reshape(-1)
-        dev = flat.device
+        dev = indices.device
         path, native = self._paths(dev)
-        binned = self._bincount(indices, flat, path)
-        if self.group is not None:
-            # Each rank fills its own row: the all-reduce gives every rank every rank's counts,
-            # hence the same LP and the same cumulative rounding over ranks.
-            counts = torch.zeros(self.ep_size, self.n_logical, dtype=torch.int64, device=dev)
-            counts[self.ep_rank] = binned[1:]
-            self.backend.all_reduce(counts, group=self.group)
-            source = self.ep_rank
+        # Each rank fills its own row of the counts: the all-reduce gives every rank every rank's
+        # counts, hence the same LP and the same cumulative rounding over ranks.
+        source = self.ep_rank if self.group is not None else 0
+        rows = self.ep_size if self.group is not None else 1
+        counts = (torch.zeros if rows > 1 else torch.empty)(rows, self.n_logical, dtype=torch.int64, device=dev)
+        if path == "native":
+            # The C path counts straight into the row and maps in the planning call.
+            if lplb_native.count_row(indices, counts, source) >= 0:
+                self.check_indices(indices)  # raises, naming the entry
+            binned = flat = None
         else:
-            counts = binned[None, 1:]
-            source = 0
-        # The C path maps in the planning call when it also counted; Triton maps on its own.
-        plan, out = self._plan(counts, native, flat if path == "native" else None, source)
+            flat = indices.reshape(-1)
+            binned = self._bincount(indices, flat, path)
+            counts[source] = binned[1:]
+        if self.group is not None:
+            self.backend.all_reduce(counts, group=self.group)
+        plan, out = self._plan(counts, native, indices if path == "native" else None, source)
         if out is None:
             moved = plan.moved[source]
             if path == "torch":
@@ -425,7 +440,9 @@ class Planner:
 
                 _, _, _, orig_phys, copy_phys, _ = self._maps(dev)
                 out = map_indices(flat, binned[1:] - moved, orig_phys, copy_phys)
-        return (out if out.dtype == indices.dtype else out.to(indices.dtype)).view(indices.shape)
+        if out.dtype != indices.dtype:
+            out = out.to(indices.dtype)
+        return out if out.shape == indices.shape else out.view(indices.shape)
 
     def _map_sorted(self, flat: torch.Tensor, binned: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
         """Torch path of the mapping: in stably sorted order the entries of expert e are

@@ -25,12 +25,13 @@ import subprocess
 import sys
 import tempfile
 import threading
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["available", "why_unavailable", "wanted", "library", "count_experts", "map_indices", "balance", "plan", "PlanCall", "cache_dir", "SOURCE", "FLAGS"]
+__all__ = ["available", "why_unavailable", "wanted", "library", "count_experts", "map_indices", "balance", "plan", "PlanCall", "PlanOutput", "count_row", "cache_dir", "SOURCE", "FLAGS"]
 
 SOURCE = Path(__file__).with_name("native") / "lplb.c"
 #: no -march=native: a cached build must load on every machine that shares the cache directory.
@@ -41,18 +42,21 @@ _lock = threading.Lock()
 
 _i64, _f64, _ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 _SIGNATURES = {
-    "lplb_count_i32": (_i64, [_ptr, _i64, _i64, _ptr]),
-    "lplb_count_i64": (_i64, [_ptr, _i64, _i64, _ptr]),
+    "lplb_count_i32": (_i64, [_ptr, _i64, _i64, _ptr, _ptr]),
+    "lplb_count_i64": (_i64, [_ptr, _i64, _i64, _ptr, _ptr]),
     "lplb_map_i32": (ctypes.c_int, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr]),
     "lplb_map_i64": (ctypes.c_int, [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr]),
     "lplb_balance": (_i64, [_i64, _i64, _i64, _ptr, _ptr, _ptr, _f64, _f64, _i64, _f64, _f64, _ptr, _ptr, _ptr, _ptr]),
-    "lplb_plan": (
-        _i64,
-        [_i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _f64, _i64, _f64, _f64, _i64, _i64, _i64]
-        + [_ptr] * 7
-        + [_ptr, _i64, _i64, _i64, _ptr],
-    ),
+    "lplb_plan": (_i64, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr]),
 }
+
+
+class _PlanLayout(ctypes.Structure):
+    """native/lplb.c's PlanLayout: what a plan call keeps between batches of one placement."""
+
+    _fields_ = [(name, _i64) for name in ("E", "G", "m", "d", "max_iter", "frac_bits", "P", "per_rank")] + [
+        (name, _f64) for name in ("tol", "accept_rtol", "step_frac")
+    ] + [(name, _ptr) for name in ("rank_of", "lp_slot", "orig", "copy", "holder")]
 
 
 def _compiler() -> list[str] | None:
@@ -227,12 +231,27 @@ def _check_status(status: int, name: str, bad_layout: str, bad_indices: str = ""
 
 def count_experts(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, int]:
     """(``bincount(flat + 1, minlength=n_experts + 1)`` as int64, position of the first entry
-    outside [-1, n_experts) or -1). ``flat``: 1-d int32/int64 CPU indices."""
+    outside [-1, n_experts) or -1). ``flat``: int32/int64 CPU indices (read in memory order)."""
     flat = _cpu(flat, flat.dtype)
     out = torch.empty(n_experts + 1, dtype=torch.int64)
-    fn = getattr(library(), f"lplb_count_{_index_kind(flat)}")
-    bad = fn(flat.data_ptr(), flat.numel(), n_experts, out.data_ptr())
-    return out, int(bad)
+    p = out.data_ptr()
+    return out, int(_count_fn(flat)(flat.data_ptr(), flat.numel(), n_experts, p + 8, p))
+
+
+def count_row(indices: torch.Tensor, counts: torch.Tensor, row: int) -> int:
+    """Count ``indices`` (int32/int64 CPU, any shape; -1 entries ignored) per expert into row
+    ``row`` of ``counts`` [S, E] (contiguous int64), in place. Returns the position (in memory
+    order) of the first entry outside [-1, E), or -1 when all are valid."""
+    indices = _cpu(indices, indices.dtype)
+    S, E = counts.shape
+    if counts.dtype != torch.int64 or not counts.is_contiguous() or not counts.is_cpu or not 0 <= row < S:
+        raise ValueError(f"count_row: counts must be a contiguous int64 CPU [S, E] tensor and row in [0, S), got {counts.dtype} {list(counts.shape)}, row {row}")
+    return int(_count_fn(indices)(indices.data_ptr(), indices.numel(), E, counts.data_ptr() + 8 * row * E, None))
+
+
+def _count_fn(indices: torch.Tensor) -> Any:
+    lib = library()
+    return lib.lplb_count_i32 if _index_kind(indices) == "i32" else lib.lplb_count_i64
 
 
 def map_indices(flat: torch.Tensor, stay: torch.Tensor, orig_phys: torch.Tensor, copy_phys: torch.Tensor) -> torch.Tensor:
@@ -286,12 +305,56 @@ def balance(
     return keep, objective, bound, accepted, int(iterations)
 
 
+class PlanOutput:
+    """One plan call's results over its two output buffers, each tensor cut when first read: a
+    cut is a tensor operation, and the training path reads one or two of them per batch.
+    ``accepted`` [G] bool and ``iterations`` are there from the start."""
+
+    def __init__(self, reals: torch.Tensor, ints: torch.Tensor, accepted: torch.Tensor, iterations: int, dims: tuple[int, ...]) -> None:
+        self._reals, self._ints, self._dims = reals, ints, dims
+        self.accepted, self.iterations = accepted, iterations
+
+    @cached_property
+    def keep(self) -> torch.Tensor:
+        """[G, g, d] share of each (rank, class) load kept by the originals."""
+        G, g, d = self._dims[:3]
+        return self._reals[: G * g * d].view(G, g, d)
+
+    @cached_property
+    def objective(self) -> torch.Tensor:
+        G, n = self._dims[0], self._dims[0] * self._dims[1] * self._dims[2]
+        return self._reals[n : n + G]
+
+    @cached_property
+    def bound(self) -> torch.Tensor:
+        G, n = self._dims[0], self._dims[0] * self._dims[1] * self._dims[2]
+        return self._reals[n + G :]
+
+    @cached_property
+    def moved(self) -> torch.Tensor:
+        S, E = self._dims[3:5]
+        return self._ints[: S * E].view(S, E)
+
+    @cached_property
+    def phys(self) -> torch.Tensor:
+        S, E, P = self._dims[3:6]
+        return self._ints[S * E : S * E + P]
+
+    @cached_property
+    def rank_load(self) -> torch.Tensor:
+        S, E, P = self._dims[3:6]
+        return self._ints[S * E + P :]
+
+
 class PlanCall:
     """:func:`plan` with everything but the batch bound once: the layout, holder and solver
-    settings are checked and converted here, so a call costs the C work, one ctypes call and
-    three allocations (a planner makes one per placement; per batch it is the hot path).
+    settings are checked, converted and packed into the C call's layout record here, so a call
+    costs the C work, one ctypes call of eleven arguments and three allocations (a planner makes
+    one per placement; per batch it is the hot path).
 
-    ``counts`` of a call must be [S, E] (E = the layout's experts); the result is :func:`plan`'s.
+    A call takes ``counts`` [S, E] (E = the layout's experts) and optionally the ``indices`` to
+    map (counted in row ``source``); it returns (:class:`PlanOutput`, the mapped indices in
+    ``indices``' shape and dtype, or None).
     """
 
     def __init__(
@@ -317,43 +380,41 @@ class PlanCall:
                 f"plan: layout maps of {[t.numel() for t in self.maps]} entries, holder of {n}, "
                 f"{n_groups} groups, EP {ep_size} and {n_physical} slots do not fit together"
             )
-        self.E, self.G, self.n, self.ep, self.P = E, n_groups, n, ep_size, n_physical
+        self.E, self.G, self.g, self.d, self.ep, self.P = E, n_groups, g, n // g, ep_size, n_physical
+        rank_of, lp_slot, orig, copy = (t.data_ptr() for t in self.maps)
+        self._layout = _PlanLayout(
+            E=E, G=n_groups, m=g, d=n // g, max_iter=max_iter, frac_bits=frac_bits, P=n_physical, per_rank=n_physical // ep_size,
+            tol=tol, accept_rtol=accept_rtol, step_frac=step_frac,
+            rank_of=rank_of, lp_slot=lp_slot, orig=orig, copy=copy, holder=self.holder.data_ptr(),
+        )
+        self._layout_ptr = ctypes.addressof(self._layout)
         self._fn = library().lplb_plan
-        self._head = (*(t.data_ptr() for t in self.maps), n_groups, g, n // g, self.holder.data_ptr(),
-                      tol, max_iter, accept_rtol, step_frac, frac_bits, n_physical, n_physical // ep_size)
         self._bad_layout = (
             f"holder must name ranks in [0, {g}), and rank_of, lp_slot, orig_phys and copy_phys ranks, LP slots and "
             f"physical slots in range (lp_slot and copy_phys may be -1)"
         )
 
-    def __call__(
-        self, counts: torch.Tensor, indices: torch.Tensor | None = None, source: int = 0
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def __call__(self, counts: torch.Tensor, indices: torch.Tensor | None = None, source: int = 0) -> tuple[PlanOutput, torch.Tensor | None]:
         S, E = counts.shape
         if E != self.E or not 0 <= source < S:
             raise ValueError(f"plan: counts [{S}, {E}] and source {source} do not fit a layout of {self.E} experts")
         counts = _cpu(counts, torch.int64)
-        G, n, P, ep = self.G, self.n, self.P, self.ep
-        # One buffer per dtype, cut into the plan's tensors: fewer allocations on the hot path.
+        G, n = self.G, self.g * self.d
+        # One buffer per dtype, cut into the plan's tensors when they are read.
         reals = torch.empty(G * (n + 2), dtype=torch.float64)
-        ints = torch.empty(S * E + P + ep, dtype=torch.int64)
+        ints = torch.empty(S * E + self.P + self.ep, dtype=torch.int64)
         accepted = torch.empty(G, dtype=torch.bool)  # one byte per entry, 0 or 1
         mapped = idx_ptr = out_ptr = None
         n_idx = width = 0
         if indices is not None:
-            _index_kind(indices)
             indices = _cpu(indices, indices.dtype)
+            _index_kind(indices)
             mapped = torch.empty_like(indices)
             idx_ptr, out_ptr, n_idx, width = indices.data_ptr(), mapped.data_ptr(), indices.numel(), indices.element_size()
-        r, i = reals.data_ptr(), ints.data_ptr()
-        iterations = self._fn(
-            S, E, counts.data_ptr(), *self._head, r, r + 8 * G * n, r + 8 * G * (n + 1), accepted.data_ptr(),
-            i, i + 8 * S * E, i + 8 * (S * E + P), idx_ptr, n_idx, width, source, out_ptr,
-        )
+        iterations = self._fn(self._layout_ptr, S, counts.data_ptr(), reals.data_ptr(), ints.data_ptr(), accepted.data_ptr(),
+                              idx_ptr, n_idx, width, source, out_ptr)
         _check_status(iterations, "lplb_plan", self._bad_layout, f"indices must be in [-1, {E}) (count_experts names the first one outside)")
-        keep, objective, bound = reals[: G * n].view(G, n), reals[G * n : G * (n + 1)], reals[G * (n + 1) :]
-        moved, phys, rank_load = ints[: S * E].view(S, E), ints[S * E : S * E + P], ints[S * E + P :]
-        return (keep, objective, bound, accepted, int(iterations)), moved, phys, rank_load, mapped
+        return PlanOutput(reals, ints, accepted, int(iterations), (G, self.g, self.d, S, E, self.P)), mapped
 
 
 def plan(
@@ -376,4 +437,6 @@ def plan(
     S, E = counts.shape
     if any(t.numel() != E for t in layout):
         raise ValueError(f"plan: counts [{S}, {E}] and layout maps of {[t.numel() for t in layout]} entries do not fit together")
-    return PlanCall(layout, holder, **settings)(counts, indices, source)
+    out, mapped = PlanCall(layout, holder, **settings)(counts, indices, source)
+    G = out.keep.shape[0]
+    return (out.keep.reshape(G, -1), out.objective, out.bound, out.accepted, out.iterations), out.moved, out.phys, out.rank_load, mapped

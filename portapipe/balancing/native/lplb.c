@@ -3,7 +3,7 @@
  * Plain C99 without torch headers, compiled on first use by portapipe/balancing/lplb_native.py
  * and called through ctypes on the data of contiguous CPU tensors. Each function is the CPU
  * counterpart of a torch path that stays the portable implementation:
- *   lplb_count_*  <-> torch.bincount(flat + 1)                      (lplb.Planner._bincount)
+ *   lplb_count_*  <-> torch.bincount(flat + 1), the -1 bin apart     (lplb.Planner._bincount)
  *   lplb_map_*    <-> the stable-sort mapping                       (lplb.Planner._map_sorted)
  *   lplb_balance  <-> lp_balance._balance, lp_solver._box_ipm / _iterate (same formulation, start,
  *                     iterations, stopping rule and acceptance checks; see lp_balance.py)
@@ -19,15 +19,17 @@
 
 /* ------------------------------------------------------------------ counting and mapping */
 
-/* out[0] = entries equal to -1, out[e + 1] = entries of expert e (out has n_experts + 1 slots).
+/* out[e] = entries of expert e (out has n_experts slots, e.g. a row of the plan's counts matrix:
+ * no copy between count and plan), *dropped = entries equal to -1 unless dropped is NULL.
  * Returns the position of the first entry outside [-1, n_experts), or -1 when all are valid.
  * Four interleaved 32-bit histograms: consecutive entries of one expert would otherwise wait
  * on each other's increment (a store-to-load chain through one counter); the blocks are
  * checked before they are counted, so a bad block is rescanned by the plain loop for its
  * position. Falls back to the plain loop when n does not fit 32-bit counters or no scratch. */
 #define LPLB_COUNT(NAME, T)                                                                  \
-    int64_t NAME(const T *idx, int64_t n, int64_t n_experts, int64_t *out) {                 \
-        memset(out, 0, (size_t)(n_experts + 1) * sizeof(int64_t));                           \
+    int64_t NAME(const T *idx, int64_t n, int64_t n_experts, int64_t *out, int64_t *dropped) { \
+        memset(out, 0, (size_t)n_experts * sizeof(int64_t));                                 \
+        int64_t minus = 0;                                                                   \
         const uint64_t top = (uint64_t)n_experts;                                            \
         int64_t j = 0;                                                                       \
         uint32_t *h = n < INT32_MAX ? (uint32_t *)calloc((size_t)(4 * (n_experts + 1)), 4) : NULL; \
@@ -42,15 +44,20 @@
                 ++h2[c];                                                                     \
                 ++h3[d];                                                                     \
             }                                                                                \
-            for (int64_t e = 0; e <= n_experts; ++e)                                         \
-                out[e] = (int64_t)h[e] + (int64_t)h1[e] + (int64_t)h2[e] + (int64_t)h3[e];   \
+            minus = (int64_t)h[0] + (int64_t)h1[0] + (int64_t)h2[0] + (int64_t)h3[0];        \
+            for (int64_t e = 1; e <= n_experts; ++e)                                         \
+                out[e - 1] = (int64_t)h[e] + (int64_t)h1[e] + (int64_t)h2[e] + (int64_t)h3[e]; \
             free(h);                                                                         \
         }                                                                                    \
         for (; j < n; ++j) {                                                                 \
             int64_t e = (int64_t)idx[j];                                                     \
             if (e < -1 || e >= n_experts) return j;                                          \
-            ++out[e + 1];                                                                    \
+            if (e < 0)                                                                       \
+                ++minus;                                                                     \
+            else                                                                             \
+                ++out[e];                                                                    \
         }                                                                                    \
+        if (dropped != NULL) *dropped = minus;                                               \
         return -1;                                                                           \
     }
 
@@ -59,32 +66,43 @@
  * 2 at an entry outside [-1, n_experts) (lplb_count reports which).
  * Branch-free: each expert counts down from stay[e], and the sign of what is left picks the
  * slot from a two-entry table (past a replicated expert's kept count the choice follows the
- * random order of experts, which a branch would mispredict). */
+ * random order of experts, which a branch would mispredict). Row 0 of the table stands for -1
+ * (both slots -1, a count that never runs out), so a dropped entry takes the same path; a
+ * block of four entries is range-checked with one test, as in lplb_count. */
 #define LPLB_MAP(NAME, T)                                                                    \
     int NAME(const T *idx, int64_t n, int64_t n_experts, const int64_t *stay,                \
              const int64_t *orig, const int64_t *copy, T *out) {                             \
-        int64_t *left = (int64_t *)malloc((size_t)(3 * n_experts + 1) * sizeof(int64_t));    \
-        if (left == NULL) return 1;                                                          \
-        int64_t *slot = left + n_experts; /* slot[2e] = orig[e], slot[2e + 1] = copy[e] */  \
+        struct row { int64_t left; T slot[2]; };                                             \
+        struct row *t = (struct row *)malloc((size_t)(n_experts + 1) * sizeof(struct row));  \
+        if (t == NULL) return 1;                                                             \
+        t[0].left = INT64_MAX;                                                               \
+        t[0].slot[0] = t[0].slot[1] = (T)-1;                                                 \
         for (int64_t e = 0; e < n_experts; ++e) {                                            \
-            left[e] = stay[e];                                                               \
-            slot[2 * e] = orig[e];                                                           \
-            slot[2 * e + 1] = copy[e];                                                       \
+            t[e + 1].left = stay[e];                                                         \
+            t[e + 1].slot[0] = (T)orig[e];                                                   \
+            t[e + 1].slot[1] = (T)copy[e];                                                   \
         }                                                                                    \
-        for (int64_t j = 0; j < n; ++j) {                                                    \
-            int64_t e = (int64_t)idx[j];                                                     \
-            if (e < 0 || e >= n_experts) {                                                   \
-                if (e == -1) {                                                               \
-                    out[j] = (T)-1;                                                          \
-                    continue;                                                                \
-                }                                                                            \
-                free(left);                                                                  \
+        const uint64_t top = (uint64_t)n_experts;                                            \
+        int64_t j = 0;                                                                       \
+        for (; j + 4 <= n; j += 4) {                                                         \
+            uint64_t a = (uint64_t)((int64_t)idx[j] + 1), b = (uint64_t)((int64_t)idx[j + 1] + 1); \
+            uint64_t c = (uint64_t)((int64_t)idx[j + 2] + 1), d = (uint64_t)((int64_t)idx[j + 3] + 1); \
+            if ((a > top) | (b > top) | (c > top) | (d > top)) break;                        \
+            /* after the decrement, a negative count (sign bit 1) picks the copy */          \
+            out[j] = t[a].slot[(uint64_t)(--t[a].left) >> 63];                               \
+            out[j + 1] = t[b].slot[(uint64_t)(--t[b].left) >> 63];                           \
+            out[j + 2] = t[c].slot[(uint64_t)(--t[c].left) >> 63];                           \
+            out[j + 3] = t[d].slot[(uint64_t)(--t[d].left) >> 63];                           \
+        }                                                                                    \
+        for (; j < n; ++j) {                                                                 \
+            uint64_t a = (uint64_t)((int64_t)idx[j] + 1);                                    \
+            if (a > top) {                                                                   \
+                free(t);                                                                     \
                 return 2;                                                                    \
             }                                                                                \
-            int64_t after = --left[e]; /* < 0 once stay[e] entries of e have stayed */       \
-            out[j] = (T)slot[2 * e + (int64_t)((uint64_t)after >> 63)];                      \
+            out[j] = t[a].slot[(uint64_t)(--t[a].left) >> 63];                               \
         }                                                                                    \
-        free(left);                                                                          \
+        free(t);                                                                             \
         return 0;                                                                            \
     }
 
@@ -370,31 +388,40 @@ int64_t lplb_balance(int64_t G, int64_t m, int64_t d, const int64_t *holder, con
 
 /* ----------------------------------------------------------------------------- the plan */
 
+/* What stays fixed between batches of one placement (lplb_native.PlanCall binds it once):
+ * E experts, G groups of m ranks with d classes (n = m * d LP columns), P physical slots,
+ * per_rank of them on each EP rank; the solver's settings; and the layout maps: rank_of [E],
+ * lp_slot [E] (-1 for experts without a copy), orig [E], copy [E] (-1 when none), holder [n]. */
+typedef struct {
+    int64_t E, G, m, d, max_iter, frac_bits, P, per_rank;
+    double tol, accept_rtol, step_frac;
+    const int64_t *rank_of, *lp_slot, *orig, *copy, *holder;
+} PlanLayout;
+
 /* One batch's plan from per-source counts [S, E] (lplb.Planner.plan): each rank's loads of
- * non-replicated experts (by rank_of) and of its replicated originals per class (by lp_slot,
- * -1 for experts without a copy), the group LPs by lplb_balance, then per expert the moved
- * share in fixed point (frac_bits fraction bits, rounded half to even) and cumulative rounding
- * over the sources, so the per-source integers add up to the rounded total. Writes keep,
- * objective, bound, accepted as lplb_balance; moved [S, E]; phys [P] tokens per physical slot
- * (orig / copy: each expert's slots, copy -1 when none) and rank_load [P / per_rank]. When idx
- * is not NULL, also maps source row `source`'s n_idx entries (int32 or int64 as idx_bytes says,
- * already range-checked, and counted in that row) into out, as lplb_map_* with
- * stay = counts - moved of that row. Returns the iterations of the slowest group; -1 when out
- * of memory, -2 when source, holder, rank_of, lp_slot, orig or copy point outside their ranges,
- * -3 at an index outside [-1, E). */
-int64_t lplb_plan(int64_t S, int64_t E, const int64_t *counts, const int64_t *rank_of,
-                  const int64_t *lp_slot, const int64_t *orig, const int64_t *copy, int64_t G,
-                  int64_t m, int64_t d, const int64_t *holder, double tol, int64_t max_iter,
-                  double accept_rtol, double step_frac, int64_t frac_bits, int64_t P,
-                  int64_t per_rank, double *keep, double *objective, double *bound,
-                  uint8_t *accepted, int64_t *moved, int64_t *phys, int64_t *rank_load,
-                  const void *idx, int64_t n_idx, int64_t idx_bytes, int64_t source, void *out) {
-    int64_t ranks = G * m;
+ * non-replicated experts (by rank_of) and of its replicated originals per class (by lp_slot),
+ * the group LPs by lplb_balance, then per expert the moved share in fixed point (frac_bits
+ * fraction bits, rounded half to even) and cumulative rounding over the sources, so the
+ * per-source integers add up to the rounded total. Outputs in two buffers: reals = keep [G, n],
+ * objective [G], bound [G] (as lplb_balance); ints = moved [S, E], phys [P] (tokens per physical
+ * slot), rank_load [P / per_rank]; accepted [G]. When idx is not NULL, also maps source row
+ * `source`'s n_idx entries (int32 or int64 as idx_bytes says, counted in that row) into out, as
+ * lplb_map_* with stay = counts - moved of that row. Returns the iterations of the slowest group;
+ * -1 when out of memory, -2 when source or a layout map points outside its range, -3 at an index
+ * outside [-1, E). */
+int64_t lplb_plan(const PlanLayout *L, int64_t S, const int64_t *counts, double *reals, int64_t *ints,
+                  uint8_t *accepted, const void *idx, int64_t n_idx, int64_t idx_bytes, int64_t source,
+                  void *out) {
+    const int64_t E = L->E, G = L->G, m = L->m, d = L->d, P = L->P, per_rank = L->per_rank;
+    const int64_t *rank_of = L->rank_of, *lp_slot = L->lp_slot, *orig = L->orig, *copy = L->copy;
+    int64_t ranks = G * m, n = m * d;
     if (idx != NULL && (source < 0 || source >= S)) return -2;
     for (int64_t e = 0; e < E; ++e)
         if (rank_of[e] < 0 || rank_of[e] >= ranks || lp_slot[e] < -1 || lp_slot[e] >= ranks * d ||
             orig[e] < 0 || orig[e] >= P || copy[e] < -1 || copy[e] >= P)
             return -2;
+    double *keep = reals, *objective = reals + G * n, *bound = objective + G;
+    int64_t *moved = ints, *phys = ints + S * E, *rank_load = phys + P;
     int64_t *total = (int64_t *)calloc((size_t)(E > 0 ? E : 1), sizeof(int64_t));
     double *fixed = (double *)calloc((size_t)(ranks * (1 + d)), sizeof(double));
     if (total == NULL || fixed == NULL) {
@@ -411,18 +438,18 @@ int64_t lplb_plan(int64_t S, int64_t E, const int64_t *counts, const int64_t *ra
         else
             fixed[rank_of[e]] += (double)total[e];
     }
-    int64_t iterations = lplb_balance(G, m, d, holder, fixed, rep, 0.0, tol, max_iter, accept_rtol,
-                                      step_frac, keep, objective, bound, accepted);
+    int64_t iterations = lplb_balance(G, m, d, L->holder, fixed, rep, 0.0, L->tol, L->max_iter, L->accept_rtol,
+                                      L->step_frac, keep, objective, bound, accepted);
     if (iterations >= 0) {
-        const double one = (double)((int64_t)1 << frac_bits);
-        const int64_t half = ((int64_t)1 << frac_bits) >> 1;
+        const double one = (double)((int64_t)1 << L->frac_bits);
+        const int64_t half = ((int64_t)1 << L->frac_bits) >> 1;
         memset(phys, 0, (size_t)P * sizeof(int64_t));
         for (int64_t e = 0; e < E; ++e) {
             int64_t q = lp_slot[e] >= 0 ? (int64_t)nearbyint((1.0 - keep[lp_slot[e]]) * one) : 0;
             int64_t running = 0, before = 0;
             for (int64_t s = 0; s < S; ++s) {
                 running += counts[s * E + e];
-                int64_t upto = (running * q + half) >> frac_bits;
+                int64_t upto = (running * q + half) >> L->frac_bits;
                 moved[s * E + e] = upto - before;
                 before = upto;
             }
