@@ -14,8 +14,9 @@
   over the EP group, so every rank makes the same plan) and moves tokens between an original
   and its copy.
 - **Gradients** (:meth:`reduce_gradients`, called by the runtime after its own reductions): the
-  gradient of a replicated expert is the sum over its replicas (each saw only its own tokens);
-  every replica gets that sum, so replicas take identical optimizer steps and stay equal.
+  gradient of a replicated expert is the sum over its replicas (each saw only its own tokens),
+  exchanged between the ranks holding it; every replica gets that sum, so replicas take
+  identical optimizer steps and stay equal.
 - **Rebalancing** (:meth:`after_step`, called by the training loop with the step's
   :class:`~portapipe.scheduling.executor.StepResult`): records the expert loads in a sliding
   window; every ``interval`` steps plans a new placement (``eplb``:
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from .cost import migration_cost
 from .loads import LoadWindow, Rebalancer
 from .placement import ExpertPlacement, MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
+from .replica_sum import HolderPlan, holder_plan, sum_over_holders
 from .replica_switch import ReplicaSwitch, first_slot_loads, spread_loads
 
 log = logging.getLogger("portapipe.balancing")
@@ -151,6 +153,8 @@ class ExpertBalancer:
         # replicas skip their gradient sum while off only where their optimizer rows can be refilled
         self.can_refresh = config.train.zero_stage == 0
         self.stale = False  # replicas missed a gradient sum: refill them before they take tokens
+        self.holder_plans: dict[int, HolderPlan] = {}  # per layer row, for the placement in force
+        self.replica_sum_bytes = 0  # sent by the replica gradient sums so far
 
     # ------------------------------------------------------------------ placement
     def _lplb_placement(self, planners: list[Any]) -> ExpertPlacement:
@@ -182,6 +186,7 @@ class ExpertBalancer:
         """
         per = self.slots_per_rank
         mine = torch.arange(self.ep_rank * per, (self.ep_rank + 1) * per)
+        self.holder_plans = {}
         for layer in self.modules:
             row = self.row[layer.index]
             experts = layer.moe.experts
@@ -210,9 +215,9 @@ class ExpertBalancer:
     def reduce_gradients(self) -> None:
         """Sum each replicated expert's gradient over its replicas (collective over the EP group).
 
-        Every EP rank packs, per layer and tensor, one row per replicated expert (the sum of its
-        local replicas' rows, zeros where it holds none); one all-reduce adds the ranks' rows;
-        each replica slot then takes its expert's total. Experts with one slot are untouched.
+        Each holder of a replicated expert exchanges its replicas' rows with the other holders
+        only, and every replica slot takes its expert's total, bit-identical on every holder
+        (:mod:`~portapipe.balancing.replica_sum`). Experts with one slot are untouched.
         While the replicas are switched off they took no tokens, so a first slot's gradient is
         already its expert's total: the sum is skipped (under ``zero_stage`` 0) and the replicas
         are marked out of date.
@@ -225,17 +230,13 @@ class ExpertBalancer:
         self.switch.charge(time.perf_counter() - t0)
 
     def _sum_replica_gradients(self) -> None:
-        parts: list[torch.Tensor] = []
-        where: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        jobs: list[tuple[torch.Tensor, HolderPlan]] = []
         for layer in self.modules:
             row = self.row[layer.index]
-            rep = (self.placement.logcnt[row] > 1).nonzero().flatten()
-            if not len(rep):
+            if not bool((self.placement.logcnt[row] > 1).any()):
                 continue
-            pos = torch.full((self.num_experts,), -1, dtype=torch.int64)
-            pos[rep] = torch.arange(len(rep))
-            slot_pos = pos[torch.tensor(layer.moe.experts.logical, dtype=torch.int64)]
-            local = (slot_pos >= 0).nonzero().flatten()
+            if row not in self.holder_plans:
+                self.holder_plans[row] = holder_plan(self.placement.phy2log[row], self.ep, self.ep_rank)
             for name in EXPERT_PARAMS:
                 p = getattr(layer.moe.experts, name)
                 grad = getattr(p, "main_grad", None)  # the accumulator of a wider dtype, when there is one
@@ -243,23 +244,8 @@ class ExpertBalancer:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     grad = p.grad
-                rows = grad.view(p.shape[0], -1)
-                idx, to = local.to(rows.device), slot_pos[local].to(rows.device)
-                buf = rows.new_zeros(len(rep), rows.shape[1]).index_add_(0, to, rows.index_select(0, idx))
-                parts.append(buf)
-                where.append((rows, idx, to))
-        if not parts:
-            return
-        if len({t.dtype for t in parts}) != 1:
-            raise TypeError("expert gradients of different dtypes cannot share one replica reduction")
-        flat = torch.cat([t.reshape(-1) for t in parts])
-        if self.ep > 1:
-            self.backend.all_reduce(flat, group=self.groups.ep_group)
-        i = 0
-        for buf, (rows, idx, to) in zip(parts, where):
-            total = flat[i:i + buf.numel()].view_as(buf)
-            i += buf.numel()
-            rows.index_copy_(0, idx, total.index_select(0, to))
+                jobs.append((grad.view(p.shape[0], -1), self.holder_plans[row]))
+        self.replica_sum_bytes += sum_over_holders(jobs, self.backend, self.groups.ep_group, self.ep, self.ep_rank)
 
     # ---------------------------------------------------------------- migration
     def apply(
