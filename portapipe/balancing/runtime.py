@@ -44,6 +44,7 @@ from .loads import LoadWindow, Rebalancer
 from .placement import ExpertPlacement, MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
 from .replica_sum import HolderPlan, holder_plan, sum_over_holders
 from .replica_switch import ReplicaSwitch, first_slot_loads, spread_loads
+from .step_figures import gather_figures
 
 log = logging.getLogger("portapipe.balancing")
 
@@ -155,6 +156,7 @@ class ExpertBalancer:
         self.stale = False  # replicas missed a gradient sum: refill them before they take tokens
         self.holder_plans: dict[int, HolderPlan] = {}  # per layer row, for the placement in force
         self.replica_sum_bytes = 0  # sent by the replica gradient sums so far
+        self.max_layers: int | None = None  # the job's most MoE layers on a rank (after_step's figure rows)
 
     # ------------------------------------------------------------------ placement
     def _lplb_placement(self, planners: list[Any]) -> ExpertPlacement:
@@ -407,8 +409,7 @@ class ExpertBalancer:
                 event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
                 self.history.append(event)
         mine["event"] = None if event is None else event.as_dict()
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
+        parts = self._gather(mine, due)
         merged = merge_figures(parts)
         if "min_gain" in mine:  # auto: the same on every rank
             merged["min_gain"] = mine["min_gain"]
@@ -418,6 +419,20 @@ class ExpertBalancer:
             merged["replicas_refreshed_rows"] = moved["rows_moved"]
             log.info("%s step %d: %d out-of-date replica rows refilled from their first slots", self.kind, step + 1, moved["rows_moved"])
         return merged
+
+    def _gather(self, mine: dict[str, Any], due: bool) -> list[dict[str, Any]]:
+        """Every rank's figures (collective over the job): a rebalance step's events and
+        ``min_gain`` as objects, any other step as one fixed-shape tensor (step_figures.py)."""
+        world = dist.get_world_size()
+        if due:
+            parts: list[Any] = [None] * world
+            dist.all_gather_object(parts, mine)
+            return parts
+        if self.max_layers is None:  # the job's most MoE layers on one rank: the rows' size, once
+            most = torch.tensor([len(self.layers)], dtype=torch.int64)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            self.max_layers = int(most)
+        return gather_figures(self.backend, mine, self.max_layers, self.ep, world)
 
     def _replica_gain(self, counts: torch.Tensor | None) -> float:
         """Seconds per step the replicas are predicted to save on this rank: per layer, the rows of
