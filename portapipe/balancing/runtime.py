@@ -6,7 +6,8 @@
 - **Placement.** Each EP rank holds ``n_experts / ep + balancer.redundant`` physical expert
   slots; :meth:`experts_on` says which logical expert each local slot holds (the MoE layer
   builds and initialises its experts from it, so a replica starts as an exact copy).
-  ``eplb`` starts from the identity placement (slot ``s`` holds expert ``s % n_experts``);
+  ``eplb`` starts from :meth:`ExpertPlacement.even` (each rank's own experts, then copies of
+  other ranks' experts, even on even loads);
   ``lplb`` from the LPLB planner's layout (originals, then copies along the topology).
 - **Routing** (:meth:`route`, called by the MoE layer for every micro-batch): logical expert ids
   to physical slots. ``eplb`` spreads an expert's tokens evenly over its replicas
@@ -128,6 +129,7 @@ class ExpertBalancer:
         self.min_gain_auto = bal.min_gain == "auto"
         self.min_gain = 0.0 if self.min_gain_auto else bal.min_gain
         self.migrate_s_per_byte = 0.0  # this rank's last migration: seconds per byte it moved
+        self.sum_s_per_byte = 0.0  # this rank's last replica gradient sum: seconds per byte it sent
         self.history: list[Rebalance] = []
         self.last_moved: dict[str, int] = {}  # what the last apply() moved
         self.modules: list[Any] = []  # this rank's MoE layers, set by attach()
@@ -136,8 +138,10 @@ class ExpertBalancer:
         self.planners: list[Any] = []
         if self.kind == "eplb":
             self.rebalancer = Rebalancer.from_config(bal, n, model.n_experts, groups.ep, model.n_groups)
-            # with the replicas off every token goes to its expert's first slot: spread those evenly
-            self.placement = self.rebalancer.placement = self.rebalancer.placement.with_first_slots_balanced()
+            # even with the replicas spreading tokens (so a balanced router gains nothing from a
+            # first plan), and with them off every token goes to its expert's first slot: spread those evenly
+            start = ExpertPlacement.even(n, model.n_experts, groups.ep, self.num_slots)
+            self.placement = self.rebalancer.placement = start.with_first_slots_balanced()
         else:
             from .lplb import Planner
 
@@ -228,10 +232,13 @@ class ExpertBalancer:
             self.stale = self.stale or bool((self.placement.logcnt > 1).any())
             return
         t0 = time.perf_counter()
-        self._sum_replica_gradients()
-        self.switch.charge(time.perf_counter() - t0)
+        sent = self._sum_replica_gradients()
+        seconds = time.perf_counter() - t0
+        self.switch.charge(seconds)
+        if sent:
+            self.sum_s_per_byte = seconds / sent
 
-    def _sum_replica_gradients(self) -> None:
+    def _sum_replica_gradients(self) -> int:
         jobs: list[tuple[torch.Tensor, HolderPlan]] = []
         for layer in self.modules:
             row = self.row[layer.index]
@@ -247,7 +254,9 @@ class ExpertBalancer:
                         p.grad = torch.zeros_like(p)
                     grad = p.grad
                 jobs.append((grad.view(p.shape[0], -1), self.holder_plans[row]))
-        self.replica_sum_bytes += sum_over_holders(jobs, self.backend, self.groups.ep_group, self.ep, self.ep_rank)
+        sent = sum_over_holders(jobs, self.backend, self.groups.ep_group, self.ep, self.ep_rank)
+        self.replica_sum_bytes += sent
+        return sent
 
     # ---------------------------------------------------------------- migration
     def apply(
@@ -459,13 +468,17 @@ class ExpertBalancer:
         migration of every slot would take at the last migration's measured seconds per byte,
         over ``interval`` steps of expert compute (each rank's last step; means over ranks). The
         balancedness a plan must gain per moved fraction is then what pays for its bytes within
-        the interval. 0 until a migration was timed (the first placement measures it)."""
+        the interval. Before any migration was timed, the replica gradient sum's seconds per byte
+        stand in (expert rows between the same EP ranks through an all-to-all, as a migration
+        sends them), so the first placement is weighed too; 0 when neither was measured
+        (no replicas)."""
         seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
+        per_byte = self.migrate_s_per_byte or self.sum_s_per_byte
         full = 0.0
         for layer in self.modules:
             params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
             full += row_bytes(expert_tensors(params, self.slots_per_rank, optimizer)) * self.num_slots
-        t = torch.tensor([seconds, full * self.migrate_s_per_byte, float(self.migrate_s_per_byte > 0), float(bool(self.modules))],
+        t = torch.tensor([seconds, full * per_byte, float(per_byte > 0), float(bool(self.modules))],
                          dtype=torch.float64)
         dist.all_reduce(t)
         value = 0.0 if t[2] < t[3] or t[0] <= 0 else float(t[1] / (self.interval * t[0]))
