@@ -129,7 +129,6 @@ class ExpertBalancer:
         self.min_gain_auto = bal.min_gain == "auto"
         self.min_gain = 0.0 if self.min_gain_auto else bal.min_gain
         self.migrate_s_per_byte = 0.0  # this rank's last migration: seconds per byte it moved
-        self.sum_s_per_byte = 0.0  # this rank's last replica gradient sum: seconds per byte it sent
         self.history: list[Rebalance] = []
         self.last_moved: dict[str, int] = {}  # what the last apply() moved
         self.modules: list[Any] = []  # this rank's MoE layers, set by attach()
@@ -159,7 +158,6 @@ class ExpertBalancer:
         self.can_refresh = config.train.zero_stage == 0
         self.stale = False  # replicas missed a gradient sum: refill them before they take tokens
         self.holder_plans: dict[int, HolderPlan] = {}  # per layer row, for the placement in force
-        self.replica_sum_bytes = 0  # sent by the replica gradient sums so far
         self.max_layers: int | None = None  # the job's most MoE layers on a rank (after_step's figure rows)
 
     # ------------------------------------------------------------------ placement
@@ -232,13 +230,11 @@ class ExpertBalancer:
             self.stale = self.stale or bool((self.placement.logcnt > 1).any())
             return
         t0 = time.perf_counter()
-        sent = self._sum_replica_gradients()
-        seconds = time.perf_counter() - t0
-        self.switch.charge(seconds)
-        if sent:
-            self.sum_s_per_byte = seconds / sent
+        self._sum_replica_gradients()
+        self.switch.charge(time.perf_counter() - t0)
 
     def _sum_replica_gradients(self) -> int:
+        """The replica sum of every MoE layer with replicas (see :meth:`reduce_gradients`); the bytes this rank sent."""
         jobs: list[tuple[torch.Tensor, HolderPlan]] = []
         for layer in self.modules:
             row = self.row[layer.index]
@@ -254,9 +250,7 @@ class ExpertBalancer:
                         p.grad = torch.zeros_like(p)
                     grad = p.grad
                 jobs.append((grad.view(p.shape[0], -1), self.holder_plans[row]))
-        sent = sum_over_holders(jobs, self.backend, self.groups.ep_group, self.ep, self.ep_rank)
-        self.replica_sum_bytes += sent
-        return sent
+        return sum_over_holders(jobs, self.backend, self.groups.ep_group, self.ep, self.ep_rank)
 
     # ---------------------------------------------------------------- migration
     def apply(
@@ -468,12 +462,11 @@ class ExpertBalancer:
         migration of every slot would take at the last migration's measured seconds per byte,
         over ``interval`` steps of expert compute (each rank's last step; means over ranks). The
         balancedness a plan must gain per moved fraction is then what pays for its bytes within
-        the interval. Before any migration was timed, the replica gradient sum's seconds per byte
-        stand in (expert rows between the same EP ranks through an all-to-all, as a migration
-        sends them), so the first placement is weighed too; 0 when neither was measured
-        (no replicas)."""
+        the interval. 0 until a migration was timed (the first placement measures it; on a
+        balanced router the even starting layout leaves it nothing to gain, see
+        :meth:`ExpertPlacement.even`)."""
         seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
-        per_byte = self.migrate_s_per_byte or self.sum_s_per_byte
+        per_byte = self.migrate_s_per_byte
         full = 0.0
         for layer in self.modules:
             params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}

@@ -1,11 +1,16 @@
-"""The replica gradient sum of one step: between each expert's holders against an all-reduce over the EP group.
+"""A balancer's per-step collectives, each against what it replaced, on gloo ranks; prints JSON lines.
 
-Run: ``python benchmarks/replica_sum.py [--ep 4] [--reps 20]``. Shapes are balance_e2e's model
+1. The replica gradient sum: between each expert's holders against an all-reduce over the EP group.
+2. After-step's figures: one fixed-shape float64 row per rank (one all-gather) against
+   ``all_gather_object`` of the same dicts.
+
+Run: ``python benchmarks/balancer_collectives.py [--ep 4] [--redundant 1] [--reps 20]``. Shapes are balance_e2e's model
 (4 MoE layers of 12 experts, hidden 64, moe_hidden 1024, float32); each rank holds its share
 of the experts and ``redundant`` copies of the next ranks' first experts (a placement's replicas
 spread over the ranks, as a load-planned EPLB layout has them). Both paths (``exchange`` between holders, ``all_reduce``) run in turns on the same gloo ranks (one
 thread each); prints the median wall time per step of each and the bytes each rank sends
-(a ring all-reduce sends 2 (ep - 1) / ep of the buffer).
+(a ring all-reduce sends 2 (ep - 1) / ep of the buffer). The figures are those of 4 MoE layers
+on every rank (a rank of balance_e2e's ``ep4`` layout).
 """
 
 from __future__ import annotations
@@ -37,6 +42,23 @@ def _rank(backend: Any, ep: int, redundant: int, reps: int) -> dict[str, Any]:
     jobs = [(g, plans[i // 2]) for i, g in enumerate(grads)]
     paths = {how: (lambda how=how: sum_over_holders(jobs, backend, None, ep, rank, how)) for how in ("exchange", "all_reduce")}
 
+    from portapipe.balancing.step_figures import gather_figures
+
+    mine = {"pp_rank": 0, "layers": list(range(LAYERS)), "rank_loads": torch.rand(LAYERS, ep).tolist(), "orig_loads": [],
+            "replica_tokens": 12.0, "switch": {"gain_s": 0.01, "cost_s": 0.02}, "event": None}
+    world = dist.get_world_size()
+
+    def objects() -> int:
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, mine)
+        return 0
+
+    def rows() -> int:
+        gather_figures(backend, mine, LAYERS, ep, world)
+        return 0
+
+    paths["figures_tensor"] = rows
+    paths["figures_object"] = objects
     times: dict[str, list[float]] = {name: [] for name in paths}
     sent = {}
     for _ in range(reps):
@@ -60,9 +82,9 @@ def main() -> None:
     out = run_ranks(_rank, args.ep, args.ep, args.redundant, args.reps, wall_timeout_s=600)
     from portapipe.balancing.replica_sum import EXCHANGE_PER_BYTE
 
-    for name in ("exchange", "all_reduce"):
+    for name in ("exchange", "all_reduce", "figures_tensor", "figures_object"):
         print(json.dumps({"path": name, "ep": args.ep, "redundant": args.redundant,
-                          "median_ms_per_rank": [round(r[name]["median_ms"], 2) for r in out],
+                          "median_ms_per_rank": [round(r[name]["median_ms"], 3) for r in out],
                           "bytes_sent_per_rank": [r[name]["bytes_sent"] for r in out]}))
     print(json.dumps({"auto_takes": out[0]["auto"], "exchange_per_byte": EXCHANGE_PER_BYTE}))
 
