@@ -4,9 +4,9 @@ experts take most tokens, both on EP rank 0) lowers the balancedness and raises 
 balancer (EPLB, rebalancing after step 1) wins both back, and forced uniform routing is perfectly
 balanced. The balancedness (rows per rank) is deterministic; the wait, a timing, is compared
 with a wide margin only. The decisions taken from measured figures: LPLB's per-batch LP runs on
-the skewed router and stays off on the uniform one; EPLB's ``min_gain: auto`` is 0 until the first
-migration was timed, then positive, and gates every later plan; from its even starting layout
-EPLB moves nothing on the uniform router."""
+the skewed router and stays off on the uniform one; EPLB's ``min_gain: auto`` is priced from the
+replica gradient sum until the first migration was timed, then from the migration, and gates
+every plan; from its even starting layout EPLB moves nothing on the uniform router."""
 
 from __future__ import annotations
 
@@ -66,10 +66,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "uniform": _config(root / "uniform", {"force_uniform_routing": True}),
         "lplb": _config(root / "lplb", {"router_skew_from": str(loads)}, LPLB),
         "lplb_uniform": _config(root / "lplb_uniform", {"force_uniform_routing": True}, LPLB),
-        # EPLB rebalancing after every step, min_gain from the measured times, on the skewed and the
-        # uniform router (skewed: replicas always in use, so the balancedness does not hang on the
-        # switch's timed decision)
-        "balanced": _config(root / "balanced", {"router_skew_from": str(loads)}, dict(AUTO, stay_off=False)),
+        # EPLB rebalancing after every step, every gaining plan adopted, replicas always in use (so
+        # the balancedness does not hang on the switch's timed decision)
+        "balanced": _config(root / "balanced", {"router_skew_from": str(loads)}, dict(AUTO, min_gain=0.0, stay_off=False)),
+        # min_gain from the measured times, on the skewed and the uniform router
+        "auto": _config(root / "auto", {"router_skew_from": str(loads)}, AUTO),
         "auto_uniform": _config(root / "auto_uniform", {"force_uniform_routing": True}, AUTO),
     }
     return run_ranks(_train_all, 4, configs, wall_timeout_s=300)[0]
@@ -127,13 +128,12 @@ def test_lplb_runs_its_lp_where_it_pays_and_stays_off_where_it_cannot(runs: dict
 
 @pytest.mark.multiproc
 def test_eplb_min_gain_auto_comes_from_the_measured_times(runs: dict[str, Any]) -> None:
-    lines = runs["balanced"]
-    gains = [m["balancer"]["min_gain"] for m in lines]
-    events = [m["balancer"]["rebalance"] for m in lines]
-    # nothing timed before the first migration: min_gain 0, and the skewed router's first placement is adopted
-    assert gains[0] == 0.0 and events[0]["applied"] and events[0]["bytes_moved"] > 0
-    # then the migration's measured seconds per byte and the expert time set it, on every step
-    assert all(g > 0 for g in gains[1:])
+    lines = runs["auto"]
+    # before the first migration the replica gradient sum's processor seconds per byte price it
+    # (the replicas are summed in step 1): positive from the first decision on both routers. (On
+    # this small model a full migration costs several steps of expert time, so the skewed
+    # router's plans may rightly be refused; balance_e2e shows them adopted at its size.)
+    assert all(m["balancer"]["min_gain"] > 0 for m in lines + runs["auto_uniform"])
     # on the uniform router the even starting layout is already balanced: no plan gains, nothing moves
     uniform = runs["auto_uniform"]
     assert all(m["balancer"]["rebalance"]["after"] <= m["balancer"]["rebalance"]["before"] for m in uniform)

@@ -129,6 +129,7 @@ class ExpertBalancer:
         self.min_gain_auto = bal.min_gain == "auto"
         self.min_gain = 0.0 if self.min_gain_auto else bal.min_gain
         self.migrate_s_per_byte = 0.0  # this rank's last migration: seconds per byte it moved
+        self.sum_s_per_byte = 0.0  # this rank's last replica gradient sum: processor seconds per byte it sent
         self.history: list[Rebalance] = []
         self.last_moved: dict[str, int] = {}  # what the last apply() moved
         self.modules: list[Any] = []  # this rank's MoE layers, set by attach()
@@ -229,9 +230,13 @@ class ExpertBalancer:
         if not self.switch.on and self.can_refresh:
             self.stale = self.stale or bool((self.placement.logcnt > 1).any())
             return
-        t0 = time.perf_counter()
-        self._sum_replica_gradients()
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        sent = self._sum_replica_gradients()
         self.switch.charge(time.perf_counter() - t0)
+        if sent:
+            # processor time (every thread of this rank, the transport's too): on a shared host the
+            # wall time would also count the wait for peers to be scheduled
+            self.sum_s_per_byte = (time.process_time() - cpu0) / sent
 
     def _sum_replica_gradients(self) -> int:
         """The replica sum of every MoE layer with replicas (see :meth:`reduce_gradients`); the bytes this rank sent."""
@@ -462,11 +467,11 @@ class ExpertBalancer:
         migration of every slot would take at the last migration's measured seconds per byte,
         over ``interval`` steps of expert compute (each rank's last step; means over ranks). The
         balancedness a plan must gain per moved fraction is then what pays for its bytes within
-        the interval. 0 until a migration was timed (the first placement measures it; on a
-        balanced router the even starting layout leaves it nothing to gain, see
-        :meth:`ExpertPlacement.even`)."""
+        the interval. Until a migration was timed, the replica gradient sum's processor seconds
+        per byte stand in (expert rows sent between the same EP ranks, as a migration sends
+        them), so the first placement is weighed too; 0 when neither was measured (no replicas)."""
         seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
-        per_byte = self.migrate_s_per_byte
+        per_byte = self.migrate_s_per_byte or self.sum_s_per_byte
         full = 0.0
         for layer in self.modules:
             params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
