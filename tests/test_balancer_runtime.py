@@ -4,7 +4,7 @@ One launch of 4 gloo ranks (pp=2, ep=2) runs every multi-rank case, so start-up 
 
 - EPLB with redundant slots (identity placement, experts 0..ep*r-1 replicated) and after a
   migration to a load-derived placement, on 1F1B and DualPipeV (pp=2, ep=2) and with data
-  parallelism (pp=1, dp=2, ep=2): the pipelined float64 step
+  parallelism (pp=1, dp=2, ep=2) and on ep=4 (replica gradients exchanged between holders): the pipelined float64 step
   matches the single-process reference (loss bit for bit, gradients to 1e-12, biases exactly);
 - LPLB on a ring: every micro-batch is routed through the planner, tokens reach the copies, the
   planned rank loads are never worse than sending every token to its original, and the step
@@ -153,7 +153,7 @@ def _ranks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     # (1) EPLB, identity placement with replicas, and after migrating to a load-derived placement
-    for key in ("eplb_1f1b", "eplb_dualpipev", "eplb_dp"):
+    for key in ("eplb_1f1b", "eplb_dualpipev", "eplb_dp", "eplb_ep4"):
         config, rt = _fresh(backend, raws[key])
         out[key] = step_report(rt, _data(config, rt))
         config, rt = _fresh(backend, raws[key])
@@ -247,6 +247,8 @@ def four_ranks() -> tuple[dict[str, Any], list[dict[str, Any]]]:
         "eplb_1f1b": _raw("1f1b", {"kind": "eplb", "redundant": 1}),
         "eplb_dualpipev": _raw("dualpipev", {"kind": "eplb", "redundant": 2}),
         "eplb_dp": _raw("1f1b", {"kind": "eplb", "redundant": 1}, pp=1, dp=2),
+        # every expert on 2 of 4 ranks: the replica gradients are exchanged between holders, not all-reduced
+        "eplb_ep4": _raw("1f1b", {"kind": "eplb", "redundant": 1}, ep=4, pp=1),
         "lplb": _raw("1f1b", {"kind": "lplb", "topology": "ring", "redundant": 1}),
     }
     return raws, run_ranks(_ranks, 4, raws, wall_timeout_s=300)
@@ -264,20 +266,21 @@ def _assert_exact(raw: dict[str, Any], reports: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("key", ["eplb_1f1b", "eplb_dualpipev", "eplb_dp"])
+@pytest.mark.parametrize("key", ["eplb_1f1b", "eplb_dualpipev", "eplb_dp", "eplb_ep4"])
 def test_eplb_replicas_match_the_single_process_reference(four_ranks: Any, key: str) -> None:
     raws, ranks = four_ranks
     reports = [r[key] for r in ranks]
     ids = [r["expert_ids"] for r in reports]
     # redundant slots really hold replicas: some expert sits in two slots of the EP group
     name = next(iter(ids[0]))
-    held = ids[0][name] + ids[1][name]
-    assert len(held) == 4 + 2 * raws[key]["balancer"]["redundant"] and len(set(held)) == 4
+    ep = raws[key]["parallel"]["ep"]  # ranks 0 .. ep - 1 form the first EP group
+    held = [e for i in range(ep) for e in ids[i][name]]
+    assert len(held) == 4 + ep * raws[key]["balancer"]["redundant"] and len(set(held)) == 4
     _assert_exact(raws[key], reports)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("key", ["eplb_1f1b", "eplb_dualpipev", "eplb_dp"])
+@pytest.mark.parametrize("key", ["eplb_1f1b", "eplb_dualpipev", "eplb_dp", "eplb_ep4"])
 def test_eplb_after_migration_to_a_load_placement_still_matches(four_ranks: Any, key: str) -> None:
     raws, ranks = four_ranks
     if key == "eplb_1f1b":  # 3 slots per rank for 4 experts: some expert must cross ranks

@@ -4,8 +4,9 @@ experts take most tokens, both on EP rank 0) lowers the balancedness and raises 
 balancer (EPLB, rebalancing after step 1) wins both back, and forced uniform routing is perfectly
 balanced. The balancedness (rows per rank) is deterministic; the wait, a timing, is compared
 with a wide margin only. The decisions taken from measured figures: LPLB's per-batch LP runs on
-the skewed router and stays off on the uniform one; EPLB's ``min_gain: auto`` is 0 until the
-first migration was timed, then positive, and gates every later plan."""
+the skewed router and stays off on the uniform one; EPLB's ``min_gain: auto`` is priced from the
+replica gradient sum until the first migration was timed, then from the migration, and gates
+every plan; from its even starting layout EPLB moves nothing on the uniform router."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from portapipe.config import ConfigError, load_config
 
+AUTO = {"kind": "eplb", "interval": 1, "window": 1, "redundant": 1, "min_gain": "auto"}
 SKEW = [12, 12, 1, 1, 1, 1, 1, 1]  # experts 0 and 1 (EP rank 0's) take 24 of 30 parts
 STEPS = 4
 LPLB = {"kind": "lplb", "redundant": 1, "topology": "ring", "interval": 100}
@@ -64,9 +66,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "uniform": _config(root / "uniform", {"force_uniform_routing": True}),
         "lplb": _config(root / "lplb", {"router_skew_from": str(loads)}, LPLB),
         "lplb_uniform": _config(root / "lplb_uniform", {"force_uniform_routing": True}, LPLB),
-        # EPLB rebalancing after every step, min_gain from the measured times
-        "balanced": _config(root / "balanced", {"router_skew_from": str(loads)},
-                            {"kind": "eplb", "interval": 1, "window": 1, "redundant": 1, "min_gain": "auto"}),
+        # EPLB rebalancing after every step, every gaining plan adopted, replicas always in use (so
+        # the balancedness does not hang on the switch's timed decision)
+        "balanced": _config(root / "balanced", {"router_skew_from": str(loads)}, dict(AUTO, min_gain=0.0, stay_off=False)),
+        # min_gain from the measured times, on the skewed and the uniform router
+        "auto": _config(root / "auto", {"router_skew_from": str(loads)}, AUTO),
+        "auto_uniform": _config(root / "auto_uniform", {"force_uniform_routing": True}, AUTO),
     }
     return run_ranks(_train_all, 4, configs, wall_timeout_s=300)[0]
 
@@ -82,10 +87,9 @@ def test_skew_lowers_balancedness_and_a_balancer_wins_it_back(runs: dict[str, An
     assert all(m["rank_balancedness"] == 1.0 for m in runs["uniform"])
     # 24 of 30 parts on rank 0 (two of its experts): mean / max about 0.35
     assert last["skewed"]["rank_balancedness"] < 0.5
-    # EPLB (one replica per rank): the identity placement's replicas already help at step 1
-    # (about 0.63), the load-based placement adopted after step 1 more (about 0.85)
-    assert last["skewed"]["rank_balancedness"] + 0.2 < runs["balanced"][0]["rank_balancedness"]
+    # EPLB (one replica per rank): the load-based placement adopted after step 1 (about 0.85)
     assert runs["balanced"][0]["rank_balancedness"] + 0.1 < last["balanced"]["rank_balancedness"]
+    assert last["skewed"]["rank_balancedness"] + 0.3 < last["balanced"]["rank_balancedness"]
     # the wait follows, by a wide margin (measured about 4x): three ranks idle while rank 0
     # computes most rows; after the first step's one-time costs
     def wait(name: str) -> float:
@@ -123,15 +127,20 @@ def test_lplb_runs_its_lp_where_it_pays_and_stays_off_where_it_cannot(runs: dict
 
 
 @pytest.mark.multiproc
-def test_eplb_min_gain_auto_comes_from_the_measured_migration(runs: dict[str, Any]) -> None:
-    lines = runs["balanced"]
-    gains = [m["balancer"]["min_gain"] for m in lines]
-    events = [m["balancer"]["rebalance"] for m in lines]
-    # nothing timed before the first migration: min_gain 0, and the first placement is adopted
-    assert gains[0] == 0.0 and events[0]["applied"] and events[0]["bytes_moved"] > 0
-    # then the migration's measured seconds per byte and the expert time set it, on every step
-    assert all(g > 0 for g in gains[1:])
-    for m in lines[1:]:  # a plan is adopted only when it gains that much per moved fraction
+def test_eplb_min_gain_auto_comes_from_the_measured_times(runs: dict[str, Any]) -> None:
+    lines = runs["auto"]
+    # before the first migration the replica gradient sum's processor seconds per byte price it
+    # (the replicas are summed in step 1): positive from the first decision on both routers. (On
+    # this small model a full migration costs several steps of expert time, so the skewed
+    # router's plans may rightly be refused; balance_e2e shows them adopted at its size.)
+    assert all(m["balancer"]["min_gain"] > 0 for m in lines + runs["auto_uniform"])
+    # on the uniform router the even starting layout is already balanced: no plan gains, nothing moves
+    uniform = runs["auto_uniform"]
+    assert all(m["balancer"]["rebalance"]["after"] <= m["balancer"]["rebalance"]["before"] for m in uniform)
+    assert not any(m["balancer"]["rebalance"]["applied"] for m in uniform)
+    assert sum(m["balancer"]["rebalance"]["bytes_moved"] for m in uniform) == 0
+    assert [m["rank_balancedness"] for m in uniform] == [1.0] * STEPS
+    for m in lines + uniform:  # a plan is adopted only when it gains that much per moved fraction
         e = m["balancer"]["rebalance"]
         moved = e["rows_moved"] / (2 * 12)  # the share of the slots (2 MoE layers x 12) whose rows moved
         assert not e["applied"] or e["after"] - e["before"] >= m["balancer"]["min_gain"] * moved - 1e-9

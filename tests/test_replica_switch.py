@@ -42,6 +42,21 @@ def test_first_slots_are_spread_over_the_ranks() -> None:
     assert first_slot_loads(loads, by_load.log2phy, 4, 2).tolist() == [[12.0, 7.0]]
 
 
+@pytest.mark.parametrize("experts,ep,slots", [(12, 4, 16), (8, 4, 12), (4, 2, 6), (12, 4, 24), (8, 2, 12)])
+def test_the_starting_placement_is_even_on_even_loads(experts: int, ep: int, slots: int) -> None:
+    p = ExpertPlacement.even(2, experts, ep, slots).with_first_slots_balanced()
+    per, even = slots // ep, torch.full((2, ep), experts / ep)
+    ones = torch.ones(2, experts)
+    assert torch.equal(spread_loads(ones, p.log2phy, p.logcnt, per, ep), even)  # replicas in use
+    assert torch.equal(first_slot_loads(ones, p.log2phy, per, ep), even)  # replicas off
+    assert all(len(set(r)) == per for r in p.phy2log[0].view(ep, per).tolist())  # an expert at most once per rank
+    assert sorted(set(p.phy2log[0].tolist())) == list(range(experts))
+    # the identity layout's copies pile onto the last ranks: uneven with replicas in use
+    if (experts, ep, slots) == (12, 4, 16):
+        i = ExpertPlacement.identity(1, experts, ep, slots)
+        assert spread_loads(torch.ones(1, experts), i.log2phy, i.logcnt, per, ep).tolist() == [[2.0, 4.0, 4.0, 2.0]]
+
+
 def test_switch_decides_from_the_mean_gain_and_cost(caplog: pytest.LogCaptureFixture) -> None:
     sw = ReplicaSwitch(enabled=True, kind="eplb")
     sw.charge(0.004)

@@ -86,6 +86,27 @@ class ExpertPlacement:
         return cls(torch.arange(slots).remainder(num_experts).expand(layers, slots), num_ranks, num_experts)
 
     @classmethod
+    def even(cls, layers: int, num_experts: int, num_ranks: int, num_slots: int) -> ExpertPlacement:
+        """The starting placement with redundant slots: even on even loads with replicas in use.
+
+        Rank r holds its own ``num_experts / num_ranks`` experts, then in its j-th extra slot a
+        copy of expert j of rank ``(r + 1 + j) % num_ranks``: every rank has as many of its
+        experts copied elsewhere as it holds copies, so with each expert's tokens split over its
+        replicas every rank carries the same rows on a balanced router (the identity layout
+        copies the first experts onto the last ranks, which then carry 1.5x the rows of the
+        first ones at one replica per rank, so the first plan "gains" on any router). Falls back
+        to :meth:`identity` when the extra slots per rank outnumber the other ranks or the
+        rank's own experts, or experts do not split evenly over ranks.
+        """
+        extra = (num_slots - num_experts) // num_ranks
+        own = num_experts // num_ranks
+        if num_experts % num_ranks or (num_slots - num_experts) % num_ranks or extra >= num_ranks or extra > own:
+            return cls.identity(layers, num_experts, num_ranks, num_slots)
+        row = [e for r in range(num_ranks)
+               for e in [*range(r * own, (r + 1) * own), *(((r + 1 + j) % num_ranks) * own + j for j in range(extra))]]
+        return cls(torch.tensor(row).expand(layers, num_slots), num_ranks, num_experts)
+
+    @classmethod
     def from_loads(
         cls, weight: torch.Tensor, num_ranks: int, num_replicas: int, num_groups: int = 1, num_nodes: int = 1, policy: str = "refined"
     ) -> ExpertPlacement:

@@ -1,8 +1,8 @@
 """Whether a balancer's replicas take tokens next step: on only while that is predicted to pay.
 
 Replicas cost time every step they are used: EPLB spreads tokens over them and LPLB solves its
-per-batch LP, and each replicated expert's gradient is summed over its replicas (an all-reduce
-of whole experts over the EP group). They win back the wait of the EP ranks at every combine
+per-batch LP, and each replicated expert's gradient is summed over its replicas (whole experts
+exchanged between the EP ranks holding them). They win back the wait of the EP ranks at every combine
 for the most loaded one. :class:`ReplicaSwitch` weighs the two after every step, from measured
 figures only:
 

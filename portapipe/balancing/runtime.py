@@ -6,7 +6,8 @@
 - **Placement.** Each EP rank holds ``n_experts / ep + balancer.redundant`` physical expert
   slots; :meth:`experts_on` says which logical expert each local slot holds (the MoE layer
   builds and initialises its experts from it, so a replica starts as an exact copy).
-  ``eplb`` starts from the identity placement (slot ``s`` holds expert ``s % n_experts``);
+  ``eplb`` starts from :meth:`ExpertPlacement.even` (each rank's own experts, then copies of
+  other ranks' experts, even on even loads);
   ``lplb`` from the LPLB planner's layout (originals, then copies along the topology).
 - **Routing** (:meth:`route`, called by the MoE layer for every micro-batch): logical expert ids
   to physical slots. ``eplb`` spreads an expert's tokens evenly over its replicas
@@ -14,8 +15,9 @@
   over the EP group, so every rank makes the same plan) and moves tokens between an original
   and its copy.
 - **Gradients** (:meth:`reduce_gradients`, called by the runtime after its own reductions): the
-  gradient of a replicated expert is the sum over its replicas (each saw only its own tokens);
-  every replica gets that sum, so replicas take identical optimizer steps and stay equal.
+  gradient of a replicated expert is the sum over its replicas (each saw only its own tokens),
+  exchanged between the ranks holding it; every replica gets that sum, so replicas take
+  identical optimizer steps and stay equal.
 - **Rebalancing** (:meth:`after_step`, called by the training loop with the step's
   :class:`~portapipe.scheduling.executor.StepResult`): records the expert loads in a sliding
   window; every ``interval`` steps plans a new placement (``eplb``:
@@ -41,7 +43,9 @@ import torch.distributed as dist
 from .cost import migration_cost
 from .loads import LoadWindow, Rebalancer
 from .placement import ExpertPlacement, MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
+from .replica_sum import HolderPlan, holder_plan, sum_over_holders
 from .replica_switch import ReplicaSwitch, first_slot_loads, spread_loads
+from .step_figures import gather_figures
 
 log = logging.getLogger("portapipe.balancing")
 
@@ -125,6 +129,7 @@ class ExpertBalancer:
         self.min_gain_auto = bal.min_gain == "auto"
         self.min_gain = 0.0 if self.min_gain_auto else bal.min_gain
         self.migrate_s_per_byte = 0.0  # this rank's last migration: seconds per byte it moved
+        self.sum_s_per_byte = 0.0  # this rank's last replica gradient sum: processor seconds per byte it sent
         self.history: list[Rebalance] = []
         self.last_moved: dict[str, int] = {}  # what the last apply() moved
         self.modules: list[Any] = []  # this rank's MoE layers, set by attach()
@@ -133,8 +138,10 @@ class ExpertBalancer:
         self.planners: list[Any] = []
         if self.kind == "eplb":
             self.rebalancer = Rebalancer.from_config(bal, n, model.n_experts, groups.ep, model.n_groups)
-            # with the replicas off every token goes to its expert's first slot: spread those evenly
-            self.placement = self.rebalancer.placement = self.rebalancer.placement.with_first_slots_balanced()
+            # even with the replicas spreading tokens (so a balanced router gains nothing from a
+            # first plan), and with them off every token goes to its expert's first slot: spread those evenly
+            start = ExpertPlacement.even(n, model.n_experts, groups.ep, self.num_slots)
+            self.placement = self.rebalancer.placement = start.with_first_slots_balanced()
         else:
             from .lplb import Planner
 
@@ -151,6 +158,8 @@ class ExpertBalancer:
         # replicas skip their gradient sum while off only where their optimizer rows can be refilled
         self.can_refresh = config.train.zero_stage == 0
         self.stale = False  # replicas missed a gradient sum: refill them before they take tokens
+        self.holder_plans: dict[int, HolderPlan] = {}  # per layer row, for the placement in force
+        self.max_layers: int | None = None  # the job's most MoE layers on a rank (after_step's figure rows)
 
     # ------------------------------------------------------------------ placement
     def _lplb_placement(self, planners: list[Any]) -> ExpertPlacement:
@@ -182,6 +191,7 @@ class ExpertBalancer:
         """
         per = self.slots_per_rank
         mine = torch.arange(self.ep_rank * per, (self.ep_rank + 1) * per)
+        self.holder_plans = {}
         for layer in self.modules:
             row = self.row[layer.index]
             experts = layer.moe.experts
@@ -210,9 +220,9 @@ class ExpertBalancer:
     def reduce_gradients(self) -> None:
         """Sum each replicated expert's gradient over its replicas (collective over the EP group).
 
-        Every EP rank packs, per layer and tensor, one row per replicated expert (the sum of its
-        local replicas' rows, zeros where it holds none); one all-reduce adds the ranks' rows;
-        each replica slot then takes its expert's total. Experts with one slot are untouched.
+        Each holder of a replicated expert exchanges its replicas' rows with the other holders
+        only, and every replica slot takes its expert's total, bit-identical on every holder
+        (:mod:`~portapipe.balancing.replica_sum`). Experts with one slot are untouched.
         While the replicas are switched off they took no tokens, so a first slot's gradient is
         already its expert's total: the sum is skipped (under ``zero_stage`` 0) and the replicas
         are marked out of date.
@@ -220,22 +230,23 @@ class ExpertBalancer:
         if not self.switch.on and self.can_refresh:
             self.stale = self.stale or bool((self.placement.logcnt > 1).any())
             return
-        t0 = time.perf_counter()
-        self._sum_replica_gradients()
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        sent = self._sum_replica_gradients()
         self.switch.charge(time.perf_counter() - t0)
+        if sent:
+            # processor time (every thread of this rank, the transport's too): on a shared host the
+            # wall time would also count the wait for peers to be scheduled
+            self.sum_s_per_byte = (time.process_time() - cpu0) / sent
 
-    def _sum_replica_gradients(self) -> None:
-        parts: list[torch.Tensor] = []
-        where: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    def _sum_replica_gradients(self) -> int:
+        """The replica sum of every MoE layer with replicas (see :meth:`reduce_gradients`); the bytes this rank sent."""
+        jobs: list[tuple[torch.Tensor, HolderPlan]] = []
         for layer in self.modules:
             row = self.row[layer.index]
-            rep = (self.placement.logcnt[row] > 1).nonzero().flatten()
-            if not len(rep):
+            if not bool((self.placement.logcnt[row] > 1).any()):
                 continue
-            pos = torch.full((self.num_experts,), -1, dtype=torch.int64)
-            pos[rep] = torch.arange(len(rep))
-            slot_pos = pos[torch.tensor(layer.moe.experts.logical, dtype=torch.int64)]
-            local = (slot_pos >= 0).nonzero().flatten()
+            if row not in self.holder_plans:
+                self.holder_plans[row] = holder_plan(self.placement.phy2log[row], self.ep, self.ep_rank)
             for name in EXPERT_PARAMS:
                 p = getattr(layer.moe.experts, name)
                 grad = getattr(p, "main_grad", None)  # the accumulator of a wider dtype, when there is one
@@ -243,23 +254,8 @@ class ExpertBalancer:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     grad = p.grad
-                rows = grad.view(p.shape[0], -1)
-                idx, to = local.to(rows.device), slot_pos[local].to(rows.device)
-                buf = rows.new_zeros(len(rep), rows.shape[1]).index_add_(0, to, rows.index_select(0, idx))
-                parts.append(buf)
-                where.append((rows, idx, to))
-        if not parts:
-            return
-        if len({t.dtype for t in parts}) != 1:
-            raise TypeError("expert gradients of different dtypes cannot share one replica reduction")
-        flat = torch.cat([t.reshape(-1) for t in parts])
-        if self.ep > 1:
-            self.backend.all_reduce(flat, group=self.groups.ep_group)
-        i = 0
-        for buf, (rows, idx, to) in zip(parts, where):
-            total = flat[i:i + buf.numel()].view_as(buf)
-            i += buf.numel()
-            rows.index_copy_(0, idx, total.index_select(0, to))
+                jobs.append((grad.view(p.shape[0], -1), self.holder_plans[row]))
+        return sum_over_holders(jobs, self.backend, self.groups.ep_group, self.ep, self.ep_rank)
 
     # ---------------------------------------------------------------- migration
     def apply(
@@ -421,8 +417,7 @@ class ExpertBalancer:
                 event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
                 self.history.append(event)
         mine["event"] = None if event is None else event.as_dict()
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
+        parts = self._gather(mine, due)
         merged = merge_figures(parts)
         if "min_gain" in mine:  # auto: the same on every rank
             merged["min_gain"] = mine["min_gain"]
@@ -432,6 +427,20 @@ class ExpertBalancer:
             merged["replicas_refreshed_rows"] = moved["rows_moved"]
             log.info("%s step %d: %d out-of-date replica rows refilled from their first slots", self.kind, step + 1, moved["rows_moved"])
         return merged
+
+    def _gather(self, mine: dict[str, Any], due: bool) -> list[dict[str, Any]]:
+        """Every rank's figures (collective over the job): a rebalance step's events and
+        ``min_gain`` as objects, any other step as one fixed-shape tensor (step_figures.py)."""
+        world = dist.get_world_size()
+        if due:
+            parts: list[Any] = [None] * world
+            dist.all_gather_object(parts, mine)
+            return parts
+        if self.max_layers is None:  # the job's most MoE layers on one rank: the rows' size, once
+            most = torch.tensor([len(self.layers)], dtype=torch.int64)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            self.max_layers = int(most)
+        return gather_figures(self.backend, mine, self.max_layers, self.ep, world)
 
     def _replica_gain(self, counts: torch.Tensor | None) -> float:
         """Seconds per step the replicas are predicted to save on this rank: per layer, the rows of
@@ -458,13 +467,16 @@ class ExpertBalancer:
         migration of every slot would take at the last migration's measured seconds per byte,
         over ``interval`` steps of expert compute (each rank's last step; means over ranks). The
         balancedness a plan must gain per moved fraction is then what pays for its bytes within
-        the interval. 0 until a migration was timed (the first placement measures it)."""
+        the interval. Until a migration was timed, the replica gradient sum's processor seconds
+        per byte stand in (expert rows sent between the same EP ranks, as a migration sends
+        them), so the first placement is weighed too; 0 when neither was measured (no replicas)."""
         seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
+        per_byte = self.migrate_s_per_byte or self.sum_s_per_byte
         full = 0.0
         for layer in self.modules:
             params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
             full += row_bytes(expert_tensors(params, self.slots_per_rank, optimizer)) * self.num_slots
-        t = torch.tensor([seconds, full * self.migrate_s_per_byte, float(self.migrate_s_per_byte > 0), float(bool(self.modules))],
+        t = torch.tensor([seconds, full * per_byte, float(per_byte > 0), float(bool(self.modules))],
                          dtype=torch.float64)
         dist.all_reduce(t)
         value = 0.0 if t[2] < t[3] or t[0] <= 0 else float(t[1] / (self.interval * t[0]))
