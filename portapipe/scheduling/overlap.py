@@ -169,7 +169,8 @@ class Tape:
         call_args = list(args)
         for i, a in enumerate(args):
             # a weight (Parameter) is used as it is: its gradient accumulates as a captured one's would
-            if isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, torch.nn.Parameter):
+            # (type() first: Parameter's isinstance check runs Python code)
+            if isinstance(a, torch.Tensor) and a.requires_grad and (type(a) is torch.Tensor or not isinstance(a, torch.nn.Parameter)):
                 self._check_known(a, "tape.part({!s}) argument {}", getattr(fn, "__name__", fn), i)
                 leaf = a.detach().requires_grad_(True)
                 leaves.append((leaf, a))

@@ -43,6 +43,8 @@ class WeightGradQueue:
     def run(self) -> None:
         """Compute and accumulate every queued weight gradient, in queue order, then forget them."""
         work, self._work = self._work, []
+        if not work:  # a part with no weights of its own (a full backward gives every part a queue)
+            return
         # Outside autograd's backward grad mode is on: record no graph (it would keep the
         # layers' inputs alive for nothing).
         with torch.no_grad():
