@@ -15,8 +15,9 @@ Before timing, one step of each on the same data checks the three are the same c
 hits all of them alike; every step starts at a barrier and its time is the slowest rank's.
 Prints one JSON object: the median step time of each, torch / ours, and the share of
 all-to-all time hidden behind compute over the step, in the steady phase (the F&B pairs) and at
-the edges (the lone F, B and BW actions: warm-up, cool-down, and all of 1F1B), with the machine's
-load average before and after.
+the edges (the lone F, B and BW actions: warm-up, cool-down, and all of 1F1B), each rank's
+median processor time per step (all of its threads: with more ranks than cores the step is
+bound by it), with the machine's load average before and after.
 
     python benchmarks/step_vs_torch.py [--config examples/cpu.yaml] [--steps 20] [--warmup 3]
         [--schedules dualpipev,interleaved,1f1b] [--set k=v ...]
@@ -184,19 +185,21 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int, sche
         }
 
     times: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}  # this rank's processor time per step
     a2a: dict[str, list[float]] = {k: [0.0] * 4 for k in variants if not k.endswith("/torch")}
     bubble: dict[str, list[float]] = {k: [] for k in a2a}
     for i in range(1, warmup + steps + 1):
         mbs = batches(i)
         for key, v in variants.items():
             backend.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             result = v.step(mbs)
-            elapsed = time.perf_counter() - t0
+            elapsed, used = time.perf_counter() - t0, time.process_time() - c0
             (slowest,) = _all_max([elapsed])
             if i <= warmup:
                 continue
             times[key].append(slowest)
+            cpu[key].append(used)
             if key in a2a:
                 t = result.timings
                 sums = _all_sum([t["fb_a2a_total_s"], t["fb_a2a_wait_s"], t["a2a_total_s"], t["a2a_wait_s"]])
@@ -206,9 +209,16 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int, sche
     def hidden(total: float, wait: float) -> float | None:
         return None if total <= 0 else round(100.0 * max(0.0, 1.0 - wait / total), 1)
 
+    # each rank's median processor time per step (all its threads), every rank's on every rank
+    rank, world = dist.get_rank(), dist.get_world_size()
+    slots = {k: [statistics.median(cpu[k]) if i == rank else 0.0 for i in range(world)] for k in cpu}
+    flat = _all_sum([x for k in cpu for x in slots[k]])
+    per_rank = {k: flat[j * world : (j + 1) * world] for j, k in enumerate(cpu)}
+
     out: dict[str, Any] = {}
     for name in schedules:
         med = {k.split("/")[1]: statistics.median(times[k]) for k in times if k.startswith(name + "/")}
+        proc = {k.split("/")[1]: v for k, v in per_rank.items() if k.startswith(name + "/")}
         # the edges: every exchange outside the F&B pairs (the executor's edge_a2a_* timings)
         fb_total, fb_wait, total, wait = a2a[f"{name}/ours"]
         edge_total, edge_wait = total - fb_total, wait - fb_wait
@@ -227,6 +237,8 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int, sche
             "a2a_hidden_step_pct_no_overlap": hidden(ntotal, nwait),
             "a2a_hidden_edges_pct_no_overlap": hidden(nedge_total, nedge_wait),
             "bubble_pct_ours": round(100.0 * statistics.median(bubble[f"{name}/ours"]), 1),
+            "processor_ms_per_step_by_rank": {k: [round(1000.0 * x, 1) for x in v] for k, v in proc.items()},
+            "processor_ours_over_torch": round(sum(proc["ours"]) / sum(proc["torch"]), 3),
             "same_computation": check[name],
         }
     return out

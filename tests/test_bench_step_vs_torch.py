@@ -27,6 +27,11 @@ def test_step_vs_torch_runs_and_ours_and_torchs_pipelines_agree() -> None:
         same = report[schedule]["same_computation"]
         assert same["loss_ours"] == same["loss_torch"] == same["loss_ours_no_overlap"]
         assert same["max_rel_grad_diff_torch_vs_ours"] < 1e-5 and same["max_rel_grad_diff_no_overlap_vs_ours"] < 1e-5
+        # every rank's processor time per step, for each variant
+        proc = report[schedule]["processor_ms_per_step_by_rank"]
+        assert sorted(proc) == ["ours", "ours_no_overlap", "torch"]
+        assert all(len(v) == report["ranks"] and min(v) > 0 for v in proc.values()), proc
+        assert abs(report[schedule]["processor_ours_over_torch"] - sum(proc["ours"]) / sum(proc["torch"])) < 0.01
 
 
 @pytest.mark.parametrize("steps, warmup", [("0", "1"), ("-1", "1"), ("2", "-1")])

@@ -79,7 +79,7 @@ class Pending:
         if work is not None and stats is not None and hasattr(work, "get_future"):
             # Completion time from the communication thread: the true length of the exchange,
             # whether or not anybody was waiting for it.
-            work.get_future().then(lambda _f: self._done_at.append(time.perf_counter()))
+            work.get_future().add_done_callback(lambda _f: self._done_at.append(time.perf_counter()))
 
     @property
     def in_flight(self) -> bool:
@@ -136,6 +136,8 @@ def issue(
     """Start an asynchronous :func:`exchange` on the communication stream (after the compute
     stream's work so far, so it sends what was computed)."""
     backend = group.backend
+    if not backend.capabilities.streams:  # declared no-op streams: nothing to order
+        return exchange(group, x, out_splits, in_splits, async_op=True, stats=stats)
     comm = group.comm_stream()
     comm.wait_stream(backend.compute_stream())
     with backend.stream(comm):

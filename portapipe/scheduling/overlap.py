@@ -78,6 +78,7 @@ class PartObserver(Protocol):
     def forward(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> ContextManager[PartNote]: ...
 
 
+_NO_NOTE = contextlib.nullcontext()  # reusable: no observer watched the part's forward
 _OBSERVER: contextvars.ContextVar[PartObserver | None] = contextvars.ContextVar("portapipe_part_observer", default=None)
 
 
@@ -165,24 +166,26 @@ class Tape:
         if not self.record:
             return fn(*args)
         leaves: list[tuple[torch.Tensor, torch.Tensor]] = []
-        call_args = []
+        call_args = list(args)
         for i, a in enumerate(args):
-            if isinstance(a, torch.nn.Parameter):
-                pass  # a weight: used as it is, its gradient accumulates as a captured one's would
-            elif isinstance(a, torch.Tensor) and a.requires_grad:
-                self._check_known(a, f"tape.part({getattr(fn, '__name__', fn)!s}) argument {i}")
+            # a weight (Parameter) is used as it is: its gradient accumulates as a captured one's would
+            # (type() first: Parameter's isinstance check runs Python code)
+            if isinstance(a, torch.Tensor) and a.requires_grad and (type(a) is torch.Tensor or not isinstance(a, torch.nn.Parameter)):
+                self._check_known(a, "tape.part({!s}) argument {}", getattr(fn, "__name__", fn), i)
                 leaf = a.detach().requires_grad_(True)
                 leaves.append((leaf, a))
-                a = leaf
-            call_args.append(a)
+                call_args[i] = leaf
         observer = _OBSERVER.get()
         note = None
-        with torch.enable_grad():
-            if observer is None:
-                out = fn(*call_args)
-            else:
-                with observer.forward(fn, tuple(call_args)) as note:
+        if observer is None and torch.is_grad_enabled():  # the usual case: no mode switch to make
+            out = fn(*call_args)
+        else:
+            with torch.enable_grad():
+                if observer is None:
                     out = fn(*call_args)
+                else:
+                    with observer.forward(fn, tuple(call_args)) as note:
+                        out = fn(*call_args)
         outputs = _tensors(out)
         self._known.update(id(t) for t in outputs)
         self._steps.append(_Part(leaves, outputs, plain, note))
@@ -214,12 +217,13 @@ class Tape:
         self._known.update(id(t) for t in step.outputs)
         self._steps.append(step)
 
-    def _check_known(self, t: torch.Tensor, what: str) -> None:
+    def _check_known(self, t: torch.Tensor, what: str, *fields: Any) -> None:
         """A non-leaf tensor with a gradient the tape does not route: made by code between parts,
-        whose gradient would be lost without a word."""
+        whose gradient would be lost without a word. ``what``: a format string of ``fields``
+        (formatted only when refusing: this runs for every part's every argument)."""
         if not t.is_leaf and id(t) not in self._known:
             raise ValueError(
-                f"{what} carries a gradient but is not the output of a part, an exchange or tape.watch: "
+                f"{what.format(*fields)} carries a gradient but is not the output of a part, an exchange or tape.watch: "
                 "computations between parts are not recorded; do them inside a tape.part"
             )
 
@@ -239,6 +243,8 @@ class Tape:
         item = self._grads.pop(id(t), None)
         if item is None:
             return None
+        if len(item[1]) == 1:
+            return item[1][0][1]
         terms = sorted(item[1], key=lambda c: -c[0])  # stable: a step's own terms keep their order
         total = terms[0][1]
         for _, g in terms[1:]:
@@ -284,10 +290,8 @@ class Tape:
         marks, self._ahead = self._ahead, []
         last_mark: int | None = None  # where the last mark that ran was recorded
         while not flow.finished():
-            ready = flow.ready()
-            exchanges = [j for j in ready if isinstance(steps[j], _Exchange)]
-            if exchanges:  # issue first: the rows travel while everything else runs
-                j = max(exchanges)
+            j = flow.next_exchange()
+            if j is not None:  # issue first: the rows travel while everything else runs
                 step = steps[j]
                 g = self._pop_grad(step.output)
                 if g is None:  # the exchange must still happen: the peers take part in it
@@ -297,20 +301,24 @@ class Tape:
                 in_flight.append((j, pending))
                 yield pending
                 continue
-            if ready:
-                j = max(ready)
+            j = flow.next_step()
+            if j is not None:
                 flow.start(j)
-                if prepared == j:
-                    prepared = None
-                if j in ahead:
-                    ahead.remove(j)
-                work = self._step_backward(steps[j], j, queue, aside)
-                if isinstance(steps[j], Custom) and prepared is None and ahead:
-                    # a custom backward (a replay's backward) beside the next one's replay,
-                    # switching at every exchange in flight as an F&B pair does
-                    prepared = ahead.pop()
-                    work = _discard_second(interleaved(work, steps[prepared].prepare()))
-                yield from work
+                step = steps[j]
+                if isinstance(step, Custom):
+                    if prepared == j:
+                        prepared = None
+                    if j in ahead:
+                        ahead.remove(j)
+                    work = self._custom_backward(step, j, queue)
+                    if prepared is None and ahead:
+                        # a custom backward (a replay's backward) beside the next one's replay,
+                        # switching at every exchange in flight as an F&B pair does
+                        prepared = ahead.pop()
+                        work = _discard_second(interleaved(work, steps[prepared].prepare()))
+                    yield from work
+                else:  # a part's backward yields nothing: a plain call
+                    self._part_backward(step, j, queue, aside)
                 flow.finish(j)
                 continue
             if not in_flight:
@@ -338,16 +346,16 @@ class Tape:
         self._input = None
         return grad_in
 
-    def _step_backward(self, step: _Part | Custom, j: int, queue: WeightGradQueue | None, aside: list[WeightGradQueue] | None) -> Program:
-        """One part's (or custom step's) backward; its inputs' gradients are added as step ``j``'s.
-        ``aside``: where a full backward keeps each part's deferrable weight gradients (a
-        custom step's own backward program keeps its own)."""
-        if isinstance(step, Custom):
-            grads_in = yield from step.backward([self._pop_grad(o) for o in step.outputs], queue)
-            for src, g in zip(step.inputs, grads_in):
-                if g is not None:
-                    self._add_grad(src, g, j)
-            return
+    def _custom_backward(self, step: Custom, j: int, queue: WeightGradQueue | None) -> Program:
+        """A custom step's backward program; its inputs' gradients are added as step ``j``'s."""
+        grads_in = yield from step.backward([self._pop_grad(o) for o in step.outputs], queue)
+        for src, g in zip(step.inputs, grads_in):
+            if g is not None:
+                self._add_grad(src, g, j)
+
+    def _part_backward(self, step: _Part, j: int, queue: WeightGradQueue | None, aside: list[WeightGradQueue] | None) -> None:
+        """One part's backward; its inputs' gradients are added as step ``j``'s. ``aside``: where
+        a full backward keeps each part's deferrable weight gradients."""
         if queue is None and aside is not None:
             queue = WeightGradQueue()
             aside.append(queue)
@@ -357,7 +365,7 @@ class Tape:
             if g is not None:
                 outs.append(o)
                 grads.append(g)
-        watch = contextlib.nullcontext() if step.note is None else step.note.backward(queue)
+        watch = _NO_NOTE if step.note is None else step.note.backward(queue)
         if outs and step.plain and queue is not None:
             with watch:
                 leaf_grads = split_backward(outs, grads, [leaf for leaf, _ in step.leaves], queue)
@@ -367,12 +375,28 @@ class Tape:
         else:
             if outs:
                 with deferring(queue), watch:
-                    torch.autograd.backward(outs, grads)
+                    _autograd_backward(outs, grads)
             for leaf, src in step.leaves:
                 if leaf.grad is not None:
                     self._add_grad(src, leaf.grad, j)
         step.leaves.clear()
         step.outputs.clear()
+
+
+try:  # what torch.autograd.backward calls once it has checked and converted its arguments
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # a torch without it: the public call
+    _engine_run_backward = None
+
+
+def _autograd_backward(outputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward(outputs, grads)`` minus its Python-side argument checks and
+    conversions: a part's gradients come from the tape (the same shapes, dtypes and devices as
+    its outputs; the engine checks them again), and a stage runs this once per part."""
+    if _engine_run_backward is None:
+        torch.autograd.backward(outputs, grads)
+    else:
+        _engine_run_backward(tuple(outputs), tuple(grads), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 
 class _Flow:
@@ -388,20 +412,33 @@ class _Flow:
         self._feeds: list[set[int]] = [set() for _ in steps]  # step -> the earlier steps it read from
         self._waiting = [0] * len(steps)  # step -> its readers not finished yet
         for j, step in enumerate(steps):
+            feeds = self._feeds[j]
             for t in _inputs(step):
                 i = made.get(id(t))
-                if i is not None and i != j and i not in self._feeds[j]:
-                    self._feeds[j].add(i)
+                if i is not None and i != j and i not in feeds:
+                    feeds.add(i)
                     self._waiting[i] += 1
-        self._ready = {i for i, n in enumerate(self._waiting) if n == 0}
+        self._exchange = [isinstance(step, _Exchange) for step in steps]
+        # ready steps, exchanges apart: the backward issues those first
+        self._ready: tuple[set[int], set[int]] = (set(), set())
+        for i, n in enumerate(self._waiting):
+            if n == 0:
+                self._ready[self._exchange[i]].add(i)
         self._started: set[int] = set()
         self._left = len(steps)
 
-    def ready(self) -> list[int]:
-        return sorted(self._ready)
+    def next_exchange(self) -> int | None:
+        """The latest ready exchange (not started), if any."""
+        ready = self._ready[True]
+        return max(ready) if ready else None
+
+    def next_step(self) -> int | None:
+        """The latest ready step that is not an exchange (not started), if any."""
+        ready = self._ready[False]
+        return max(ready) if ready else None
 
     def start(self, j: int) -> None:
-        self._ready.discard(j)
+        self._ready[self._exchange[j]].discard(j)
         self._started.add(j)
 
     def started(self, j: int) -> bool:
@@ -412,7 +449,7 @@ class _Flow:
         for i in self._feeds[j]:
             self._waiting[i] -= 1
             if self._waiting[i] == 0:
-                self._ready.add(i)
+                self._ready[self._exchange[i]].add(i)
 
     def finished(self) -> bool:
         return self._left == 0

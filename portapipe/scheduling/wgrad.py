@@ -19,10 +19,9 @@ Both give the same numbers as one full backward: the same operations on the same
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +43,8 @@ class WeightGradQueue:
     def run(self) -> None:
         """Compute and accumulate every queued weight gradient, in queue order, then forget them."""
         work, self._work = self._work, []
+        if not work:  # a part with no weights of its own (a full backward gives every part a queue)
+            return
         # Outside autograd's backward grad mode is on: record no graph (it would keep the
         # layers' inputs alive for nothing).
         with torch.no_grad():
@@ -54,17 +55,23 @@ class WeightGradQueue:
 _ACTIVE: contextvars.ContextVar[WeightGradQueue | None] = contextvars.ContextVar("portapipe_wgrad_queue", default=None)
 
 
-@contextlib.contextmanager
-def deferring(queue: WeightGradQueue | None) -> Iterator[WeightGradQueue | None]:
+class deferring:  # noqa: N801 - used as a function: ``with deferring(queue):``
     """Within this block, layers using :func:`defer_weight_grad` queue their weight gradients in ``queue``.
 
-    ``None`` means compute them at once (a full backward).
+    ``None`` means compute them at once (a full backward). A class rather than a generator
+    context manager: the tape enters one per part's backward.
     """
-    token = _ACTIVE.set(queue)
-    try:
-        yield queue
-    finally:
-        _ACTIVE.reset(token)
+
+    def __init__(self, queue: WeightGradQueue | None) -> None:
+        self.queue = queue
+        self._token: contextvars.Token[WeightGradQueue | None] | None = None
+
+    def __enter__(self) -> WeightGradQueue | None:
+        self._token = _ACTIVE.set(self.queue)
+        return self.queue
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE.reset(self._token)
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
