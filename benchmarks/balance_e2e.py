@@ -201,6 +201,13 @@ def load_skew(steps: list[dict[str, Any]]) -> float | None:
     return round(float((loads.max(1).values / loads.mean(1)).mean()), 3)
 
 
+def _shown(path: str | Path) -> str:
+    """``path`` as the JSON records it: relative to the checkout when inside it (the same on
+    every clone), else as given."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -226,8 +233,8 @@ def main() -> None:
         "load_avg_1min_before": round(os.getloadavg()[0], 2),
         "steps": args.steps,
         "warmup": args.warmup,
-        "loads": args.loads,
-        "trained": None if trained is None else {"folder": str(trained), "train_steps": args.train_steps},
+        "loads": _shown(args.loads),
+        "trained": None if trained is None else {"folder": _shown(trained), "train_steps": args.train_steps},
         "layouts": {},
     }
     for layout in args.layouts:
