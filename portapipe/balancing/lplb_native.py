@@ -311,39 +311,35 @@ class PlanOutput:
     ``accepted`` [G] bool and ``iterations`` are there from the start."""
 
     def __init__(self, reals: torch.Tensor, ints: torch.Tensor, accepted: torch.Tensor, iterations: int, dims: tuple[int, ...]) -> None:
-        self._reals, self._ints, self._dims = reals, ints, dims
+        self._reals, self._ints = reals, ints
+        self._keep_shape, (self._S, self._E, self._P) = dims[:3], dims[3:]
+        self._n = dims[0] * dims[1] * dims[2]  # keep's entries: the reals buffer's first part
         self.accepted, self.iterations = accepted, iterations
 
     @cached_property
     def keep(self) -> torch.Tensor:
         """[G, g, d] share of each (rank, class) load kept by the originals."""
-        G, g, d = self._dims[:3]
-        return self._reals[: G * g * d].view(G, g, d)
+        return self._reals[: self._n].view(self._keep_shape)
 
     @cached_property
     def objective(self) -> torch.Tensor:
-        G, n = self._dims[0], self._dims[0] * self._dims[1] * self._dims[2]
-        return self._reals[n : n + G]
+        return self._reals[self._n : self._n + len(self.accepted)]
 
     @cached_property
     def bound(self) -> torch.Tensor:
-        G, n = self._dims[0], self._dims[0] * self._dims[1] * self._dims[2]
-        return self._reals[n + G :]
+        return self._reals[self._n + len(self.accepted) :]
 
     @cached_property
     def moved(self) -> torch.Tensor:
-        S, E = self._dims[3:5]
-        return self._ints[: S * E].view(S, E)
+        return self._ints[: self._S * self._E].view(self._S, self._E)
 
     @cached_property
     def phys(self) -> torch.Tensor:
-        S, E, P = self._dims[3:6]
-        return self._ints[S * E : S * E + P]
+        return self._ints[self._S * self._E : self._S * self._E + self._P]
 
     @cached_property
     def rank_load(self) -> torch.Tensor:
-        S, E, P = self._dims[3:6]
-        return self._ints[S * E + P :]
+        return self._ints[self._S * self._E + self._P :]
 
 
 class PlanCall:

@@ -113,11 +113,12 @@ def sum_over_holders(jobs: list[tuple[torch.Tensor, HolderPlan]], backend: Any, 
     for rows, plan in jobs:
         slots, pos = plan.slots.to(rows.device), plan.pos.to(rows.device)
         parts.append(rows.new_zeros(plan.held, rows.shape[1]).index_add_(0, pos, rows.index_select(0, slots)))
-    if ep > 1 and any(plan.exchange for _, plan in jobs) and (how == "all_reduce" or how == "auto" and not exchange_pays(jobs, ep)):
+    collective = ep > 1 and any(plan.exchange for _, plan in jobs)
+    if collective and (how == "all_reduce" or how == "auto" and not exchange_pays(jobs, ep)):
         return _all_reduce(jobs, parts, backend, group, ep)
     received: list[dict[int, torch.Tensor]] = [{} for _ in jobs]
     sent = 0
-    if ep > 1 and any(plan.exchange for _, plan in jobs):
+    if collective:
         # per peer: every job's shared parts, in job order (the peer builds the same order)
         sizes = [[len(plan.shared.get(peer, ())) * rows.shape[1] for rows, plan in jobs] for peer in range(ep)]
         send = torch.cat([parts[j][plan.shared[peer].to(rows.device)].reshape(-1)
