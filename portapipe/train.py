@@ -408,7 +408,7 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
     Raises ConfigError for bad input (nothing started) and LaunchError for a failed rank.
     """
     from .backends.registry import check_available
-    from .checkpoint.run import Locks
+    from .checkpoint.folders import Locks
     from .launch import launching_rank, run_ranks, under_mpirun, under_torchrun
 
     check_before_launch(config)

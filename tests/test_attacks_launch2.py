@@ -15,7 +15,7 @@ import pytest
 
 import portapipe.launch
 from portapipe import cpu_isa
-from portapipe.checkpoint.run import writable_problems
+from portapipe.checkpoint.folders import writable_problems
 from portapipe.cli import main
 from portapipe.config import config_from_dict
 

@@ -20,7 +20,8 @@ import pytest
 
 import portapipe.launch
 from portapipe.checkpoint import list_checkpoints
-from portapipe.checkpoint.run import FolderLock, prepare_run
+from portapipe.checkpoint.folders import FolderLock
+from portapipe.checkpoint.run import prepare_run
 from portapipe.cli import main
 from portapipe.config import ConfigError, load_config
 
