@@ -18,20 +18,13 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .config_text import ConfigError, apply_overrides, read_yaml  # ConfigError and apply_overrides re-exported
+from .model_rules import ARCH_DEFAULTS, ARCH_KEYS, model_problems
 from .setup import DUALPIPE_FAMILY, n_model_blocks  # noqa: F401  (re-exported)
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
-
-
-class ConfigError(ValueError):
-    """Invalid configuration; ``problems`` holds one human-readable line per mistake."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
 
 
 def _numeric(annotation: Any) -> bool:
@@ -77,27 +70,6 @@ class ScheduleConfig(_Section):
     chunks: int = Field(2, ge=1, description="model chunks per rank for interleaved (VPP)")
     overlap: bool = Field(True, description="run F&B pairs overlapped (all-to-all behind compute)")
     w_split: bool = Field(True, description="split backward into input-grad (B) and weight-grad (W)")
-
-
-ARCHS = ("portapipe", "deepseek_v3", "qwen3_moe")
-
-#: Keys that belong to one architecture, and the value each takes there when not given.
-#: Unset (None) for every other architecture; setting one there is an error.
-ARCH_KEYS: dict[str, dict[str, Any]] = {
-    "deepseek_v3": {
-        "q_lora_rank": 0,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "rope_interleave": True,
-        "norm_topk_prob": True,
-        "rope_theta": 10000.0,
-    },
-    "qwen3_moe": {"n_kv_heads": None, "head_dim": None, "norm_topk_prob": False, "rope_theta": 10000.0},
-}
-#: Architecture-independent keys whose default differs for an architecture.
-ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3_moe": {"n_shared": 0}}
 
 
 class ModelConfig(_Section):
@@ -401,65 +373,6 @@ def _without_effect(c: Config) -> list[str]:
     return out
 
 
-YARN_KEYS = ("type", "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
-
-
-def model_problems(m: ModelConfig) -> list[str]:
-    """Rules of the model section that depend on the architecture."""
-    out: list[str] = []
-    owners: dict[str, list[str]] = {}
-    for arch, keys in ARCH_KEYS.items():
-        for key in keys:
-            owners.setdefault(key, []).append(arch)
-    for key, archs in owners.items():
-        if m.arch not in archs and getattr(m, key) is not None:
-            out.append(f"model.{key}: {getattr(m, key)!r} applies to model.arch {' / '.join(archs)} only (model.arch is {m.arch})")
-    if m.arch != "portapipe" and m.rope_scaling is not None:
-        out += _rope_scaling_checks(m.rope_scaling)
-    elif m.rope_scaling is not None:
-        out.append(f"model.rope_scaling: applies to model.arch deepseek_v3 / qwen3_moe only (model.arch is {m.arch})")
-    if m.init_from is not None and m.arch == "portapipe":
-        out.append("model.init_from: loads Hugging Face weights of model.arch deepseek_v3 or qwen3_moe; set model.arch")
-    if m.arch == "portapipe" and m.hidden % m.n_heads:
-        out.append(f"model.hidden: {m.hidden} is not divisible by model.n_heads = {m.n_heads}")
-    if m.arch == "qwen3_moe":
-        if m.head_dim is None:
-            out.append(f"model.head_dim: not set, and model.hidden = {m.hidden} is not divisible by model.n_heads = {m.n_heads}; set it")
-        elif m.head_dim % 2:
-            out.append(f"model.head_dim: {m.head_dim} is odd; RoPE rotates pairs of dimensions")
-        if m.n_kv_heads is not None and m.n_heads % m.n_kv_heads:
-            out.append(f"model.n_kv_heads: {m.n_kv_heads} does not divide model.n_heads = {m.n_heads}")
-        if m.n_shared:
-            out.append(f"model.n_shared: {m.n_shared}; qwen3_moe has no shared expert (set 0)")
-        if m.n_groups != 1 or m.topk_groups != 1:
-            out.append(f"model.n_groups: {m.n_groups} / topk_groups: {m.topk_groups}; qwen3_moe routes by a softmax over all experts (set both to 1)")
-        if m.routed_scale != 1.0:
-            out.append(f"model.routed_scale: {m.routed_scale}; qwen3_moe does not scale the routed weights (set 1.0)")
-    if m.arch == "deepseek_v3":
-        if m.qk_rope_head_dim is not None and m.qk_rope_head_dim % 2:
-            out.append(f"model.qk_rope_head_dim: {m.qk_rope_head_dim} is odd; RoPE rotates pairs of dimensions")
-        if m.n_groups > 1 and m.n_experts % m.n_groups == 0 and m.n_experts // m.n_groups < 2:
-            out.append(f"model.n_groups: {m.n_groups} leaves {m.n_experts // m.n_groups} expert per group; deepseek_v3 scores a group by its top 2 experts")
-    return out
-
-
-def _rope_scaling_checks(d: dict[str, Any]) -> list[str]:
-    out = []
-    kind = d.get("rope_type", d.get("type"))
-    if kind not in ("yarn", "default"):
-        out.append(f"model.rope_scaling: type {kind!r} is not supported; yarn (or default, no scaling) is")
-    unknown = sorted(set(d) - set(YARN_KEYS))
-    if unknown:
-        out.append(f"model.rope_scaling: unknown key(s) {', '.join(unknown)}; known: {', '.join(YARN_KEYS)}")
-    if kind == "yarn":
-        factor, orig = d.get("factor"), d.get("original_max_position_embeddings")
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor <= 0:
-            out.append(f"model.rope_scaling.factor: {factor!r}; yarn needs a positive factor")
-        if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
-            out.append(f"model.rope_scaling.original_max_position_embeddings: {orig!r}; yarn needs the pretraining length (a positive integer)")
-    return out
-
-
 def _pydantic_lines(err: ValidationError) -> list[str]:
     lines = []
     for e in err.errors():
@@ -472,67 +385,6 @@ def _pydantic_lines(err: ValidationError) -> list[str]:
             msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
             lines.append(f"{path}: {shown}{msg}")
     return lines
-
-
-def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    cur = d
-    for k in keys[:-1]:
-        nxt = cur.get(k)
-        if nxt is None:
-            nxt = cur[k] = {}
-        if not isinstance(nxt, dict):
-            raise ConfigError([f"{dotted}: cannot set inside {k!r}, which is not a section"])
-        cur = nxt
-    cur[keys[-1]] = value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b=value`` strings (value parsed as YAML) to a raw config dict."""
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError([f"--set {item!r}: expected KEY.PATH=VALUE"])
-        try:
-            value = _yaml(text) if text.strip() else None
-        except yaml.YAMLError as exc:
-            raise ConfigError([f"--set {item!r}: the value is not valid YAML ({yaml_problem(exc)})"]) from None
-        _set_path(raw, key.strip(), value)
-    return raw
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML would silently keep
-    the last: a second ``train:`` section would drop the first's settings)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        first: dict[Any, yaml.Mark] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *anchor` merges are meant to be overridden
-            key = self.construct_object(key_node, deep=True)
-            try:
-                seen = first.get(key)
-            except TypeError:
-                continue  # an unhashable key: the safe loader's own error names it
-            if seen is not None:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice (first at line {seen.line + 1})", key_node.start_mark
-                )
-            first[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
-
-
-def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a safe loader)
-
-
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """A YAML error as one line: what is wrong and where."""
-    problem = getattr(exc, "problem", None) or str(exc)
-    mark = getattr(exc, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return " ".join(f"{problem}{where}".split())
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -570,22 +422,6 @@ def _drop_path(d: Any, loc: tuple[Any, ...]) -> None:
         d.pop(loc[-1], None)
 
 
-def _read_yaml(path: Path) -> Any:
-    if not path.is_file():
-        what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
-        raise ConfigError([f"<file>: {str(path)!r} {what}"])
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise ConfigError([f"<file>: cannot read {path}: {exc.strerror or exc}"]) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError([f"<file>: {path} is not a UTF-8 text file (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); a config is YAML text"]) from None
-    try:
-        return _yaml(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"<file>: {path} is not valid YAML: {yaml_problem(exc)}"]) from None
-
-
 def load_config(source: str | Path | dict[str, Any] | None = None, overrides: list[str] | None = None) -> Config:
     """Read a YAML file (or take a dict), apply overrides, validate."""
     if source is None:
@@ -593,7 +429,7 @@ def load_config(source: str | Path | dict[str, Any] | None = None, overrides: li
     elif isinstance(source, dict):
         raw = dict(source)
     else:
-        raw = _read_yaml(Path(source))
+        raw = read_yaml(Path(source))
     if isinstance(raw, dict):
         raw = apply_overrides(raw, list(overrides or []))
     return config_from_dict(raw)

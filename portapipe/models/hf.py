@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ..config import YARN_KEYS, ModelConfig
+from ..config import ModelConfig
+from ..model_rules import YARN_KEYS
 
 HF_ARCHS = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
