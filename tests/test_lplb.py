@@ -11,7 +11,8 @@ import torch
 from portapipe.balancing import lplb_native
 from portapipe.balancing.eplb import rebalance_experts
 from portapipe.balancing.lp_balance import rank_loads
-from portapipe.balancing.lplb import Planner, occurrence_rank
+from portapipe.balancing.lplb import Planner
+from portapipe.balancing.lplb_map import occurrence_rank
 from portapipe.balancing.topology import cube, ring, torus
 
 E, EP = 64, 16  # 4 experts per rank, 2 cube groups

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from portapipe.backends.base import Backend
-from portapipe.balancing.lplb import Planner, occurrence_rank
+from portapipe.balancing.lplb import Planner
+from portapipe.balancing.lplb_map import occurrence_rank
 from portapipe.balancing.topology import cube
 from portapipe.launch import run_ranks
 

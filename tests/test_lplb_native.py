@@ -12,7 +12,8 @@ import torch
 import tests.test_lp_solver as lp_tests  # the HiGHS reference and the random instances (module import: no re-collection)
 from portapipe.balancing import lplb_native
 from portapipe.balancing.lp_balance import BalanceLP, rank_loads, solve_balance
-from portapipe.balancing.lplb import Planner, occurrence_rank
+from portapipe.balancing.lplb import Planner
+from portapipe.balancing.lplb_map import map_sorted, occurrence_rank
 from portapipe.balancing.topology import cube, torus
 from tests.test_lplb import require_native, zipf_indices
 
@@ -171,7 +172,7 @@ def test_planner_native_matches_torch(native: None, dtype: torch.dtype) -> None:
     binned = torch.bincount(flat.long() + 1, minlength=E + 1)
     _, _, _, orig_phys, copy_phys, _ = fused._maps(flat.device)
     native_map = lplb_native.map_indices(flat, binned[1:] - plan.moved[0], orig_phys, copy_phys)
-    assert torch.equal(native_map.long(), plain._map_sorted(flat, binned, plan.moved[0]))
+    assert torch.equal(native_map.long(), map_sorted(flat, binned, plan.moved[0], plain._maps(flat.device)[5], plain.n_logical))
 
 
 def test_multi_source_plan_matches_torch(native: None) -> None:

@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("triton")
 
 from portapipe.balancing import lplb_triton  # noqa: E402  (imports no triton itself)
-from portapipe.balancing.lplb import Planner, occurrence_rank  # noqa: E402
+from portapipe.balancing.lplb import Planner  # noqa: E402
+from portapipe.balancing.lplb_map import occurrence_rank  # noqa: E402
 from portapipe.balancing.topology import cube  # noqa: E402
 
 

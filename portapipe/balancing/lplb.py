@@ -28,9 +28,10 @@ import torch
 
 from . import lplb_native
 from .lp_balance import ACCEPT_RTOL, STEP_FRAC, BalanceLP
+from .lplb_map import map_sorted
 from .topology import validate_r2o
 
-__all__ = ["Plan", "Planner", "occurrence_rank"]
+__all__ = ["Plan", "Planner"]
 
 #: shares are fixed-point numbers with this many fraction bits before integer rounding, so the
 #: integer plan depends on the LP's solution only to 2^-20 and is reproduced bit for bit by
@@ -63,21 +64,6 @@ class _CutPlan(Plan):
     phys_load = property(lambda self: self._out.phys)
     rank_load = property(lambda self: self._out.rank_load)
     lp_objective = property(lambda self: self._out.objective)
-
-
-def occurrence_rank(flat: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """For each entry of ``flat`` (values in [-1, E)), how many earlier entries have its value.
-
-    ``counts`` is ``bincount(flat + 1)`` (the -1 bin first). This is the rule the mapping
-    follows (an entry of expert e stays on the original iff its occurrence rank is below e's
-    kept count); the torch path and the Triton kernels compute the same thing their own way.
-    """
-    order = torch.sort(flat, stable=True).indices
-    starts = torch.cumsum(counts, 0) - counts
-    ranks_sorted = torch.arange(flat.numel(), device=flat.device) - starts[flat[order] + 1]
-    out = torch.empty_like(ranks_sorted)
-    out[order] = ranks_sorted
-    return out
 
 
 class Planner:
@@ -434,7 +420,7 @@ class Planner:
         if out is None:
             moved = plan.moved[source]
             if path == "torch":
-                out = self._map_sorted(flat, binned, moved)
+                out = map_sorted(flat, binned, moved, self._maps(dev)[5], self.n_logical)
             else:
                 from .lplb_triton import map_indices
 
@@ -443,14 +429,3 @@ class Planner:
         if out.dtype != indices.dtype:
             out = out.to(indices.dtype)
         return out if out.shape == indices.shape else out.view(indices.shape)
-
-    def _map_sorted(self, flat: torch.Tensor, binned: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
-        """Torch path of the mapping: in stably sorted order the entries of expert e are
-        contiguous, its first ``count - moved`` go to the original and the rest to the copy, so
-        the sorted output is one repeat_interleave; a scatter puts it back in token order."""
-        segments = self._maps(flat.device)[5]
-        keys = flat.to(torch.int16) if self.n_logical < 2**15 - 1 else flat  # smaller keys sort faster
-        order = torch.sort(keys, stable=True).indices
-        repeats = torch.cat([binned[:1], torch.stack([binned[1:] - moved, moved], 1).reshape(-1)])
-        out_sorted = torch.repeat_interleave(segments, repeats, output_size=flat.numel())
-        return torch.empty_like(out_sorted).scatter_(0, order, out_sorted)
