@@ -54,8 +54,9 @@ class Rebalance:
 
 def rank_figures(placement: ExpertPlacement, layers: list[int], pp_rank: int, ep: int, slots: torch.Tensor,
                  counts: torch.Tensor | None, originals: bool) -> dict[str, Any]:
-    """One rank's raw per-layer loads of the step, for :func:`merge_figures`: ``slots`` (tokens per
-    physical slot ``[layers, slots]``) as routed under ``placement``; with ``originals`` (lplb)
+    """One rank's raw per-layer loads of the step, for :func:`merge_figures`: ``slots`` (the rows
+    this rank routed to each physical slot ``[layers, slots]``, added over the ranks by the merge:
+    no collective of their own) as routed under ``placement``; with ``originals`` (lplb)
     and ``counts`` (tokens per logical expert) also the loads had every token gone to its first slot."""
     out: dict[str, Any] = {"pp_rank": pp_rank, "layers": list(layers), "rank_loads": [], "orig_loads": [], "replica_tokens": 0.0}
     if not layers:
@@ -77,25 +78,24 @@ SUMMED = ("slots_changed", "rows_moved", "rows_inter_node", "bytes_moved", "byte
 def merge_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One record from every rank's figures.
 
-    Ranks of one pipeline rank (EP / DP members) report the same reduced loads, so each
-    (pipeline rank, layers) pair is taken once; DualPipe's two pipeline ranks holding the same
-    layers each routed their own micro-batches, so their slot loads are added.
+    Each rank reports the rows it routed itself, so the slot loads and replica tokens are added
+    over every rank holding a layer (EP and DP members; DualPipe's two pipeline ranks holding the
+    same layers). LPLB's originals (from ``expert_counts``, already summed over the EP and DP
+    groups) and the decisions are the same on every rank of a stage: taken once per layers.
     """
-    seen: set[tuple[int, tuple[int, ...]]] = set()
     loads: dict[int, torch.Tensor] = {}
     orig: dict[int, list[float]] = {}
     tokens = 0.0
     events: dict[tuple[int, ...], dict[str, Any]] = {}
     for part in parts:
         key = tuple(part["layers"])
-        if not key or (part["pp_rank"], key) in seen:
+        if not key:
             continue
-        seen.add((part["pp_rank"], key))
         tokens += part["replica_tokens"]
         for layer, row in zip(key, part["rank_loads"]):
             t = torch.tensor(row, dtype=torch.float64)
             loads[layer] = loads[layer] + t if layer in loads else t
-        orig.update(zip(key, part["orig_loads"]))  # from expert_counts: already summed over copies
+        orig.update(zip(key, part["orig_loads"]))
         if part["event"] is not None:
             events[key] = part["event"]
     out: dict[str, Any] = {

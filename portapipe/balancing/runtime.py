@@ -98,6 +98,7 @@ class ExpertBalancer:
         self.min_gain = 0.0 if self.min_gain_auto else bal.min_gain
         self.migrate_s_per_byte = 0.0  # this rank's last migration: seconds per byte it moved
         self.sum_s_per_byte = 0.0  # this rank's last replica gradient sum: processor seconds per byte it sent
+        self.full_bytes: int | None = None  # every slot's rows with the optimizer's state (min_gain auto)
         self.history: list[Rebalance] = []
         self.last_moved: dict[str, int] = {}  # what the last apply() moved
         self.modules: list[Any] = []  # this rank's MoE layers, set by attach()
@@ -301,16 +302,13 @@ class ExpertBalancer:
         return c
 
     def _slot_loads(self) -> torch.Tensor:
-        """Tokens per physical slot this step ``[layers, slots]``, over the EP and DP groups; resets them."""
+        """Rows this rank routed to each physical slot this step ``[layers, slots]``; resets them.
+        The figure gather carries them and the merge adds them over the ranks (report.py)."""
         if not self.modules:
             return torch.zeros(0, self.num_slots, dtype=torch.float64)
         c = torch.stack([layer.moe.slot_counts for layer in self.modules]).to(torch.float64).cpu()
         for layer in self.modules:
             layer.moe.slot_counts.zero_()
-        if self.ep > 1:
-            self.backend.all_reduce(c, group=self.groups.ep_group)
-        if self.groups.dp > 1:
-            self.backend.all_reduce(c, group=self.groups.dp_group)
         return c
 
     def _decide(self, step: int, optimizer: torch.optim.Optimizer | None) -> Rebalance:
@@ -414,7 +412,9 @@ class ExpertBalancer:
     def _auto_min_gain(self, optimizer: Any) -> float:
         """``min_gain: auto`` before a decision (collective over the job; pricing.py), priced by the
         last migration's seconds per byte or, before the first, the replica sum's."""
-        full = full_migration_bytes(self.modules, EXPERT_PARAMS, self.slots_per_rank, self.num_slots, optimizer)
+        if self.full_bytes is None or optimizer is None:  # fixed once the optimizer holds its state
+            self.full_bytes = full_migration_bytes(self.modules, EXPERT_PARAMS, self.slots_per_rank, self.num_slots, optimizer)
+        full = self.full_bytes
         value = auto_min_gain(self.kind, self.modules, full, self.migrate_s_per_byte or self.sum_s_per_byte, self.interval)
         self.min_gain = value
         if self.rebalancer is not None:
