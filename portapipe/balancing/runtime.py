@@ -21,30 +21,29 @@
 - **Rebalancing** (:meth:`after_step`, called by the training loop with the step's
   :class:`~portapipe.scheduling.executor.StepResult`): records the expert loads in a sliding
   window; every ``interval`` steps plans a new placement (``eplb``:
-  :class:`~portapipe.balancing.loads.Rebalancer`, by default ``refined`` for the first placement
-  and ``incremental`` after it; ``lplb``: the planner's EPLB reordering of which experts are
-  replicated), adopts it when the balancedness gain reaches ``min_gain`` times the fraction of
-  expert slots it moves, and moves the changed slots' expert weights, gradients and AdamW state
-  between ranks (:func:`migrate_parameters`, fetching within a node when it can). It returns the
-  figures for the metrics file, with the slots changed and the bytes moved within and between nodes.
+  :class:`~portapipe.balancing.loads.Rebalancer`; ``lplb``: the planner's EPLB reordering of
+  which experts are replicated), adopts it when the balancedness gain reaches ``min_gain``
+  (``auto``: pricing.py) times the fraction of slots it moves, and moves the changed slots'
+  weights, gradients and AdamW state between ranks (:func:`migrate_parameters`). The replica
+  switch (replica_switch.py) decides whether the replicas take tokens; the figures it returns
+  for the metrics file are report.py's.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from typing import Any
 
 import torch
 
-from .cost import migration_cost
 from .loads import LoadWindow, Rebalancer
+from .lplb_periodic import lp_rank_loads, lplb_placement, plan_periodic
 from .placement import ExpertPlacement, MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
 from .pricing import auto_min_gain, full_migration_bytes, replica_gain_s
 from .replica_sum import HolderPlan, holder_plan, sum_over_holders
 from .replica_switch import ReplicaSwitch, first_slot_loads, spread_loads
-from .report import Rebalance, mean_over_max, merge_figures, rank_figures
+from .report import Rebalance, merge_figures, rank_figures
 from .step_figures import FigureGather
 
 __all__ = ["EXPERT_PARAMS", "ExpertBalancer", "Rebalance", "merge_figures", "moe_layer_indices", "topology_of"]
@@ -121,7 +120,7 @@ class ExpertBalancer:
                 for _ in range(n)
             ]
             self.window = LoadWindow(bal.window, n, model.n_experts)
-            self.placement = self._lplb_placement(self.planners)
+            self.placement = lplb_placement(self.planners, groups.ep, model.n_experts)
         # whether the replicas take tokens (and LPLB's LP runs) next step: see replica_switch.py
         self.switch = ReplicaSwitch(bal.stay_off, self.kind)
         # replicas skip their gradient sum while off only where their optimizer rows can be refilled
@@ -131,11 +130,6 @@ class ExpertBalancer:
         self.gather = FigureGather(backend, len(self.layers), groups.ep)
 
     # ------------------------------------------------------------------ placement
-    def _lplb_placement(self, planners: list[Any]) -> ExpertPlacement:
-        return ExpertPlacement(
-            torch.stack([p.phy2log for p in planners]), self.ep, self.num_experts, log2phy=torch.stack([p.log2phy for p in planners])
-        )
-
     @property
     def slots_per_rank(self) -> int:
         return self.num_slots // self.ep
@@ -318,24 +312,15 @@ class ExpertBalancer:
             changed = int(event.cost.changed.sum()) if event.cost is not None else 0
             return self._migrate(Rebalance(step, event.before, event.after, event.applied, layers=list(self.layers),
                                            policy=event.policy, slots_changed=changed), event.placement, optimizer)
-        loads = self.window.loads()
-        candidates = []
-        for row, planner in enumerate(self.planners):
-            cand = copy.copy(planner)  # update_placement rebinds the layout; the old planner stays as it was
-            cand.update_placement(loads[row])
-            candidates.append(cand)
-        before = self._lp_balancedness(self.planners, loads)
-        after = self._lp_balancedness(candidates, loads)
-        new = self._lplb_placement(candidates)
-        cost = migration_cost(self.placement.phy2log, new.phy2log, self.ep, self.nodes)
-        fraction = float((cost.intra + cost.inter).sum()) / new.phy2log.numel()
-        applied = after - before > 0 and after - before >= self.min_gain * fraction and not torch.equal(new.phy2log, self.placement.phy2log)
+        plan = plan_periodic(self.planners, self.window.loads(), self.placement, self.nodes)
+        gain = plan.after - plan.before
+        applied = gain > 0 and gain >= self.min_gain * plan.fraction and plan.changes
         log.info(
             "lplb step %d: balancedness %.4f -> %.4f (gain %+.4f) moving %.1f%% of the slots (min_gain %.4f): %s",
-            step, before, after, after - before, 100 * fraction, self.min_gain, "rebalanced" if applied else "kept the current placement",
+            step, plan.before, plan.after, gain, 100 * plan.fraction, self.min_gain, "rebalanced" if applied else "kept the current placement",
         )
-        record = Rebalance(step, before, after, applied, layers=list(self.layers), policy="lplb", slots_changed=int(cost.changed.sum()))
-        return self._migrate(record, new, optimizer, candidates)
+        record = Rebalance(step, plan.before, plan.after, applied, layers=list(self.layers), policy="lplb", slots_changed=plan.slots_changed)
+        return self._migrate(record, plan.placement, optimizer, plan.planners)
 
     def _migrate(self, record: Rebalance, new: ExpertPlacement, optimizer: Any, planners: list[Any] | None = None) -> Rebalance:
         """Apply ``new`` when ``record`` says so, filling in what moved."""
@@ -345,27 +330,12 @@ class ExpertBalancer:
                 setattr(record, key, value)
         return record
 
-    @staticmethod
-    def _lp_balancedness(planners: list[Any], loads: torch.Tensor) -> float:
-        """Mean over layers of mean/max rank load after the LP redistribution of the window's loads."""
-        values = []
-        for row, planner in enumerate(planners):
-            probe = copy.copy(planner)  # plan() counts solves; probing must not
-            plan = probe.plan(loads[row].round().to(torch.int64).unsqueeze(0))
-            values.append(float(mean_over_max(plan.rank_load.to(torch.float64))))
-        return sum(values) / len(values)
-
     def after_step(self, step: int, result: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """The training loop's per-step hook (0-based ``step``); collective over the whole job.
 
-        Records the step's loads, rebalances after every ``interval``-th step, and returns the
-        figures of every pipeline rank's layers, merged (the same dict on every rank):
-        ``rank_balancedness`` (mean over MoE layers of mean / max EP-rank load this step, as
-        routed), ``replica_tokens`` (tokens routed to a slot other than their expert's first:
-        LPLB's moved tokens, EPLB's spread over replicas), for lplb ``rank_balancedness_originals``
-        (the same figure had every token gone to its expert's first slot), and on rebalance steps
-        ``rebalance`` with the balancedness ``before`` / ``after`` (means over layers),
-        ``applied`` and ``rows_moved`` (expert slot rows sent between ranks).
+        Records the step's loads, rebalances after every ``interval``-th step, decides whether
+        the replicas take tokens next step, and returns every rank's figures merged
+        (:func:`~portapipe.balancing.report.merge_figures`; the same dict on every rank).
         """
         slots = self._slot_loads()
         counts = None
@@ -401,12 +371,7 @@ class ExpertBalancer:
         if counts is None or not self.modules:
             return 0.0
         p, per = self.placement, self.slots_per_rank
-        if self.kind == "lplb":
-            # plan() counts solves; probing must not
-            used = torch.stack([copy.copy(planner).plan(counts[row].round().to(torch.int64).unsqueeze(0)).rank_load.to(torch.float64).reshape(-1)
-                                for row, planner in enumerate(self.planners)])
-        else:
-            used = spread_loads(counts, p.log2phy, p.logcnt, per, self.ep)
+        used = lp_rank_loads(self.planners, counts) if self.kind == "lplb" else spread_loads(counts, p.log2phy, p.logcnt, per, self.ep)
         return replica_gain_s(first_slot_loads(counts, p.log2phy, per, self.ep), used, self.modules, self.groups.dp)
 
     def _auto_min_gain(self, optimizer: Any) -> float:
