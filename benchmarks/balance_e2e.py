@@ -17,8 +17,8 @@ a barrier, so a change in machine load hits every variant alike (paired steps). 
   the balancers should stay off;
 
 and balancer: ``none``, ``eplb`` (incremental, redundant 1, rebalancing every 2 steps on the
-last 2 steps' loads, ``min_gain: auto``) and ``lplb`` (ring, redundant 1; its placement is EPLB's
-packing of the window's loads, so it is EPLB + LPLB), both with ``stay_off``. Per variant, over
+last 2 steps' loads, ``min_gain: auto``) and ``lplb`` (ring, redundant 1, ``min_gain: auto``; its
+placement is EPLB's packing of the window's loads, so it is EPLB + LPLB), both with ``stay_off``. Per variant, over
 the steps after ``--warmup``: median step time (the whole iteration: step, figures, optimizer,
 the balancer's after-step; slowest rank), median ``ep_wait_frac`` and ``rank_balancedness``, the
 balancer's own time per step (after-step planning and migration; the replicas' measured cost:
@@ -63,7 +63,7 @@ LAYOUTS = {"ep2": {"pp": 1, "ep": 2, "dp": 1}, "ep4": {"pp": 1, "ep": 4, "dp": 1
 BALANCERS = {
     "none": {"kind": "none"},
     "eplb": {"kind": "eplb", "redundant": 1, "interval": 2, "window": 2, "policy": "incremental", "min_gain": "auto"},
-    "lplb": {"kind": "lplb", "redundant": 1, "topology": "ring", "interval": 2, "window": 2},
+    "lplb": {"kind": "lplb", "redundant": 1, "topology": "ring", "interval": 2, "window": 2, "min_gain": "auto"},
 }
 SOURCES = ("trained", "loads", "uniform")
 SKEWED = ("trained", "loads")
@@ -152,21 +152,29 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str
             batches = data.microbatches(step, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size,
                                         config.model.seq_len)
             backend.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             result = runtime.step(batches)
+            c1 = time.process_time()
             ep = ep_step_figures(backend, groups, runtime.moe_layers())
             stats = gather_step_stats(backend, float(optimizer.local_sq_norm(counted_blocks(runtime.schedule, groups.pp_rank))), result, ep)
+            c2 = time.process_time()
             with torch.no_grad():
                 optimizer.step(1.0)
             runtime.grads.zero_grad()
-            t1 = time.perf_counter()
+            c3 = time.process_time()
+            # the after-step's timer starts with every rank there: its first collective would
+            # otherwise count the ranks' uneven arrival (pipeline stages, scheduling on a full host)
+            backend.barrier()
+            t1, c4 = time.perf_counter(), time.process_time()
             balance = runtime.balancer.after_step(step, result, optimizer) if runtime.balancer is not None else {}
-            t2 = time.perf_counter()
-            # the slowest rank's iteration and balancer time
-            times = torch.tensor([t2 - t0, t2 - t1], dtype=torch.float64)
+            t2, c5 = time.perf_counter(), time.process_time()
+            # the slowest rank's iteration and balancer time; processor time (all of a rank's
+            # threads) of its step, optimizer and after-step, the largest over ranks
+            times = torch.tensor([t2 - t0, t2 - t1, c1 - c0, c3 - c2, c5 - c4], dtype=torch.float64)
             backend.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
-            out[name].append({"step_s": float(times[0]), "after_step_s": float(times[1]), "ep_wait_frac": stats.ep_wait_frac,
-                              "rank_balancedness": stats.rank_balancedness, "balancer": balance,
+            out[name].append({"step_s": float(times[0]), "after_step_s": float(times[1]), "step_cpu_s": float(times[2]),
+                              "optimizer_cpu_s": float(times[3]), "after_step_cpu_s": float(times[4]),
+                              "ep_wait_frac": stats.ep_wait_frac, "rank_balancedness": stats.rank_balancedness, "balancer": balance,
                               "expert_counts": None if result.expert_counts is None else result.expert_counts.tolist()})
     return out
 
@@ -183,6 +191,8 @@ def summarise(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "ep_wait_frac": round(med(s["ep_wait_frac"] for s in steps), 4),
         "rank_balancedness": round(med(s["rank_balancedness"] for s in steps), 4),
         "after_step_ms": round(1e3 * med(s["after_step_s"] for s in steps), 2),
+        **{f"{key}_cpu_ms": round(1e3 * med(s[f"{key}_cpu_s"] for s in steps), 2)
+           for key in ("step", "optimizer", "after_step") if all(f"{key}_cpu_s" in s for s in steps)},
         "bytes_migrated": sum(r["bytes_moved"] for r in rebalances),
         "rebalances_applied": sum(bool(r["applied"]) for r in rebalances),
     }

@@ -155,7 +155,7 @@ class BalancerConfig(_Section):
         0.0,
         description="adopt a rebalance only if mean balancedness (mean / max EP-rank load) gains at least "
         "min_gain x the fraction of expert slots whose rows it moves; i.e. the gain a full migration must win; "
-        "eplb auto: (measured time of a full migration) / (interval x measured expert time per step), 0 until a migration was timed",
+        "auto (eplb and lplb): (measured time of a full migration, before the first the replica gradient sum's per byte) / (interval x measured expert time per step)",
     )
 
     @field_validator("min_gain")

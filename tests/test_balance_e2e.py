@@ -30,6 +30,14 @@ def test_summary_takes_medians_after_warmup_and_migrations_over_every_step() -> 
     assert out["replicas_used_steps"] == 2 and out["replica_cost_ms_per_step"] == 3.0 and out["after_step_ms"] == 10.0
 
 
+def test_summary_gives_the_phases_processor_time_when_every_step_has_it() -> None:
+    steps = [{**_step(1.0, 0.1, 1.0, {}), "step_cpu_s": c, "optimizer_cpu_s": c / 100, "after_step_cpu_s": c / 1000}
+             for c in (0.5, 0.7, 0.6)]
+    out = summarise(steps, warmup=0)
+    assert (out["step_cpu_ms"], out["optimizer_cpu_ms"], out["after_step_cpu_ms"]) == (600.0, 6.0, 0.6)
+    assert "step_cpu_ms" not in summarise([_step(1.0, 0.1, 1.0, {})] + steps, warmup=0)  # a step without it: no figure
+
+
 def test_load_skew_is_max_over_mean_of_the_summed_loads_mean_over_layers() -> None:
     steps = [{"expert_counts": [[3, 1, 0, 0], [1, 1, 1, 1]]}, {"expert_counts": [[1, 1, 1, 1], [1, 1, 1, 1]]}, {"expert_counts": None}]
     # layer 0: loads 4, 2, 1, 1 (max / mean 2); layer 1: even (1)

@@ -76,15 +76,16 @@ def test_config_accepts_fitting_balancers() -> None:
     load_config(_raw("1f1b", {"kind": "eplb", "groups": 2, "nodes": 2, "max_moved": 1.0}))
 
 
-def test_merge_takes_each_stage_once_and_adds_dualpipe_copies() -> None:
+def test_merge_adds_every_ranks_rows_and_takes_each_stages_decision_once() -> None:
     def part(pp_rank: int, loads: list[list[float]], tokens: float, event: Any = None) -> dict[str, Any]:
         return {"pp_rank": pp_rank, "layers": [1, 2], "rank_loads": loads, "orig_loads": [], "replica_tokens": tokens, "event": event}
 
     ev = Rebalance(1, 0.5, 0.9, True, rows_moved=3, layers=[1, 2], policy="incremental", slots_changed=4,
                    rows_inter_node=1, bytes_moved=300, bytes_inter_node=100).as_dict()
-    # pipeline ranks 0 and 1 hold the same layers (DualPipe); two EP ranks of each report the same figures
-    parts = [part(0, [[3, 1], [2, 2]], 4.0, ev), part(0, [[3, 1], [2, 2]], 4.0, ev), part(1, [[1, 3], [0, 4]], 2.0, ev), part(1, [[1, 3], [0, 4]], 2.0, ev)]
-    parts.append({"pp_rank": 2, "layers": [], "rank_loads": [], "orig_loads": [], "replica_tokens": 0.0, "event": None})
+    # pipeline ranks 0 and 1 hold the same layers (DualPipe); each of their two EP ranks reports
+    # the rows it routed itself (stage 0: [[3, 1], [2, 2]] and 4 tokens in all; stage 1: [[1, 3], [0, 4]] and 2)
+    parts = [part(0, [[2, 1], [1, 1]], 1.0, ev), part(0, [[1, 0], [1, 1]], 3.0, ev),
+             part(1, [[1, 2], [0, 2]], 1.5, ev), part(1, [[0, 1], [0, 2]], 0.5, ev)]
     out = merge_figures(parts)
     # layer 1: [4, 4] -> 1.0; layer 2: [2, 6] -> 4/6
     assert out["rank_balancedness"] == pytest.approx((1.0 + 4 / 6) / 2)

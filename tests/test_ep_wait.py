@@ -4,9 +4,10 @@ experts take most tokens, both on EP rank 0) lowers the balancedness and raises 
 balancer (EPLB, rebalancing after step 1) wins both back, and forced uniform routing is perfectly
 balanced. The balancedness (rows per rank) is deterministic; the wait, a timing, is compared
 with a wide margin only. The decisions taken from measured figures: LPLB's per-batch LP runs on
-the skewed router and stays off on the uniform one; EPLB's ``min_gain: auto`` is priced from the
-replica gradient sum until the first migration was timed, then from the migration, and gates
-every plan; from its even starting layout EPLB moves nothing on the uniform router."""
+the skewed router and stays off on the uniform one; ``min_gain: auto`` (EPLB's rebalancing,
+LPLB's periodic placement) is priced from the replica gradient sum until the first migration was
+timed, then from the migration, and gates every plan; on the uniform router neither moves
+anything."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from portapipe.config import ConfigError, load_config
 AUTO = {"kind": "eplb", "interval": 1, "window": 1, "redundant": 1, "min_gain": "auto"}
 SKEW = [12, 12, 1, 1, 1, 1, 1, 1]  # experts 0 and 1 (EP rank 0's) take 24 of 30 parts
 STEPS = 4
-LPLB = {"kind": "lplb", "redundant": 1, "topology": "ring", "interval": 100}
+# the periodic placement re-planned after every step, min_gain priced from the measured times
+LPLB = {"kind": "lplb", "redundant": 1, "topology": "ring", "interval": 1, "window": 1, "min_gain": "auto"}
 
 
 def _config(log_dir: Path, bench: dict[str, Any], balancer: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -126,21 +128,31 @@ def test_lplb_runs_its_lp_where_it_pays_and_stays_off_where_it_cannot(runs: dict
     assert all(m["rank_balancedness"] == 1.0 for m in lines)
 
 
+def _check_auto(lines: list[dict[str, Any]], uniform: list[dict[str, Any]], slots: int) -> None:
+    """Every decision priced (> 0), nothing adopted or moved on the uniform router, and every
+    adoption gaining at least min_gain per moved fraction of the ``slots``."""
+    assert all(m["balancer"]["min_gain"] > 0 for m in lines + uniform)
+    assert not any(m["balancer"]["rebalance"]["applied"] for m in uniform)
+    assert sum(m["balancer"]["rebalance"]["bytes_moved"] for m in uniform) == 0
+    assert [m["rank_balancedness"] for m in uniform] == [1.0] * STEPS
+    for m in lines + uniform:
+        e = m["balancer"]["rebalance"]
+        assert not e["applied"] or e["after"] - e["before"] >= m["balancer"]["min_gain"] * e["rows_moved"] / slots - 1e-9
+
+
 @pytest.mark.multiproc
 def test_eplb_min_gain_auto_comes_from_the_measured_times(runs: dict[str, Any]) -> None:
-    lines = runs["auto"]
     # before the first migration the replica gradient sum's processor seconds per byte price it
     # (the replicas are summed in step 1): positive from the first decision on both routers. (On
     # this small model a full migration costs several steps of expert time, so the skewed
     # router's plans may rightly be refused; balance_e2e shows them adopted at its size.)
-    assert all(m["balancer"]["min_gain"] > 0 for m in lines + runs["auto_uniform"])
-    # on the uniform router the even starting layout is already balanced: no plan gains, nothing moves
-    uniform = runs["auto_uniform"]
-    assert all(m["balancer"]["rebalance"]["after"] <= m["balancer"]["rebalance"]["before"] for m in uniform)
-    assert not any(m["balancer"]["rebalance"]["applied"] for m in uniform)
-    assert sum(m["balancer"]["rebalance"]["bytes_moved"] for m in uniform) == 0
-    assert [m["rank_balancedness"] for m in uniform] == [1.0] * STEPS
-    for m in lines + uniform:  # a plan is adopted only when it gains that much per moved fraction
-        e = m["balancer"]["rebalance"]
-        moved = e["rows_moved"] / (2 * 12)  # the share of the slots (2 MoE layers x 12) whose rows moved
-        assert not e["applied"] or e["after"] - e["before"] >= m["balancer"]["min_gain"] * moved - 1e-9
+    # On the uniform router the even starting layout is already balanced: no plan gains.
+    assert all(m["balancer"]["rebalance"]["after"] <= m["balancer"]["rebalance"]["before"] for m in runs["auto_uniform"])
+    _check_auto(runs["auto"], runs["auto_uniform"], 2 * 12)  # 2 MoE layers x 12 slots
+
+
+@pytest.mark.multiproc
+def test_lplb_min_gain_auto_prices_its_periodic_placement(runs: dict[str, Any]) -> None:
+    # the same price as EPLB's gates LPLB's re-planned placement: on the uniform router a plan
+    # whose LP-balancedness gains a rounding's worth does not pay for its bytes, so nothing moves
+    _check_auto(runs["lplb"], runs["lplb_uniform"], 2 * 12)

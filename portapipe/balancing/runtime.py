@@ -21,31 +21,32 @@
 - **Rebalancing** (:meth:`after_step`, called by the training loop with the step's
   :class:`~portapipe.scheduling.executor.StepResult`): records the expert loads in a sliding
   window; every ``interval`` steps plans a new placement (``eplb``:
-  :class:`~portapipe.balancing.loads.Rebalancer`, by default ``refined`` for the first placement
-  and ``incremental`` after it; ``lplb``: the planner's EPLB reordering of which experts are
-  replicated), adopts it when the balancedness gain reaches ``min_gain`` times the fraction of
-  expert slots it moves, and moves the changed slots' expert weights, gradients and AdamW state
-  between ranks (:func:`migrate_parameters`, fetching within a node when it can). It returns the
-  figures for the metrics file, with the slots changed and the bytes moved within and between nodes.
+  :class:`~portapipe.balancing.loads.Rebalancer`; ``lplb``: the planner's EPLB reordering of
+  which experts are replicated), adopts it when the balancedness gain reaches ``min_gain``
+  (``auto``: pricing.py) times the fraction of slots it moves, and moves the changed slots'
+  weights, gradients and AdamW state between ranks (:func:`migrate_parameters`). The replica
+  switch (replica_switch.py) decides whether the replicas take tokens; the figures it returns
+  for the metrics file are report.py's.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .cost import migration_cost
 from .loads import LoadWindow, Rebalancer
+from .lplb_periodic import lp_rank_loads, lplb_placement, plan_periodic
 from .placement import ExpertPlacement, MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
+from .pricing import auto_min_gain, full_migration_bytes, replica_gain_s
 from .replica_sum import HolderPlan, holder_plan, sum_over_holders
 from .replica_switch import ReplicaSwitch, first_slot_loads, spread_loads
-from .step_figures import gather_figures
+from .report import Rebalance, merge_figures, rank_figures
+from .step_figures import FigureGather
+
+__all__ = ["EXPERT_PARAMS", "ExpertBalancer", "Rebalance", "merge_figures", "moe_layer_indices", "topology_of"]
 
 log = logging.getLogger("portapipe.balancing")
 
@@ -71,40 +72,6 @@ def topology_of(balancer: Any, ep: int) -> torch.Tensor:
     return by_name(balancer.topology, ring_size=ep, torus_shape=tuple(balancer.torus) if balancer.torus else None)
 
 
-def _mean_over_max(loads: torch.Tensor) -> torch.Tensor:
-    """Balancedness of rank loads ``[..., ranks]``: mean / max (1 when nothing was routed)."""
-    top = loads.max(-1).values
-    return torch.where(top > 0, loads.mean(-1) / top.clamp(min=1e-30), torch.ones_like(top))
-
-
-@dataclass
-class Rebalance:
-    """One periodic decision on this pipeline rank's MoE layers.
-
-    ``slots_changed``: slots whose expert the plan changes; ``rows_moved`` / ``bytes_moved``: slot
-    rows (weights, gradients, optimizer state) sent between EP ranks when it was applied, of which
-    ``rows_inter_node`` / ``bytes_inter_node`` crossed nodes.
-    """
-
-    step: int
-    before: float
-    after: float
-    applied: bool
-    rows_moved: int = 0
-    layers: list[int] = field(default_factory=list)
-    policy: str = ""
-    slots_changed: int = 0
-    rows_inter_node: int = 0
-    bytes_moved: int = 0
-    bytes_inter_node: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "before": self.before, "after": self.after, "applied": self.applied,
-                "policy": self.policy, "slots_changed": self.slots_changed, "rows_moved": self.rows_moved,
-                "rows_inter_node": self.rows_inter_node, "bytes_moved": self.bytes_moved,
-                "bytes_inter_node": self.bytes_inter_node, "layers": self.layers}
-
-
 class ExpertBalancer:
     """The balancer of one rank of a running model (see the module docstring).
 
@@ -125,11 +92,12 @@ class ExpertBalancer:
         self.ep, self.ep_rank = groups.ep, groups.ep_rank
         self.num_slots = model.n_experts + bal.redundant * groups.ep
         self.interval, self.nodes = bal.interval, bal.nodes
-        # min_gain auto (eplb): worked out before each decision from the measured migration and expert times
+        # min_gain auto: worked out before each decision from the measured migration and expert times
         self.min_gain_auto = bal.min_gain == "auto"
         self.min_gain = 0.0 if self.min_gain_auto else bal.min_gain
         self.migrate_s_per_byte = 0.0  # this rank's last migration: seconds per byte it moved
         self.sum_s_per_byte = 0.0  # this rank's last replica gradient sum: processor seconds per byte it sent
+        self.full_bytes: int | None = None  # every slot's rows with the optimizer's state (min_gain auto)
         self.history: list[Rebalance] = []
         self.last_moved: dict[str, int] = {}  # what the last apply() moved
         self.modules: list[Any] = []  # this rank's MoE layers, set by attach()
@@ -152,21 +120,16 @@ class ExpertBalancer:
                 for _ in range(n)
             ]
             self.window = LoadWindow(bal.window, n, model.n_experts)
-            self.placement = self._lplb_placement(self.planners)
+            self.placement = lplb_placement(self.planners, groups.ep, model.n_experts)
         # whether the replicas take tokens (and LPLB's LP runs) next step: see replica_switch.py
         self.switch = ReplicaSwitch(bal.stay_off, self.kind)
         # replicas skip their gradient sum while off only where their optimizer rows can be refilled
         self.can_refresh = config.train.zero_stage == 0
         self.stale = False  # replicas missed a gradient sum: refill them before they take tokens
         self.holder_plans: dict[int, HolderPlan] = {}  # per layer row, for the placement in force
-        self.max_layers: int | None = None  # the job's most MoE layers on a rank (after_step's figure rows)
+        self.gather = FigureGather(backend, len(self.layers), groups.ep)
 
     # ------------------------------------------------------------------ placement
-    def _lplb_placement(self, planners: list[Any]) -> ExpertPlacement:
-        return ExpertPlacement(
-            torch.stack([p.phy2log for p in planners]), self.ep, self.num_experts, log2phy=torch.stack([p.log2phy for p in planners])
-        )
-
     @property
     def slots_per_rank(self) -> int:
         return self.num_slots // self.ep
@@ -333,16 +296,13 @@ class ExpertBalancer:
         return c
 
     def _slot_loads(self) -> torch.Tensor:
-        """Tokens per physical slot this step ``[layers, slots]``, over the EP and DP groups; resets them."""
+        """Rows this rank routed to each physical slot this step ``[layers, slots]``; resets them.
+        The figure gather carries them and the merge adds them over the ranks (report.py)."""
         if not self.modules:
             return torch.zeros(0, self.num_slots, dtype=torch.float64)
         c = torch.stack([layer.moe.slot_counts for layer in self.modules]).to(torch.float64).cpu()
         for layer in self.modules:
             layer.moe.slot_counts.zero_()
-        if self.ep > 1:
-            self.backend.all_reduce(c, group=self.groups.ep_group)
-        if self.groups.dp > 1:
-            self.backend.all_reduce(c, group=self.groups.dp_group)
         return c
 
     def _decide(self, step: int, optimizer: torch.optim.Optimizer | None) -> Rebalance:
@@ -352,24 +312,15 @@ class ExpertBalancer:
             changed = int(event.cost.changed.sum()) if event.cost is not None else 0
             return self._migrate(Rebalance(step, event.before, event.after, event.applied, layers=list(self.layers),
                                            policy=event.policy, slots_changed=changed), event.placement, optimizer)
-        loads = self.window.loads()
-        candidates = []
-        for row, planner in enumerate(self.planners):
-            cand = copy.copy(planner)  # update_placement rebinds the layout; the old planner stays as it was
-            cand.update_placement(loads[row])
-            candidates.append(cand)
-        before = self._lp_balancedness(self.planners, loads)
-        after = self._lp_balancedness(candidates, loads)
-        new = self._lplb_placement(candidates)
-        cost = migration_cost(self.placement.phy2log, new.phy2log, self.ep, self.nodes)
-        fraction = float((cost.intra + cost.inter).sum()) / new.phy2log.numel()
-        applied = after - before > 0 and after - before >= self.min_gain * fraction and not torch.equal(new.phy2log, self.placement.phy2log)
+        plan = plan_periodic(self.planners, self.window.loads(), self.placement, self.nodes)
+        gain = plan.after - plan.before
+        applied = gain > 0 and gain >= self.min_gain * plan.fraction and plan.changes
         log.info(
             "lplb step %d: balancedness %.4f -> %.4f (gain %+.4f) moving %.1f%% of the slots (min_gain %.4f): %s",
-            step, before, after, after - before, 100 * fraction, self.min_gain, "rebalanced" if applied else "kept the current placement",
+            step, plan.before, plan.after, gain, 100 * plan.fraction, self.min_gain, "rebalanced" if applied else "kept the current placement",
         )
-        record = Rebalance(step, before, after, applied, layers=list(self.layers), policy="lplb", slots_changed=int(cost.changed.sum()))
-        return self._migrate(record, new, optimizer, candidates)
+        record = Rebalance(step, plan.before, plan.after, applied, layers=list(self.layers), policy="lplb", slots_changed=plan.slots_changed)
+        return self._migrate(record, plan.placement, optimizer, plan.planners)
 
     def _migrate(self, record: Rebalance, new: ExpertPlacement, optimizer: Any, planners: list[Any] | None = None) -> Rebalance:
         """Apply ``new`` when ``record`` says so, filling in what moved."""
@@ -379,37 +330,23 @@ class ExpertBalancer:
                 setattr(record, key, value)
         return record
 
-    @staticmethod
-    def _lp_balancedness(planners: list[Any], loads: torch.Tensor) -> float:
-        """Mean over layers of mean/max rank load after the LP redistribution of the window's loads."""
-        values = []
-        for row, planner in enumerate(planners):
-            probe = copy.copy(planner)  # plan() counts solves; probing must not
-            plan = probe.plan(loads[row].round().to(torch.int64).unsqueeze(0))
-            values.append(float(_mean_over_max(plan.rank_load.to(torch.float64))))
-        return sum(values) / len(values)
-
     def after_step(self, step: int, result: Any, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """The training loop's per-step hook (0-based ``step``); collective over the whole job.
 
-        Records the step's loads, rebalances after every ``interval``-th step, and returns the
-        figures of every pipeline rank's layers, merged (the same dict on every rank):
-        ``rank_balancedness`` (mean over MoE layers of mean / max EP-rank load this step, as
-        routed), ``replica_tokens`` (tokens routed to a slot other than their expert's first:
-        LPLB's moved tokens, EPLB's spread over replicas), for lplb ``rank_balancedness_originals``
-        (the same figure had every token gone to its expert's first slot), and on rebalance steps
-        ``rebalance`` with the balancedness ``before`` / ``after`` (means over layers),
-        ``applied`` and ``rows_moved`` (expert slot rows sent between ranks).
+        Records the step's loads, rebalances after every ``interval``-th step, decides whether
+        the replicas take tokens next step, and returns every rank's figures merged
+        (:func:`~portapipe.balancing.report.merge_figures`; the same dict on every rank).
         """
         slots = self._slot_loads()
         counts = None
         if self.layers and result.expert_counts is not None:
             counts = self._global_counts(result.expert_counts)
-        mine = self._figures(slots, counts)  # before a rebalance changes the placement the step ran with
+        # before a rebalance changes the placement the step ran with
+        mine = rank_figures(self.placement, self.layers, self.groups.pp_rank, self.ep, slots, counts, self.kind == "lplb")
         mine["switch"] = self.switch.figures(self._replica_gain(counts)) if self.modules else None
         event = None
         due = (step + 1) % self.interval == 0
-        if due and self.min_gain_auto and self.kind == "eplb":
+        if due and self.min_gain_auto:
             mine["min_gain"] = self._auto_min_gain(optimizer)
         if counts is not None:
             self.load_window.record(counts)
@@ -417,7 +354,7 @@ class ExpertBalancer:
                 event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
                 self.history.append(event)
         mine["event"] = None if event is None else event.as_dict()
-        parts = self._gather(mine, due)
+        parts = self.gather(mine, as_objects=due)
         merged = merge_figures(parts)
         if "min_gain" in mine:  # auto: the same on every rank
             merged["min_gain"] = mine["min_gain"]
@@ -428,78 +365,26 @@ class ExpertBalancer:
             log.info("%s step %d: %d out-of-date replica rows refilled from their first slots", self.kind, step + 1, moved["rows_moved"])
         return merged
 
-    def _gather(self, mine: dict[str, Any], due: bool) -> list[dict[str, Any]]:
-        """Every rank's figures (collective over the job): a rebalance step's events and
-        ``min_gain`` as objects, any other step as one fixed-shape tensor (step_figures.py)."""
-        world = dist.get_world_size()
-        if due:
-            parts: list[Any] = [None] * world
-            dist.all_gather_object(parts, mine)
-            return parts
-        if self.max_layers is None:  # the job's most MoE layers on one rank: the rows' size, once
-            most = torch.tensor([len(self.layers)], dtype=torch.int64)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            self.max_layers = int(most)
-        return gather_figures(self.backend, mine, self.max_layers, self.ep, world)
-
     def _replica_gain(self, counts: torch.Tensor | None) -> float:
-        """Seconds per step the replicas are predicted to save on this rank: per layer, the rows of
-        the busiest EP rank with every token on its first slot less with the replicas in use
-        (LPLB's plan, EPLB's even spread) of the step's loads, at the measured seconds per row."""
+        """Seconds per step the replicas are predicted to save on this rank (pricing.py), from the
+        step's loads with every token on its first slot against LPLB's plan or EPLB's even spread."""
         if counts is None or not self.modules:
             return 0.0
-        seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
-        rows = sum(layer.moe.clock.last[1] for layer in self.modules)
         p, per = self.placement, self.slots_per_rank
-        first = first_slot_loads(counts, p.log2phy, per, self.ep)
-        if self.kind == "lplb":
-            # plan() counts solves; probing must not
-            used = torch.stack([copy.copy(planner).plan(counts[row].round().to(torch.int64).unsqueeze(0)).rank_load.to(torch.float64).reshape(-1)
-                                for row, planner in enumerate(self.planners)])
-        else:
-            used = spread_loads(counts, p.log2phy, p.logcnt, per, self.ep)
-        gain = float((first.max(1).values - used.max(1).values).sum())
-        # counts are summed over DP: each replica's ranks compute 1/dp of them
-        return gain * seconds / rows / self.groups.dp if rows else 0.0
+        used = lp_rank_loads(self.planners, counts) if self.kind == "lplb" else spread_loads(counts, p.log2phy, p.logcnt, per, self.ep)
+        return replica_gain_s(first_slot_loads(counts, p.log2phy, per, self.ep), used, self.modules, self.groups.dp)
 
     def _auto_min_gain(self, optimizer: Any) -> float:
-        """``min_gain: auto`` (collective over the job, the same value on every rank): the time a
-        migration of every slot would take at the last migration's measured seconds per byte,
-        over ``interval`` steps of expert compute (each rank's last step; means over ranks). The
-        balancedness a plan must gain per moved fraction is then what pays for its bytes within
-        the interval. Until a migration was timed, the replica gradient sum's processor seconds
-        per byte stand in (expert rows sent between the same EP ranks, as a migration sends
-        them), so the first placement is weighed too; 0 when neither was measured (no replicas)."""
-        seconds = sum(layer.moe.clock.last[0] for layer in self.modules)
-        per_byte = self.migrate_s_per_byte or self.sum_s_per_byte
-        full = 0.0
-        for layer in self.modules:
-            params = {n: getattr(layer.moe.experts, n) for n in EXPERT_PARAMS}
-            full += row_bytes(expert_tensors(params, self.slots_per_rank, optimizer)) * self.num_slots
-        t = torch.tensor([seconds, full * per_byte, float(per_byte > 0), float(bool(self.modules))],
-                         dtype=torch.float64)
-        dist.all_reduce(t)
-        value = 0.0 if t[2] < t[3] or t[0] <= 0 else float(t[1] / (self.interval * t[0]))
+        """``min_gain: auto`` before a decision (collective over the job; pricing.py), priced by the
+        last migration's seconds per byte or, before the first, the replica sum's."""
+        if self.full_bytes is None or optimizer is None:  # fixed once the optimizer holds its state
+            self.full_bytes = full_migration_bytes(self.modules, EXPERT_PARAMS, self.slots_per_rank, self.num_slots, optimizer)
+        full = self.full_bytes
+        value = auto_min_gain(self.kind, self.modules, full, self.migrate_s_per_byte or self.sum_s_per_byte, self.interval)
         self.min_gain = value
         if self.rebalancer is not None:
             self.rebalancer.min_gain = value
-        log.info("eplb min_gain auto: %.4f (a full migration %.1f ms, expert time %.1f ms per step, means over ranks)",
-                 value, 1e3 * float(t[1]) / dist.get_world_size(), 1e3 * float(t[0]) / dist.get_world_size())
         return value
-
-    def _figures(self, slots: torch.Tensor, counts: torch.Tensor | None) -> dict[str, Any]:
-        """This rank's raw per-layer loads of the step, for :func:`merge_figures`."""
-        out: dict[str, Any] = {"pp_rank": self.groups.pp_rank, "layers": list(self.layers), "rank_loads": [], "orig_loads": [], "replica_tokens": 0.0}
-        if not self.layers:
-            return out
-        per = self.slots_per_rank
-        first = self.placement.log2phy[:, :, 0]  # [layers, experts]: the slot an expert's tokens go to first
-        primary = torch.zeros(len(self.layers), self.num_slots, dtype=torch.bool).scatter_(1, first, True)
-        out["rank_loads"] = slots.view(len(self.layers), self.ep, per).sum(-1).tolist()
-        out["replica_tokens"] = float(slots[~primary].sum())
-        if self.kind == "lplb" and counts is not None:
-            out["orig_loads"] = first_slot_loads(counts, self.placement.log2phy, per, self.ep).tolist()
-        return out
 
     # ------------------------------------------------------------- checkpoints
     @property
@@ -540,53 +425,3 @@ class ExpertBalancer:
         if "loads" in state:
             self.load_window.load_state_dict(state["loads"])
         self._label()
-
-
-#: rebalance figures added over the pipeline stages
-SUMMED = ("slots_changed", "rows_moved", "rows_inter_node", "bytes_moved", "bytes_inter_node")
-
-
-def merge_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One record from every rank's figures.
-
-    Ranks of one pipeline rank (EP / DP members) report the same reduced loads, so each
-    (pipeline rank, layers) pair is taken once; DualPipe's two pipeline ranks holding the same
-    layers each routed their own micro-batches, so their slot loads are added.
-    """
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    loads: dict[int, torch.Tensor] = {}
-    orig: dict[int, list[float]] = {}
-    tokens = 0.0
-    events: dict[tuple[int, ...], dict[str, Any]] = {}
-    for part in parts:
-        key = tuple(part["layers"])
-        if not key or (part["pp_rank"], key) in seen:
-            continue
-        seen.add((part["pp_rank"], key))
-        tokens += part["replica_tokens"]
-        for layer, row in zip(key, part["rank_loads"]):
-            t = torch.tensor(row, dtype=torch.float64)
-            loads[layer] = loads[layer] + t if layer in loads else t
-        orig.update(zip(key, part["orig_loads"]))  # from expert_counts: already summed over copies
-        if part["event"] is not None:
-            events[key] = part["event"]
-    out: dict[str, Any] = {
-        "rank_balancedness": float(_mean_over_max(torch.stack(list(loads.values()))).mean()) if loads else None,
-        "replica_tokens": tokens,
-    }
-    if orig:
-        out["rank_balancedness_originals"] = float(_mean_over_max(torch.tensor(list(orig.values()), dtype=torch.float64)).mean())
-    if events:
-        evs = list(events.values())
-        weight = [len(e["layers"]) for e in evs]
-        n = sum(weight)
-        out["rebalance"] = {
-            "step": evs[0]["step"],
-            "policy": evs[0]["policy"],
-            "before": sum(w * e["before"] for w, e in zip(weight, evs)) / n,
-            "after": sum(w * e["after"] for w, e in zip(weight, evs)) / n,
-            "applied": any(e["applied"] for e in evs),
-            **{key: sum(e[key] for e in evs) for key in SUMMED},
-            "per_stage": evs,
-        }
-    return out

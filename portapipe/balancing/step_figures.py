@@ -4,7 +4,7 @@ On a step without a rebalance every rank's figures (:meth:`ExpertBalancer._figur
 replica switch's gain and cost) have a fixed shape once the job's most MoE layers on a rank is
 known, so they travel as one ``float64`` row per rank through one all-gather instead of a
 pickled dict per rank (``all_gather_object``: two collectives and serialisation on every step).
-The rows are turned back into the same dicts, so :func:`~portapipe.balancing.runtime.merge_figures`
+The rows are turned back into the same dicts, so :func:`~portapipe.balancing.report.merge_figures`
 and the replica switch see exactly what the object gather gave them: every value is a count,
 a layer id or a ``float64`` figure, all held exactly by a ``float64``.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 HEAD = 7
 
@@ -72,3 +73,24 @@ def gather_figures(backend: Any, figures: dict[str, Any], max_layers: int, ep: i
     rows = row.new_empty(world * row.numel())
     backend.all_gather_into_tensor(rows, row)
     return [unpack_figures(r, max_layers, ep) for r in rows.view(world, -1)]
+
+
+class FigureGather:
+    """Every rank's after-step figures (collective over the job): a rebalance step's events and
+    ``min_gain`` as objects (``all_gather_object``), any other step as one fixed-shape row per rank."""
+
+    def __init__(self, backend: Any, layers: int, ep: int) -> None:
+        self.backend, self.layers, self.ep = backend, layers, ep
+        self.max_layers: int | None = None  # the job's most MoE layers on a rank: the rows' size
+
+    def __call__(self, figures: dict[str, Any], as_objects: bool) -> list[dict[str, Any]]:
+        world = dist.get_world_size()
+        if as_objects:
+            parts: list[Any] = [None] * world
+            dist.all_gather_object(parts, figures)
+            return parts
+        if self.max_layers is None:  # once
+            most = torch.tensor([self.layers], dtype=torch.int64)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            self.max_layers = int(most)
+        return gather_figures(self.backend, figures, self.max_layers, self.ep, world)
