@@ -60,8 +60,13 @@ def auto_min_gain(kind: str, modules: Sequence[Any], full_bytes: float, s_per_by
     seconds, _ = expert_seconds_and_rows(modules)
     t = torch.tensor([seconds, full_bytes * s_per_byte, float(s_per_byte > 0), float(bool(modules))], dtype=torch.float64)
     dist.all_reduce(t)
-    value = 0.0 if t[2] < t[3] or t[0] <= 0 else float(t[1] / (interval * t[0]))
+    unpriced = t[2] < t[3] or t[0] <= 0
+    value = 0.0 if unpriced else float(t[1] / (interval * t[0]))
     world = dist.get_world_size()
+    if unpriced:  # say so: a plan is then adopted on any gain
+        log.info("%s min_gain auto: 0 for now: %s", kind, "no expert time was measured" if t[0] <= 0 else
+                 "no migration or replica gradient sum has been timed yet to price the bytes")
+        return value
     log.info("%s min_gain auto: %.4f (a full migration %.1f ms, expert time %.1f ms per step, means over ranks)",
              kind, value, 1e3 * float(t[1]) / world, 1e3 * float(t[0]) / world)
     return value
