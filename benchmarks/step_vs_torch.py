@@ -271,6 +271,9 @@ def bench_rank(
             "processor_ms_per_step_by_rank": {k: [round(1000.0 * x, 1) for x in v] for k, v in proc.items()},
             "processor_ours_over_torch": round(sum(proc["ours"]) / sum(proc["torch"]), 3),
             "a2a_timing_steps": len(timed_times[f"{name}/ours"]),
+            # per rank and timing step: all-to-all time (issue to done) and the part spent blocked
+            "a2a_total_ms_per_step": round(1000.0 * total / world / max(1, len(timed_times[f"{name}/ours"])), 2),
+            "a2a_wait_ms_per_step": round(1000.0 * wait / world / max(1, len(timed_times[f"{name}/ours"])), 2),
             "same_computation": check[name],
         }
     return out
