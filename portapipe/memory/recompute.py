@@ -172,12 +172,13 @@ class Recompute:
         def run(t: Tape, *xs: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
             return (yield from layer.moe_program(t, *xs, plan))
 
+        weights = send.detach()[:, -1].clone()  # the sent rows' router weights (the rows go)
+
         def values() -> list[torch.Tensor]:
             sent, kept = slice(None, plan.n_remote), slice(plan.n_remote, None)
             rows = [dispatch_rows(hn.detach(), plan, layer.top_k, part) for part in (sent, kept)]
             return [h.detach(), hn.detach(), with_weights(rows[0], weights), rows[1], local_weights.detach()]
 
-        weights = send.detach()[:, -1].clone()  # the sent rows' router weights (the rows go)
         out = yield from self.segment(tape, layer, run, [h, hn, send, local, local_weights], values)
         free_storage(send)  # the replay gathers both again
         free_storage(local)

@@ -46,10 +46,10 @@ from torch import nn
 
 from ..backends.base import Backend
 from ..config import ModelConfig
+from ..scheduling.exchange import free_storage
 from ..scheduling.stage import expert_ids, is_expert, mark_expert
 from .attention import HF_PRECISION, Attention, GroupedQueryAttention, LatentAttention
 from .expert_clock import ExpertClock
-from ..scheduling.exchange import free_storage
 from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch, split_weights, with_weights
 from .functions import RMSNorm, swiglu
 from .linear import Linear, grouped_linear
