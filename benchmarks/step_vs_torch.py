@@ -19,8 +19,15 @@ the edges (the lone F, B and BW actions: warm-up, cool-down, and all of 1F1B), e
 median processor time per step (all of its threads: with more ranks than cores the step is
 bound by it), with the machine's load average before and after.
 
+Taking each exchange's completion time (for the hidden shares) costs processor time on every
+exchange, so ours takes it only on timing steps: after every ``--a2a-every`` timed steps comes
+one more step of every variant on which our exchanges are timed (the executor's
+``time_exchanges``). The hidden shares come from those steps alone, the step and processor
+times from the others; ``median_step_s`` also gives ours' median on the timing steps
+(``ours_exchanges_timed``). ``--a2a-every 0``: every step is both (the exchanges always timed).
+
     python benchmarks/step_vs_torch.py [--config examples/cpu.yaml] [--steps 20] [--warmup 3]
-        [--schedules dualpipev,interleaved,1f1b] [--set k=v ...]
+        [--a2a-every 4] [--schedules dualpipev,interleaved,1f1b] [--set k=v ...]
 """
 
 from __future__ import annotations
@@ -150,7 +157,22 @@ def _all_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int, schedules: tuple[str, ...] = SCHEDULES) -> dict[str, Any]:
+def timing_steps(steps: int, every: int) -> list[bool]:
+    """For each step after the warm-up: whether it times our exchanges (see the module doc).
+    ``steps`` are not; one that is follows every ``every`` of them (``every`` 0: all are both)."""
+    if every == 0:
+        return [True] * steps
+    out: list[bool] = []
+    for i in range(steps):
+        out.append(False)
+        if (i + 1) % every == 0 or i + 1 == steps:
+            out.append(True)
+    return out
+
+
+def bench_rank(
+    backend: Any, base: dict[str, Any], steps: int, warmup: int, schedules: tuple[str, ...] = SCHEDULES, a2a_every: int = 4
+) -> dict[str, Any]:
     """Run on every rank: build the variants, check them against each other, time them in turns."""
     probe = config_from_dict(base)
     groups = backend.parallel_groups(probe.parallel.pp, probe.parallel.dp, probe.parallel.ep)
@@ -188,9 +210,13 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int, sche
     cpu: dict[str, list[float]] = {k: [] for k in variants}  # this rank's processor time per step
     a2a: dict[str, list[float]] = {k: [0.0] * 4 for k in variants if not k.endswith("/torch")}
     bubble: dict[str, list[float]] = {k: [] for k in a2a}
-    for i in range(1, warmup + steps + 1):
+    timed_times: dict[str, list[float]] = {k: [] for k in a2a}  # ours' steps with timed exchanges
+    plan = [False] * warmup + timing_steps(steps, a2a_every)
+    for i, timing in enumerate(plan, start=1):
         mbs = batches(i)
         for key, v in variants.items():
+            if key in a2a:
+                v.time_exchanges = timing
             backend.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
             result = v.step(mbs)
@@ -198,13 +224,17 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int, sche
             (slowest,) = _all_max([elapsed])
             if i <= warmup:
                 continue
-            times[key].append(slowest)
-            cpu[key].append(used)
-            if key in a2a:
+            if key in a2a and timing:
                 t = result.timings
                 sums = _all_sum([t["fb_a2a_total_s"], t["fb_a2a_wait_s"], t["a2a_total_s"], t["a2a_wait_s"]])
                 a2a[key] = [x + y for x, y in zip(a2a[key], sums)]
-                bubble[key].append(_all_max([t["bubble_frac"]])[0])
+                timed_times[key].append(slowest)
+            if timing and a2a_every:
+                continue  # a timing step: its times are not the step's
+            times[key].append(slowest)
+            cpu[key].append(used)
+            if key in a2a:
+                bubble[key].append(_all_max([result.timings["bubble_frac"]])[0])
 
     def hidden(total: float, wait: float) -> float | None:
         return None if total <= 0 else round(100.0 * max(0.0, 1.0 - wait / total), 1)
@@ -224,8 +254,9 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int, sche
         edge_total, edge_wait = total - fb_total, wait - fb_wait
         nfb_total, nfb_wait, ntotal, nwait = a2a[f"{name}/ours_no_overlap"]
         nedge_total, nedge_wait = ntotal - nfb_total, nwait - nfb_wait
+        med_timed = statistics.median(timed_times[f"{name}/ours"])
         out[name] = {
-            "median_step_s": {k: round(v, 4) for k, v in med.items()},
+            "median_step_s": {**{k: round(v, 4) for k, v in med.items()}, "ours_exchanges_timed": round(med_timed, 4)},
             "torch_over_ours": round(med["torch"] / med["ours"], 3),
             "torch_over_ours_no_overlap": round(med["torch"] / med["ours_no_overlap"], 3),
             "ours_faster_pct": round(100.0 * (1.0 - med["ours"] / med["torch"]), 1),
@@ -239,6 +270,10 @@ def bench_rank(backend: Any, base: dict[str, Any], steps: int, warmup: int, sche
             "bubble_pct_ours": round(100.0 * statistics.median(bubble[f"{name}/ours"]), 1),
             "processor_ms_per_step_by_rank": {k: [round(1000.0 * x, 1) for x in v] for k, v in proc.items()},
             "processor_ours_over_torch": round(sum(proc["ours"]) / sum(proc["torch"]), 3),
+            "a2a_timing_steps": len(timed_times[f"{name}/ours"]),
+            # per rank and timing step: all-to-all time (issue to done) and the part spent blocked
+            "a2a_total_ms_per_step": round(1000.0 * total / world / max(1, len(timed_times[f"{name}/ours"])), 2),
+            "a2a_wait_ms_per_step": round(1000.0 * wait / world / max(1, len(timed_times[f"{name}/ours"])), 2),
             "same_computation": check[name],
         }
     return out
@@ -249,11 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="[examples/cpu.yaml]")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    parser.add_argument("--a2a-every", type=int, default=4, help="a step timing our exchanges after every N timed steps (0: every step)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated, of {', '.join(PEERS)}")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
+    if args.a2a_every < 0:
+        parser.error(f"--a2a-every must be >= 0 (0: time the exchanges on every step), got {args.a2a_every}")
     schedules = tuple(x.strip() for x in args.schedules.split(",") if x.strip())
     unknown = [x for x in schedules if x not in PEERS]
     if unknown or not schedules:
@@ -270,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps,
         args.warmup,
         schedules,
+        args.a2a_every,
         threads=rank_threads(config.world_size),
         wall_timeout_s=1800,
     )
@@ -289,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "seq_len": config.model.seq_len,
         "model": {k: getattr(config.model, k) for k in ("hidden", "n_layers", "n_dense", "n_experts", "top_k", "moe_hidden", "dtype")},
         "timed_steps": args.steps,
+        "a2a_every": args.a2a_every,
         **r,
         "ours_not_slower": all(r[s]["torch_over_ours"] >= 1.0 for s in schedules),
         "ours_10pct_faster": all(r[s]["ours_faster_pct"] >= 10.0 for s in schedules),

@@ -32,6 +32,9 @@ def test_step_vs_torch_runs_and_ours_and_torchs_pipelines_agree() -> None:
         assert sorted(proc) == ["ours", "ours_no_overlap", "torch"]
         assert all(len(v) == report["ranks"] and min(v) > 0 for v in proc.values()), proc
         assert abs(report[schedule]["processor_ours_over_torch"] - sum(proc["ours"]) / sum(proc["torch"])) < 0.01
+        # one step timing the exchanges follows the timed step; its time is reported apart
+        assert report[schedule]["a2a_timing_steps"] == 1 and report[schedule]["median_step_s"]["ours_exchanges_timed"] > 0
+        assert report[schedule]["a2a_wait_ms_per_step"] == report[schedule]["a2a_total_ms_per_step"] == 0.0  # ep 1: no exchange
 
 
 @pytest.mark.parametrize("steps, warmup", [("0", "1"), ("-1", "1"), ("2", "-1")])

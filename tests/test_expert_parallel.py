@@ -9,7 +9,7 @@ import torch
 
 from portapipe.backends.cpu import CPUBackend
 from portapipe.launch import run_ranks
-from portapipe.models.expert_parallel import ExpertParallel, plan_dispatch
+from portapipe.models.expert_parallel import ExpertParallel, plan_dispatch, split_weights, with_weights
 from portapipe.scheduling.exchange import A2AStats, AllToAll, Pending, exchange
 
 
@@ -136,3 +136,20 @@ def test_uneven_exchanges_and_plans_on_two_ranks() -> None:
     # the rows routed to a rank's own experts go last and are not exchanged
     assert r0["split"] == ([5, 1, 4, 0, 3, 6, 2, 7], 3, [0, 3], [0, 2], [1, 2], [3, 5])
     assert r1["split"] == ([3, 6, 0, 4, 7, 1, 2, 5], 2, [2, 0], [3, 0], [1, 3], [3, 6])
+
+
+def test_router_weights_travel_as_a_column_of_the_rows_and_come_back_exactly() -> None:
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(5, 4, generator=g, dtype=torch.float32, requires_grad=True)
+    weights = torch.rand(5, generator=g, dtype=torch.float32, requires_grad=True)
+    sent = with_weights(rows, weights)
+    assert sent.shape == (5, 5) and torch.equal(sent[:, 4], weights.detach())
+    got_rows, got_weights = split_weights(sent)
+    assert got_rows.is_contiguous() and got_weights.is_contiguous()
+    assert torch.equal(got_rows, rows.detach()) and torch.equal(got_weights, weights.detach())
+    # the gradients come back through the one column each, unchanged
+    g_rows, g_weights = torch.randn(5, 4, generator=g), torch.randn(5, generator=g)
+    torch.autograd.backward([got_rows, got_weights], [g_rows, g_weights])
+    assert torch.equal(rows.grad, g_rows) and torch.equal(weights.grad, g_weights)
+    with pytest.raises(ValueError, match="router weights in torch.float64"):
+        with_weights(rows, weights.detach().double())

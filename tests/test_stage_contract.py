@@ -210,7 +210,7 @@ def _toy_batch(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 16, (8, 4), generator=g), torch.randint(0, 16, (8, 4), generator=g)
 
 
-def _toy_rank(backend: Any) -> tuple[float, dict[str, torch.Tensor], float]:
+def _toy_rank(backend: Any) -> tuple[float, dict[str, torch.Tensor], float, bool]:
     from portapipe.scheduling.exchange import ExchangeGroup
     from portapipe.scheduling.executor import PipelineExecutor, make_schedule
 
@@ -223,11 +223,20 @@ def _toy_rank(backend: Any) -> tuple[float, dict[str, torch.Tensor], float]:
         schedule, stages, backend, groups, boundary=lambda v, shape: ((*shape, 8), torch.float64), exchange_stats=group.stats
     )
     x, y = _toy_batch(groups.ep_rank)
-    result = executor.step(list(zip(x.chunk(4), y.chunk(4))))
+    mbs = list(zip(x.chunk(4), y.chunk(4)))
+    # the same step with the exchanges' completion not taken: same values, only the waits timed
+    executor.time_exchanges = False
+    untimed = executor.step(mbs)
+    untimed_grads = [p.grad.clone() for _, p in executor.named_parameters()]
+    executor.time_exchanges = True
+    result = executor.step(mbs)
     grads = {}
     for name, p in executor.named_parameters():
         grads[expert_key(name, groups.ep_rank) if is_expert(p) else name] = p.grad[0] if is_expert(p) else p.grad
-    return result.loss, grads, result.timings["fb_a2a_total_s"]
+    same = untimed.loss == result.loss and all(torch.equal(g, p.grad) for g, (_, p) in zip(untimed_grads, executor.named_parameters()))
+    t = untimed.timings
+    untimed_ok = t["a2a_total_s"] is None and t["fb_a2a_hidden_frac"] is None and t["a2a_wait_s"] >= t["fb_a2a_wait_s"] >= 0.0
+    return result.loss, grads, result.timings["fb_a2a_total_s"], same and untimed_ok
 
 
 def _toy_reference() -> tuple[float, dict[str, torch.Tensor]]:
@@ -270,14 +279,15 @@ def _toy_reference() -> tuple[float, dict[str, torch.Tensor]]:
 
 def test_a_user_written_overlap_capable_stage_runs_with_expert_parallelism_and_equals_one_process() -> None:
     """DualPipeV on pp 2 x ep 2 over stages that are not portapipe's model: the F&B pairs overlap
-    their all-to-alls, and loss and gradients equal one process."""
+    their all-to-alls, and loss and gradients equal one process (also on a step whose exchanges
+    are not timed, which reports their waits and no totals)."""
     from portapipe.launch import run_ranks
 
     results = run_ranks(_toy_rank, 4)
     ref_loss, ref = _toy_reference()
     got: dict[str, torch.Tensor] = {}
-    for loss, grads, fb_a2a in results:
-        assert abs(loss - ref_loss) <= 1e-12 * ref_loss and fb_a2a > 0
+    for loss, grads, fb_a2a, untimed_same in results:
+        assert abs(loss - ref_loss) <= 1e-12 * ref_loss and fb_a2a > 0 and untimed_same
         for k, g in grads.items():  # replicated parameters: the same on both EP ranks
             assert k not in got or torch.equal(got[k], g), k
             got[k] = g

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from ..models.expert_parallel import ExpertParallel
-from ..scheduling.exchange import Pending, issue
+from ..models.expert_parallel import ExpertParallel, with_weights
+from ..scheduling.exchange import Pending, free_storage, issue
 from ..scheduling.overlap import Custom, Program, Tape
 from ..scheduling.wgrad import WeightGradQueue
-from .zero_memory import dispatch_rows, free_storage
+from .zero_memory import dispatch_rows
 
 MODES = ("none", "moe", "full")
 
@@ -159,25 +159,27 @@ class Recompute:
 
     def moe(
         self, tape: Tape, layer: Any, h: torch.Tensor, hn: torch.Tensor, send: torch.Tensor, local: torch.Tensor,
-        weights: torch.Tensor, local_weights: torch.Tensor, plan: Any,
+        local_weights: torch.Tensor, plan: Any,
     ) -> Generator[Any, None, torch.Tensor]:
         """Program: an MoE layer's parts after attention, recomputed in backward.
 
         The rows to send and the local rows are not kept: the replay gathers them again from
         the normed tokens (kept by the attention part), and their gradients go back through
         ``send`` and ``local`` as usual. The router weights in dispatch order (one number per
-        row) are kept.
+        row: the sent rows' last column, and the local rows') are kept.
         """
 
         def run(t: Tape, *xs: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
             return (yield from layer.moe_program(t, *xs, plan))
 
+        weights = send.detach()[:, -1].clone()  # the sent rows' router weights (the rows go)
+
         def values() -> list[torch.Tensor]:
             sent, kept = slice(None, plan.n_remote), slice(plan.n_remote, None)
             rows = [dispatch_rows(hn.detach(), plan, layer.top_k, part) for part in (sent, kept)]
-            return [h.detach(), hn.detach(), *rows, weights.detach(), local_weights.detach()]
+            return [h.detach(), hn.detach(), with_weights(rows[0], weights), rows[1], local_weights.detach()]
 
-        out = yield from self.segment(tape, layer, run, [h, hn, send, local, weights, local_weights], values)
+        out = yield from self.segment(tape, layer, run, [h, hn, send, local, local_weights], values)
         free_storage(send)  # the replay gathers both again
         free_storage(local)
         return out

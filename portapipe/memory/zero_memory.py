@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..models.expert_parallel import DispatchPlan, ExpertParallel
-from ..scheduling.exchange import A2AStats, Pending
+from ..scheduling.exchange import A2AStats, Pending, free_storage
 from ..scheduling.exchange import issue as issue_exchange
 from . import accounting
 
@@ -52,13 +52,6 @@ def dispatch_rows(tokens: torch.Tensor, plan: DispatchPlan, top_k: int, rows: sl
     Must match what :meth:`portapipe.models.moe.Layer.attention_part` gathers.
     """
     return tokens.reshape(-1, tokens.shape[-1]).index_select(0, plan.send_order[rows] // top_k)
-
-
-def free_storage(t: torch.Tensor) -> None:
-    """Release ``t``'s memory now, keeping the tensor object (shape and autograd links stay)."""
-    storage = t.untyped_storage()
-    if storage.nbytes() > 0:
-        storage.resize_(0)
 
 
 @dataclass

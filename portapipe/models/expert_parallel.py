@@ -10,6 +10,10 @@ only the rows of the other ranks (this rank's split is 0 both ways), and the loc
 the experts without leaving the rank, so their compute can run while an exchange of the remote
 rows travels (see :meth:`portapipe.models.moe.Layer.moe_program`).
 
+Each sent row carries its router weight as one more column (:func:`with_weights`), so the
+weights need no exchange of their own, nor their gradients in the backward; the receiver splits
+them off (:func:`split_weights`). Moving a value changes nothing about it, so this is exact.
+
 The exchanges themselves (asynchronous with timing, or as an autograd function) are the
 scheduling layer's (:mod:`portapipe.scheduling.exchange`): :class:`ExpertParallel` is an
 :class:`~portapipe.scheduling.exchange.ExchangeGroup` that also knows which experts live where.
@@ -112,3 +116,19 @@ def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) ->
         order, send_splits, recv_splits, offs, counts, send_order, int(order.numel()) - send_splits[me],
         remote_send, remote_recv, remote_offs, local_offs, inverse,
     )
+
+
+def with_weights(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``rows[n, H]`` with each row's router weight ``weights[n]`` as column H: what a dispatch sends."""
+    if weights.dtype != rows.dtype:  # a cast would change the weights' values
+        raise ValueError(f"router weights in {weights.dtype} cannot travel beside rows in {rows.dtype}: the router must return the rows' dtype")
+    return torch.cat([rows, weights.unsqueeze(1)], 1)
+
+
+def split_weights(received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dispatch's received ``[m, H + 1]`` as (rows ``[m, H]``, weights ``[m]``), each contiguous
+    (the grouped matmul's layout; a row meets the same kernel as before the merge). One split, so
+    the backward joins the two gradients by one concatenation, with no sum."""
+    rows, weights = torch.split(received, [received.shape[1] - 1, 1], dim=1)
+    return rows.contiguous(), weights.reshape(-1).contiguous()
+

@@ -21,7 +21,7 @@ rows routed to other EP ranks -> ``shared`` (computed while the dispatch is in f
 ``experts`` on the received rows (one grouped matmul per projection over (source rank, expert)
 groups) -> combine all-to-all -> ``experts`` on the rows this rank routed to itself (computed
 while the combine is in flight) -> ``combine`` (sum of the top-k outputs + residual). Each
-row's router weight travels with it (a small exchange beside the dispatch) and scales the
+row's router weight travels with it (one more column of the dispatched rows) and scales the
 expert's activation before the down projection, the same function as weighting the expert's
 output but without keeping the outputs for the weights' gradient.
 
@@ -46,10 +46,11 @@ from torch import nn
 
 from ..backends.base import Backend
 from ..config import ModelConfig
+from ..scheduling.exchange import free_storage
 from ..scheduling.stage import expert_ids, is_expert, mark_expert
 from .attention import HF_PRECISION, Attention, GroupedQueryAttention, LatentAttention
 from .expert_clock import ExpertClock
-from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch
+from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch, split_weights, with_weights
 from .functions import RMSNorm, swiglu
 from .linear import Linear, grouped_linear
 from .rope import apply_rope, rope_tables
@@ -189,10 +190,11 @@ class Layer(nn.Module):
 
     def attention_part(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Attention + residual, FFN norm, routing, and the rows to send with their router
-        weights: ``(h, hn, send, local, weights, local_weights, plan)``. ``send`` / ``weights``
-        go to other EP ranks; ``local`` / ``local_weights`` (routed to this rank's own experts)
-        need no exchange. Both gathered in ``plan.send_order``, each into a buffer of its own
-        (the local rows are kept for the experts' backward, the sent ones are not)."""
+        weights: ``(h, hn, send, local, local_weights, plan)``. ``send`` goes to other EP ranks,
+        each row with its router weight as its last column (:func:`.expert_parallel.with_weights`);
+        ``local`` / ``local_weights`` (routed to this rank's own experts) need no exchange. Both
+        gathered in ``plan.send_order``, each into a buffer of its own (the local rows are kept
+        for the experts' backward, the sent ones are not)."""
         moe = self.moe
         h = x + self.attn(self.norm1(x))
         hn = self.norm2(h)
@@ -200,11 +202,14 @@ class Layer(nn.Module):
         w, idx = moe.router(flat)
         plan = moe.dispatch_plan(idx)
         n, order, tokens, w = plan.n_remote, plan.send_order, plan.send_order // self.top_k, w.reshape(-1)
-        send, local = flat.index_select(0, tokens[:n]), flat.index_select(0, tokens[n:])
-        return h, hn, send, local, w.index_select(0, order[:n]), w.index_select(0, order[n:]), plan
+        send = with_weights(flat.index_select(0, tokens[:n]), w.index_select(0, order[:n]))
+        return h, hn, send, flat.index_select(0, tokens[n:]), w.index_select(0, order[n:]), plan
 
-    def experts_part(self, rows: torch.Tensor, weights: torch.Tensor, plan: DispatchPlan, zm: Any = None, local: bool = False) -> torch.Tensor:
-        """Rows through the grouped expert MLP, each scaled by its router weight (beside it).
+    def experts_part(
+        self, rows: torch.Tensor, weights: torch.Tensor | None, plan: DispatchPlan, zm: Any = None, local: bool = False
+    ) -> torch.Tensor:
+        """Rows through the grouped expert MLP, each scaled by its router weight (``weights``,
+        or None: the rows' last column, as a dispatch delivers them).
 
         ``local``: the rows this rank routed to itself (one group per local expert), else the
         received ones (grouped by source rank, then expert). Each (source, expert) block is a
@@ -213,6 +218,10 @@ class Layer(nn.Module):
         process. ``zm`` (zero-memory) keeps the expert inputs out of what autograd saves.
         """
         moe = self.moe
+        if weights is None:
+            received = rows
+            rows, weights = split_weights(received)
+            free_storage(received)  # copied out; the split's backward needs only the sizes
         offs, tiles = (plan.local_offs, 1) if local else (plan.remote_offs, plan.remote_tiles)
         keep = contextlib.nullcontext() if zm is None else zm.dropping(rows, local)
         with keep:
@@ -252,7 +261,6 @@ class Layer(nn.Module):
         hn: torch.Tensor,
         send: torch.Tensor,
         local: torch.Tensor,
-        weights: torch.Tensor,
         local_weights: torch.Tensor,
         plan: DispatchPlan,
         zm: Any = None,
@@ -267,8 +275,7 @@ class Layer(nn.Module):
             return tape.part(last, h, shared, None, mine, plan)
         if zm is not None:  # zero-memory's re-dispatch needs no gradient: the backward may start it early
             tape.ahead(zm.issue)
-        # The router weights go first: the small exchange is done by the time the rows are.
-        dispatch_w = tape.all_to_all(moe.ep, weights, plan.remote_recv_splits, plan.remote_send_splits)
+        # the rows with their router weights (one exchange; its reverse brings both gradients)
         dispatch = tape.all_to_all(moe.ep, send, plan.remote_recv_splits, plan.remote_send_splits)
         yield dispatch
         # The shared expert and the rows this rank routed to itself need nothing from other
@@ -277,7 +284,7 @@ class Layer(nn.Module):
         # micro-batch's parts run at each yield first). Their backwards hide the combine's
         # reverse exchange.
         shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
-        out = tape.part(self.experts_part, dispatch.wait(), dispatch_w.wait(), plan, zm)
+        out = tape.part(self.experts_part, dispatch.wait(), None, plan, zm)
         combine = tape.all_to_all(moe.ep, out, plan.remote_send_splits, plan.remote_recv_splits)
         yield combine
         mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)

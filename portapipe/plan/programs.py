@@ -93,12 +93,10 @@ class Programs:
         if self.ep == 1:
             return shared + [self._c("experts", "F", opt, 1), self._c("combine", "F", opt, 1)]
         return [
-            ("I", ("dw", layer), T * s.top_k * e),
-            ("I", ("d", layer), T * s.top_k * h * e),
+            ("I", ("d", layer), T * s.top_k * (h + 1) * e),  # each row with its router weight
             ("Y", ("d", layer)),
             *shared,  # while the rows travel
             ("A", ("d", layer)),
-            ("A", ("dw", layer)),
             self._experts("F", opt, 1, local=False),
             ("I", ("c", layer), R * h * e),
             ("Y", ("c", layer)),
@@ -131,12 +129,9 @@ class Programs:
             ops.append(("A", ("r", layer)))
         ops += [
             self._experts(phase, opt, -1, local=False),
-            ("I", ("d'", layer), R * h * e),
+            ("I", ("d'", layer), R * (h + 1) * e),  # the rows' and the weights' gradients
             ("Y", ("d'", layer)),
-            ("I", ("dw'", layer), R * e),
-            ("Y", ("dw'", layer)),
             ("A", ("d'", layer)),
-            ("A", ("dw'", layer)),
         ]
         return ops
 
@@ -272,13 +267,13 @@ def _redispatch_ahead(ops: Sequence[Op], inner: set[int]) -> list[Op]:
                 issued.add(op[1][1])
                 out.append(op)
             continue
-        if op[0] == "A" and op[1][0] in ("c'", "d'", "dw'") and op[1][1] not in inner and marks and (last is None or last in passed):
+        if op[0] == "A" and op[1][0] in ("c'", "d'") and op[1][1] not in inner and marks and (last is None or last in passed):
             last = marks.pop(0)
             if last not in issued:
                 issued.add(last)
                 out.append(redispatch[last])
         out.append(op)
-        if op[0] == "I" and op[1][0] == "dw'":
+        if op[0] == "I" and op[1][0] == "d'":
             passed.add(op[1][1])
     return out
 

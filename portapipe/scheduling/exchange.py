@@ -13,7 +13,10 @@ rows, and the :class:`A2AStats` the executor reports. Three ways to run an excha
   the backward with the splits swapped) for code that runs one plain autograd graph.
 
 Each asynchronous exchange's total time (issue to completion, taken from the work's future)
-and the time the caller spent blocked in ``wait`` are added to a :class:`A2AStats`.
+and the time the caller spent blocked in ``wait`` are added to a :class:`A2AStats`. Taking the
+completion time costs something on every exchange (a callback on the communication thread,
+which must take the interpreter lock while the rank computes), so it is taken only while the
+stats are ``timed``; untimed, only the blocked time is added, and the total is not known.
 """
 
 from __future__ import annotations
@@ -30,11 +33,16 @@ from ..backends.base import Backend
 
 @dataclass
 class A2AStats:
-    """All-to-all time of one step: total (issue -> done) and the part spent blocked waiting."""
+    """All-to-all time of one step: total (issue -> done) and the part spent blocked waiting.
+
+    ``timed`` False: exchanges issued meanwhile add only their blocked time (``wait_s``) and
+    ``count``; their completion is not taken, so ``total_s`` and ``hidden_frac`` say nothing.
+    """
 
     total_s: float = 0.0
     wait_s: float = 0.0
     count: int = 0
+    timed: bool = True
 
     def reset(self) -> None:
         self.total_s = self.wait_s = 0.0
@@ -76,7 +84,8 @@ class Pending:
         self._issued = time.perf_counter()
         self._done_at: list[float] = []
         self._waited = work is None
-        if work is not None and stats is not None and hasattr(work, "get_future"):
+        self._timed = stats is not None and stats.timed
+        if work is not None and self._timed and hasattr(work, "get_future"):
             # Completion time from the communication thread: the true length of the exchange,
             # whether or not anybody was waiting for it.
             work.get_future().add_done_callback(lambda _f: self._done_at.append(time.perf_counter()))
@@ -100,11 +109,20 @@ class Pending:
             t1 = time.perf_counter()
             self._waited = True
             if self._stats is not None:
-                done = min(self._done_at[0], t1) if self._done_at else t1
                 self._stats.wait_s += t1 - t0
-                self._stats.total_s += max(done - self._issued, t1 - t0)
                 self._stats.count += 1
+                if self._timed:
+                    done = min(self._done_at[0], t1) if self._done_at else t1
+                    self._stats.total_s += max(done - self._issued, t1 - t0)
         return self.output
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s memory now, keeping the tensor object (shape and autograd links stay):
+    an exchange buffer nothing reads again, still named by whoever recorded the exchange."""
+    storage = t.untyped_storage()
+    if storage.nbytes() > 0:
+        storage.resize_(0)
 
 
 def exchange(

@@ -45,13 +45,15 @@ import torch.distributed as dist
 from torch import nn
 
 from ..backends.base import Backend, ParallelGroups
-from ..config import Config, ConfigError
-from . import comms, schedules, validate
 from .exchange import A2AStats
 from .ir import Action, Kind, Schedule
 from .overlap import Program, Tape, run, run_pair
+from .runnable import build_schedule, check_stages, make_schedule, placed
 from .stage import Boundary, Stage, is_expert
 from .wgrad import WeightGradQueue
+
+# where callers have always found them
+__all__ = ["GradSync", "PipelineExecutor", "StepResult", "build_schedule", "last_backward", "make_schedule", "mean_loss", "placed"]
 
 
 @dataclass
@@ -64,15 +66,17 @@ class StepResult:
     time from issue to completion, ``a2a_wait_s`` the part spent blocked on it,
     ``a2a_hidden_frac`` = 1 - wait / total; ``fb_a2a_*`` the same for the exchanges inside F&B
     pairs (the steady phase), ``edge_a2a_*`` for those of lone F, B and BW actions (warm-up,
-    cool-down, and every action of 1F1B and ZB1P); ``peak_activations`` the most micro-batches whose activations
-    were held at once. The expert fields come from the model's ``end_step`` hook (None / empty
-    without one): ``expert_counts[i, e]``: rows routed to logical expert e of MoE layer
-    ``expert_layers[i]`` this step, summed over the EP group (and DualPipe's two copies).
+    cool-down, and every action of 1F1B and ZB1P); on a step run with the executor's
+    ``time_exchanges`` off the totals and hidden shares are None (only the waits were taken);
+    ``peak_activations`` the most micro-batches whose activations were held at once. The
+    expert fields come from the model's ``end_step`` hook (None / empty without one):
+    ``expert_counts[i, e]``: rows routed to logical expert e of MoE layer ``expert_layers[i]``
+    this step, summed over the EP group (and DualPipe's two copies).
     """
 
     loss: float
     tokens: int
-    timings: dict[str, float]
+    timings: dict[str, float | None]
     expert_counts: torch.Tensor | None = None
     #: global layer index of each row of ``expert_counts``
     expert_layers: list[int] = field(default_factory=list)
@@ -80,54 +84,8 @@ class StepResult:
     losses: list[list[float]] = field(default_factory=list)
 
 
-def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 2, w_split: bool = True) -> Schedule:
-    """The lowered, validated schedule ``name`` on ``pp`` pipeline ranks; ValueError (one line per problem) if it cannot run."""
-    try:
-        schedule = schedules.build(name, pp, microbatches, chunks)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{name} with pp={pp}, microbatches={microbatches}: {exc}") from None
-    if not w_split:
-        schedule = schedules.without_w_split(schedule)
-    schedule = comms.lower_comms(schedule)
-    problems = [f"{name} (pp={pp}, microbatches={microbatches}): {line}" for line in validate.problems(schedule)]
-    if schedule.n_ranks != pp:
-        problems.append(f"{name} runs on {schedule.n_ranks} ranks, not pp = {pp}")
-    if problems:
-        raise ValueError("\n".join(problems))
-    return schedule
-
-
-def build_schedule(config: Config) -> Schedule:
-    """The lowered schedule a config asks for; ConfigError (before any rank starts) if it cannot run."""
-    s, p = config.schedule, config.parallel
-    try:
-        schedule = make_schedule(s.name, p.pp, s.microbatches, s.chunks, s.w_split)
-    except ValueError as exc:
-        raise ConfigError([f"schedule: {line}" for line in str(exc).splitlines()]) from None
-    problems = []
-    n_blocks = config.n_blocks()
-    if schedule.n_blocks != n_blocks:
-        problems.append(f"schedule: {s.name} places {schedule.n_blocks} model blocks but the config expects {n_blocks}")
-    if config.model.n_layers < schedule.n_blocks:
-        problems.append(
-            f"model.n_layers: {config.model.n_layers} layers cannot be cut into the {schedule.n_blocks} blocks of {s.name} with pp={p.pp}"
-        )
-    if problems:
-        raise ConfigError(problems)
-    return schedule
-
-
 def _tag(direction: int, stage: int, mb: int, n_stages: int, n_mb: int) -> int:
     return (direction * n_stages + stage) * n_mb + mb
-
-
-def placed(schedule: Schedule, groups: ParallelGroups) -> Schedule:
-    """``schedule`` with its SEND/RECV actions (added unless present), checked against the pipeline group."""
-    if not comms.has_comms(schedule):
-        schedule = comms.lower_comms(schedule)
-    if schedule.n_ranks != groups.pp:
-        raise ValueError(f"schedule {schedule.name} has {schedule.n_ranks} ranks but the pipeline group has {groups.pp}")
-    return schedule
 
 
 class GradSync(Protocol):
@@ -170,7 +128,10 @@ class PipelineExecutor:
     the backend's device). ``exchange_stats``: where the stages' exchanges record their time
     (reported in the timings); ``end_step``: see :data:`EndStep`; ``grad_sync``: see
     :class:`GradSync` (None: the blocking reduction after the list). ``grad_scale`` multiplies
-    every backward's seed (a loss scale).
+    every backward's seed (a loss scale). ``time_exchanges`` (an attribute a caller may flip
+    between steps): take each exchange's completion time, for the all-to-all totals and hidden
+    shares of the step's timings; off, a step saves a callback per exchange on the
+    communication thread and reports only the time blocked on exchanges.
     """
 
     def __init__(
@@ -185,16 +146,18 @@ class PipelineExecutor:
         exchange_stats: A2AStats | None = None,
         end_step: EndStep | None = None,
         grad_sync: GradSync | None = None,
+        time_exchanges: bool = True,
     ) -> None:
         self.backend, self.groups = backend, groups
         self.schedule = s = placed(schedule, groups)
         self.blocks: dict[int, Stage] = {b: stages[b] for b in sorted(stages)}
-        _check_stages(s, groups.pp_rank, self.blocks)
+        check_stages(s, groups.pp_rank, self.blocks)
         self.boundary = boundary
         self.overlap = overlap
         self.exchange_stats = A2AStats() if exchange_stats is None else exchange_stats
         self.end_step = end_step
         self.grad_sync = grad_sync
+        self.time_exchanges = time_exchanges
         self.grad_scale = 1.0
         self.device = backend.device()
         self.actions: list[Action] = s.actions[groups.pp_rank]
@@ -234,6 +197,7 @@ class PipelineExecutor:
                 p.grad = None
         self.exchange_stats.reset()
         self.fb_stats.reset()
+        self.exchange_stats.timed = self.time_exchanges
         run_ = _Step(self, microbatches)
         t0 = time.perf_counter()
         run_.execute()
@@ -245,21 +209,12 @@ class PipelineExecutor:
         extra = dict(self.end_step(self)) if self.end_step is not None else {}
         step_s = time.perf_counter() - t0
         tokens = sum(int(t.numel()) for _, t in microbatches) * len(losses)
-        st, fb = self.exchange_stats, self.fb_stats
         timings = {
             "step_s": step_s,
             "compute_s": run_.compute_s,
             "p2p_wait_s": run_.p2p_wait_s,
             "bubble_frac": max(0.0, 1.0 - run_.compute_s / step_s) if step_s > 0 else 0.0,
-            "a2a_total_s": st.total_s,
-            "a2a_wait_s": st.wait_s,
-            "a2a_hidden_frac": st.hidden_frac,
-            "fb_a2a_total_s": fb.total_s,
-            "fb_a2a_wait_s": fb.wait_s,
-            "fb_a2a_hidden_frac": fb.hidden_frac,
-            "edge_a2a_total_s": st.total_s - fb.total_s,
-            "edge_a2a_wait_s": st.wait_s - fb.wait_s,
-            "edge_a2a_hidden_frac": A2AStats(st.total_s - fb.total_s, st.wait_s - fb.wait_s).hidden_frac,
+            **a2a_timings(self.exchange_stats, self.fb_stats),
             "peak_activations": float(run_.peak_activations),
             "grad_sync_exposed_s": self.grad_sync.exposed_s if self.grad_sync is not None else 0.0,
             "grad_sync_s": self.grad_sync.sync_s if self.grad_sync is not None else 0.0,
@@ -332,6 +287,18 @@ class PipelineExecutor:
         out = [torch.empty_like(vec) for _ in range(replicas)]
         self.backend.all_gather(out, vec, group=g.replica_group)
         return [t.tolist() for t in out]
+
+def a2a_timings(step: A2AStats, fb: A2AStats) -> dict[str, float | None]:
+    """The step's all-to-all fields: whole step, F&B pairs (``fb_``), the rest (``edge_``).
+    Totals and hidden shares are None when the step's exchanges were not timed."""
+    edge = A2AStats(step.total_s - fb.total_s, step.wait_s - fb.wait_s)
+    out: dict[str, float | None] = {}
+    for prefix, st in (("", step), ("fb_", fb), ("edge_", edge)):
+        out[f"{prefix}a2a_total_s"] = st.total_s if step.timed else None
+        out[f"{prefix}a2a_wait_s"] = st.wait_s
+        out[f"{prefix}a2a_hidden_frac"] = st.hidden_frac if step.timed else None
+    return out
+
 
 def mean_loss(losses: list[list[float]]) -> float:
     """Mean of per-(replica, micro-batch) losses, summed in one fixed order (exact to reproduce)."""
@@ -528,15 +495,3 @@ class _Step:
         work.wait()
         self.p2p_wait_s += time.perf_counter() - t0
         return buf
-
-
-def _check_stages(s: Schedule, rank: int, stages: Mapping[int, Stage]) -> None:
-    """The stages fit the schedule: exactly its blocks for this rank, the loss where it ends."""
-    want = s.blocks_of(rank)
-    if sorted(stages) != sorted(want):
-        raise ValueError(f"schedule {s.name} places blocks {sorted(want)} on pipeline rank {rank}, but the stages given are {sorted(stages)}")
-    for v in s.stages_of(rank):
-        b = s.stage_block[v]
-        if bool(stages[b].has_loss) != s.is_last(v):
-            where = "ends a pipeline and must compute the loss (has_loss True)" if s.is_last(v) else "feeds the next stage (has_loss must be False)"
-            raise ValueError(f"block {b} (stage {v} of {s.name}) {where}")
