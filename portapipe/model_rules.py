@@ -3,10 +3,7 @@ architecture (and their values there when not given), and the checks of ``rope_s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .config import ModelConfig
+from typing import Any
 
 ARCHS = ("portapipe", "deepseek_v3", "qwen3_moe")
 
@@ -32,8 +29,9 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"qwen3_moe": {"n_shared": 0}}
 YARN_KEYS = ("type", "rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
-def model_problems(m: ModelConfig) -> list[str]:
-    """Rules of the model section that depend on the architecture."""
+def model_problems(m: Any) -> list[str]:
+    """Rules of the model section (``m``, a :class:`~portapipe.config.ModelConfig`; not imported:
+    config.py imports this module) that depend on the architecture."""
     out: list[str] = []
     owners: dict[str, list[str]] = {}
     for arch, keys in ARCH_KEYS.items():

@@ -153,3 +153,19 @@ def test_router_weights_travel_as_a_column_of_the_rows_and_come_back_exactly() -
     assert torch.equal(rows.grad, g_rows) and torch.equal(weights.grad, g_weights)
     with pytest.raises(ValueError, match="router weights in torch.float64"):
         with_weights(rows, weights.detach().double())
+
+
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_split_rows_and_weights_own_their_memory_so_the_received_buffer_can_be_freed(n: int) -> None:
+    # one row's slices count as contiguous: a view would die with the freed buffer
+    from portapipe.scheduling.exchange import free_storage
+
+    received = torch.arange(n * 5, dtype=torch.float64).view(n, 5)
+    want_rows, want_weights = received[:, :4].clone(), received[:, 4].clone()
+    rows, weights = split_weights(received)
+    if n:  # a shared storage would be read after free (checked first, so a regression fails instead of crashing)
+        mine = received.untyped_storage().data_ptr()
+        assert rows.untyped_storage().data_ptr() != mine and weights.untyped_storage().data_ptr() != mine
+    free_storage(received)
+    assert torch.equal(rows, want_rows) and torch.equal(weights, want_weights)
+    assert rows.is_contiguous() and weights.is_contiguous()

@@ -130,5 +130,7 @@ def split_weights(received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (the grouped matmul's layout; a row meets the same kernel as before the merge). One split, so
     the backward joins the two gradients by one concatenation, with no sum."""
     rows, weights = torch.split(received, [received.shape[1] - 1, 1], dim=1)
-    return rows.contiguous(), weights.reshape(-1).contiguous()
+    # Always copies: the caller frees ``received`` next, and ``contiguous()`` would return a view
+    # of it where the slice already counts as contiguous (one row, or the weights of one row).
+    return rows.clone(memory_format=torch.contiguous_format), weights.reshape(-1).clone(memory_format=torch.contiguous_format)
 
