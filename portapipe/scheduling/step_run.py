@@ -5,7 +5,7 @@ the forward and backward programs of each action, saved tapes and queued weight 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,9 +14,6 @@ from .ir import Action, Kind
 from .overlap import Program, Tape, run, run_pair
 from .wgrad import WeightGradQueue
 
-if TYPE_CHECKING:
-    from .executor import PipelineExecutor
-
 
 def _tag(direction: int, stage: int, mb: int, n_stages: int, n_mb: int) -> int:
     """gloo tag of an activation or gradient message: unique per (direction, sending stage, micro-batch)."""
@@ -24,9 +21,12 @@ def _tag(direction: int, stage: int, mb: int, n_stages: int, n_mb: int) -> int:
 
 
 class StepRun:
-    """The state of one step on one rank: posted receives, saved tapes, queued weight gradients."""
+    """The state of one step on one rank: posted receives, saved tapes, queued weight gradients.
 
-    def __init__(self, rt: PipelineExecutor, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    ``rt``: the rank's :class:`~portapipe.scheduling.executor.PipelineExecutor` (not imported:
+    the executor imports this module)."""
+
+    def __init__(self, rt: Any, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.rt = rt
         self.s = rt.schedule
         self.mbs = [(x.to(rt.device), y.to(rt.device)) for x, y in microbatches]
