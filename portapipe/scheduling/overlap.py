@@ -40,58 +40,18 @@ observer installed with :func:`observing`; without one, parts run exactly as abo
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ContextManager, Protocol
+from typing import Any
 
 import torch
 
+from .drive import Done, Program, discard_second, interleaved, run, run_pair  # run, run_pair, Program: re-exported
 from .exchange import AllToAll, ExchangeGroup, Pending, issue
+from .observe import NO_NOTE, OBSERVER, PartNote, observing  # observing: re-exported
 from .wgrad import WeightGradQueue, deferring, split_backward
 
-Program = Generator[Pending, None, Any]
-
-
-class Done:
-    """A finished exchange (blocking path): same interface as :class:`Pending`."""
-
-    in_flight = False
-
-    def __init__(self, output: torch.Tensor) -> None:
-        self.output = output
-
-    def wait(self) -> torch.Tensor:
-        return self.output
-
-
-class PartNote(Protocol):
-    """What an observer keeps of one part's forward; it also times that part's backward."""
-
-    def backward(self, queue: WeightGradQueue | None) -> ContextManager[Any]: ...
-
-
-class PartObserver(Protocol):
-    """Sees every part a :class:`Tape` runs (see :func:`observing`)."""
-
-    def forward(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> ContextManager[PartNote]: ...
-
-
-_NO_NOTE = contextlib.nullcontext()  # reusable: no observer watched the part's forward
-_OBSERVER: contextvars.ContextVar[PartObserver | None] = contextvars.ContextVar("portapipe_part_observer", default=None)
-
-
-@contextlib.contextmanager
-def observing(observer: PartObserver) -> Iterator[PartObserver]:
-    """Within this block every recorded part's forward runs inside ``observer.forward(fn, args)``,
-    and its backward later inside ``note.backward(queue)`` of the note that forward yielded
-    (``queue`` is the weight-gradient queue of a B, None for a full backward)."""
-    token = _OBSERVER.set(observer)
-    try:
-        yield observer
-    finally:
-        _OBSERVER.reset(token)
+__all__ = ["Custom", "Done", "Program", "Tape", "interleaved", "observing", "run", "run_pair"]
 
 
 @dataclass
@@ -175,7 +135,7 @@ class Tape:
                 leaf = a.detach().requires_grad_(True)
                 leaves.append((leaf, a))
                 call_args[i] = leaf
-        observer = _OBSERVER.get()
+        observer = OBSERVER.get()
         note = None
         if observer is None and torch.is_grad_enabled():  # the usual case: no mode switch to make
             out = fn(*call_args)
@@ -281,7 +241,7 @@ class Tape:
         has_exchanges = any(isinstance(s, _Exchange) for s in steps)
         # a full backward keeps its deferrable W work aside for the waits (not while profiling:
         # an observer times each part's full backward as one)
-        aside: list[WeightGradQueue] | None = [] if queue is None and has_exchanges and _OBSERVER.get() is None else None
+        aside: list[WeightGradQueue] | None = [] if queue is None and has_exchanges and OBSERVER.get() is None else None
         self._add_grad(output, grad, len(steps))
         flow = _Flow(steps)
         in_flight: list[tuple[int, Pending]] = []
@@ -315,7 +275,7 @@ class Tape:
                         # a custom backward (a replay's backward) beside the next one's replay,
                         # switching at every exchange in flight as an F&B pair does
                         prepared = ahead.pop()
-                        work = _discard_second(interleaved(work, steps[prepared].prepare()))
+                        work = discard_second(interleaved(work, steps[prepared].prepare()))
                     yield from work
                 else:  # a part's backward yields nothing: a plain call
                     self._part_backward(step, j, queue, aside)
@@ -365,7 +325,7 @@ class Tape:
             if g is not None:
                 outs.append(o)
                 grads.append(g)
-        watch = _NO_NOTE if step.note is None else step.note.backward(queue)
+        watch = NO_NOTE if step.note is None else step.note.backward(queue)
         if outs and step.plain and queue is not None:
             with watch:
                 leaf_grads = split_backward(outs, grads, [leaf for leaf, _ in step.leaves], queue)
@@ -466,44 +426,3 @@ def _inputs(step: _Part | _Exchange | Custom) -> list[torch.Tensor]:
         return list(step.inputs)
     return [src for _, src in step.leaves]
 
-
-# ------------------------------------------------------------------------ drivers
-def run(program: Program) -> Any:
-    """Drive one program to completion; return its result."""
-    while True:
-        try:
-            next(program)
-        except StopIteration as stop:
-            return stop.value
-
-
-def interleaved(first: Program, second: Program) -> Generator[Pending, None, tuple[Any, Any]]:
-    """Program: two programs interleaved, switching whenever the running one has an exchange in
-    flight; every exchange is passed on to the driver. Returns both results."""
-    programs = [first, second]
-    results: list[Any] = [None, None]
-    done = [False, False]
-    cur = 0
-    while not (done[0] and done[1]):
-        if not done[cur]:
-            try:
-                while True:
-                    item = next(programs[cur])
-                    yield item
-                    if item is not None and item.in_flight and not done[1 - cur]:
-                        break
-            except StopIteration as stop:
-                results[cur] = stop.value
-                done[cur] = True
-        cur = 1 - cur
-    return results[0], results[1]
-
-
-def _discard_second(pair: Generator[Pending, None, tuple[Any, Any]]) -> Program:
-    first, _ = yield from pair
-    return first
-
-
-def run_pair(forward: Program, backward: Program) -> tuple[Any, Any]:
-    """Run two programs interleaved, switching whenever the running one has an exchange in flight."""
-    return run(interleaved(forward, backward))
