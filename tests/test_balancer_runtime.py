@@ -216,7 +216,7 @@ def _ranks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out["migration"] = {"before": before, "after": after, "moved": moved, "mismatched": mismatched}
 
     # a failure while migrating the second MoE layer of a stage: the first is moved back
-    from portapipe.balancing.placement import MigrationError
+    from portapipe.balancing.migration import MigrationError
 
     bal = rt.ep.balancer
     old, weights = bal.placement, {n: p.detach().clone() for n, p in rt.named_parameters()}

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from portapipe.balancing.cost import migration_cost, slot_bytes
 from portapipe.balancing.eplb import balancedness, gpu_loads, rebalance_experts
-from portapipe.balancing.placement import ExpertPlacement, plan_migration
+from portapipe.balancing.migration import plan_migration
+from portapipe.balancing.placement import ExpertPlacement
 from portapipe.balancing.slots import duplicated
 
 DEEPSEEK = (288, 8, 4, 32)  # slots, groups, nodes, GPUs for 256 experts

@@ -10,7 +10,8 @@ import torch
 
 from portapipe.balancing.eplb import balancedness
 from portapipe.balancing.loads import LoadWindow, Rebalancer
-from portapipe.balancing.placement import ExpertPlacement, migrate_parameters
+from portapipe.balancing.migration import migrate_parameters
+from portapipe.balancing.placement import ExpertPlacement
 from portapipe.config import BalancerConfig
 from portapipe.launch import run_ranks
 

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from portapipe.balancing.placement import ExpertPlacement, plan_migration
+from portapipe.balancing.migration import plan_migration
+from portapipe.balancing.placement import ExpertPlacement
 from portapipe.balancing.replica_switch import ReplicaSwitch, first_slot_loads, spread_loads
 from portapipe.config import load_config
 

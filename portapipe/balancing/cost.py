@@ -4,7 +4,7 @@ A slot whose expert changes needs that expert's parameters and optimizer state. 
 from a copy on its own GPU if the old placement had one there (no network), else from a GPU of
 its own node that held the expert (intra-node), else from another node (inter-node); a GPU
 needing one expert in several slots receives it once. This is exactly what
-:func:`portapipe.balancing.placement.plan_migration` sends, given the same node layout.
+:func:`portapipe.balancing.migration.plan_migration` sends, given the same node layout.
 
 Bytes per slot (:func:`slot_bytes`): the expert's parameters in their dtype, plus the optimizer
 state kept per parameter (AdamW: two moments; SGD with momentum: one) in its dtype, plus a

@@ -119,7 +119,7 @@ class Rebalancer:
 
     The placement covers the EP group: ``num_gpus`` = EP ranks, ``num_replicas`` slots in all,
     ``num_nodes`` nodes of consecutive ranks. After an applied event the caller moves the expert
-    tensors with :func:`portapipe.balancing.placement.migrate_parameters` from ``event.previous``
+    tensors with :func:`portapipe.balancing.migration.migrate_parameters` from ``event.previous``
     to ``event.placement`` (collective: every EP rank makes the same decision from the same loads).
     ``planned``: the placement in force came from loads (not the identity layout); with policy
     ``incremental`` only such a placement is changed incrementally.

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .placement import expert_tensors, row_bytes
+from .migration import expert_tensors, row_bytes
 
 log = logging.getLogger("portapipe.balancing")
 

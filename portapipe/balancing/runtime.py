@@ -39,7 +39,8 @@ import torch
 
 from .loads import LoadWindow, Rebalancer
 from .lplb_periodic import lp_rank_loads, lplb_placement, plan_periodic
-from .placement import ExpertPlacement, MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
+from .migration import MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
+from .placement import ExpertPlacement
 from .pricing import auto_min_gain, full_migration_bytes, replica_gain_s
 from .replica_sum import HolderPlan, holder_plan, sum_over_holders
 from .replica_switch import ReplicaSwitch, first_slot_loads, spread_loads
