@@ -45,7 +45,8 @@ def _layouts_of_expert_layers() -> list[tuple]:
         offs = torch.tensor(counts).cumsum(0)
         x = torch.randn(t, k, requires_grad=True)
         w = torch.randn(g, k, n, requires_grad=True)
-        grouped_linear(x, w, offs, rec, tiles).sum().backward()
+        tile_rows = [sum(counts[i * g:(i + 1) * g]) for i in range(tiles)]
+        grouped_linear(x, w, offs, rec, tile_rows).sum().backward()
     return sorted(rec.layouts)
 
 

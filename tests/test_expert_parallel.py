@@ -54,8 +54,8 @@ def test_the_experts_on_rows_split_by_source_give_every_row_bit_for_bit(dtype: t
     start, end = int(counts[0].sum()), int(counts[:2].sum())
     grad = torch.randn(rows, cfg.hidden, generator=g).to(dtype)
 
-    def run(parts: list[tuple[torch.Tensor, torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Each (rows, offs, tiles) through the experts; outputs and input gradients back in arrival order."""
+    def run(parts: list[tuple[torch.Tensor, torch.Tensor, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Each (rows, offs, rows per tile) through the experts; outputs and input gradients back in arrival order."""
         experts.zero_grad()
         leaves = [x[idx].clone().requires_grad_() for idx, _, _ in parts]
         outs = [experts(leaf, w[idx], offs, backend, tiles) for leaf, (idx, offs, tiles) in zip(leaves, parts)]
@@ -65,9 +65,11 @@ def test_the_experts_on_rows_split_by_source_give_every_row_bit_for_bit(dtype: t
         out[order], gx[order] = torch.cat(outs).detach(), torch.cat([leaf.grad for leaf in leaves])
         return out, gx, [p.grad.clone() for p in experts.parameters()]
 
-    whole = run([(torch.arange(rows), torch.cumsum(counts.reshape(-1), 0), 3)])
+    per_source = counts.sum(1).tolist()
+    whole = run([(torch.arange(rows), torch.cumsum(counts.reshape(-1), 0), per_source)])
     remote = torch.cat([torch.arange(start), torch.arange(end, rows)])
-    split = run([(torch.arange(start, end), torch.cumsum(counts[1], 0), 1), (remote, torch.cumsum(counts[[0, 2]].reshape(-1), 0), 2)])
+    split = run([(torch.arange(start, end), torch.cumsum(counts[1], 0), []),
+                 (remote, torch.cumsum(counts[[0, 2]].reshape(-1), 0), [per_source[0], per_source[2]])])
     assert torch.equal(split[0], whole[0])
     assert torch.equal(split[1], whole[1])
     for a, b in zip(split[2], whole[2]):

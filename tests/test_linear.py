@@ -118,7 +118,7 @@ def test_tiled_grouped_linear_uses_weight_of_group_mod_g_and_sums_tile_gradients
     offs = torch.tensor(counts).cumsum(0)
     x, w, g = _rand(12, 4, seed=50), _rand(2, 4, 3, seed=51), _rand(12, 3, seed=52)
     wa, xa = w.clone().requires_grad_(), x.clone().requires_grad_()
-    y = grouped_linear(xa, wa, offs, backend, tiles=3)
+    y = grouped_linear(xa, wa, offs, backend, tiles=[5, 4, 3])  # rows per tile
     queue = WeightGradQueue()
     with deferring(queue):
         y.backward(g)
@@ -130,3 +130,44 @@ def test_tiled_grouped_linear_uses_weight_of_group_mod_g_and_sums_tile_gradients
     assert torch.equal(y, ref)  # each group is its own matmul: same rows, same result
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-14, atol=0)
     torch.testing.assert_close(wa.grad, wb.grad, rtol=1e-14, atol=0)
+
+
+class _WatchedBackend(CPUBackend):
+    """Records the weight operand of every grouped matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: list[torch.Tensor] = []
+
+    def grouped_mm(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        self.weights.append(b)
+        return super().grouped_mm(a, b, offs)
+
+
+@pytest.mark.parametrize("counts", [[2, 3, 0, 4, 1, 2], [2, 3, 0, 0, 1, 2], [0, 0, 0, 0, 0, 0], [0, 0, 4, 1, 0, 0]])
+def test_tiled_grouped_linear_never_copies_the_weights_and_equals_one_call_over_tiled_weights(counts: list[int]) -> None:
+    # 3 tiles of 2 groups, empty tiles among them: the result is the one grouped matmul over the
+    # weights repeated per tile, bit for bit, without ever making that repeated copy
+    backend = _WatchedBackend()
+    offs = torch.tensor(counts).cumsum(0)
+    tiles = [counts[0] + counts[1], counts[2] + counts[3], counts[4] + counts[5]]
+    n = sum(counts)
+    x, w, g = _rand(n, 4, seed=60), _rand(2, 4, 3, seed=61), _rand(n, 3, seed=62)
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = grouped_linear(xa, wa, offs, backend, tiles=tiles)
+    y.backward(g)
+    weight_operands = {t.untyped_storage().data_ptr() for t in backend.weights if t.dim() == 3}
+    assert weight_operands <= {wa.untyped_storage().data_ptr()}  # the weight itself (or its transpose view)
+    plain = CPUBackend()
+    want = plain.grouped_mm(x, w.repeat(3, 1, 1), offs)
+    assert y.shape == (n, 3) and torch.equal(y, want)
+    want_dx = plain.grouped_mm(g, w.repeat(3, 1, 1).transpose(1, 2), offs)
+    assert torch.equal(xa.grad, want_dx)
+    want_dw = plain.grouped_mm(x.t(), g, offs).view(3, 2, 4, 3).sum(0)
+    torch.testing.assert_close(wa.grad, want_dw, rtol=1e-14, atol=0)
+
+
+def test_tiles_that_do_not_fit_the_offsets_are_refused() -> None:
+    offs = torch.tensor([2, 5, 5, 9])
+    with pytest.raises(ValueError, match="2 tiles of 2 groups holding 8 rows do not fit 4 offsets over 9 rows"):
+        grouped_linear(_rand(9, 4, seed=70), _rand(2, 4, 3, seed=71), offs, CPUBackend(), tiles=[5, 3])

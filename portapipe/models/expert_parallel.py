@@ -81,10 +81,9 @@ class DispatchPlan:
     #: position in ``send_order`` of each flat (token*k + slot) row: ``inverse_order[send_order] = arange``
     inverse_order: torch.Tensor
 
-    @property
-    def remote_tiles(self) -> int:
-        """Source ranks in ``remote_offs`` (each a tile of the local experts' groups)."""
-        return len(self.recv_splits) - 1
+    #: rows received from each other rank, in ``remote_offs``' order (each a tile of the local
+    #: experts' groups)
+    remote_tile_rows: list[int]
 
 
 def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) -> DispatchPlan:
@@ -114,7 +113,7 @@ def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) ->
     local_offs = torch.cumsum(recv_counts[me], 0)
     return DispatchPlan(
         order, send_splits, recv_splits, offs, counts, send_order, int(order.numel()) - send_splits[me],
-        remote_send, remote_recv, remote_offs, local_offs, inverse,
+        remote_send, remote_recv, remote_offs, local_offs, inverse, [recv_splits[j] for j in others],
     )
 
 

@@ -10,6 +10,7 @@ same backward. Both paths run the same arithmetic, so results are identical eith
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -61,19 +62,23 @@ class LinearFunction(torch.autograd.Function):
 class GroupedLinearFunction(torch.autograd.Function):
     """Rows of ``x[T, K]`` grouped by ``offs`` times ``weight[G, K, N]``, via ``backend.grouped_mm``.
 
-    With ``tiles > 1`` there are ``tiles * G`` groups and group ``i`` uses ``weight[i % G]``:
-    expert parallelism keeps each source rank's rows for an expert in a group of their own
-    (see :mod:`portapipe.models.expert_parallel`), and the weight gradient sums the tiles in order.
-    Forward, input gradient and weight gradient are all grouped matmuls of the backend, so a
-    device kernel (fused CUDA grouped GEMM, npu_grouped_matmul) serves all three.
+    With ``tiles`` (rows per tile, in order) the rows are ``len(tiles)`` consecutive tiles of
+    ``G`` groups each, and group ``g`` of every tile uses ``weight[g]``: expert parallelism keeps
+    each source rank's rows for an expert in a group of their own (see
+    :mod:`portapipe.models.expert_parallel`). Each tile is one grouped matmul over the weight as
+    it is, so no tiled copy of the weights is ever made (at EP n one would hold n - 1 times the
+    rank's expert weights); a group meets the same rows and weight as in one call, and the weight
+    gradient adds the tiles' in tile order. Forward, input gradient and weight gradient are all
+    grouped matmuls of the backend, so a device kernel (fused CUDA grouped GEMM,
+    npu_grouped_matmul) serves all three.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: Sequence[int]) -> torch.Tensor:
         ctx.save_for_backward(x, weight, offs)
         ctx.backend, ctx.tiles = backend, tiles
         ctx.param = weight  # see LinearFunction.forward
-        return backend.grouped_mm(x, _tile(weight, tiles), offs)
+        return _rows_by_tile(backend, x, weight, offs, tiles)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
@@ -83,20 +88,42 @@ class GroupedLinearFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = backend.grouped_mm(grad_out, _tile(weight, tiles).transpose(1, 2), offs)
+            grad_x = _rows_by_tile(backend, grad_out, weight.transpose(1, 2), offs, tiles)
         grad_w = None
         if ctx.needs_input_grad[1]:
 
             def weight_grad() -> torch.Tensor:
-                g = backend.grouped_mm(x.t(), grad_out, offs)
-                return g if tiles == 1 else g.view(tiles, *weight.shape).sum(0)
+                total = None
+                for rows, tile_offs in _tile_spans(offs, tiles, weight.shape[0], x.shape[0]):
+                    g = backend.grouped_mm(x[rows].t(), grad_out[rows], tile_offs)
+                    total = g if total is None else total.add_(g)
+                return torch.zeros_like(weight) if total is None else total
 
             grad_w = defer_weight_grad(ctx.param, weight_grad)
         return grad_x, grad_w, None, None, None
 
 
-def _tile(weight: torch.Tensor, tiles: int) -> torch.Tensor:
-    return weight if tiles == 1 else weight.repeat(tiles, 1, 1)
+def _tile_spans(offs: torch.Tensor, tiles: Sequence[int], groups: int, n_rows: int) -> list[tuple[slice, torch.Tensor]]:
+    """(rows, offsets within them) of each non-empty tile; one span of every row without tiles."""
+    if len(tiles) <= 1:
+        return [(slice(None), offs)]
+    if len(offs) != len(tiles) * groups or sum(tiles) != n_rows:
+        raise ValueError(f"{len(tiles)} tiles of {groups} groups holding {sum(tiles)} rows do not fit {len(offs)} offsets over {n_rows} rows")
+    spans, start = [], 0
+    for t, n in enumerate(tiles):
+        if n:  # an empty tile adds nothing (and its matmul would take no rows)
+            spans.append((slice(start, start + n), offs[t * groups:(t + 1) * groups] - start))
+        start += n
+    return spans
+
+
+def _rows_by_tile(backend: Backend, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, tiles: Sequence[int]) -> torch.Tensor:
+    """``backend.grouped_mm`` of each tile's rows with ``weight`` itself, the tiles' outputs in order."""
+    spans = _tile_spans(offs, tiles, weight.shape[0], x.shape[0])
+    if len(spans) == 1 and spans[0][0] == slice(None):
+        return backend.grouped_mm(x, weight, offs)
+    outs = [backend.grouped_mm(x[rows], weight, tile_offs) for rows, tile_offs in spans]
+    return torch.cat(outs) if outs else x.new_empty(0, weight.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, heads: bool = False) -> torch.Tensor:
@@ -104,7 +131,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, heads: bool = False) -> torch.
     return LinearFunction.apply(x, weight, heads)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: int = 1) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: Sequence[int] = ()) -> torch.Tensor:
     return GroupedLinearFunction.apply(x, weight, offs, backend, tiles)
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,10 +124,10 @@ class Experts(nn.Module):
             mark_expert(p, ids)  # sharded over EP, reduced over DP only
 
     def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: int = 1, zm: Any = None
+        self, x: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: Sequence[int] = (), zm: Any = None
     ) -> torch.Tensor:
-        """Rows ``x`` grouped by ``offs`` into ``tiles`` x local-expert groups (tile-major), each
-        output row scaled by its router weight ``weights[row]``."""
+        """Rows ``x`` grouped by ``offs`` into tiles (``tiles``: rows per tile) of local-expert
+        groups (tile-major), each output row scaled by its router weight ``weights[row]``."""
         gu = grouped_linear(x, self.gate_up, offs, backend, tiles)
         # zm: zero-memory (portapipe.memory.zero_memory) may recompute the activation in backward.
         act = swiglu(gu, self.width, weights) if zm is None else zm.activation(swiglu, gu, self.width, weights)
@@ -222,7 +222,7 @@ class Layer(nn.Module):
             received = rows
             rows, weights = split_weights(received)
             free_storage(received)  # copied out; the split's backward needs only the sizes
-        offs, tiles = (plan.local_offs, 1) if local else (plan.remote_offs, plan.remote_tiles)
+        offs, tiles = (plan.local_offs, ()) if local else (plan.remote_offs, plan.remote_tile_rows)
         keep = contextlib.nullcontext() if zm is None else zm.dropping(rows, local)
         with keep:
             return moe.clock.run(moe.experts, rows, weights, offs, moe.ep.backend, tiles, zm)
