@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "plan_accuracy": ["--steps", "8", "--warmup", "2"],
     "precision": ["--steps", "200", "--png", "{root}/docs/precision.png"],  # the README's precision section
     "balance_e2e": ["--steps", "12", "--warmup", "3"],  # docs/balancers-in-training.md's end-to-end table
+    "expert_tiles": [],  # docs/executor.md's grouped-matmul layouts
 }
 
 
