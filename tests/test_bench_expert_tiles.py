@@ -5,26 +5,13 @@ and copies no weights; bad arguments exit 2."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "expert_tiles.py"
 
-
-def _module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import expert_tiles
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return expert_tiles
-
-
-def test_reports_each_layout_and_the_weight_copies(capsys: pytest.CaptureFixture[str]) -> None:
-    module = _module()
+def test_reports_each_layout_and_the_weight_copies(capsys: pytest.CaptureFixture[str], bench_module) -> None:
+    module = bench_module("expert_tiles")
     assert module.main(["--ep", "2,4", "--rows-per-source", "8", "--reps", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [r["ep"] for r in report["runs"]] == [2, 4]
@@ -40,8 +27,8 @@ def test_reports_each_layout_and_the_weight_copies(capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize("args", [["--ep", "1"], ["--ep", "four"], ["--reps", "0"], ["--rows-per-source", "2"]])
-def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str], bench_module) -> None:
     with pytest.raises(SystemExit) as exit_:
-        _module().main(args)
+        bench_module("expert_tiles").main(args)
     assert exit_.value.code == 2
     assert "error" in capsys.readouterr().err

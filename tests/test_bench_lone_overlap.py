@@ -4,27 +4,13 @@ report the share of exchange time they computed through; bad arguments exit 2.""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "lone_overlap.py"
 
-
-def _module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import lone_overlap
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return lone_overlap
-
-
-def test_reports_each_lone_action_kind_per_latency(capsys: pytest.CaptureFixture[str]) -> None:
+def test_reports_each_lone_action_kind_per_latency(capsys: pytest.CaptureFixture[str], bench_module) -> None:
     small = ["--set", "model.hidden=32", "--set", "model.seq_len=16", "--set", "train.micro_batch_size=2"]
-    assert _module().main(["--reps", "1", "--latency-us", "0,2000", *small]) == 0
+    assert bench_module("lone_overlap").main(["--reps", "1", "--latency-us", "0,2000", *small]) == 0
     report = json.loads(capsys.readouterr().out)
     assert list(report["latency"]) == ["0us", "2000us"]
     for figures in report["latency"].values():
@@ -36,8 +22,8 @@ def test_reports_each_lone_action_kind_per_latency(capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize("args", [["--reps", "0"], ["--latency-us", "-5"], ["--latency-us", "fast"]])
-def test_bad_arguments_exit_2_before_running(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_exit_2_before_running(args: list[str], capsys: pytest.CaptureFixture[str], bench_module) -> None:
     with pytest.raises(SystemExit) as exit_:
-        _module().main(args)
+        bench_module("lone_overlap").main(args)
     assert exit_.value.code == 2
     assert capsys.readouterr().out == ""
