@@ -71,6 +71,7 @@ def rank_figures(placement: ExpertPlacement, layers: list[int], pp_rank: int, ep
         out["orig_loads"] = first_slot_loads(counts, placement.log2phy, per, ep).tolist()
     return out
 
+
 #: rebalance figures added over the pipeline stages
 SUMMED = ("slots_changed", "rows_moved", "rows_inter_node", "bytes_moved", "bytes_inter_node")
 

@@ -119,10 +119,9 @@ def _tile_spans(offs: torch.Tensor, tiles: Sequence[int], groups: int, n_rows: i
 
 def _rows_by_tile(backend: Backend, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, tiles: Sequence[int]) -> torch.Tensor:
     """``backend.grouped_mm`` of each tile's rows with ``weight`` itself, the tiles' outputs in order."""
-    spans = _tile_spans(offs, tiles, weight.shape[0], x.shape[0])
-    if len(spans) == 1 and spans[0][0] == slice(None):
-        return backend.grouped_mm(x, weight, offs)
-    outs = [backend.grouped_mm(x[rows], weight, tile_offs) for rows, tile_offs in spans]
+    outs = [backend.grouped_mm(x[rows], weight, tile_offs) for rows, tile_offs in _tile_spans(offs, tiles, weight.shape[0], x.shape[0])]
+    if len(outs) == 1:  # one call, or one non-empty tile: it holds every row
+        return outs[0]
     return torch.cat(outs) if outs else x.new_empty(0, weight.shape[-1])
 
 
