@@ -7,8 +7,9 @@ no order of one's own parts can hide. This benchmark measures the order alone: o
 runs a stage of examples/cpu.yaml's model as EP rank 0 of 2 over a transport that hands every
 rank's rows back (both ranks hold the same data) after a fixed latency, on a thread, like an
 asynchronous exchange whose peers are always on time. For each latency it runs lone F, B
-(weight gradients queued) and BW actions in turn and reports the share of exchange time the
-action computed through (1 - wait / total, as the executor's timings count it).
+(weight gradients queued), B+ (a B whose W comes next, so it starts the W's work while its
+exchanges travel: the executor's rule) and BW actions in turn and reports the share of exchange
+time the action computed through (1 - wait / total, as the executor's timings count it).
 
     python benchmarks/lone_overlap.py [--config examples/cpu.yaml] [--latency-us 100,300] [--reps 30] [--set k=v ...]
 """
@@ -87,10 +88,10 @@ def measure(config: Any, latency: float, reps: int) -> dict[str, float]:
     m = config.model
     x = torch.randn(config.train.micro_batch_size, m.seq_len, m.hidden, generator=g).to(block.final_norm.weight.dtype)
     y = torch.randint(0, m.vocab_size, (config.train.micro_batch_size, m.seq_len), generator=g)
-    sums = {k: [0.0, 0.0] for k in ("F", "B", "BW")}
+    sums = {k: [0.0, 0.0] for k in ("F", "B", "B+", "BW")}
     wall: dict[str, list[float]] = {k: [] for k in sums}
     for i in range(reps + 2):
-        for kind in ("B", "BW"):
+        for kind in ("B", "B+", "BW"):
             st = ep.stats
             st.reset()
             t0 = time.perf_counter()
@@ -98,7 +99,7 @@ def measure(config: Any, latency: float, reps: int) -> dict[str, float]:
             loss = run(block.program(tape, x, y))
             t1 = time.perf_counter()
             f_total, f_wait = st.total_s, st.wait_s
-            queue = WeightGradQueue() if kind == "B" else None
+            queue = None if kind == "BW" else WeightGradQueue(fill_waits=kind == "B+")
             run(tape.backward(loss, torch.ones_like(loss), queue))
             t2 = time.perf_counter()
             if queue is not None:
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="[examples/cpu.yaml]")
     parser.add_argument("--latency-us", default="100,300", help="comma-separated exchange latencies in microseconds")
-    parser.add_argument("--reps", type=int, default=30, help="timed F+B and F+BW rounds per latency")
+    parser.add_argument("--reps", type=int, default=30, help="timed F+B, F+B+ and F+BW rounds per latency")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     try:

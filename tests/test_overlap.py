@@ -209,10 +209,11 @@ def test_a_parameter_passed_to_a_part_gets_its_gradient() -> None:
 
 
 # ------------------------------------------------ a lone backward hides its own exchanges
-def _lone_backward_log(full: bool, monkeypatch: Any) -> tuple[list[str], dict[str, torch.Tensor], torch.Tensor]:
-    """One micro-batch's forward, then its backward alone (BW if ``full``, else B and its W);
-    the log of the top layer's events: exchanges issued and waited for, the shared expert's
-    backward, and the experts' weight gradients."""
+def _lone_backward_log(mode: str, monkeypatch: Any) -> tuple[list[str], dict[str, torch.Tensor], torch.Tensor]:
+    """One micro-batch's forward, then its backward alone (``mode`` BW; B and its W; B+, a B
+    whose queue may fill its waits, and its W); the log of the top layer's events: exchanges
+    issued and waited for, the shared expert's backward, the experts' weight gradients, and
+    the W action's start."""
     import portapipe.scheduling.wgrad as wgrad
 
     block, data = _setup()
@@ -246,7 +247,7 @@ def _lone_backward_log(full: bool, monkeypatch: Any) -> tuple[list[str], dict[st
     tape = Tape()
     loss = run(block.program(tape, *data[0]))
     LOG.clear()
-    queue = None if full else WeightGradQueue()
+    queue = None if mode == "BW" else WeightGradQueue(fill_waits=mode == "B+")
     original_issue, original_wait = _LoopbackBackend.expert_all_to_all, _Work.wait
 
     def issue(self: Any, *args: Any, **kwargs: Any) -> _Work:
@@ -261,6 +262,7 @@ def _lone_backward_log(full: bool, monkeypatch: Any) -> tuple[list[str], dict[st
     monkeypatch.setattr(_Work, "wait", wait)
     run(tape.backward(loss, torch.ones_like(loss), queue))
     if queue is not None:
+        events.append("W")
         queue.run()
     return events, _grads(block), loss.detach()
 
@@ -270,17 +272,35 @@ def test_a_lone_backward_issues_each_reverse_exchange_first_and_computes_beside_
     # backward and the shared expert's backward run while it travels; the received rows'
     # experts backward needs its rows; then the rows' reverse exchange (with the router
     # weights' gradients) goes out
-    events, b_grads, _ = _lone_backward_log(False, monkeypatch)
+    events, b_grads, _ = _lone_backward_log("B", monkeypatch)
     assert events[:6] == ["issue", "local experts backward", "shared backward", "wait", "issue", "wait"]
+    assert events.count("experts W") == 2 and events.index("experts W") > events.index("W")  # all at the W
     # a full backward also computes the experts' weight gradients while the rows travel: the
     # local rows' behind the combine's, the received rows' behind the dispatch's
-    events, bw_grads, _ = _lone_backward_log(True, monkeypatch)
-    assert events[:8] == [
-        "issue", "local experts backward", "shared backward", "experts W", "wait", "issue", "experts W", "wait",
-    ]
-    assert b_grads.keys() == bw_grads.keys()
+    events, bw_grads, _ = _lone_backward_log("BW", monkeypatch)
+    expected = ["issue", "local experts backward", "shared backward", "experts W", "wait", "issue", "experts W", "wait"]
+    assert events[:8] == expected
+    # so does a B allowed to start its W's work (these exchanges never report arrival), in the
+    # same order; its W computes what was queued after the last wait
+    events, early_grads, _ = _lone_backward_log("B+", monkeypatch)
+    assert events[:8] == expected and "experts W" not in events[events.index("W"):]
+    assert b_grads.keys() == bw_grads.keys() == early_grads.keys()
     for n in b_grads:
         assert torch.equal(b_grads[n], bw_grads[n]), n  # the same arithmetic, reordered
+        assert torch.equal(b_grads[n], early_grads[n]), n
+
+
+def test_a_b_fills_a_wait_with_its_oldest_weight_gradients_until_the_rows_arrive() -> None:
+    done: list[int] = []
+    queue = WeightGradQueue(fill_waits=True)
+    for i in range(4):
+        queue.put(lambda i=i: done.append(i))
+    queue.run_until(lambda: len(done) == 2)  # the rows arrive after two entries
+    assert done == [0, 1] and len(queue) == 2
+    queue.put(lambda: done.append(4))
+    queue.run()  # the W: the rest, in queue order
+    assert done == [0, 1, 2, 3, 4] and len(queue) == 0
+    queue.run_until(lambda: False)  # nothing left: returns
 
 
 def test_the_data_ordered_backward_gives_the_plain_graphs_gradients() -> None:
@@ -367,3 +387,47 @@ def test_zero_memorys_re_dispatch_starts_one_layer_ahead_during_the_waits_above(
     _, ref = _memory_lone_backward(MemoryConfig(zero_memory="off"), lambda layers, events: None)
     for n in ref:
         assert torch.equal(grads[n], ref[n]), n
+
+
+# ------------------------------------------- which Bs may start their W's work in their waits
+def _early(*lists: str) -> list[list[tuple[int, int]]]:
+    from portapipe.scheduling.ir import parse_action
+    from portapipe.scheduling.wgrad import early_weight_grads
+
+    stage_block = [0, 1, 1, 0]  # stages 0 and 3 share block 0 (as DualPipe's copies would)
+    return [sorted(early_weight_grads([parse_action(a) for a in text.split()], stage_block)) for text in lists]
+
+
+def test_a_b_starts_its_w_work_early_only_if_nothing_between_adds_to_its_blocks_gradients() -> None:
+    assert _early(
+        "0F0 0B0 0SEND_B0 0W0",  # only a post between
+        "0F0 0F1 0B0 1BW0 0W0",  # another block's backward between
+        "0F0 0F1 0B0 0B1 0W0 0W1",  # another B of the block between: neither (0B1's W has 0W0 between)
+        "0F0 0B0 3BW0 0W0",  # the same block through another stage
+        "0F0 0F1 0B0 (0F2;1BW0) 0W0",  # a pair of another block
+        "0F0 0F1 0B0 (1F0;0BW1) 0W0",  # a pair adding to the block
+        "0F0 0BW0 0F1 0B1 0F2 0W1",  # a forward between
+    ) == [[(0, 0)], [(0, 0)], [], [], [(0, 0)], [], [(0, 1)]]
+
+
+def test_the_executor_gives_those_bs_a_queue_that_fills_their_waits() -> None:
+    from types import SimpleNamespace
+
+    from portapipe.scheduling.ir import parse_action
+    from portapipe.scheduling.runnable import make_schedule
+    from portapipe.scheduling.step_run import StepRun
+    from portapipe.scheduling.wgrad import early_weight_grads
+
+    s = make_schedule("dualpipev", 2, 4)
+    early = early_weight_grads(s.actions[0], s.stage_block)
+    assert (3, 0) in early and (3, 1) not in early  # 3B0 3W0 back to back; 3BW1 is a full backward
+    rt = SimpleNamespace(
+        schedule=s, device=torch.device("cpu"), grad_scale=1.0, groups=SimpleNamespace(dp=1, ep=1), early_weight_grads=early
+    )
+    run_ = StepRun(rt, [(torch.zeros(1), torch.zeros(1))] * 4)
+    for mb, fills in ((0, True), (2, False)):  # stage 3 is the last: its backward starts from the loss
+        tape = Tape()
+        out = tape.part(lambda v: (v * 3).sum(), tape.watch(torch.ones(2)))
+        run_.tapes[(3, mb)] = (tape, out)
+        run(run_._backward(parse_action(f"3B{mb}")))
+        assert run_.queues[(3, mb)].fill_waits is fills

@@ -84,6 +84,37 @@ def test_a_lone_backward_hides_its_exchanges_behind_the_local_rows_and_the_share
     assert sorted(op for op in progs.backward(spec, "BW") if op[0] == "C" and op[2] == "W") == sorted(progs.weights(spec))
 
 
+def test_a_b_that_starts_its_w_work_early_prices_it_before_its_waits_and_leaves_the_rest_to_the_w() -> None:
+    s, progs, spec = _one_layer()
+    prof = profile(s, MOE, a2a=2.0)
+    b = run_ops([(0, op) for op in progs.backward(spec, "B")], prof, ep=2)
+    early = run_ops([(0, op) for op in progs.backward(spec, "B+")], prof, ep=2)
+    # as a BW up to its last wait: the local rows' experts W and the shared expert's before the
+    # first, the received rows' experts W (0.5) while the rows travel: 1.5 s exposed, not 2
+    assert early.exposed == pytest.approx(1.5)
+    assert early.compute == pytest.approx(b.compute + 1.0 + 0.5)  # experts (every row), shared
+    rest = progs.weights(spec, after_start=True)
+    assert [op[1] for op in rest] == ["attention"]  # its W: the attention's, after the last wait
+    moved = [op for op in progs.backward(spec, "B+") if op[0] == "C" and op[2] == "W"]
+    assert sorted(moved + rest) == sorted(progs.weights(spec))
+
+
+def test_the_time_model_prices_the_executors_early_bs_and_their_ws() -> None:
+    cfg = load_config(EXAMPLE, ["schedule.name=dualpipev", "parallel.ep=2"])
+    setup = Setup.from_config(cfg)
+    schedule = build_schedule(cfg)
+    prof = profile(Shape.of(cfg.model), MOE, a2a=2.0)
+    tm = TimeModel(setup, prof, schedule)
+    acts = {str(a): a for r in schedule.actions for a in r if a.kind.is_compute}
+    assert tm.early == {(3, 0), (0, 2), (0, 3), (1, 3), (2, 3)}
+    # 3B0 (its W next) hides more of its exchanges than a B of the same stage that may not,
+    # and its W is left with less work
+    late = TimeModel(setup, prof, schedule)
+    late.early = frozenset()
+    assert tm.action(acts["3B0"]).exposed < late.action(acts["3B0"]).exposed
+    assert tm.action(acts["3W0"]).compute < late.action(acts["3W0"]).compute
+
+
 def test_an_fb_pair_hides_one_micro_batchs_exchanges_behind_the_other_and_ep1_runs_them_in_turn() -> None:
     s, progs, spec = _one_layer()
     prof = profile(s, MOE, a2a=2.0)

@@ -220,7 +220,9 @@ class Programs:
         return self._cache[key]
 
     def backward(self, stage: StageSpec, phase: str) -> list[Op]:
-        """``phase`` B (weight gradients deferred to a W) or BW (computed in the same action).
+        """``phase`` B (weight gradients deferred to a W), BW (computed in the same action) or
+        B+ (a B that starts its W's work while its exchanges travel: the weight gradients of
+        the parts before its last wait; the rest is left to the W, :meth:`weights`).
 
         A BW is the B's ops with each part's weight gradient set aside and computed just
         before the next wait for an exchange (or at the end), as the tape does in a full
@@ -228,8 +230,9 @@ class Programs:
         """
         key = (stage, phase)
         if key not in self._cache:
-            if phase == "BW":
-                self._cache[key] = _weights_before_waits(self.backward(stage, "B"))
+            if phase in ("BW", "B+"):
+                before, after = _weights_before_waits(self.backward(stage, "B"))
+                self._cache[key] = before + after if phase == "BW" else before
                 return self._cache[key]
             ops: list[Op] = []
             if stage.last:
@@ -242,11 +245,16 @@ class Programs:
             self._cache[key] = ops
         return self._cache[key]
 
-    def weights(self, stage: StageSpec) -> list[Op]:
-        """The W pass: every part's deferred weight gradients, in the order the backward queued them."""
-        key = (stage, "W")
+    def weights(self, stage: StageSpec, after_start: bool = False) -> list[Op]:
+        """The W pass: every part's deferred weight gradients, in the order the backward queued
+        them; ``after_start``: those its B (a B+) left, the parts' after its last wait."""
+        key = (stage, "W+" if after_start else "W")
         if key not in self._cache:
-            self._cache[key] = [_weight_op(op) for op in self.backward(stage, "B") if op[0] == "C" and op[2] == "B"]
+            b_ops = self.backward(stage, "B")
+            if after_start:
+                self._cache[key] = _weights_before_waits(b_ops)[1]
+            else:
+                self._cache[key] = [_weight_op(op) for op in b_ops if op[0] == "C" and op[2] == "B"]
         return self._cache[key]
 
 
@@ -283,8 +291,9 @@ def _weight_op(op: Op) -> Op:
     return ("C", op[1], "W", op[3], 0, 0, op[6])
 
 
-def _weights_before_waits(b_ops: Sequence[Op]) -> list[Op]:
-    """A full backward from an input-gradient one: each part's W right before the next wait."""
+def _weights_before_waits(b_ops: Sequence[Op]) -> tuple[list[Op], list[Op]]:
+    """An input-gradient backward with each part's W right before the next wait, and the Ws
+    of the parts after the last wait (a full backward ends with them)."""
     out: list[Op] = []
     aside: list[Op] = []
     for op in b_ops:
@@ -294,7 +303,7 @@ def _weights_before_waits(b_ops: Sequence[Op]) -> list[Op]:
         out.append(op)
         if op[0] == "C" and op[2] == "B":
             aside.append(_weight_op(op))
-    return out + aside
+    return out, aside
 
 
 def interleave(forward: Sequence[Op], backward: Sequence[Op], switching: bool) -> list[tuple[int, Op]]:

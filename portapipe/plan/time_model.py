@@ -31,6 +31,7 @@ from typing import Any
 
 from ..scheduling.ir import Action, Kind, Schedule
 from ..scheduling.simulate import run_lists
+from ..scheduling.wgrad import early_weight_grads
 from .profile import Linear, Profile
 from .programs import Programs, StageSpec, interleave, stage_specs
 from .shape import Shape, block_params
@@ -148,6 +149,8 @@ class TimeModel:
         self.programs = programs or Programs.of(setup, imbalance)
         self.rows = self.programs.R
         self.specs = specs if specs is not None else stage_specs(setup, schedule)
+        # the Bs that start their W's work in their waits, as the executor runs them
+        self.early = frozenset().union(*(early_weight_grads(acts, schedule.stage_block) for acts in schedule.actions))
         self.switching = setup.ep > 1 and setup.overlap
         self.lag = self.profile.lag(setup.devices) if setup.ep > 1 else None
         self.crowding = self.profile.crowded(setup.devices)
@@ -191,8 +194,14 @@ class TimeModel:
         if half.kind is Kind.F:
             return self.programs.forward(spec)
         if half.kind is Kind.W:
-            return self.programs.weights(spec)
-        return self.programs.backward(spec, "B" if half.kind is Kind.B else "BW")
+            return self.programs.weights(spec, (half.stage, half.mb) in self.early)
+        if half.kind is Kind.B:
+            return self.programs.backward(spec, "B+" if (half.stage, half.mb) in self.early else "B")
+        return self.programs.backward(spec, "BW")
+
+    def _early(self, half: Action) -> bool:
+        """Whether ``half`` is a B that starts its W's work, or the W of one (its ops differ)."""
+        return half.kind in (Kind.B, Kind.W) and (half.stage, half.mb) in self.early
 
     def exchanges(self, a: Action) -> int:
         """All-to-alls ``a`` issues (its halves' programs; none with one EP rank)."""
@@ -204,9 +213,9 @@ class TimeModel:
         """The duration of one compute action with nothing else sharing the processor."""
         if a.pair is not None:
             f, b = a.pair
-            key: tuple = ("FB", self.specs[f.stage], self.specs[b.stage], b.kind)
+            key: tuple = ("FB", self.specs[f.stage], self.specs[b.stage], b.kind, self._early(b))
         else:
-            key = (a.kind, self.specs[a.stage])
+            key = (a.kind, self.specs[a.stage], self._early(a))
         got = self._cache.get(key)
         if got is None:
             if a.pair is not None:

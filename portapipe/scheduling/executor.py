@@ -50,6 +50,7 @@ from .ir import Action, Kind, Schedule
 from .runnable import build_schedule, check_stages, make_schedule, placed
 from .stage import Boundary, Stage, is_expert
 from .step_run import StepRun
+from .wgrad import early_weight_grads
 
 # where callers have always found them
 __all__ = ["GradSync", "PipelineExecutor", "StepResult", "build_schedule", "last_backward", "make_schedule", "mean_loss", "placed"]
@@ -168,6 +169,7 @@ class PipelineExecutor:
         self.fb_stats = A2AStats()
         self._copy_calls: dict[int, int] = {}
         self.grads_final = last_backward(self.actions, s.stage_block)
+        self.early_weight_grads = early_weight_grads(self.actions, s.stage_block)
 
     # ------------------------------------------------------------- parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -225,12 +225,13 @@ class Tape:
         switch at every exchange in flight, as an F&B pair does), or when nothing else can run
         before waiting for the first exchange in flight; so does work recorded with
         :meth:`ahead` (zero-memory's re-dispatch), one mark at a time. Then, in a full
-        backward (BW) of a tape with
-        exchanges, the weight gradients that layers deferring themselves (:mod:`.wgrad`) set
-        aside run, part by part, until the rows are there (the rest waits for the next wait,
-        or the end). Which exchanges are issued, and in which order, never depends on timing,
-        so EP peers stay in step; values do not depend on the order at all. Each part's graph
-        and boundaries are dropped as soon as its backward ran.
+        backward (BW) of a tape with exchanges, the weight gradients that layers deferring
+        themselves (:mod:`.wgrad`) set aside run, part by part, until the rows are there (the
+        rest waits for the next wait, or the end); a B whose queue allows it
+        (:attr:`~.wgrad.WeightGradQueue.fill_waits`) runs its queue's oldest entries the same
+        way, leaving the rest to its W. Which exchanges are issued, and in which order, never
+        depends on timing, so EP peers stay in step; values do not depend on the order at all.
+        Each part's graph and boundaries are dropped as soon as its backward ran.
         """
         if not self.record:
             raise RuntimeError("a Tape(record=False) is one autograd graph: call backward() on its output")
@@ -242,6 +243,8 @@ class Tape:
         # a full backward keeps its deferrable W work aside for the waits (not while profiling:
         # an observer times each part's full backward as one)
         aside: list[WeightGradQueue] | None = [] if queue is None and has_exchanges and OBSERVER.get() is None else None
+        # a B whose queue may fill its waits (WeightGradQueue.fill_waits) does the same with its oldest entries
+        fill = queue if queue is not None and queue.fill_waits and OBSERVER.get() is None else None
         self._add_grad(output, grad, len(steps))
         flow = _Flow(steps)
         in_flight: list[tuple[int, Pending]] = []
@@ -294,6 +297,8 @@ class Tape:
             j, pending = in_flight.pop(0)  # the first issued arrives first
             while aside and not pending.arrived:
                 aside.pop(0).run()  # weight gradients while the rows travel
+            if fill is not None:  # a B allowed to start its W's work (the rest waits for the W)
+                fill.run_until(lambda: pending.arrived)
             step = steps[j]
             self._add_grad(step.source, pending.wait(), j)
             flow.finish(j)

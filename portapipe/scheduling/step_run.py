@@ -128,7 +128,7 @@ class StepRun:
             grad = self._take(Kind.RECV_B, v, m)
         queue = None
         if a.kind is Kind.B:
-            queue = self.queues[(v, m)] = WeightGradQueue()
+            queue = self.queues[(v, m)] = WeightGradQueue(fill_waits=(v, m) in self.rt.early_weight_grads)
         grad_in = yield from tape.backward(out, grad, queue)
         if s.is_first(v):
             return

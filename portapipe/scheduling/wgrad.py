@@ -27,12 +27,21 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
+from .ir import Action, Kind
+
 
 class WeightGradQueue:
-    """Deferred weight-gradient computations of one (stage, micro-batch) backward."""
+    """Deferred weight-gradient computations of one (stage, micro-batch) backward.
 
-    def __init__(self) -> None:
+    ``fill_waits``: the B that fills this queue may run its oldest entries while one of its
+    exchanges travels (:meth:`run_until`), the rest waiting for the W. The executor allows it
+    only where no action between the B and its W adds to the same block's gradients, so every
+    gradient is still summed in the schedule's order.
+    """
+
+    def __init__(self, fill_waits: bool = False) -> None:
         self._work: list[Callable[[], None]] = []
+        self.fill_waits = fill_waits
 
     def put(self, fn: Callable[[], None]) -> None:
         self._work.append(fn)
@@ -50,6 +59,37 @@ class WeightGradQueue:
         with torch.no_grad():
             for fn in work:
                 fn()
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Run the oldest entries, one at a time, until ``done()`` or none is left (queue order kept)."""
+        while self._work and not done():
+            fn = self._work.pop(0)
+            with torch.no_grad():
+                fn()
+
+
+def early_weight_grads(actions: Sequence[Action], stage_block: Sequence[int]) -> frozenset[tuple[int, int]]:
+    """(stage, micro-batch) of each B in one rank's ``actions`` that may start its W's work
+    while its exchanges travel (:attr:`WeightGradQueue.fill_waits`): those with no action
+    between the B and its W that adds to the same block's gradients (another B, W or BW of it),
+    so every weight gradient is still added in the schedule's order, whenever its share of the
+    W work runs. Other actions (posts, forwards, other blocks' work) may lie between."""
+    last: dict[int, int] = {}  # block -> the latest action adding to its gradients
+    open_b: dict[tuple[int, int], int] = {}  # a B waiting for its W -> its action's index
+    out: set[tuple[int, int]] = set()
+    for i, a in enumerate(actions):
+        if a.kind.is_comm:
+            continue
+        halves = a.pair if a.kind is Kind.FB else (a,)
+        for h in halves:
+            if h.kind is Kind.W and (h.stage, h.mb) in open_b and last.get(stage_block[h.stage]) == open_b.pop((h.stage, h.mb)):
+                out.add((h.stage, h.mb))
+        for h in halves:
+            if h.kind in (Kind.B, Kind.BW, Kind.W):
+                last[stage_block[h.stage]] = i
+            if h.kind is Kind.B:
+                open_b[(h.stage, h.mb)] = i
+    return frozenset(out)
 
 
 _ACTIVE: contextvars.ContextVar[WeightGradQueue | None] = contextvars.ContextVar("portapipe_wgrad_queue", default=None)
