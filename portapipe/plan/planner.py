@@ -31,7 +31,7 @@ from .profile import Profile
 from .programs import Programs, StageSpec, stage_specs
 from ..rules import broken
 from ..setup import Setup
-from .time_model import TimeModel, TimeReport
+from .time_model import TimeModel, TimeReport, early_bs
 
 PLANNED = ("layout", "schedule", "memory", "balancer")  # rule scopes a candidate can break
 MEMORY_OPTIONS: tuple[dict[str, Any], ...] = (
@@ -147,6 +147,7 @@ class _Context:
         self._programs: dict[tuple, Programs] = {}
         self._times: dict[tuple, dict] = {}
         self._counts: dict[int, list[list[tuple[Any, int]]]] = {}
+        self._early: dict[int, frozenset[tuple[int, int]]] = {}  # id of a kept schedule -> its early Bs
         self.walks: dict = {}  # the memory model's compiled action lists, by (schedule, rank)
         self._specs: dict[tuple, list[StageSpec]] = {}
 
@@ -188,7 +189,12 @@ class _Context:
     def time_model(self, x: Setup, sched: Schedule, lists: list[list[Any]]) -> TimeModel:
         key = (x.micro_batch_size, x.ep, x.overlap)
         cache = self._times.setdefault(key, {})
-        return TimeModel(x, self.profile, sched, self.imb(x.ep), programs=self.programs(x), cache=cache, lists=lists, specs=self.specs(x, sched))
+        if id(sched) not in self._early:  # (the schedules are kept: their ids stay theirs)
+            self._early[id(sched)] = early_bs(sched)
+        return TimeModel(
+            x, self.profile, sched, self.imb(x.ep), programs=self.programs(x), cache=cache, lists=lists, specs=self.specs(x, sched),
+            early=self._early[id(sched)],
+        )
 
     def busy(self, tm: TimeModel, sched: Schedule) -> float:
         """The busiest rank's work: a lower bound of the pipeline's makespan."""

@@ -127,6 +127,12 @@ def run_ops(ops: list[tuple[int, tuple]], profile: Profile, ep: int, lag: Linear
     return ActionTime(t, compute, exposed, comm, background, lagged)
 
 
+def early_bs(schedule: Schedule) -> frozenset[tuple[int, int]]:
+    """(stage, micro-batch) of every B that starts its W's work in its waits, on any rank
+    (:func:`~portapipe.scheduling.wgrad.early_weight_grads`, as the executor picks them)."""
+    return frozenset().union(*(early_weight_grads(acts, schedule.stage_block) for acts in schedule.actions))
+
+
 class TimeModel:
     """Durations of every action of ``schedule`` (lowered) for ``setup`` under ``profile``."""
 
@@ -135,12 +141,13 @@ class TimeModel:
     def __init__(
         self, setup: Any, profile: Profile, schedule: Schedule, imbalance: float = 1.0,
         programs: Programs | None = None, cache: dict[tuple, ActionTime] | None = None, lists: list[list[Any]] | None = None,
-        specs: list[StageSpec] | None = None,
+        specs: list[StageSpec] | None = None, early: frozenset[tuple[int, int]] | None = None,
     ) -> None:
         """``schedule`` is lowered, or its lowered ``lists`` are given (posts as light tuples,
         see :func:`~portapipe.scheduling.comms.plan`). ``programs`` and ``cache`` may be shared
         by setups with the same micro-batch size, imbalance, EP size, overlap and device count (the
-        planner's do): action times depend on nothing else."""
+        planner's do): action times depend on nothing else. ``early``: :func:`early_bs` of
+        ``schedule``, when the caller keeps it."""
         self.setup, self.schedule, self.imbalance = setup, schedule, imbalance
         self.lists = lists if lists is not None else schedule.actions
         self.shape = setup.shape
@@ -150,7 +157,7 @@ class TimeModel:
         self.rows = self.programs.R
         self.specs = specs if specs is not None else stage_specs(setup, schedule)
         # the Bs that start their W's work in their waits, as the executor runs them
-        self.early = frozenset().union(*(early_weight_grads(acts, schedule.stage_block) for acts in schedule.actions))
+        self.early = early_bs(schedule) if early is None else early
         self.switching = setup.ep > 1 and setup.overlap
         self.lag = self.profile.lag(setup.devices) if setup.ep > 1 else None
         self.crowding = self.profile.crowded(setup.devices)
