@@ -359,9 +359,11 @@ class ExpertBalancer:
         merged = merge_figures(parts)
         if "min_gain" in mine:  # auto: the same on every rank
             merged["min_gain"] = mine["min_gain"]
-        merged.update(self.switch.decide(step + 1, [p["switch"] for p in parts]))
+        merged.update(self.switch.decide(step + 1, [p["switch"] for p in parts], self.interval))
         if self.switch.on and self.stale:
+            t0 = time.perf_counter()
             moved = self._move(self.placement, optimizer)
+            self.switch.refresh_s = time.perf_counter() - t0
             merged["replicas_refreshed_rows"] = moved["rows_moved"]
             log.info("%s step %d: %d out-of-date replica rows refilled from their first slots", self.kind, step + 1, moved["rows_moved"])
         return merged
