@@ -313,7 +313,8 @@ class ExpertBalancer:
             changed = int(event.cost.changed.sum()) if event.cost is not None else 0
             return self._migrate(Rebalance(step, event.before, event.after, event.applied, layers=list(self.layers),
                                            policy=event.policy, slots_changed=changed), event.placement, optimizer)
-        plan = plan_periodic(self.planners, self.window.loads(), self.placement, self.nodes)
+        # judged by the routing in force: with the LP only while the replicas are on
+        plan = plan_periodic(self.planners, self.window.loads(), self.placement, self.nodes, with_lp=self.switch.on)
         gain = plan.after - plan.before
         applied = gain > 0 and gain >= self.min_gain * plan.fraction and plan.changes
         log.info(
