@@ -36,10 +36,10 @@ def replica_gain_s(first: torch.Tensor, used: torch.Tensor, modules: Sequence[An
 
     Summed over the layers before the maximum, not per layer: the F&B overlap runs another
     micro-batch's parts while a rank waits at a combine, so layers whose busiest ranks differ
-    largely cancel over the step (balance_e2e's recorded loads at ep 2: 17 rows of imbalance over
-    the step, 285 layer by layer). The busiest rank's work shrinks by this much whatever the
-    schedule hides; the per-layer sum (nothing hidden) predicted 140-190 ms per step there while
-    the replicas made the step slower."""
+    largely cancel over the step (balance_e2e's recorded loads at ep 2: the busiest rank 0.8%
+    above the mean over the step, 13% summed layer by layer). The busiest rank's work shrinks by
+    this much whatever the schedule hides; the per-layer sum (nothing hidden) predicted 140-190 ms
+    per step there while the replicas made the step slower."""
     seconds, rows = expert_seconds_and_rows(modules)
     gain = float(first.sum(0).max() - used.sum(0).max())
     # counts are summed over DP: each replica's ranks compute 1/dp of them
