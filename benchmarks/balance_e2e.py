@@ -18,7 +18,9 @@ a barrier, so a change in machine load hits every variant alike (paired steps). 
 
 and balancer: ``none``, ``eplb`` (incremental, redundant 1, rebalancing every 2 steps on the
 last 2 steps' loads, ``min_gain: auto``) and ``lplb`` (ring, redundant 1, ``min_gain: auto``; its
-placement is EPLB's packing of the window's loads, so it is EPLB + LPLB), both with ``stay_off``. Per variant, over
+placement is EPLB's packing of the window's loads, so it is EPLB + LPLB), both with ``stay_off``
+(``--balancers`` picks them; ``lplb_on`` adds LPLB with ``stay_off: false``, its LP and replica
+gradient sum in every step, to show what the switch's decisions are worth). Per variant, over
 the steps after ``--warmup``: median step time (the whole iteration: step, figures, optimizer,
 the balancer's after-step; slowest rank), median ``ep_wait_frac`` and ``rank_balancedness``, the
 balancer's own time per step (after-step planning and migration; the replicas' measured cost:
@@ -32,7 +34,7 @@ layers) and the rank balancedness without a balancer.
 Step times are wall clock (load averages recorded); the EP wait is measured from processor time
 (see portapipe/models/expert_clock.py).
 
-    python benchmarks/balance_e2e.py [--layouts ep2 ep4 pp2ep4] [--steps 12] [--warmup 3]
+    python benchmarks/balance_e2e.py [--layouts ep2 ep4 pp2ep4] [--sources ...] [--balancers none eplb lplb lplb_on] [--steps 12] [--warmup 3]
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ BALANCERS = {
     "eplb": {"kind": "eplb", "redundant": 1, "interval": 2, "window": 2, "policy": "incremental", "min_gain": "auto"},
     "lplb": {"kind": "lplb", "redundant": 1, "topology": "ring", "interval": 2, "window": 2, "min_gain": "auto"},
 }
+# (--balancers) LPLB with its replicas never switched off: what the replica switch spares or misses
+BALANCERS["lplb_on"] = {**BALANCERS["lplb"], "stay_off": False}
+DEFAULT_BALANCERS = ("none", "eplb", "lplb")
 SOURCES = ("trained", "loads", "uniform")
 SKEWED = ("trained", "loads")
 MODEL = {"arch": "qwen3_moe", "vocab_size": 256, "hidden": 64, "n_layers": 4, "n_dense": 0, "n_heads": 2, "ffn_hidden": 64,
@@ -222,6 +227,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--sources", nargs="+", default=list(SOURCES), choices=list(SOURCES))
+    ap.add_argument("--balancers", nargs="+", default=list(DEFAULT_BALANCERS), choices=list(BALANCERS),
+                    help="none is always run (every ratio is to it); lplb_on: LPLB with stay_off false")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out (one-time costs, first placement)")
     ap.add_argument("--loads", default=str(ROOT / "examples" / "expert_loads.txt"))
@@ -234,6 +241,7 @@ def main() -> None:
 
     if "uniform" not in args.sources:
         ap.error("--sources needs uniform: it is the upper bound of the skewed sources and the balanced router")
+    balancers = ["none"] + [b for b in args.balancers if b != "none"]
     trained = trained_model(Path(args.trained_dir), args.train_steps) if "trained" in args.sources else None
     root = Path(args.out_dir or tempfile.mkdtemp(prefix="balance_e2e-"))
     result: dict[str, Any] = {
@@ -243,13 +251,14 @@ def main() -> None:
         "load_avg_1min_before": round(os.getloadavg()[0], 2),
         "steps": args.steps,
         "warmup": args.warmup,
+        "balancers": balancers,
         "loads": _shown(args.loads),
         "trained": None if trained is None else {"folder": _shown(trained), "train_steps": args.train_steps},
         "layouts": {},
     }
     for layout in args.layouts:
         raws = {f"{source}:{bal}": variant_config(layout, source, bal, args.loads, root / layout / f"{source}-{bal}", args.steps, trained)
-                for source in args.sources for bal in BALANCERS}
+                for source in args.sources for bal in balancers}
         world = LAYOUTS[layout]["pp"] * LAYOUTS[layout]["ep"]
         t0 = time.perf_counter()
         steps = run_ranks(_rank, world, raws, args.steps, wall_timeout_s=3600)[0]
@@ -269,14 +278,14 @@ def main() -> None:
             top_ratio = paired("uniform:none", f"{source}:none")
             skew[source] = {"expert_load_max_over_mean": load_skew(steps[f"{source}:none"]),
                             "rank_balancedness": none["rank_balancedness"], "uniform_over_none": round(top_ratio, 4)}
-            for bal in ("eplb", "lplb"):
+            for bal in balancers[1:]:
                 row = table[f"{source}:{bal}"]
                 gap_w = none["ep_wait_frac"] - top["ep_wait_frac"]
                 won[f"{source}:{bal}"] = {
                     "step_time": round((1 - paired(f"{source}:{bal}", f"{source}:none")) / (1 - top_ratio), 3) if top_ratio < 1 else None,
                     "ep_wait": round((none["ep_wait_frac"] - row["ep_wait_frac"]) / gap_w, 3) if gap_w > 0 else None,
                 }
-        cost = {bal: round(table[f"uniform:{bal}"]["paired_ratio_vs_none"] - 1, 4) for bal in ("eplb", "lplb")}
+        cost = {bal: round(table[f"uniform:{bal}"]["paired_ratio_vs_none"] - 1, 4) for bal in balancers[1:]}
         result["layouts"][layout] = {"ranks": world, "seconds": round(time.perf_counter() - t0, 1), "skew": skew,
                                      "variants": table, "gap_won_back": won, "balanced_router_cost_frac": cost}
     result["load_avg_1min_after"] = round(os.getloadavg()[0], 2)

@@ -54,5 +54,9 @@ def test_variants_differ_only_in_routing_and_balancer(tmp_path: Path) -> None:
     c = variant_config("ep2", "trained", "eplb", "unused", tmp_path / "c", 4, trained=tmp_path / "hf")
     assert c["model"]["init_from"] == str(tmp_path / "hf") and c["bench"]["router_skew_from"] is None
     assert c["balancer"]["min_gain"] == "auto" and c["balancer"]["stay_off"] is True
+    # lplb_on: the same LPLB with its replicas never switched off
+    on = variant_config("ep4", "loads", "lplb_on", "examples/expert_loads.txt", tmp_path / "e", 4)
+    assert on["balancer"]["stay_off"] is False and {**on["balancer"], "stay_off": True} == variant_config(
+        "ep4", "loads", "lplb", "examples/expert_loads.txt", tmp_path / "f", 4)["balancer"]
     with pytest.raises(KeyError):
         variant_config("ep3", "loads", "none", "x", tmp_path / "d", 4)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from portapipe.balancing.migration import plan_migration
 from portapipe.balancing.placement import ExpertPlacement
+from portapipe.balancing.pricing import replica_gain_s
 from portapipe.balancing.replica_switch import ReplicaSwitch, first_slot_loads, spread_loads
 from portapipe.config import load_config
 
@@ -61,7 +63,7 @@ def test_the_starting_placement_is_even_on_even_loads(experts: int, ep: int, slo
 def test_switch_decides_from_the_mean_gain_and_cost(caplog: pytest.LogCaptureFixture) -> None:
     sw = ReplicaSwitch(enabled=True, kind="eplb")
     sw.charge(0.004)
-    assert sw.figures(0.001) == {"gain_s": 0.001, "cost_s": 0.004}
+    assert sw.figures(0.001) == {"gain_s": 0.001, "cost_s": 0.004, "refresh_s": 0.0}
     assert sw.decide(1, [{"gain_s": 0.001, "cost_s": 0.004}])["replicas_used"] and sw.on  # step 1 only measures
     with caplog.at_level(logging.INFO, logger="portapipe.balancing"):
         sw.decide(2, [{"gain_s": 0.001, "cost_s": 0.004}, {"gain_s": 0.002, "cost_s": 0.004}, None])
@@ -73,6 +75,41 @@ def test_switch_decides_from_the_mean_gain_and_cost(caplog: pytest.LogCaptureFix
     never = ReplicaSwitch(enabled=False, kind="lplb")
     never.decide(5, [{"gain_s": 0.0, "cost_s": 1.0}])
     assert never.on
+
+
+def _timed_layers(seconds: float, rows: int) -> list[Any]:
+    """Two MoE layers whose experts computed ``rows`` rows in ``seconds`` between them last step."""
+    return [SimpleNamespace(moe=SimpleNamespace(clock=SimpleNamespace(last=(seconds / 2, rows // 2)))) for _ in range(2)]
+
+
+def test_gain_is_the_busiest_ranks_work_over_the_step() -> None:
+    layers = _timed_layers(0.2, 200)  # 1 ms per row
+    even = torch.tensor([[40.0, 40.0], [40.0, 40.0]])
+    # layer 0 loads rank 0, layer 1 rank 1: each rank computes 80 rows over the step either way,
+    # so spreading them saves nothing (per layer it would have looked like 2 x 30 rows)
+    crossed = torch.tensor([[70.0, 10.0], [10.0, 70.0]])
+    assert replica_gain_s(crossed, even, layers, dp=1) == 0.0
+    # both layers load rank 0: it computes 140 rows instead of 80
+    same = torch.tensor([[70.0, 10.0], [70.0, 10.0]])
+    assert replica_gain_s(same, even, layers, dp=1) == pytest.approx(0.060)
+    assert replica_gain_s(same, even, layers, dp=2) == pytest.approx(0.030)  # counts summed over 2 DP replicas
+    assert replica_gain_s(same, even, _timed_layers(0.0, 0), dp=1) == 0.0  # nothing measured yet
+
+
+def test_replicas_off_come_back_only_when_the_gain_pays_for_their_refill() -> None:
+    sw = ReplicaSwitch(enabled=True, kind="lplb")
+    sw.decide(2, [{"gain_s": 0.001, "cost_s": 0.010, "refresh_s": 0.0}], horizon=4)
+    assert not sw.on
+    sw.refresh_s = 0.080  # the refill measured when they last came back
+    assert sw.figures(0.0)["refresh_s"] == 0.080
+    # gain - cost = 10 ms per step pays 40 ms over the 4 steps, not the 80 ms refill
+    out = sw.decide(3, [{"gain_s": 0.020, "cost_s": 0.010, "refresh_s": 0.080}], horizon=4)
+    assert not sw.on and out["replica_cost_ms"] == pytest.approx(30.0)
+    sw.decide(4, [{"gain_s": 0.031, "cost_s": 0.010, "refresh_s": 0.080}], horizon=4)
+    assert sw.on
+    # once on, the refill is paid: they stay on while the gain beats the cost alone
+    sw.decide(5, [{"gain_s": 0.011, "cost_s": 0.010, "refresh_s": 0.080}], horizon=4)
+    assert sw.on
 
 
 def test_stale_replicas_are_refilled_and_never_copied_from() -> None:
@@ -116,8 +153,8 @@ def _train_both(backend: Any, configs: dict[str, dict[str, Any]]) -> dict[str, A
 
     decide = replica_switch.ReplicaSwitch.decide
 
-    def forced(self: Any, step: int, parts: list[Any]) -> dict[str, Any]:
-        out = decide(self, step, parts)
+    def forced(self: Any, step: int, parts: list[Any], horizon: int = 1) -> dict[str, Any]:
+        out = decide(self, step, parts, horizon)
         if self.enabled:  # off for steps 2 and 3, on again from step 4
             self.on = step not in (1, 2)
         return out

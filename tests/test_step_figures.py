@@ -23,7 +23,8 @@ def _figures(rank: int) -> dict[str, Any]:
     return {
         "pp_rank": rank // 2, "layers": layers, "rank_loads": loads,
         "orig_loads": [[r[0] + r[1], 0.0] for r in loads] if rank < 2 else [],
-        "replica_tokens": 1.0 / 3 + rank, "switch": {"gain_s": 0.1 * rank + 1e-7, "cost_s": 2.0 / 7}, "event": None,
+        "replica_tokens": 1.0 / 3 + rank, "switch": {"gain_s": 0.1 * rank + 1e-7, "cost_s": 2.0 / 7, "refresh_s": 0.03 * rank},
+        "event": None,
     }
 
 

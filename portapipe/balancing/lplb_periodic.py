@@ -3,9 +3,10 @@ window's loads, and what the per-batch LP makes of given loads on a placement.
 
 Every ``interval`` steps :class:`~portapipe.balancing.runtime.ExpertBalancer` asks
 :func:`plan_periodic` for the planners' EPLB reordering of the window's loads; the plan's
-balancedness before and after is the LP's (mean / max EP-rank load once the LP has moved tokens
-between originals and copies), and the balancer adopts it when the gain pays for the moved
-fraction of the slots (``min_gain``).
+balancedness before and after is that of the tokens' routing in force: while the replicas are
+on, the LP's (mean / max EP-rank load once the LP has moved tokens between originals and
+copies), while they are off (replica_switch.py), every token on its original's. The balancer
+adopts the plan when the gain pays for the moved fraction of the slots (``min_gain``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from .cost import migration_cost
 from .placement import ExpertPlacement
+from .replica_switch import first_slot_loads
 from .report import mean_over_max
 
 
@@ -34,9 +36,15 @@ def lp_rank_loads(planners: list[Any], loads: torch.Tensor) -> torch.Tensor:
                         for row, p in enumerate(planners)])
 
 
-def lp_balancedness(planners: list[Any], loads: torch.Tensor) -> float:
-    """Mean over layers of mean / max EP-rank load after the LP's redistribution of ``loads``."""
-    values = mean_over_max(lp_rank_loads(planners, loads)).tolist()
+def balancedness(planners: list[Any], loads: torch.Tensor, with_lp: bool) -> float:
+    """Mean over layers of mean / max EP-rank load of ``loads``: after the LP's redistribution
+    (``with_lp``) or with every token on its expert's original."""
+    if with_lp:
+        ranks = lp_rank_loads(planners, loads)
+    else:
+        p = lplb_placement(planners, planners[0].ep_size, planners[0].n_logical)
+        ranks = first_slot_loads(loads, p.log2phy, p.slots_per_rank, p.num_ranks)
+    values = mean_over_max(ranks).tolist()
     return sum(values) / len(values)
 
 
@@ -54,8 +62,14 @@ class PeriodicPlan:
     changes: bool
 
 
-def plan_periodic(planners: list[Any], loads: torch.Tensor, current: ExpertPlacement, nodes: int) -> PeriodicPlan:
-    """The planners' reordering of ``loads`` (``[layers, experts]``) against the placement in force."""
+def plan_periodic(planners: list[Any], loads: torch.Tensor, current: ExpertPlacement, nodes: int, with_lp: bool = True) -> PeriodicPlan:
+    """The planners' reordering of ``loads`` (``[layers, experts]``) against the placement in force,
+    judged with the LP in use (``with_lp``) or off.
+
+    Judged with the LP only while it runs: the LP balances nearly any placement that copies the
+    heaviest experts, so a placement judged by it stays put, and with the LP off (it does not
+    pay) its tokens keep the originals' imbalance (balance_e2e's recorded loads at ep 2: no
+    migration in 13 steps, the LP on in every one and the step slower than without a balancer)."""
     candidates = []
     for row, planner in enumerate(planners):
         cand = copy.copy(planner)  # update_placement rebinds the layout; the old planner stays as it was
@@ -63,6 +77,6 @@ def plan_periodic(planners: list[Any], loads: torch.Tensor, current: ExpertPlace
         candidates.append(cand)
     new = lplb_placement(candidates, current.num_ranks, current.num_experts)
     cost = migration_cost(current.phy2log, new.phy2log, current.num_ranks, nodes)
-    return PeriodicPlan(lp_balancedness(planners, loads), lp_balancedness(candidates, loads), new, candidates,
+    return PeriodicPlan(balancedness(planners, loads, with_lp), balancedness(candidates, loads, with_lp), new, candidates,
                         float((cost.intra + cost.inter).sum()) / new.phy2log.numel(), int(cost.changed.sum()),
                         not torch.equal(new.phy2log, current.phy2log))

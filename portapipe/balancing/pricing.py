@@ -29,11 +29,19 @@ def expert_seconds_and_rows(modules: Sequence[Any]) -> tuple[float, int]:
 
 
 def replica_gain_s(first: torch.Tensor, used: torch.Tensor, modules: Sequence[Any], dp: int) -> float:
-    """Seconds per step the replicas save this rank: per layer, the busiest EP rank's rows with
-    every token on its first slot (``first`` ``[layers, ep]``) less those with the replicas in use
-    (``used``: LPLB's plan, EPLB's even spread), at this rank's measured seconds per row."""
+    """Seconds per step the replicas save this rank: the busiest EP rank's rows over the step (its
+    MoE layers summed) with every token on its first slot (``first`` ``[layers, ep]``) less the
+    busiest rank's with the replicas in use (``used``: LPLB's plan, EPLB's even spread), at this
+    rank's measured seconds per row.
+
+    Summed over the layers before the maximum, not per layer: the F&B overlap runs another
+    micro-batch's parts while a rank waits at a combine, so layers whose busiest ranks differ
+    largely cancel over the step (balance_e2e's recorded loads at ep 2: the busiest rank 0.8%
+    above the mean over the step, 13% summed layer by layer). The busiest rank's work shrinks by
+    this much whatever the schedule hides; the per-layer sum (nothing hidden) predicted 140-190 ms
+    per step there while the replicas made the step slower."""
     seconds, rows = expert_seconds_and_rows(modules)
-    gain = float((first.max(1).values - used.max(1).values).sum())
+    gain = float(first.sum(0).max() - used.sum(0).max())
     # counts are summed over DP: each replica's ranks compute 1/dp of them
     return gain * seconds / rows / dp if rows else 0.0
 

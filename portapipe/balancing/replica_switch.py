@@ -6,10 +6,11 @@ exchanged between the EP ranks holding them). They win back the wait of the EP r
 for the most loaded one. :class:`ReplicaSwitch` weighs the two after every step, from measured
 figures only:
 
-- **gain**: per MoE layer, the rows the busiest EP rank computes with every token on its expert's
-  first slot less those with the replicas in use (EPLB: each expert's tokens split evenly over
-  its replicas; LPLB: the LP's plan of the step's loads), times this rank's measured expert
-  seconds per row (:class:`~portapipe.models.expert_clock.ExpertClock`);
+- **gain**: the rows the busiest EP rank computes over the step (its MoE layers summed) with
+  every token on its expert's first slot less those with the replicas in use (EPLB: each
+  expert's tokens split evenly over its replicas; LPLB: the LP's plan of the step's loads), times
+  this rank's measured expert seconds per row
+  (:class:`~portapipe.models.expert_clock.ExpertClock`; pricing.py says why over the step);
 - **cost**: what the replicas cost this rank in the step: the LP's processor time and the wall
   time of the replica gradient sum (the EP ranks arrive at it together: the gradient's dispatch
   just before has already made them wait for each other). While the replicas are off the last
@@ -19,7 +20,10 @@ Means over ranks, so every rank takes the same decision; the first two steps onl
 pay one-time costs). While off, every token goes to its expert's first slot (replicas are exact
 copies, so no value changes) and, when the optimizer state can move (``zero_stage`` 0), the
 gradient sum is skipped: the replicas then fall out of date and are refilled from their first
-slots (weights and optimizer state, bit for bit) before they take tokens again. A resumed run
+slots (weights and optimizer state, bit for bit) before they take tokens again. That refill is
+paid once per return, so out-of-date replicas come back only when the gain beats the cost by the
+last measured refill spread over ``horizon`` steps (the balancer's ``interval``): a gain hovering
+about the cost would otherwise switch them on and off, paying a refill each time. A resumed run
 starts with the replicas on and measures again.
 """
 
@@ -59,6 +63,7 @@ class ReplicaSwitch:
         self.on = True
         self.cost_s = 0.0  # the last measured cost per step (kept while off)
         self.step_cost_s = 0.0  # measured in the current step
+        self.refresh_s = 0.0  # the last refill of out-of-date replicas (wall time; 0 until one ran)
         self.off_steps = 0
 
     def charge(self, seconds: float) -> None:
@@ -70,14 +75,18 @@ class ReplicaSwitch:
         if self.step_cost_s > 0:
             self.cost_s = self.step_cost_s
         self.step_cost_s = 0.0
-        return {"gain_s": gain_s, "cost_s": self.cost_s}
+        return {"gain_s": gain_s, "cost_s": self.cost_s, "refresh_s": self.refresh_s}
 
-    def decide(self, step: int, parts: list[dict[str, Any] | None]) -> dict[str, Any]:
+    def decide(self, step: int, parts: list[dict[str, Any] | None], horizon: int = 1) -> dict[str, Any]:
         """Whether the replicas take tokens in the next step, from every rank's :meth:`figures`
-        (``step``: 1-based, the step just run); the metrics of the step just run."""
+        (``step``: 1-based, the step just run); the metrics of the step just run. While off, coming
+        back also costs the last measured refill over ``horizon`` steps (0 until one was timed, and
+        always 0 where no refill runs: the gradient sum was not skipped)."""
         figures = [p for p in parts if p is not None]
         gain = sum(f["gain_s"] for f in figures) / max(len(figures), 1)
         cost = sum(f["cost_s"] for f in figures) / max(len(figures), 1)
+        if not self.on:
+            cost += sum(f.get("refresh_s", 0.0) for f in figures) / max(len(figures), 1) / max(horizon, 1)
         was = self.on
         self.on = not self.enabled or not figures or step < 2 or gain >= cost
         if not was:

@@ -313,7 +313,8 @@ class ExpertBalancer:
             changed = int(event.cost.changed.sum()) if event.cost is not None else 0
             return self._migrate(Rebalance(step, event.before, event.after, event.applied, layers=list(self.layers),
                                            policy=event.policy, slots_changed=changed), event.placement, optimizer)
-        plan = plan_periodic(self.planners, self.window.loads(), self.placement, self.nodes)
+        # judged by the routing in force: with the LP only while the replicas are on
+        plan = plan_periodic(self.planners, self.window.loads(), self.placement, self.nodes, with_lp=self.switch.on)
         gain = plan.after - plan.before
         applied = gain > 0 and gain >= self.min_gain * plan.fraction and plan.changes
         log.info(
@@ -359,9 +360,11 @@ class ExpertBalancer:
         merged = merge_figures(parts)
         if "min_gain" in mine:  # auto: the same on every rank
             merged["min_gain"] = mine["min_gain"]
-        merged.update(self.switch.decide(step + 1, [p["switch"] for p in parts]))
+        merged.update(self.switch.decide(step + 1, [p["switch"] for p in parts], self.interval))
         if self.switch.on and self.stale:
+            t0 = time.perf_counter()
             moved = self._move(self.placement, optimizer)
+            self.switch.refresh_s = time.perf_counter() - t0
             merged["replicas_refreshed_rows"] = moved["rows_moved"]
             log.info("%s step %d: %d out-of-date replica rows refilled from their first slots", self.kind, step + 1, moved["rows_moved"])
         return merged

@@ -8,7 +8,7 @@ The rows are turned back into the same dicts, so :func:`~portapipe.balancing.rep
 and the replica switch see exactly what the object gather gave them: every value is a count,
 a layer id or a ``float64`` figure, all held exactly by a ``float64``.
 
-Row layout: ``pp_rank, layers, has_switch, gain_s, cost_s, replica_tokens, has_orig``, then the
+Row layout: ``pp_rank, layers, has_switch, gain_s, cost_s, replica_tokens, has_orig, refresh_s``, then the
 layer ids, ``rank_loads`` and ``orig_loads`` (``max_layers`` and ``max_layers * ep`` entries,
 zero-padded).
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-HEAD = 7
+HEAD = 8
 
 
 def row_width(max_layers: int, ep: int) -> int:
@@ -39,7 +39,8 @@ def pack_figures(figures: dict[str, Any], max_layers: int, ep: int) -> torch.Ten
     switch = figures["switch"]
     orig = figures["orig_loads"]
     row[:HEAD] = torch.tensor([figures["pp_rank"], n, switch is not None, switch["gain_s"] if switch else 0.0,
-                               switch["cost_s"] if switch else 0.0, figures["replica_tokens"], bool(orig)], dtype=torch.float64)
+                               switch["cost_s"] if switch else 0.0, figures["replica_tokens"], bool(orig),
+                               switch["refresh_s"] if switch else 0.0], dtype=torch.float64)
     row[HEAD:HEAD + n] = torch.tensor(figures["layers"], dtype=torch.float64)
     loads = HEAD + max_layers
     if n:
@@ -61,7 +62,7 @@ def unpack_figures(row: torch.Tensor, max_layers: int, ep: int) -> dict[str, Any
         "rank_loads": row[loads:loads + n * ep].view(n, ep).tolist(),
         "orig_loads": row[loads + max_layers * ep:loads + max_layers * ep + n * ep].view(n, ep).tolist() if head[6] else [],
         "replica_tokens": head[5],
-        "switch": {"gain_s": head[3], "cost_s": head[4]} if head[2] else None,
+        "switch": {"gain_s": head[3], "cost_s": head[4], "refresh_s": head[7]} if head[2] else None,
         "event": None,
     }
     return out
