@@ -171,3 +171,67 @@ def test_split_rows_and_weights_own_their_memory_so_the_received_buffer_can_be_f
     free_storage(received)
     assert torch.equal(rows, want_rows) and torch.equal(weights, want_weights)
     assert rows.is_contiguous() and weights.is_contiguous()
+
+
+class _SlowCounts(CPUBackend):
+    """Two EP ranks in one process: the counts exchange hands back this rank's own counts as the
+    other rank's too, and reports when its result is waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        assert kwargs.get("async_op") is True  # the counts travel while the caller goes on
+        log, half = self.log, input.numel() // 2
+        log.append("issue")
+
+        class Work:
+            def wait(self) -> bool:
+                log.append("wait")
+                output.copy_(input.view(2, half)[0].repeat(2))  # the other rank's chunk for this one: this one's own
+                return True
+
+        return Work()
+
+
+def test_the_receiving_side_of_a_plan_waits_for_the_counts_when_first_read() -> None:
+    backend = _SlowCounts()
+    ep = ExpertParallel(backend, size=2, rank=0)
+    idx = torch.tensor([[0, 3], [1, 0], [3, 2], [0, 1]])
+    plan = plan_dispatch(ep, idx, 4)
+    # what this rank sends needs nothing from the other: known at once, nothing waited for
+    assert backend.log == ["issue"] and plan.counts_exchange.in_flight
+    assert plan.send_splits == [5, 3] and plan.remote_send_splits == [0, 3] and plan.local_offs.tolist() == [3, 5]
+    assert backend.log == ["issue"]
+    # what it receives waits for the counts, once
+    assert plan.remote_recv_splits == [0, 5]  # the "other rank" routed as this one: 3 + 2 rows to experts 0, 1
+    assert plan.recv_splits == [5, 5] and plan.offs.tolist() == [3, 5, 8, 10]
+    assert plan.remote_offs.tolist() == [3, 5] and plan.remote_tile_rows == [5]
+    assert backend.log == ["issue", "wait"]
+
+
+def test_the_moe_program_yields_while_the_counts_travel_before_any_rows_do() -> None:
+    from types import SimpleNamespace
+
+    from portapipe.config import ModelConfig
+    from portapipe.models.moe import build_blocks
+    from portapipe.scheduling.overlap import Tape
+
+    class Rows(_SlowCounts):
+        def expert_all_to_all(self, output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.log.append("rows")
+            output.zero_()
+            return SimpleNamespace(wait=lambda: True)
+
+    backend = Rows()
+    cfg = ModelConfig(
+        dtype="float64", vocab_size=32, hidden=16, n_layers=1, n_dense=0, n_heads=2, moe_hidden=16, n_experts=4, top_k=2, seq_len=8,
+    )
+    block = build_blocks(cfg, [0], 1, ExpertParallel(backend, size=2, rank=0), seed=3)[0]
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    program = block.program(Tape(), tokens, tokens)
+    first = next(program)  # an F&B pair's other program would run now
+    assert backend.log == ["issue"] and first is not None and first.in_flight
+    second = next(program)
+    assert backend.log == ["issue", "wait", "rows"] and second.in_flight  # the dispatch, after the counts

@@ -62,6 +62,9 @@ def test_a_lone_forward_hides_its_dispatch_behind_the_shared_expert_and_its_comb
     # rows' experts 1.5 (half the rows at ep 2); the local rows' 1.5 hide as much of the combine (2 s)
     assert t.compute == pytest.approx(4 + 1 + 3 + 0.5)
     assert t.exposed == pytest.approx(2 + 1 + 0.5)
+    # the program yields while the counts travel (an F&B pair's other program runs), then waits
+    ops = progs.forward(spec)
+    assert ops.index(("Y", ("n", 1))) == ops.index(("A", ("n", 1))) - 1
     assert t.wall == pytest.approx(t.compute + t.exposed)
     assert t.comm == pytest.approx(6.0)
 

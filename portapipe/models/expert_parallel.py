@@ -5,6 +5,11 @@ each (token, k) row to the rank holding its expert; rows arrive grouped by sourc
 by expert (the all-to-all keeps the sender's order), and run as a grouped matmul whose groups
 are (source, expert) pairs in that order. Combine is the same exchange with the splits swapped.
 
+Before the rows, the ranks exchange how many rows each sends each expert. :func:`plan_dispatch`
+starts that small exchange and returns at once: what a rank sends is known from its own
+routing, and the plan's receiving side waits for the counts when first read, so the MoE
+program yields while they travel (an F&B pair's other micro-batch computes meanwhile).
+
 The rows a rank routes to its own experts need no exchange: the dispatch and the combine carry
 only the rows of the other ranks (this rank's split is 0 both ways), and the local rows go to
 the experts without leaving the rank, so their compute can run while an exchange of the remote
@@ -21,12 +26,12 @@ scheduling layer's (:mod:`portapipe.scheduling.exchange`): :class:`ExpertParalle
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..scheduling.exchange import ExchangeGroup
+from ..scheduling.exchange import ExchangeGroup, Pending
 
 
 @dataclass
@@ -59,61 +64,98 @@ class DispatchPlan:
     micro-batch (matmul kernels may round a row differently depending on the rows around it).
     ``counts``: rows this rank routed to each expert id it was given (logical experts, or
     physical slots when a balancer routes; for load statistics).
+
+    What the rank sends is known from its own routing; what it receives takes the other ranks'
+    counts, which travel in a small exchange started by :func:`plan_dispatch`. The fields that
+    need them (``recv_splits``, ``offs``, ``remote_recv_splits``, ``remote_offs``,
+    ``remote_tile_rows``) wait for that exchange when first read, so a caller may compute
+    something else while it travels (:attr:`counts_exchange`) and can never read them early.
     """
 
     order: torch.Tensor
     send_splits: list[int]
-    recv_splits: list[int]
-    offs: torch.Tensor
     counts: torch.Tensor
     #: ``order`` with this rank's own rows moved to the end: the remote rows (rank order, what
     #: the dispatch sends), then the local ones (what the local experts take without an exchange)
     send_order: torch.Tensor
     #: rows sent to other ranks: ``send_order[:n_remote]``
     n_remote: int
-    #: the exchanged splits: ``send_splits`` / ``recv_splits`` with this rank's entry 0
+    #: the exchanged splits: ``send_splits`` with this rank's entry 0
     remote_send_splits: list[int]
-    remote_recv_splits: list[int]
-    #: grouped-matmul offsets of the received (remote) rows: (source, expert) groups, source-major
-    remote_offs: torch.Tensor
     #: grouped-matmul offsets of the local rows: one group per local expert
     local_offs: torch.Tensor
     #: position in ``send_order`` of each flat (token*k + slot) row: ``inverse_order[send_order] = arange``
     inverse_order: torch.Tensor
+    #: this rank's place in the EP group and the local experts per rank
+    rank: int
+    per: int
+    #: the counts exchange: rows per (source rank, local expert) as they arrive (``_received``
+    #: once it is waited for); None when nothing travels
+    counts_exchange: Any = None
+    _received: torch.Tensor | None = None
+    _recv: tuple[Any, ...] | None = field(default=None, repr=False)
 
-    #: rows received from each other rank, in ``remote_offs``' order (each a tile of the local
-    #: experts' groups)
-    remote_tile_rows: list[int]
+    def _receive(self) -> tuple[Any, ...]:
+        if self._recv is None:
+            got = self._received if self.counts_exchange is None else self.counts_exchange.wait()
+            recv_counts = got.view(-1, self.per)  # [source rank, local expert]
+            recv_splits = recv_counts.sum(1).tolist()
+            others = [j for j in range(len(recv_splits)) if j != self.rank]
+            self._recv = (
+                recv_splits,
+                torch.cumsum(recv_counts.reshape(-1), 0),
+                [0 if j == self.rank else n for j, n in enumerate(recv_splits)],
+                torch.cumsum(recv_counts[others].reshape(-1), 0),
+                [recv_splits[j] for j in others],
+            )
+        return self._recv
+
+    @property
+    def recv_splits(self) -> list[int]:
+        return self._receive()[0]
+
+    @property
+    def offs(self) -> torch.Tensor:
+        return self._receive()[1]
+
+    @property
+    def remote_recv_splits(self) -> list[int]:
+        """``recv_splits`` with this rank's entry 0: what the dispatch receives."""
+        return self._receive()[2]
+
+    @property
+    def remote_offs(self) -> torch.Tensor:
+        """Grouped-matmul offsets of the received (remote) rows: (source, expert) groups, source-major."""
+        return self._receive()[3]
+
+    @property
+    def remote_tile_rows(self) -> list[int]:
+        """Rows received from each other rank, in ``remote_offs``' order (each a tile of the local experts' groups)."""
+        return self._receive()[4]
 
 
 def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) -> DispatchPlan:
-    """Sort rows by expert and agree with the other EP ranks on the row counts (one small exchange)."""
+    """Sort rows by expert and start the small exchange of row counts with the other EP ranks
+    (asynchronous: the plan's receiving side waits for it when first read)."""
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_experts).to(torch.int64)
     per = ep.local_experts(n_experts)
     send_splits = counts.view(ep.size, per).sum(1).tolist()
-    if ep.size == 1:
-        recv_counts = counts.view(1, per)
-    else:
+    pending = None
+    if ep.size > 1:
         got = torch.empty_like(counts)
-        ep.backend.all_to_all_single(got, counts, group=ep.group)
-        recv_counts = got.view(ep.size, per)  # [source rank, local expert]
-    recv_splits = recv_counts.sum(1).tolist()
-    offs = torch.cumsum(recv_counts.reshape(-1), 0)
+        pending = Pending(got, ep.backend.all_to_all_single(got, counts, group=ep.group, async_op=True), None)
     me = ep.rank
     start = sum(send_splits[:me])
     end = start + send_splits[me]
     send_order = torch.cat([order[:start], order[end:], order[start:end]]) if ep.size > 1 else order
     inverse = torch.empty_like(send_order).scatter_(0, send_order, torch.arange(send_order.numel(), device=order.device))
     remote_send = [0 if j == me else n for j, n in enumerate(send_splits)]
-    remote_recv = [0 if j == me else n for j, n in enumerate(recv_splits)]
-    others = [j for j in range(ep.size) if j != me]
-    remote_offs = torch.cumsum(recv_counts[others].reshape(-1), 0)
-    local_offs = torch.cumsum(recv_counts[me], 0)
+    local_offs = torch.cumsum(counts.view(ep.size, per)[me], 0)  # what this rank sends itself
     return DispatchPlan(
-        order, send_splits, recv_splits, offs, counts, send_order, int(order.numel()) - send_splits[me],
-        remote_send, remote_recv, remote_offs, local_offs, inverse, [recv_splits[j] for j in others],
+        order, send_splits, counts, send_order, int(order.numel()) - send_splits[me], remote_send, local_offs, inverse,
+        me, per, pending, counts if pending is None else None,
     )
 
 

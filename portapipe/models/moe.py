@@ -273,6 +273,11 @@ class Layer(nn.Module):
             shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
             mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)
             return tape.part(last, h, shared, None, mine, plan)
+        counts = plan.counts_exchange
+        if counts is not None and counts.in_flight:
+            # the other ranks' row counts travel (the routing started them): an F&B pair's other
+            # program runs meanwhile; the dispatch's splits below wait for them
+            yield counts
         if zm is not None:  # zero-memory's re-dispatch needs no gradient: the backward may start it early
             tape.ahead(zm.issue)
         # the rows with their router weights (one exchange; its reverse brings both gradients)

@@ -136,9 +136,10 @@ class Programs:
         return ops
 
     def _attention(self, layer: int, option: str) -> list[Op]:
-        """The attention part, with the routing's blocking exchange of per-expert row counts."""
+        """The attention part, then the routing's exchange of per-expert row counts, which the
+        program yields at (an F&B pair's other program runs while it travels) and waits for."""
         counts = ("n", layer)
-        return [self._c("attention", "F", option, 1), ("I", counts, self.s.n_experts * 8), ("A", counts)]
+        return [self._c("attention", "F", option, 1), ("I", counts, self.s.n_experts * 8), ("Y", counts), ("A", counts)]
 
     def _layer_forward(self, layer: int, option: str) -> list[Op]:
         if not self.s.is_moe(layer):
