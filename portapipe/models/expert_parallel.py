@@ -153,10 +153,13 @@ def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) ->
     inverse = torch.empty_like(send_order).scatter_(0, send_order, torch.arange(send_order.numel(), device=order.device))
     remote_send = [0 if j == me else n for j, n in enumerate(send_splits)]
     local_offs = torch.cumsum(counts.view(ep.size, per)[me], 0)  # what this rank sends itself
-    return DispatchPlan(
+    plan = DispatchPlan(
         order, send_splits, counts, send_order, int(order.numel()) - send_splits[me], remote_send, local_offs, inverse,
         me, per, pending, counts if pending is None else None,
     )
+    if pending is None:  # nothing travels: the receiving side now (the memory model counts its tensors)
+        plan._receive()
+    return plan
 
 
 def with_weights(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
