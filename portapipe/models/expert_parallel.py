@@ -27,7 +27,7 @@ scheduling layer's (:mod:`portapipe.scheduling.exchange`): :class:`ExpertParalle
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,6 +50,30 @@ class ExpertParallel(ExchangeGroup):
     def expert_range(self, n_experts: int) -> tuple[int, int]:
         per = self.local_experts(n_experts)
         return self.rank * per, (self.rank + 1) * per
+
+
+class Received(NamedTuple):
+    """The receiving side of a :class:`DispatchPlan`: what the other ranks' counts decide."""
+
+    recv_splits: list[int]
+    offs: torch.Tensor
+    #: ``recv_splits`` with this rank's entry 0: what the dispatch receives
+    remote_recv_splits: list[int]
+    #: grouped-matmul offsets of the received (remote) rows: (source, expert) groups, source-major
+    remote_offs: torch.Tensor
+    #: rows received from each other rank, in ``remote_offs``' order (each a tile of the local experts' groups)
+    remote_tile_rows: list[int]
+
+
+class _Receiving:
+    """A field of the plan's receiving side, read through :meth:`DispatchPlan._receive` (which
+    waits for the counts the first time)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, plan: Any, owner: type | None = None) -> Any:
+        return self if plan is None else getattr(plan._receive(), self.name)
 
 
 @dataclass
@@ -93,15 +117,15 @@ class DispatchPlan:
     #: once it is waited for); None when nothing travels
     counts_exchange: Any = None
     _received: torch.Tensor | None = None
-    _recv: tuple[Any, ...] | None = field(default=None, repr=False)
+    _recv: Received | None = field(default=None, repr=False)
 
-    def _receive(self) -> tuple[Any, ...]:
+    def _receive(self) -> Received:
         if self._recv is None:
             got = self._received if self.counts_exchange is None else self.counts_exchange.wait()
             recv_counts = got.view(-1, self.per)  # [source rank, local expert]
             recv_splits = recv_counts.sum(1).tolist()
             others = [j for j in range(len(recv_splits)) if j != self.rank]
-            self._recv = (
+            self._recv = Received(
                 recv_splits,
                 torch.cumsum(recv_counts.reshape(-1), 0),
                 [0 if j == self.rank else n for j, n in enumerate(recv_splits)],
@@ -110,28 +134,11 @@ class DispatchPlan:
             )
         return self._recv
 
-    @property
-    def recv_splits(self) -> list[int]:
-        return self._receive()[0]
-
-    @property
-    def offs(self) -> torch.Tensor:
-        return self._receive()[1]
-
-    @property
-    def remote_recv_splits(self) -> list[int]:
-        """``recv_splits`` with this rank's entry 0: what the dispatch receives."""
-        return self._receive()[2]
-
-    @property
-    def remote_offs(self) -> torch.Tensor:
-        """Grouped-matmul offsets of the received (remote) rows: (source, expert) groups, source-major."""
-        return self._receive()[3]
-
-    @property
-    def remote_tile_rows(self) -> list[int]:
-        """Rows received from each other rank, in ``remote_offs``' order (each a tile of the local experts' groups)."""
-        return self._receive()[4]
+    recv_splits = _Receiving()
+    offs = _Receiving()
+    remote_recv_splits = _Receiving()
+    remote_offs = _Receiving()
+    remote_tile_rows = _Receiving()
 
 
 def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) -> DispatchPlan:
