@@ -201,9 +201,9 @@ class TimeModel:
         if half.kind is Kind.F:
             return self.programs.forward(spec)
         if half.kind is Kind.W:
-            return self.programs.weights(spec, (half.stage, half.mb) in self.early)
+            return self.programs.weights(spec, self._early(half))
         if half.kind is Kind.B:
-            return self.programs.backward(spec, "B+" if (half.stage, half.mb) in self.early else "B")
+            return self.programs.backward(spec, "B+" if self._early(half) else "B")
         return self.programs.backward(spec, "BW")
 
     def _early(self, half: Action) -> bool:
