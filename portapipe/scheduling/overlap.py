@@ -226,7 +226,7 @@ class Tape:
         before waiting for the first exchange in flight; so does work recorded with
         :meth:`ahead` (zero-memory's re-dispatch), one mark at a time. Then, in a full
         backward (BW) of a tape with exchanges, the weight gradients that layers deferring
-        themselves (:mod:`.wgrad`) set aside run, part by part, until the rows are there (the
+        themselves (:mod:`.wgrad`) set aside run, entry by entry, until the rows are there (the
         rest waits for the next wait, or the end); a B whose queue allows it
         (:attr:`~.wgrad.WeightGradQueue.fill_waits`) runs its queue's oldest entries the same
         way, leaving the rest to its W. Which exchanges are issued, and in which order, never
@@ -240,11 +240,13 @@ class Tape:
         self._known.clear()  # ids stay valid only while the forward's steps hold the tensors
         steps, self._steps = self._steps, []
         has_exchanges = any(isinstance(s, _Exchange) for s in steps)
-        # a full backward keeps its deferrable W work aside for the waits (not while profiling:
-        # an observer times each part's full backward as one)
-        aside: list[WeightGradQueue] | None = [] if queue is None and has_exchanges and OBSERVER.get() is None else None
-        # a B whose queue may fill its waits (WeightGradQueue.fill_waits) does the same with its oldest entries
-        fill = queue if queue is not None and queue.fill_waits and OBSERVER.get() is None else None
+        # A full backward keeps its parts' deferrable W work aside in a queue of its own, run
+        # while the rows travel and at the end; a B whose queue may fill its waits
+        # (WeightGradQueue.fill_waits) runs that queue's oldest entries alike. Not while
+        # profiling: an observer times each part's full backward as one.
+        aside = WeightGradQueue() if queue is None and has_exchanges and OBSERVER.get() is None else None
+        parts_queue = queue if aside is None else aside  # (a custom step's backward still gets ``queue``)
+        fill = aside if aside is not None else queue if queue is not None and queue.fill_waits and OBSERVER.get() is None else None
         self._add_grad(output, grad, len(steps))
         flow = _Flow(steps)
         in_flight: list[tuple[int, Pending]] = []
@@ -281,7 +283,7 @@ class Tape:
                         work = discard_second(interleaved(work, steps[prepared].prepare()))
                     yield from work
                 else:  # a part's backward yields nothing: a plain call
-                    self._part_backward(step, j, queue, aside)
+                    self._part_backward(step, j, parts_queue)
                 flow.finish(j)
                 continue
             if not in_flight:
@@ -295,15 +297,13 @@ class Tape:
                 early()
                 continue
             j, pending = in_flight.pop(0)  # the first issued arrives first
-            while aside and not pending.arrived:
-                aside.pop(0).run()  # weight gradients while the rows travel
-            if fill is not None:  # a B allowed to start its W's work (the rest waits for the W)
+            if fill is not None:  # weight gradients while the rows travel
                 fill.run_until(lambda: pending.arrived)
             step = steps[j]
             self._add_grad(step.source, pending.wait(), j)
             flow.finish(j)
-        for q in aside or ():
-            q.run()
+        if aside is not None:
+            aside.run()
         grad_in = None if self._input is None else self._pop_grad(self._input)
         if grad_in is None and self._input is not None:  # the output does not depend on the input
             grad_in = torch.zeros_like(self._input)
@@ -318,12 +318,9 @@ class Tape:
             if g is not None:
                 self._add_grad(src, g, j)
 
-    def _part_backward(self, step: _Part, j: int, queue: WeightGradQueue | None, aside: list[WeightGradQueue] | None) -> None:
-        """One part's backward; its inputs' gradients are added as step ``j``'s. ``aside``: where
-        a full backward keeps each part's deferrable weight gradients."""
-        if queue is None and aside is not None:
-            queue = WeightGradQueue()
-            aside.append(queue)
+    def _part_backward(self, step: _Part, j: int, queue: WeightGradQueue | None) -> None:
+        """One part's backward; its inputs' gradients are added as step ``j``'s, its deferrable
+        weight gradients go to ``queue`` (None: computed at once)."""
         outs, grads = [], []
         for o in step.outputs:
             g = self._pop_grad(o)
