@@ -70,6 +70,11 @@ class ScheduleConfig(_Section):
     chunks: int = Field(2, ge=1, description="model chunks per rank for interleaved (VPP)")
     overlap: bool = Field(True, description="run F&B pairs overlapped (all-to-all behind compute)")
     w_split: bool = Field(True, description="split backward into input-grad (B) and weight-grad (W)")
+    pair_forwards: bool = Field(
+        False,
+        description="run consecutive lone forwards of exchanging blocks (the warm-up's) as F&F pairs: one micro-batch's "
+        "all-to-all behind the other's compute; the first forward's output leaves after the pair",
+    )
 
 
 class ModelConfig(_Section):

@@ -246,6 +246,11 @@ def _extra_exchange_needs_pairs(x: Setup) -> list[str]:
     )
 
 
+def _pair_forwards_idle(x: Setup) -> list[str]:
+    why = "schedule.overlap is false" if not x.overlap else "no block's forward exchanges rows (ep = 1 or no MoE layer)"
+    return _one(x.pair_forwards and not x.paired_blocks, f"schedule.pair_forwards: {why}, so no forwards are paired")
+
+
 def _overlap_without_ep(x: Setup) -> list[str]:
     return _one(x.ep == 1 and x.overlap and _n_moe(x) > 0, "schedule.overlap: with ep = 1 the experts are local: no all-to-all to hide")
 
@@ -277,6 +282,7 @@ RULES: tuple[Rule, ...] = (
     Rule("overlap-needs-pairs", "schedule", "the F&B overlap hides one micro-batch's all-to-all behind another's compute; 1F1B and ZB1P run no pairs", _overlap_needs_pairs, "note"),
     Rule("extra-exchange-needs-pairs", "memory", "zero-memory's re-dispatch and recompute's replayed all-to-alls are hidden by the other micro-batch of an F&B pair", _extra_exchange_needs_pairs, "note"),
     Rule("overlap-without-ep", "schedule", "with one EP rank the experts need no all-to-all", _overlap_without_ep, "note"),
+    Rule("pair-forwards-needs-exchanges", "schedule", "an F&F pair hides one forward's all-to-all behind another's compute: it needs the overlap and blocks that exchange rows", _pair_forwards_idle, "note"),
 )
 
 

@@ -25,6 +25,22 @@ def n_model_blocks(schedule: str, pp: int, chunks: int) -> int:
     return pp
 
 
+def layer_range(n_layers: int, n_blocks: int, block: int) -> tuple[int, int]:
+    """Layers of ``block`` when ``n_layers`` are cut into ``n_blocks`` contiguous, near-equal slices."""
+    if n_layers < n_blocks:
+        raise ValueError(f"model.n_layers = {n_layers} cannot be cut into {n_blocks} blocks of at least one layer")
+    return block * n_layers // n_blocks, (block + 1) * n_layers // n_blocks
+
+
+def paired_blocks(pair_forwards: bool, overlap: bool, ep: int, model: Any, n_blocks: int) -> list[int]:
+    """The blocks whose consecutive lone forwards run as F&F pairs (``schedule.pair_forwards``):
+    those holding an MoE layer (the first ``model.n_dense`` layers are dense), whose exchanges
+    a pair can hide, when there are exchanges (ep > 1) and pairs overlap (``schedule.overlap``)."""
+    if not (pair_forwards and overlap) or ep <= 1 or model is None or model.n_layers < n_blocks:
+        return []
+    return [b for b in range(n_blocks) if layer_range(model.n_layers, n_blocks, b)[1] > model.n_dense]
+
+
 @dataclass(frozen=True)
 class Setup:
     pp: int
@@ -40,6 +56,7 @@ class Setup:
     recompute_layers: int | None = None
     overlap: bool = True
     w_split: bool = True
+    pair_forwards: bool = False
     world_size: int | None = None
     zero_stage: int = 0
     # sections a plan keeps as they are (compared by identity: shared by every candidate)
@@ -63,7 +80,7 @@ class Setup:
             pp=p.pp, ep=p.ep, dp=p.dp, schedule=s.name, microbatches=s.microbatches, chunks=s.chunks,
             micro_batch_size=c.train.micro_batch_size, zero_memory=mem.zero_memory, zero_memory_layers=mem.zero_memory_layers,
             recompute=mem.recompute, recompute_layers=mem.recompute_layers, overlap=s.overlap, w_split=s.w_split,
-            world_size=p.world_size, zero_stage=c.train.zero_stage, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
+            pair_forwards=s.pair_forwards, world_size=p.world_size, zero_stage=c.train.zero_stage, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
             backend_options=c.backend_options,
         )
 
@@ -79,6 +96,11 @@ class Setup:
     @property
     def n_blocks(self) -> int:
         return n_model_blocks(self.schedule, self.pp, self.chunks)
+
+    @property
+    def paired_blocks(self) -> list[int]:
+        """See :func:`paired_blocks`."""
+        return paired_blocks(self.pair_forwards, self.overlap, self.ep, self.model, self.n_blocks)
 
     @property
     def layers_per_stage(self) -> int:
@@ -111,7 +133,7 @@ class Setup:
         return {
             "parallel.pp": self.pp, "parallel.ep": self.ep, "parallel.dp": self.dp, "parallel.world_size": None,
             "schedule.name": self.schedule, "schedule.microbatches": self.microbatches, "schedule.chunks": self.chunks,
-            "schedule.overlap": self.overlap, "schedule.w_split": self.w_split,
+            "schedule.overlap": self.overlap, "schedule.w_split": self.w_split, "schedule.pair_forwards": self.pair_forwards,
             "train.micro_batch_size": self.micro_batch_size, "train.zero_stage": self.zero_stage,
             "memory.zero_memory": self.zero_memory, "memory.zero_memory_layers": self.zero_memory_layers,
             "memory.recompute": self.recompute, "memory.recompute_layers": self.recompute_layers,

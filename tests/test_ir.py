@@ -40,9 +40,15 @@ def test_fb_round_trip(fs: int, fm: int, bs: int, bm: int, bk: Kind) -> None:
     assert a.halves() == (Action(Kind.F, fs, fm), Action(bk, bs, bm))
 
 
+def test_an_f_and_f_pair_round_trips_and_is_not_an_f_and_b_pair() -> None:
+    ff = parse_action("(2F0;1F1)")
+    assert ff == fb(Action(Kind.F, 2, 0), Action(Kind.F, 1, 1)) and str(ff) == "(2F0;1F1)"
+    assert not ff.fb_pair and parse_action("(2F0;1BW1)").fb_pair and not Action(Kind.F, 0, 0).fb_pair
+
+
 @pytest.mark.parametrize(
     "text,message",
-    [("3X1", "cannot parse"), ("(0F1)", "expected '(xFy;xBy)'"), ("(0B1;1F0)", "FB pair is (F, B|BW)"), ("-1F0", "cannot parse")],
+    [("3X1", "cannot parse"), ("(0F1)", "expected '(xFy;xBy)'"), ("(0B1;1F0)", "FB pair is (F, B|BW|F)"), ("-1F0", "cannot parse")],
 )
 def test_bad_text_is_rejected(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -85,6 +85,19 @@ def test_notes_never_reject_a_config_but_say_what_is_wasted() -> None:
     assert rules.violations(Setup.from_config(load_config(EXAMPLE)), severity="note") == []
 
 
+def test_pair_forwards_names_the_blocks_that_exchange_and_says_when_none_does() -> None:
+    on = ["schedule.pair_forwards=true", "schedule.name=interleaved", "model.n_layers=4", "model.n_dense=1"]
+    x = Setup.from_config(load_config(EXAMPLE, on))
+    assert x.paired_blocks == [1, 2, 3]  # four blocks of one layer each; layer 0 is dense
+    assert Setup.from_config(load_config(EXAMPLE, [*on, "model.n_dense=2"])).paired_blocks == [2, 3]
+    assert rules.violations(x, severity="note") == []
+    for off, why in (("parallel.ep=1", "no block's forward exchanges rows"), ("schedule.overlap=false", "schedule.overlap is false")):
+        y = Setup.from_config(load_config(EXAMPLE, [*on, off]))
+        assert y.paired_blocks == []
+        assert any(n.startswith("schedule.pair_forwards:") and why in n for n in rules.violations(y, severity="note"))
+    assert Setup.from_config(load_config(EXAMPLE, on[1:])).paired_blocks == []  # the option off
+
+
 def test_broken_names_the_rule_and_its_lines() -> None:
     x = Setup.from_config(load_config(EXAMPLE)).replace(schedule="dualpipe", pp=3, microbatches=5)
     got = {rule.name: lines for rule, lines in rules.broken(x)}

@@ -131,6 +131,22 @@ def test_an_fb_pair_hides_one_micro_batchs_exchanges_behind_the_other_and_ep1_ru
     assert run_ops(in_turn, prof, 1).wall == pytest.approx(run_ops([(0, op) for op in f], prof, 1).wall + run_ops([(0, op) for op in b], prof, 1).wall)
 
 
+def test_an_f_and_f_pair_hides_each_forwards_exchanges_behind_the_other_and_counts_at_the_edges() -> None:
+    cfg = load_config(EXAMPLE, ["parallel.pp=2", "parallel.ep=2", "schedule.name=1f1b", "schedule.microbatches=4", "schedule.pair_forwards=true"])
+    s = Shape.of(cfg.model)
+    prof = profile(s, {**MOE, "dense": {"F": 1.0, "B": 1.0, "W": 0.5}, "embed": {"F": 0.1, "B": 0.1}, "head": {"F": 1.0, "B": 1.0, "W": 0.5}}, a2a=2.0)
+    sched = build_schedule(cfg)
+    model = TimeModel(Setup.from_config(cfg), prof, sched)
+    pair = next(a for a in sched.actions[0] if a.pair is not None)
+    assert str(pair) == "(0F0;0F1)" and not pair.fb_pair
+    first, second = (model.action(h) for h in pair.pair)
+    both = model.action(pair)
+    assert max(first.wall, second.wall) < both.wall < first.wall + second.wall
+    assert both.exposed < first.exposed + second.exposed and both.comm == pytest.approx(first.comm + second.comm)
+    got = model.predict()  # 1F1B has no F&B pair: every exchange is the edges'
+    assert got.a2a_edge_s == pytest.approx(got.a2a_s) and got.a2a_steady_hidden_frac == 0.0
+
+
 def test_zero_memorys_re_dispatch_goes_first_and_the_combines_reverse_exchange_queues_behind_it() -> None:
     s, progs, _ = _one_layer()
     off, lvl0 = StageSpec((1,), ("off",), False, False), StageSpec((1,), ("level0",), False, False)

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from portapipe.scheduling.comms import lower_comms
-from portapipe.scheduling.ir import Kind
-from portapipe.scheduling.schedules import NAMES, build, dualpipe, dualpipev, interleaved, one_f_one_b, without_w_split, zb1p
-from portapipe.scheduling.validate import validate
+from portapipe.scheduling.ir import Kind, fb
+from portapipe.scheduling.schedules import NAMES, build, dualpipe, dualpipev, interleaved, one_f_one_b, pair_forwards, without_w_split, zb1p
+from portapipe.scheduling.validate import stalls, validate
 
 MIN_MB = {"1f1b": lambda pp: pp, "zb1p": lambda pp: pp, "interleaved": lambda pp: pp, "dualpipe": lambda pp: 2 * pp, "dualpipev": lambda pp: 2 * pp}
 
@@ -178,3 +178,66 @@ def test_dualpipev_equals_torch_and_1f1b_too(pp: int, m: int) -> None:
         theirs = bench.to_ir(cls.__name__, order, style, n_stages, pp, m)
         assert theirs.format() == ours.format()
         assert theirs.stage_rank == ours.stage_rank
+
+
+# ------------------------------------------------------------------------ F&F pairs
+def _halves(s) -> list[list[tuple[Kind, int, int]]]:
+    return [[(h.kind, h.stage, h.mb) for a in acts for h in a.halves()] for acts in s.actions]
+
+
+@pytest.mark.parametrize("name,pp,m", [("dualpipev", 2, 4), ("dualpipev", 4, 10), ("interleaved", 2, 6), ("1f1b", 4, 8), ("zb1p", 3, 6), ("dualpipe", 4, 8)])
+def test_pair_forwards_pairs_independent_neighbours_keeps_every_rank_s_order_and_validates(name: str, pp: int, m: int) -> None:
+    s = build(name, pp, m)
+    paired = pair_forwards(s, range(s.n_blocks))
+    assert _halves(paired) == _halves(s)  # nothing added, dropped or reordered
+    validate(paired)  # lowers it; its deadlock check runs the lowered lists
+    prev, _ = s.links()
+    n_pairs = 0
+    for acts in paired.actions:
+        for a in acts:
+            if a.pair is not None and a.pair[1].kind is Kind.F:
+                first, second = a.pair
+                n_pairs += 1
+                assert first.kind is Kind.F and not (second.mb == first.mb and prev[second.stage] == first.stage)
+    assert n_pairs > 0 and paired.meta["pair_forwards"] is True
+
+
+def test_pair_forwards_leaves_blocks_without_exchanges_and_dependent_forwards_alone() -> None:
+    s = dualpipev(2, 4)
+    assert [str(a) for a in pair_forwards(s, [1, 2, 3]).actions[1][:3]] == ["1F0", "(2F0;1F1)", "(2F1;1F2)"]  # 2F0 takes 1F0's output
+    assert pair_forwards(s, [1, 2]).actions[0] == s.actions[0]  # rank 0's blocks 0 and 3: not listed
+    assert _halves(pair_forwards(s, [])) == _halves(s) and all(a.pair is None or a.fb_pair for acts in pair_forwards(s, []).actions for a in acts)
+    with pytest.raises(ValueError, match="before its posts"):
+        pair_forwards(lower_comms(s), [1])
+
+
+def test_pair_forwards_refuses_the_pairs_that_would_close_a_cycle() -> None:
+    """DualPipe on two ranks: rank 0's (0F0;3F2) waits for 2F2 of rank 1, whose pair (2F2;1F0)
+    waits for 0F0, which leaves rank 0 only after its pair: pairing both would hang."""
+    s = dualpipe(2, 4)
+    naive = [list(acts) for acts in s.actions]
+    naive[0][0:2] = [fb(naive[0][0], naive[0][1])]
+    naive[1][0:2] = [fb(naive[1][0], naive[1][1])]
+    assert [str(a) for a in (naive[0][0], naive[1][0])] == ["(0F0;3F2)", "(2F2;1F0)"]
+    with pytest.raises(ValueError, match="cannot finish"):
+        validate(s.with_actions(naive))
+    assert stalls(s.with_actions(naive)) == [(0, 0), (1, 0)]
+    paired = pair_forwards(s, [0, 1])
+    validate(paired)
+    assert stalls(paired) == [] and sum(a.pair is not None and not a.fb_pair for acts in paired.actions for a in acts) >= 2
+
+
+def test_the_config_pairs_forwards_only_where_blocks_exchange() -> None:
+    from pathlib import Path
+
+    from portapipe.config import load_config
+    from portapipe.scheduling.runnable import build_schedule
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
+
+    def ff(*overrides: str) -> int:
+        s = build_schedule(load_config(example, ["schedule.name=dualpipev", *overrides]))
+        return sum(a.pair is not None and not a.fb_pair for acts in s.actions for a in acts)
+
+    assert ff() == 0 and ff("schedule.pair_forwards=true") == 2  # rank 1's (2F0;1F1) (2F1;1F2)
+    assert ff("schedule.pair_forwards=true", "parallel.ep=1") == 0 and ff("schedule.pair_forwards=true", "schedule.overlap=false") == 0

@@ -244,3 +244,15 @@ def test_costs_parse_and_errors() -> None:
         Costs(1, 2, 1, FB=1.5)
     with pytest.raises(ValueError, match="rank_scale has 3 entries, the schedule has 2 ranks"):
         simulate(build("1f1b", 2, 2), Costs(rank_scale=[1, 1, 1]))
+
+
+def test_an_f_and_f_pair_costs_two_forwards_and_the_paired_schedule_simulates() -> None:
+    from portapipe.scheduling.ir import Action, fb
+    from portapipe.scheduling.schedules import pair_forwards
+
+    c = Costs(1.5, 2, 1, 3)
+    assert c.of(fb(Action(Kind.F, 1, 0), Action(Kind.F, 2, 1)), 0) == 3.0
+    s = build("1f1b", 4, 8)
+    paired = simulate(pair_forwards(s, range(4)), c)
+    # with no overlap gain priced the pairs only hold back the first forward's output
+    assert paired.makespan >= simulate(s, c).makespan

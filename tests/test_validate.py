@@ -80,7 +80,7 @@ def test_same_rank_stage_order_dualpipev() -> None:
 
 def test_dependent_fb_halves() -> None:
     s = _edit(one_f_one_b(1, 2), 0, lambda acts: [Action(Kind.F, 0, 0), fb(Action(Kind.F, 0, 1), Action(Kind.BW, 0, 1)), Action(Kind.BW, 0, 0)])
-    _only(s, "F&B halves must be independent")
+    _only(s, "a pair's halves must be independent")
 
 
 def test_swapped_cross_rank_dependency_deadlocks() -> None:

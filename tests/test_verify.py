@@ -34,14 +34,18 @@ from portapipe.verify import (
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 
 
-def _config(name: str, pp: int, ep: int = 1, dp: int = 1, overlap: bool = True, w_split: bool = True, **model: Any) -> Config:
+def _config(
+    name: str, pp: int, ep: int = 1, dp: int = 1, overlap: bool = True, w_split: bool = True, pair_forwards: bool = False,
+    memory: dict[str, Any] | None = None, **model: Any,
+) -> Config:
     n_layers = 8 if pp == 4 else 4
     mb = 2 * pp if name in ("dualpipe", "dualpipev") else pp
     return load_config(
         {
             "backend": "cpu",
             "parallel": {"pp": pp, "ep": ep, "dp": dp},
-            "schedule": {"name": name, "microbatches": mb, "overlap": overlap, "w_split": w_split},
+            "schedule": {"name": name, "microbatches": mb, "overlap": overlap, "w_split": w_split, "pair_forwards": pair_forwards},
+            "memory": memory or {},
             "model": {
                 "vocab_size": 32, "hidden": 16, "n_layers": n_layers, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32,
                 "moe_hidden": 16, "n_experts": 4, "top_k": 2, "seq_len": 8, "n_groups": 2, "topk_groups": 1, **model,
@@ -76,6 +80,21 @@ def test_every_schedule_is_exact_with_expert_parallelism_and_on_four_pipeline_ra
     ep_dualpipev = reports[SCHEDULES.index("dualpipev")]
     assert all(t["fb_a2a_total_s"] > 0 for t in ep_dualpipev.timings)
     assert all(t["a2a_total_s"] >= t["a2a_wait_s"] >= 0 for t in ep_dualpipev.timings)
+
+
+@pytest.mark.multiproc
+def test_paired_forwards_are_exact_with_every_schedule_and_memory_option() -> None:
+    from portapipe.scheduling.executor import build_schedule
+
+    configs = [_config(name, 2, ep=2, pair_forwards=True) for name in SCHEDULES]
+    configs += [_config("dualpipev", 2, ep=2, pair_forwards=True, memory=m) for m in ({"zero_memory": "level1"}, {"recompute": "full"}, {"recompute": "moe"})]
+    for c in configs:  # each runs F&F pairs
+        assert any(a.pair is not None and not a.fb_pair for acts in build_schedule(c).actions for a in acts), c.schedule.name
+    reports = verify_many(configs)
+    _check(reports)
+    # 1F1B has no F&B pair: its F&F pairs' exchanges are the edges'
+    one_f_one_b = reports[SCHEDULES.index("1f1b")]
+    assert all(t["fb_a2a_total_s"] == 0.0 and t["a2a_total_s"] > 0 for t in one_f_one_b.timings)
 
 
 def _self_report(config: Config) -> tuple[Config, list[dict[str, Any]]]:

@@ -48,6 +48,7 @@ from ..backends.base import Backend
 from ..config import ModelConfig
 from ..scheduling.exchange import free_storage
 from ..scheduling.stage import expert_ids, is_expert, mark_expert
+from ..setup import layer_range
 from .attention import HF_PRECISION, Attention, GroupedQueryAttention, LatentAttention
 from .expert_clock import ExpertClock
 from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch, split_weights, with_weights
@@ -344,13 +345,6 @@ class Block(nn.Module):
 
     def moe_layers(self) -> list[Layer]:
         return [layer for layer in self.layers.values() if layer.moe is not None]
-
-
-def layer_range(n_layers: int, n_blocks: int, block: int) -> tuple[int, int]:
-    """Layers of ``block`` when ``n_layers`` are cut into ``n_blocks`` contiguous, near-equal slices."""
-    if n_layers < n_blocks:
-        raise ValueError(f"model.n_layers = {n_layers} cannot be cut into {n_blocks} blocks of at least one layer")
-    return block * n_layers // n_blocks, (block + 1) * n_layers // n_blocks
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

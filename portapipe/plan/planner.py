@@ -24,7 +24,7 @@ from typing import Any
 
 from ..scheduling import comms
 from ..scheduling.ir import Schedule
-from ..scheduling.schedules import NAMES, build, without_w_split
+from ..scheduling.schedules import NAMES, build, pair_forwards, without_w_split
 from .imbalance import imbalance
 from .memory_model import MemoryModel, MemoryReport, static_memory
 from .profile import Profile
@@ -160,11 +160,13 @@ class _Context:
 
     def schedule(self, x: Setup) -> tuple[Schedule, list[list[Any]]] | str:
         """The schedule and its lowered lists (posts as light tuples: the models read both)."""
-        key = (x.schedule, x.pp, x.microbatches, x.chunks, x.w_split)
+        pairs = x.paired_blocks
+        key = (x.schedule, x.pp, x.microbatches, x.chunks, x.w_split, tuple(pairs))
         if key not in self._schedules:
             try:
                 s = build(x.schedule, x.pp, x.microbatches, x.chunks)
                 s = s if x.w_split else without_w_split(s)
+                s = pair_forwards(s, pairs) if pairs else s
                 self._schedules[key] = (s, comms.plan(s))
             except (ValueError, TypeError) as exc:
                 self._schedules[key] = f"schedule: {exc}"

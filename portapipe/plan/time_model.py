@@ -292,7 +292,7 @@ class TimeModel:
                     per_rank_a2a[r] += t.comm
                     per_rank_exposed[r] += t.exposed
                     per_rank_cpu[r] += self.demand(r, a)[2]
-                    if a.pair is None:
+                    if not a.fb_pair:
                         edge_a2a[r] += t.comm
                         edge_exposed[r] += t.exposed
         post = self.post_step()

@@ -13,9 +13,10 @@ parallel groups; :meth:`~PipelineExecutor.step` runs one training step's actions
   pair up wrongly.
 - ``F`` runs the stage's forward program on a :class:`~portapipe.scheduling.overlap.Tape`;
   ``B`` its part-wise backward with weight gradients queued (:mod:`.wgrad`) for the matching
-  ``W``; ``BW`` the backward with weight gradients at once; ``FB`` the two programs
-  interleaved (:func:`~portapipe.scheduling.overlap.run_pair`) when ``overlap`` is on, else one
-  after the other. A micro-batch's tape is dropped as soon as its backward ran.
+  ``W``; ``BW`` the backward with weight gradients at once; ``FB`` the two programs (an F&B
+  pair, or an F&F pair: two micro-batches' forwards) interleaved
+  (:func:`~portapipe.scheduling.overlap.run_pair`) when ``overlap`` is on, else one after the
+  other. A micro-batch's tape is dropped as soon as its backward ran.
 - Gradient synchronisation: with a ``grad_sync`` (:class:`GradSync`, e.g. portapipe's gradient
   buckets) the executor only offers the seams: ``start()`` before the step,
   ``block_done(block)`` right after the action that ends a block's backward work of the step on
@@ -65,8 +66,8 @@ class StepResult:
     ``bubble_frac`` = 1 - compute_s / step_s (idle share); ``a2a_total_s`` expert all-to-all
     time from issue to completion, ``a2a_wait_s`` the part spent blocked on it,
     ``a2a_hidden_frac`` = 1 - wait / total; ``fb_a2a_*`` the same for the exchanges inside F&B
-    pairs (the steady phase), ``edge_a2a_*`` for those of lone F, B and BW actions (warm-up,
-    cool-down, and every action of 1F1B and ZB1P); on a step run with the executor's
+    pairs (the steady phase), ``edge_a2a_*`` for the rest: lone F, B and BW actions (warm-up,
+    cool-down, and every action of 1F1B and ZB1P) and F&F pairs (``schedule.pair_forwards``); on a step run with the executor's
     ``time_exchanges`` off the totals and hidden shares are None (only the waits were taken);
     ``peak_activations`` the most micro-batches whose activations were held at once. The
     expert fields come from the model's ``end_step`` hook (None / empty without one):

@@ -8,6 +8,7 @@ it, the executor runs it. Actions print compactly, torch.distributed.pipelining 
     1W2        weight-gradient backward
     1BW2       full backward (input and weight gradients together)
     (0F3;3B1)  forward of 0F3 overlapped with backward 3B1 on the same rank (F&B)
+    (2F0;1F1)  two forwards of different micro-batches overlapped (F&F, ``pair_forwards``)
     0SEND_F3   communication actions added by :func:`lower_comms`
 
 Stages are *virtual* stages: ``stage_rank[v]`` says which rank runs virtual stage ``v`` and
@@ -67,7 +68,7 @@ class Kind(str, Enum):
 
 
 _COMM = {"SEND_F", "RECV_F", "SEND_B", "RECV_B"}
-_BACKWARD = (Kind.B, Kind.BW)
+_SECOND = (Kind.B, Kind.BW, Kind.F)  # what may run beside a pair's forward
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ class Action:
     """One step of a rank: ``kind`` on virtual ``stage`` for micro-batch ``mb``.
 
     An ``FB`` action carries its two halves in ``pair`` (forward first); its own stage and mb
-    are -1. The backward half is ``B`` (input gradient, W later) or ``BW`` (full).
+    are -1. The second half is ``B`` (input gradient, W later) or ``BW`` (full): an F&B pair;
+    or ``F``, another micro-batch's forward: an F&F pair (``schedule.pair_forwards``). Either
+    way the two programs run interleaved, switching at each exchange in flight.
     """
 
     kind: Kind
@@ -94,7 +97,7 @@ class Action:
         if pair is None:
             if kind is not Kind.FB and kind.__class__ is Kind and stage >= 0 and mb >= 0:
                 return
-        elif kind is Kind.FB and len(pair) == 2 and pair[0].kind is Kind.F and pair[1].kind in _BACKWARD:
+        elif kind is Kind.FB and len(pair) == 2 and pair[0].kind is Kind.F and pair[1].kind in _SECOND:
             return
         self.__post_init__()
 
@@ -106,14 +109,19 @@ class Action:
             raise TypeError(f"Action kind must be a Kind, got {self.kind!r}")
         if self.kind is Kind.FB:
             if self.pair is None or len(self.pair) != 2:
-                raise ValueError("an FB action needs pair=(forward, backward)")
+                raise ValueError("an FB action needs pair=(forward, backward or forward)")
             f, b = self.pair
-            if f.kind is not Kind.F or b.kind not in (Kind.B, Kind.BW):
-                raise ValueError(f"an FB pair is (F, B|BW), got ({f.kind.value}, {b.kind.value})")
+            if f.kind is not Kind.F or b.kind not in _SECOND:
+                raise ValueError(f"an FB pair is (F, B|BW|F), got ({f.kind.value}, {b.kind.value})")
         elif self.pair is not None:
             raise ValueError(f"only FB actions carry a pair, not {self.kind.value}")
         elif self.stage < 0 or self.mb < 0:
             raise ValueError(f"{self.kind.value} needs stage >= 0 and mb >= 0, got stage={self.stage} mb={self.mb}")
+
+    @property
+    def fb_pair(self) -> bool:
+        """An F&B pair (a forward beside another micro-batch's backward), not an F&F pair."""
+        return self.pair is not None and self.pair[1].kind is not Kind.F
 
     def halves(self) -> tuple[Action, ...]:
         """The compute actions inside: (self,) or the FB pair."""
@@ -141,7 +149,7 @@ def parse_action(text: str) -> Action:
     if text.startswith("(") and text.endswith(")"):
         parts = text[1:-1].split(";")
         if len(parts) != 2:
-            raise ValueError(f"cannot parse F&B action {text!r}: expected '(xFy;xBy)'")
+            raise ValueError(f"cannot parse a pair {text!r}: expected '(xFy;xBy)' or '(xFy;xFz)'")
         return Action(Kind.FB, pair=(parse_action(parts[0]), parse_action(parts[1])))
     m = _ATOM.match(text)
     if not m:
@@ -149,8 +157,9 @@ def parse_action(text: str) -> Action:
     return Action(Kind(m.group(2)), int(m.group(1)), int(m.group(3)))
 
 
-def fb(forward: Action, backward: Action) -> Action:
-    return Action(Kind.FB, pair=(forward, backward))
+def fb(forward: Action, second: Action) -> Action:
+    """A pair: ``forward`` beside ``second`` (a backward, or another micro-batch's forward)."""
+    return Action(Kind.FB, pair=(forward, second))
 
 
 @dataclass

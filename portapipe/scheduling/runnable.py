@@ -7,23 +7,30 @@ naming the key, so a bad configuration is reported before any rank starts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ..backends.base import ParallelGroups
 from ..config import Config, ConfigError
+from ..setup import paired_blocks
 from . import comms, schedules, validate
 from .ir import Schedule
 from .stage import Stage
 
 
-def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 2, w_split: bool = True) -> Schedule:
-    """The lowered, validated schedule ``name`` on ``pp`` pipeline ranks; ValueError (one line per problem) if it cannot run."""
+def make_schedule(
+    name: str, pp: int, microbatches: int, chunks: int = 2, w_split: bool = True, paired_blocks: Collection[int] = ()
+) -> Schedule:
+    """The lowered, validated schedule ``name`` on ``pp`` pipeline ranks; ValueError (one line per
+    problem) if it cannot run. ``paired_blocks``: their consecutive lone forwards run as F&F pairs
+    (:func:`~.schedules.pair_forwards`)."""
     try:
         schedule = schedules.build(name, pp, microbatches, chunks)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{name} with pp={pp}, microbatches={microbatches}: {exc}") from None
     if not w_split:
         schedule = schedules.without_w_split(schedule)
+    if paired_blocks:
+        schedule = schedules.pair_forwards(schedule, paired_blocks)
     schedule = comms.lower_comms(schedule)
     problems = [f"{name} (pp={pp}, microbatches={microbatches}): {line}" for line in validate.problems(schedule)]
     if schedule.n_ranks != pp:
@@ -36,8 +43,9 @@ def make_schedule(name: str, pp: int, microbatches: int, chunks: int = 2, w_spli
 def build_schedule(config: Config) -> Schedule:
     """The lowered schedule a config asks for; ConfigError (before any rank starts) if it cannot run."""
     s, p = config.schedule, config.parallel
+    pairs = paired_blocks(s.pair_forwards, s.overlap, p.ep, config.model, config.n_blocks())
     try:
-        schedule = make_schedule(s.name, p.pp, s.microbatches, s.chunks, s.w_split)
+        schedule = make_schedule(s.name, p.pp, s.microbatches, s.chunks, s.w_split, pairs)
     except ValueError as exc:
         raise ConfigError([f"schedule: {line}" for line in str(exc).splitlines()]) from None
     problems = []

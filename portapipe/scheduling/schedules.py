@@ -11,6 +11,7 @@ generator keeps that invariant, which the validator checks.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from typing import Callable
 
 from .ir import BW, Action, B, F, Kind, Schedule, W, fb, gc_paused
@@ -301,6 +302,62 @@ def build(name: str, pp: int, microbatches: int, chunks: int = 2) -> Schedule:
         raise ValueError(f"unknown schedule {name!r}; known: {', '.join(NAMES)}")
     with gc_paused():
         return generators[name]()
+
+
+def pair_forwards(schedule: Schedule, blocks: Collection[int]) -> Schedule:
+    """The same schedule with consecutive lone forwards run as F&F pairs (``schedule.pair_forwards``).
+
+    Two forwards next to each other on a rank become one pair when both compute a block of
+    ``blocks`` (those exchanging rows with other ranks: the pair hides one's all-to-all behind
+    the other's compute, as an F&B pair does) and the second does not take the first's output;
+    pairs form left to right. Where a schedule runs several forwards in a row (every warm-up)
+    nothing else could overlap their exchanges. The first forward's output leaves after the
+    pair, not after itself; that is the price, and where it would close a cycle (the second
+    forward's input waits, through other ranks, for the first one's output: DualPipe's two
+    directions) the pair is not formed. Values do not change: the forwards of two micro-batches
+    share nothing."""
+    from .validate import stalls
+
+    if any(a.kind.is_comm for acts in schedule.actions for a in acts):
+        raise ValueError("pair_forwards takes a schedule before its posts are added (lower_comms)")
+    blocks = frozenset(blocks)
+    prev, _ = schedule.links()
+    exchanging = [schedule.stage_block[v] in blocks for v in range(schedule.n_stages)]
+
+    def lone_forward(a: Action) -> bool:
+        return a.kind is F and exchanging[a.stage]
+
+    kept: list[set[int]] = [set() for _ in schedule.actions]  # positions whose pair is refused
+    while True:
+        actions = []
+        for acts, refused in zip(schedule.actions, kept):
+            out: list[Action] = []
+            i = 0
+            while i < len(acts):
+                a = acts[i]
+                nxt = acts[i + 1] if i + 1 < len(acts) else None
+                if (
+                    nxt is not None and i not in refused and lone_forward(a) and lone_forward(nxt)
+                    and not (nxt.mb == a.mb and prev[nxt.stage] == a.stage)
+                ):
+                    out.append(fb(a, nxt))
+                    i += 2
+                else:
+                    out.append(a)
+                    i += 1
+            actions.append(out)
+        paired = schedule.with_actions(actions, pair_forwards=True)
+        stopped = stalls(paired)
+        if not stopped:
+            return paired
+        # a rank that stops, stops at one of the new pairs or behind one: refuse the pairs the
+        # ranks stop at and pair again (each round refuses one at least, so this ends)
+        at = [(r, actions[r][step]) for r, step in stopped]
+        new = [(r, a.pair[0]) for r, a in at if a.pair is not None and a.pair[1].kind is F]
+        if not new:
+            return schedule
+        for r, first in new:
+            kept[r].add(schedule.actions[r].index(first))
 
 
 def without_w_split(schedule: Schedule) -> Schedule:

@@ -4,7 +4,8 @@ Cost convention (the DualPipe paper's): ``F`` is one forward of one virtual stag
 ``B`` its *full* backward, ``W`` the weight-gradient part of ``B``, ``FB`` one overlapped
 F&B unit. So a full backward ``BW`` costs ``B``, an input-gradient backward ``B`` costs
 ``B - W``, a ``W`` costs ``W``, and an F&B pair costs ``FB`` (``FB - W`` when its backward
-half is an input-gradient B; ``F + B`` when ``FB`` is not given, i.e. no overlap gain).
+half is an input-gradient B; ``F + B`` when ``FB`` is not given, i.e. no overlap gain); an
+F&F pair (``schedule.pair_forwards``) costs ``2F``: no cost of its own is given.
 
 Each rank runs its list in order; an action starts when the rank is free and its inputs are
 ready: a forward needs the previous stage's forward of the same micro-batch, a backward
@@ -97,7 +98,10 @@ class Costs:
         if action.kind is Kind.FB:
             assert action.pair is not None
             f, b = action.pair
-            cost = self.fb - (self.W if b.kind is Kind.B else 0.0)
+            if b.kind is Kind.F:  # an F&F pair: no cost of its own is given, so no overlap gain
+                cost = 2 * self.F
+            else:
+                cost = self.fb - (self.W if b.kind is Kind.B else 0.0)
             if self.stage_scale is not None:  # the pair's stages may differ in size: average
                 cost *= (self.stage_scale[f.stage] + self.stage_scale[b.stage]) / 2
             return cost * scale

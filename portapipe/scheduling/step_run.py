@@ -73,17 +73,20 @@ class StepRun:
         t0 = time.perf_counter()
         wait0 = self.p2p_wait_s
         if a.kind is Kind.FB:
-            f, b = a.pair
+            f, second = a.pair
             st = self.rt.exchange_stats
             total0, wait_0 = st.total_s, st.wait_s
+            other = self._forward(second) if second.kind is Kind.F else self._backward(second)
             if self.rt.overlap:
-                run_pair(self._forward(f), self._backward(b))
+                run_pair(self._forward(f), other)
             else:
                 run(self._forward(f))
-                run(self._backward(b))
-            # the steady phase's share; the rest of the step's exchanges are the edges' (lone actions)
-            self.rt.fb_stats.total_s += st.total_s - total0
-            self.rt.fb_stats.wait_s += st.wait_s - wait_0
+                run(other)
+            if a.fb_pair:
+                # the steady phase's share; the rest of the step's exchanges (lone actions and
+                # the warm-up's F&F pairs) are the edges'
+                self.rt.fb_stats.total_s += st.total_s - total0
+                self.rt.fb_stats.wait_s += st.wait_s - wait_0
         elif a.kind is Kind.F:
             run(self._forward(a))
         elif a.kind in (Kind.B, Kind.BW):

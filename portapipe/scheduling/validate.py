@@ -21,6 +21,7 @@ the first real fault):
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from typing import Any
 
 from .comms import has_comms, incoming, matching_send, outgoing, plan
 from .ir import Action, Kind, Schedule, gc_paused
@@ -143,7 +144,7 @@ def _order(s: Schedule) -> list[str]:
                 if j > i:
                     out.append(f"rank {r}: {h} at step {i} runs before {name} at step {j}, which it needs")
                 else:
-                    out.append(f"rank {r}: {a} at step {i} pairs {h} with {name}, which it needs; F&B halves must be independent")
+                    out.append(f"rank {r}: {a} at step {i} pairs {h} with {name}, which it needs; a pair's halves must be independent")
     return out
 
 
@@ -211,11 +212,35 @@ def _comms(s: Schedule) -> list[str]:
 
 
 def _deadlock(s: Schedule) -> list[str]:
+    lists = s.actions if has_comms(s) else plan(s)  # the lowered lists, posts as light tuples
+    stuck, unposted = _run(s, lists)
+    if unposted:
+        return [unposted]
+    if not stuck:
+        return []
+    lines = [f"rank {r} waits at step {i} ({_show(lists[r][i])})" for r, i in stuck[:8]]
+    more = f" and {len(stuck) - 8} more ranks" if len(stuck) > 8 else ""
+    return ["schedule cannot finish: " + "; ".join(lines) + more + " (steps count in the lowered lists)"]
+
+
+def stalls(s: Schedule) -> list[tuple[int, int]]:
+    """Where the ranks of a schedule that cannot finish stop: (rank, index of the compute action
+    in its list without posts), for every rank that stops; empty when it finishes."""
+    lists = plan(s)
+    stuck, _ = _run(s, lists)
+    out = []
+    for r, i in stuck:
+        out.append((r, sum(1 for a in lists[r][:i] if a.__class__ is not tuple and a.kind.is_compute)))
+    return out
+
+
+def _run(s: Schedule, lists: list[list[Any]]) -> tuple[list[tuple[int, int]], str]:
     """Run the lowered lists without costs: a compute proceeds once every input is there (a
     same-rank input computed; a cross-rank one sent by its producer's SEND and received by a
     RECV posted earlier on this rank); posts always proceed. Finishing does not depend on
-    costs, so this decides deadlock freedom for all positive costs at once."""
-    lists = s.actions if has_comms(s) else plan(s)  # the lowered lists, posts as light tuples
+    costs, so this decides deadlock freedom for all positive costs at once. Returns where the
+    ranks that cannot finish stop (rank, step of the lowered list), and a problem line if a
+    compute consumes a transfer whose receive is not posted before it."""
     n_st, n_mb = s.n_stages, s.n_microbatches
     prev, nxt = s.links()
     rank_of = s.stage_rank
@@ -271,7 +296,7 @@ def _deadlock(s: Schedule) -> list[str]:
                         blocked = base + m
                         break
                     if recv >= 0 and not done[recv + m]:
-                        return [f"rank {r}: {a} at step {i} consumes a transfer whose receive is not posted before it"]
+                        return [], f"rank {r}: {a} at step {i} consumes a transfer whose receive is not posted before it"
                 if blocked >= 0:
                     break
             if blocked >= 0:
@@ -287,12 +312,7 @@ def _deadlock(s: Schedule) -> list[str]:
             woken = waiting.pop(k, None)
             if woken:
                 todo.extend(woken)
-    stuck = [r for r in range(s.n_ranks) if pos[r] < len(lists[r])]
-    if not stuck:
-        return []
-    lines = [f"rank {r} waits at step {pos[r]} ({_show(lists[r][pos[r]])})" for r in stuck[:8]]
-    more = f" and {len(stuck) - 8} more ranks" if len(stuck) > 8 else ""
-    return ["schedule cannot finish: " + "; ".join(lines) + more + " (steps count in the lowered lists)"]
+    return [(r, pos[r]) for r in range(s.n_ranks) if pos[r] < len(lists[r])], ""
 
 
 def _show(a: object) -> str:
