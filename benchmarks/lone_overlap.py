@@ -8,8 +8,10 @@ runs a stage of examples/cpu.yaml's model as EP rank 0 of 2 over a transport tha
 rank's rows back (both ranks hold the same data) after a fixed latency, on a thread, like an
 asynchronous exchange whose peers are always on time. For each latency it runs lone F, B
 (weight gradients queued), B+ (a B whose W comes next, so it starts the W's work while its
-exchanges travel: the executor's rule) and BW actions in turn and reports the share of exchange
-time the action computed through (1 - wait / total, as the executor's timings count it).
+exchanges travel: the executor's rule) and BW actions in turn, and an F&F pair (two
+micro-batches' forwards interleaved, ``schedule.pair_forwards``; its time is the pair's), and
+reports the share of exchange time the action computed through (1 - wait / total, as the
+executor's timings count it).
 
     python benchmarks/lone_overlap.py [--config examples/cpu.yaml] [--latency-us 100,300] [--reps 30] [--set k=v ...]
 """
@@ -34,7 +36,7 @@ import portapipe
 from portapipe.config import load_config
 from portapipe.models.expert_parallel import ExpertParallel
 from portapipe.models.moe import build_blocks
-from portapipe.scheduling.overlap import Tape, run
+from portapipe.scheduling.overlap import Tape, run, run_pair
 from portapipe.scheduling.wgrad import WeightGradQueue
 
 # examples/cpu.yaml as the package ships it: the default works when installed, too
@@ -88,7 +90,7 @@ def measure(config: Any, latency: float, reps: int) -> dict[str, float]:
     m = config.model
     x = torch.randn(config.train.micro_batch_size, m.seq_len, m.hidden, generator=g).to(block.final_norm.weight.dtype)
     y = torch.randint(0, m.vocab_size, (config.train.micro_batch_size, m.seq_len), generator=g)
-    sums = {k: [0.0, 0.0] for k in ("F", "B", "B+", "BW")}
+    sums = {k: [0.0, 0.0] for k in ("F", "B", "B+", "BW", "F&F")}
     wall: dict[str, list[float]] = {k: [] for k in sums}
     for i in range(reps + 2):
         for kind in ("B", "B+", "BW"):
@@ -113,6 +115,14 @@ def measure(config: Any, latency: float, reps: int) -> dict[str, float]:
             sums[kind][1] += st.wait_s - f_wait
             wall["F"].append(t1 - t0)
             wall[kind].append(t2 - t1)
+        # two micro-batches' forwards interleaved (schedule.pair_forwards); their tapes are dropped
+        ep.stats.reset()
+        t0 = time.perf_counter()
+        run_pair(block.program(Tape(), x, y), block.program(Tape(), x, y))
+        if i >= 2:
+            sums["F&F"][0] += ep.stats.total_s
+            sums["F&F"][1] += ep.stats.wait_s
+            wall["F&F"].append(time.perf_counter() - t0)
     out: dict[str, float] = {}
     for kind, (total, wait) in sums.items():
         out[f"{kind}_hidden_pct"] = round(100.0 * max(0.0, 1.0 - wait / total), 1) if total > 0 else 0.0

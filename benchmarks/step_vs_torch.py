@@ -324,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         "ep": config.parallel.ep,
         "dp": config.parallel.dp,
         "microbatches": config.schedule.microbatches,
+        "pair_forwards": config.schedule.pair_forwards,  # ours only (schedule.pair_forwards; torch's lists are its own)
         "micro_batch_size": config.train.micro_batch_size,
         "seq_len": config.model.seq_len,
         "model": {k: getattr(config.model, k) for k in ("hidden", "n_layers", "n_dense", "n_experts", "top_k", "moe_hidden", "dtype")},

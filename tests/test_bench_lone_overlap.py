@@ -1,5 +1,5 @@
-"""benchmarks/lone_overlap.py: lone F, B, B+ and BW actions over a transport with a fixed latency
-report the share of exchange time they computed through; bad arguments exit 2."""
+"""benchmarks/lone_overlap.py: lone F, B, B+ and BW actions and an F&F pair over a transport with
+a fixed latency report the share of exchange time they computed through; bad arguments exit 2."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ def test_reports_each_lone_action_kind_per_latency(capsys: pytest.CaptureFixture
     report = json.loads(capsys.readouterr().out)
     assert list(report["latency"]) == ["0us", "2000us"]
     for figures in report["latency"].values():
-        for kind in ("F", "B", "B+", "BW", "all"):
+        for kind in ("F", "B", "B+", "BW", "F&F", "all"):
             assert 0.0 <= figures[f"{kind}_hidden_pct"] <= 100.0
-        assert all(figures[f"{kind}_median_ms"] > 0 for kind in ("F", "B", "B+", "BW"))
-    # a B that starts its W's work computes through more of its exchanges than one that does not
+        assert all(figures[f"{kind}_median_ms"] > 0 for kind in ("F", "B", "B+", "BW", "F&F"))
+    # a B that starts its W's work computes through more of its exchanges than one that does
+    # not, and two forwards paired more than one alone
     slow = report["latency"]["2000us"]
     assert slow["B+_hidden_pct"] > slow["B_hidden_pct"]
+    assert slow["F&F_hidden_pct"] > slow["F_hidden_pct"]
     # a 2 ms exchange is not over before anything waits for it: some of it is waited for
     assert report["latency"]["2000us"]["all_hidden_pct"] < 100.0
 

@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from portapipe.config import load_config
-from portapipe.plan.planner import enumerate_setups, microbatch_counts, plan
+from portapipe.plan.planner import _Context, enumerate_setups, evaluate, microbatch_counts, plan
 from portapipe.plan.published import published
-from portapipe.plan.report import best_yaml, parse_bytes
+from portapipe.plan.report import best_yaml, parse_bytes, row
 from portapipe.rules import broken
 from portapipe.setup import Setup
 from portapipe.plan.shape import Shape
@@ -37,6 +37,33 @@ def test_candidates_fill_the_devices_and_keep_the_global_batch(cfg) -> None:
     assert {x.schedule for x in setups} == {"1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev"}
     assert {x.memory_label() for x in setups} >= {"off", "level0", "level1", "recompute moe", "recompute full", "recompute full x1 + level1"}
     assert all(cfg.model.n_experts % x.ep == 0 for x in setups)
+
+
+def test_forwards_in_pairs_are_a_candidate_wherever_pairs_form(cfg, prof) -> None:
+    setups = list(enumerate_setups(Setup.from_config(cfg), 4))
+    paired = [x for x in setups if x.pair_forwards]
+    assert paired and all(x.paired_blocks for x in paired)
+    plain = set(x for x in setups if not x.pair_forwards)
+    assert all(x.replace(pair_forwards=False) in plain for x in paired)  # each beside its twin
+    assert all(x.replace(pair_forwards=True) in set(paired) for x in plain if x.replace(pair_forwards=True).paired_blocks)
+    assert not any(x.ep == 1 for x in paired)  # nothing exchanges at ep 1
+    result = plan(cfg, 4, None, prof, keep=10_000)
+    twins = {}
+    for c in result.ranked:
+        twins.setdefault(c.setup.replace(pair_forwards=False), []).append(c)
+    both = [cs for cs in twins.values() if len(cs) == 2]
+    assert both and all(row(c)["schedule"].endswith(" ff") == c.setup.pair_forwards for cs in both for c in cs)
+    assert all(cs[0].time.step_s != cs[1].time.step_s for cs in both)  # priced apart: the pairs change the time
+    # the planner drops the twin of a dropped setup unevaluated: pairs change no peak of the memory model
+    ctx = _Context(prof, lambda ep: 1.0)
+    for x in paired:
+        a, b = evaluate(x.replace(pair_forwards=False), 8 * 2**20, ctx), evaluate(x, 8 * 2**20, ctx)
+        if a.memory is not None and b.memory is not None:
+            assert a.memory.peak == b.memory.peak and a.kept == b.kept
+    # where no two forwards stand in a row (1F1B and ZB1P on one rank: F BW F BW ...) the twin
+    # asking for pairs is dropped
+    assert result.dropped.get("schedule.pair_forwards", 0) > 0
+    assert not any(c.setup.pair_forwards and c.setup.pp == 1 and c.setup.schedule in ("1f1b", "zb1p") for c in result.ranked)
 
 
 def test_microbatch_counts_double_from_the_least_and_keep_the_users() -> None:

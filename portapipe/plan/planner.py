@@ -111,7 +111,8 @@ def _least_microbatches(name: str, pp: int) -> int:
 
 
 def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
-    """Every layout, schedule, micro-batch count and memory option for ``devices`` that keeps the user's global batch."""
+    """Every layout, schedule, micro-batch count and memory option for ``devices`` that keeps the
+    user's global batch; each with and without F&F pairs where pairs form (``schedule.pair_forwards``)."""
     g = user.global_batch
     m = user.model
     moe = m.n_layers > m.n_dense
@@ -129,12 +130,16 @@ def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
                 for v in chunks if name == "interleaved" else (2,):  # the default: other schedules refuse another value
                     for mb in microbatch_counts(share, _least_microbatches(name, pp), user.microbatches):
                         for opt in options:
-                            yield user.replace(
+                            x = user.replace(
                                 pp=pp, ep=ep, dp=dp, world_size=None, schedule=name, chunks=v, microbatches=mb,
                                 micro_batch_size=share // mb, zero_memory=opt.get("zero_memory", "off"),
                                 zero_memory_layers=None, recompute=opt.get("recompute", "none"),
-                                recompute_layers=opt.get("recompute_layers"),
+                                recompute_layers=opt.get("recompute_layers"), pair_forwards=False,
                             )
+                            yield x
+                            paired = x.replace(pair_forwards=True)
+                            if paired.paired_blocks:  # F&F pairs change something: both are candidates
+                                yield paired
 
 
 class _Context:
@@ -148,6 +153,7 @@ class _Context:
         self._times: dict[tuple, dict] = {}
         self._counts: dict[int, list[list[tuple[Any, int]]]] = {}
         self._early: dict[int, frozenset[tuple[int, int]]] = {}  # id of a kept schedule -> its early Bs
+        self._paired: dict[int, bool] = {}  # id of a kept schedule -> whether it runs F&F pairs
         self.walks: dict = {}  # the memory model's compiled action lists, by (schedule, rank)
         self._specs: dict[tuple, list[StageSpec]] = {}
 
@@ -171,6 +177,12 @@ class _Context:
             except (ValueError, TypeError) as exc:
                 self._schedules[key] = f"schedule: {exc}"
         return self._schedules[key]
+
+    def has_pairs(self, sched: Schedule) -> bool:
+        """Whether ``sched`` runs an F&F pair (kept schedules only: keyed by id)."""
+        if id(sched) not in self._paired:
+            self._paired[id(sched)] = any(a.pair is not None and not a.fb_pair for acts in sched.actions for a in acts)
+        return self._paired[id(sched)]
 
     def placement(self, x: Setup) -> Schedule | str:
         """A schedule with the fewest micro-batches: which blocks each rank holds."""
@@ -216,6 +228,11 @@ class _Context:
         return worst
 
 
+def _twin(c: Candidate, paired: Setup) -> bool:
+    """Whether ``c`` was made from ``paired``'s setup without F&F pairs (its zero stage aside)."""
+    return c.setup.replace(zero_stage=paired.zero_stage) == paired.replace(pair_forwards=False)
+
+
 def _reason(line: str) -> str:
     """A problem line without its values, to count candidates per reason."""
     return line.split(":")[0]
@@ -223,7 +240,9 @@ def _reason(line: str) -> str:
 
 def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: bool = True) -> Candidate:
     """Rules, then memory (parameters first, then the schedule's activations; with ``search_zero``
-    the least zero_stage from the setup's that fits); a time bound. The time itself is left to :func:`plan`."""
+    the least zero_stage from the setup's that fits); a time bound. The time itself is left to
+    :func:`plan`. With ``search_zero`` (a setup the planner made, not the user's own) one asking
+    for F&F pairs where none form is dropped: it is its twin without them."""
     c = Candidate(x)
     for _rule, lines in broken(x, PLANNED):  # the model, train and backend rules hold for every candidate
         c.problems += lines
@@ -238,6 +257,9 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: b
         c.problems.append(built)
         return c
     sched, lists = built
+    if search_zero and x.pair_forwards and not ctx.has_pairs(sched):
+        c.problems.append("schedule.pair_forwards: no two forwards in a row pair in this schedule")
+        return c
     # zero_stage: the least sharding of the optimizer (and then the gradients) that fits the budget
     searched = search_zero and memory_bytes is not None and x.dp * x.ep > 1
     stages = [z for z in (0, 1, 2) if z >= x.zero_stage] if searched else [x.zero_stage]
@@ -302,8 +324,15 @@ def plan(
     kept: list[Candidate] = []
     dropped: dict[str, int] = {}
     user_c: Candidate | None = None
+    last: Candidate | None = None
     for i, x in enumerate(setups):
-        c = evaluate(x, memory_bytes, ctx, search_zero=x != user)  # the user's own setup is judged as it is
+        if x.pair_forwards and x != user and last is not None and not last.kept and _twin(last, x):
+            # F&F pairs change no rule, no parameter and no peak of the memory model (two forwards
+            # paired hold what they hold in turn): the twin of a dropped setup is dropped alike
+            c = Candidate(x, problems=list(last.problems))
+        else:
+            c = evaluate(x, memory_bytes, ctx, search_zero=x != user)  # the user's own setup is judged as it is
+        last = c
         if x == user:
             user_c = c
         if c.kept:
