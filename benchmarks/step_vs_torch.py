@@ -15,7 +15,8 @@ Before timing, one step of each on the same data checks the three are the same c
 hits all of them alike; every step starts at a barrier and its time is the slowest rank's.
 Prints one JSON object: the median step time of each, torch / ours, and the share of
 all-to-all time hidden behind compute over the step, in the steady phase (the F&B pairs) and at
-the edges (the lone F, B and BW actions: warm-up, cool-down, and all of 1F1B), each rank's
+the edges (the lone F, B and BW actions: warm-up, cool-down, and all of 1F1B; and F&F pairs),
+the same for the routing's small exchanges of row counts (``counts_*``, apart from the rows'), each rank's
 median processor time per step (all of its threads: with more ranks than cores the step is
 bound by it), with the machine's load average before and after.
 
@@ -208,7 +209,7 @@ def bench_rank(
 
     times: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}  # this rank's processor time per step
-    a2a: dict[str, list[float]] = {k: [0.0] * 4 for k in variants if not k.endswith("/torch")}
+    a2a: dict[str, list[float]] = {k: [0.0] * 6 for k in variants if not k.endswith("/torch")}
     bubble: dict[str, list[float]] = {k: [] for k in a2a}
     timed_times: dict[str, list[float]] = {k: [] for k in a2a}  # ours' steps with timed exchanges
     plan = [False] * warmup + timing_steps(steps, a2a_every)
@@ -226,7 +227,7 @@ def bench_rank(
                 continue
             if key in a2a and timing:
                 t = result.timings
-                sums = _all_sum([t["fb_a2a_total_s"], t["fb_a2a_wait_s"], t["a2a_total_s"], t["a2a_wait_s"]])
+                sums = _all_sum([t[k] for k in ("fb_a2a_total_s", "fb_a2a_wait_s", "a2a_total_s", "a2a_wait_s", "counts_a2a_total_s", "counts_a2a_wait_s")])
                 a2a[key] = [x + y for x, y in zip(a2a[key], sums)]
                 timed_times[key].append(slowest)
             if timing and a2a_every:
@@ -250,9 +251,10 @@ def bench_rank(
         med = {k.split("/")[1]: statistics.median(times[k]) for k in times if k.startswith(name + "/")}
         proc = {k.split("/")[1]: v for k, v in per_rank.items() if k.startswith(name + "/")}
         # the edges: every exchange outside the F&B pairs (the executor's edge_a2a_* timings)
-        fb_total, fb_wait, total, wait = a2a[f"{name}/ours"]
+        fb_total, fb_wait, total, wait, counts_total, counts_wait = a2a[f"{name}/ours"]
         edge_total, edge_wait = total - fb_total, wait - fb_wait
-        nfb_total, nfb_wait, ntotal, nwait = a2a[f"{name}/ours_no_overlap"]
+        nfb_total, nfb_wait, ntotal, nwait, _, _ = a2a[f"{name}/ours_no_overlap"]
+        n_timed = max(1, len(timed_times[f"{name}/ours"]))
         nedge_total, nedge_wait = ntotal - nfb_total, nwait - nfb_wait
         med_timed = statistics.median(timed_times[f"{name}/ours"])
         out[name] = {
@@ -263,6 +265,9 @@ def bench_rank(
             "a2a_hidden_steady_pct": hidden(fb_total, fb_wait),
             "a2a_hidden_step_pct": hidden(total, wait),
             "a2a_hidden_edges_pct": hidden(edge_total, edge_wait),
+            # the routing's exchanges of row counts, which the three above leave out, and all together
+            "counts_a2a_hidden_pct": hidden(counts_total, counts_wait),
+            "a2a_hidden_step_pct_with_counts": hidden(total + counts_total, wait + counts_wait),
             "ours_over_torch": round(med["ours"] / med["torch"], 3),
             "a2a_hidden_steady_pct_no_overlap": hidden(nfb_total, nfb_wait),
             "a2a_hidden_step_pct_no_overlap": hidden(ntotal, nwait),
@@ -272,8 +277,10 @@ def bench_rank(
             "processor_ours_over_torch": round(sum(proc["ours"]) / sum(proc["torch"]), 3),
             "a2a_timing_steps": len(timed_times[f"{name}/ours"]),
             # per rank and timing step: all-to-all time (issue to done) and the part spent blocked
-            "a2a_total_ms_per_step": round(1000.0 * total / world / max(1, len(timed_times[f"{name}/ours"])), 2),
-            "a2a_wait_ms_per_step": round(1000.0 * wait / world / max(1, len(timed_times[f"{name}/ours"])), 2),
+            "a2a_total_ms_per_step": round(1000.0 * total / world / n_timed, 2),
+            "a2a_wait_ms_per_step": round(1000.0 * wait / world / n_timed, 2),
+            "counts_a2a_total_ms_per_step": round(1000.0 * counts_total / world / n_timed, 2),
+            "counts_a2a_wait_ms_per_step": round(1000.0 * counts_wait / world / n_timed, 2),
             "same_computation": check[name],
         }
     return out

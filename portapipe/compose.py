@@ -70,6 +70,7 @@ class PipelineRuntime(PipelineExecutor):
         super().__init__(
             s, blocks, backend, groups,
             boundary=boundary, overlap=config.schedule.overlap, exchange_stats=self.ep.stats, end_step=model_end_step,
+            counts_stats=self.ep.counts_stats,
         )
         if self.balancer is not None:
             self.balancer.attach(self.moe_layers())

@@ -71,6 +71,10 @@ class StepStats:
     rank_balancedness: float | None = None
     #: gradient synchronisation left after the last action (the largest over ranks), seconds
     grad_sync_exposed_s: float = 0.0
+    #: over the rest: lone actions (warm-up, cool-down, 1F1B and ZB1P) and F&F pairs
+    a2a_hidden_edges_frac: float | None = None
+    #: over the exchanges of row counts that precede the rows' (not in the three above)
+    counts_a2a_hidden_frac: float | None = None
 
 
 @dataclass
@@ -103,6 +107,8 @@ class Figures:
     bubble: list[float] = field(default_factory=list)
     hidden: list[float] = field(default_factory=list)
     hidden_steady: list[float] = field(default_factory=list)
+    hidden_edges: list[float] = field(default_factory=list)
+    hidden_counts: list[float] = field(default_factory=list)
     ep_wait: list[float] = field(default_factory=list)
     grad_sync_exposed: list[float] = field(default_factory=list)
 
@@ -116,6 +122,10 @@ class Figures:
             self.hidden.append(stats.a2a_hidden_frac)
         if stats.a2a_hidden_steady_frac is not None:
             self.hidden_steady.append(stats.a2a_hidden_steady_frac)
+        if stats.a2a_hidden_edges_frac is not None:
+            self.hidden_edges.append(stats.a2a_hidden_edges_frac)
+        if stats.counts_a2a_hidden_frac is not None:
+            self.hidden_counts.append(stats.counts_a2a_hidden_frac)
 
     def medians(self) -> dict[str, float | None]:
         def med(xs: list[float]) -> float | None:
@@ -126,6 +136,8 @@ class Figures:
             "bubble_pct": percent(med(self.bubble)),
             "a2a_hidden_pct": percent(med(self.hidden)),
             "a2a_hidden_steady_pct": percent(med(self.hidden_steady)),
+            "a2a_hidden_edges_pct": percent(med(self.hidden_edges)),
+            "counts_a2a_hidden_pct": percent(med(self.hidden_counts)),
             "ep_wait_pct": percent(med(self.ep_wait)),
             "median_grad_sync_exposed_s": med(self.grad_sync_exposed),
         }
@@ -194,24 +206,32 @@ def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any, ep: tuple
     wait share is the summed wait over the summed step time (the mean over ranks), the rank
     balancedness the mean over every rank's MoE layers.
     """
-    keys = ("step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s", "grad_sync_exposed_s")
+    keys = (
+        "step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s", "grad_sync_exposed_s",
+        "edge_a2a_total_s", "edge_a2a_wait_s", "counts_a2a_total_s", "counts_a2a_wait_s",
+    )
     local = torch.tensor([grad_sq_owned, *(timing(result, k) for k in keys), *ep], dtype=torch.float64)
     world = torch.distributed.get_world_size()
     parts = [torch.empty_like(local) for _ in range(world)]
     backend.all_gather(parts, local)
     table = torch.stack(parts)
+    col = {k: i + 1 for i, k in enumerate(keys)}
+    wait, balanced, layers = (len(keys) + 1 + i for i in range(3))  # ep_step_figures' columns
 
-    def hidden(total_col: int, wait_col: int) -> float | None:
-        total, wait = float(table[:, total_col].sum()), float(table[:, wait_col].sum())
-        return None if total <= 0 else max(0.0, min(1.0, 1.0 - wait / total))
+    def hidden(prefix: str) -> float | None:
+        total, waited = float(table[:, col[prefix + "a2a_total_s"]].sum()), float(table[:, col[prefix + "a2a_wait_s"]].sum())
+        return None if total <= 0 else max(0.0, min(1.0, 1.0 - waited / total))
 
+    step_sum, n_layers = float(table[:, col["step_s"]].sum()), float(table[:, layers].sum())
     return StepStats(
         grad_norm=math.sqrt(float(table[:, 0].sum())),
-        step_s=float(table[:, 1].max()),
-        bubble_frac=float(table[:, 2].max()),
-        a2a_hidden_frac=hidden(3, 4),
-        a2a_hidden_steady_frac=hidden(5, 6),
-        grad_sync_exposed_s=float(table[:, 7].max()),
-        ep_wait_frac=float(table[:, 8].sum() / table[:, 1].sum()) if table[:, 10].sum() > 0 and table[:, 1].sum() > 0 else None,
-        rank_balancedness=float(table[:, 9].sum() / table[:, 10].sum()) if table[:, 10].sum() > 0 else None,
+        step_s=float(table[:, col["step_s"]].max()),
+        bubble_frac=float(table[:, col["bubble_frac"]].max()),
+        a2a_hidden_frac=hidden(""),
+        a2a_hidden_steady_frac=hidden("fb_"),
+        grad_sync_exposed_s=float(table[:, col["grad_sync_exposed_s"]].max()),
+        ep_wait_frac=float(table[:, wait].sum()) / step_sum if n_layers > 0 and step_sum > 0 else None,
+        rank_balancedness=float(table[:, balanced].sum()) / n_layers if n_layers > 0 else None,
+        a2a_hidden_edges_frac=hidden("edge_"),
+        counts_a2a_hidden_frac=hidden("counts_"),
     )

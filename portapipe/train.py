@@ -351,6 +351,8 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
         "bubble_pct": 100.0 * stats.bubble_frac,
         "a2a_hidden_pct": percent(stats.a2a_hidden_frac),
         "a2a_hidden_steady_pct": percent(stats.a2a_hidden_steady_frac),
+        "a2a_hidden_edges_pct": percent(stats.a2a_hidden_edges_frac),
+        "counts_a2a_hidden_pct": percent(stats.counts_a2a_hidden_frac),
         "ep_wait_frac": stats.ep_wait_frac,
         "rank_balancedness": stats.rank_balancedness,
         "grad_sync_exposed_s": stats.grad_sync_exposed_s,

@@ -35,6 +35,8 @@ def test_step_vs_torch_runs_and_ours_and_torchs_pipelines_agree() -> None:
         # one step timing the exchanges follows the timed step; its time is reported apart
         assert report[schedule]["a2a_timing_steps"] == 1 and report[schedule]["median_step_s"]["ours_exchanges_timed"] > 0
         assert report[schedule]["a2a_wait_ms_per_step"] == report[schedule]["a2a_total_ms_per_step"] == 0.0  # ep 1: no exchange
+        assert report[schedule]["counts_a2a_total_ms_per_step"] == 0.0 and report[schedule]["counts_a2a_hidden_pct"] is None
+    assert report["pair_forwards"] is False
 
 
 @pytest.mark.parametrize("steps, warmup", [("0", "1"), ("-1", "1"), ("2", "-1")])

@@ -50,13 +50,15 @@ def test_completion_is_taken_only_while_the_stats_are_timed(timed: bool) -> None
 
 def test_step_timings_of_an_untimed_step_give_waits_and_no_totals() -> None:
     step, fb = A2AStats(total_s=4.0, wait_s=1.0), A2AStats(total_s=3.0, wait_s=0.25)
-    got = a2a_timings(step, fb)
+    counts = A2AStats(total_s=0.5, wait_s=0.4)
+    got = a2a_timings(step, fb, counts)
     assert got["a2a_hidden_frac"] == 0.75 and got["fb_a2a_hidden_frac"] == pytest.approx(1 - 0.25 / 3)
     assert got["edge_a2a_total_s"] == 1.0 and got["edge_a2a_wait_s"] == 0.75 and got["edge_a2a_hidden_frac"] == 0.25
+    assert got["counts_a2a_total_s"] == 0.5 and got["counts_a2a_hidden_frac"] == pytest.approx(0.2)  # apart from the rows'
     step.timed = False
-    got = a2a_timings(step, fb)
-    assert [got[f"{p}a2a_wait_s"] for p in ("", "fb_", "edge_")] == [1.0, 0.25, 0.75]
-    assert all(got[f"{p}a2a_{k}"] is None for p in ("", "fb_", "edge_") for k in ("total_s", "hidden_frac"))
+    got = a2a_timings(step, fb, counts)
+    assert [got[f"{p}a2a_wait_s"] for p in ("", "fb_", "edge_", "counts_")] == [1.0, 0.25, 0.75, 0.4]
+    assert all(got[f"{p}a2a_{k}"] is None for p in ("", "fb_", "edge_", "counts_") for k in ("total_s", "hidden_frac"))
 
 
 def test_step_vs_torch_times_exchanges_on_one_step_after_every_n() -> None:

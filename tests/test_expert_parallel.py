@@ -209,6 +209,8 @@ def test_the_receiving_side_of_a_plan_waits_for_the_counts_when_first_read() -> 
     assert plan.recv_splits == [5, 5] and plan.offs.tolist() == [3, 5, 8, 10]
     assert plan.remote_offs.tolist() == [3, 5] and plan.remote_tile_rows == [5]
     assert backend.log == ["issue", "wait"]
+    # its time is the counts' own, apart from the rows' exchanges (the executor's counts_a2a_*)
+    assert ep.counts_stats.count == 1 and ep.stats.count == 0
 
 
 def test_the_moe_program_yields_while_the_counts_travel_before_any_rows_do() -> None:

@@ -149,6 +149,8 @@ def test_training_on_4_ranks_learns_logs_checkpoints_and_resumes_exactly(tmp_pat
     for m in train_lines:
         assert m["tokens"] == 4 * 2 * 32 * 2 and m["tokens_per_s"] > 0 and m["step_s"] > 0
         assert 0 <= m["bubble_pct"] <= 100 and 0 <= m["a2a_hidden_pct"] <= 100
+        # DualPipeV at ep 2: the steady pairs, the edges and the routing's row counts each exchanged
+        assert all(0 <= m[k] <= 100 for k in ("a2a_hidden_steady_pct", "a2a_hidden_edges_pct", "counts_a2a_hidden_pct"))
         assert m["grad_norm"] > 0
     assert [m["lr"] for m in train_lines] == pytest.approx([1e-2, 1e-2, 5.5e-3, 1e-3])
     assert r0["full_metrics"][-1]["kind"] == "summary" and full["val_loss"] is not None

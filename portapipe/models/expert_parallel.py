@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..scheduling.exchange import ExchangeGroup, Pending
+from ..scheduling.exchange import A2AStats, ExchangeGroup, Pending
 
 
 @dataclass
@@ -41,6 +41,9 @@ class ExpertParallel(ExchangeGroup):
     #: the expert balancer (portapipe.balancing.runtime.ExpertBalancer) when balancer.kind is not
     #: none: it places logical experts in physical slots and routes tokens to them
     balancer: Any = None
+    #: the time of the exchanges of row counts that precede each dispatch (:func:`plan_dispatch`),
+    #: apart from the rows' (``stats``): the executor reports them as ``counts_a2a_*``
+    counts_stats: A2AStats = field(default_factory=A2AStats)
 
     def local_experts(self, n_experts: int) -> int:
         if n_experts % self.size:
@@ -152,7 +155,7 @@ def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) ->
     pending = None
     if ep.size > 1:
         got = torch.empty_like(counts)
-        pending = Pending(got, ep.backend.all_to_all_single(got, counts, group=ep.group, async_op=True), None)
+        pending = Pending(got, ep.backend.all_to_all_single(got, counts, group=ep.group, async_op=True), ep.counts_stats)
     me = ep.rank
     start = sum(send_splits[:me])
     end = start + send_splits[me]

@@ -67,7 +67,9 @@ class StepResult:
     time from issue to completion, ``a2a_wait_s`` the part spent blocked on it,
     ``a2a_hidden_frac`` = 1 - wait / total; ``fb_a2a_*`` the same for the exchanges inside F&B
     pairs (the steady phase), ``edge_a2a_*`` for the rest: lone F, B and BW actions (warm-up,
-    cool-down, and every action of 1F1B and ZB1P) and F&F pairs (``schedule.pair_forwards``); on a step run with the executor's
+    cool-down, and every action of 1F1B and ZB1P) and F&F pairs (``schedule.pair_forwards``);
+    ``counts_a2a_*`` the same for the small exchanges of row counts that precede the rows'
+    (a router's, given as the executor's ``counts_stats``; zeros and None without them); on a step run with the executor's
     ``time_exchanges`` off the totals and hidden shares are None (only the waits were taken);
     ``peak_activations`` the most micro-batches whose activations were held at once. The
     expert fields come from the model's ``end_step`` hook (None / empty without one):
@@ -124,7 +126,9 @@ class PipelineExecutor:
     ``stages`` maps each model block this rank's schedule places here to its stage (already on
     the backend's device). ``exchange_stats``: where the stages' exchanges record their time
     (reported in the timings); ``end_step``: see :data:`EndStep`; ``grad_sync``: see
-    :class:`GradSync` (None: the blocking reduction after the list). ``grad_scale`` multiplies
+    :class:`GradSync` (None: the blocking reduction after the list). ``counts_stats``: where the
+    stages' exchanges of row counts record their time, reported apart from the rows' (portapipe's
+    routing: :attr:`~portapipe.models.expert_parallel.ExpertParallel.counts_stats`). ``grad_scale`` multiplies
     every backward's seed (a loss scale). ``time_exchanges`` (an attribute a caller may flip
     between steps): take each exchange's completion time, for the all-to-all totals and hidden
     shares of the step's timings; off, a step saves a callback per exchange on the
@@ -144,6 +148,7 @@ class PipelineExecutor:
         end_step: EndStep | None = None,
         grad_sync: GradSync | None = None,
         time_exchanges: bool = True,
+        counts_stats: A2AStats | None = None,
     ) -> None:
         self.backend, self.groups = backend, groups
         self.schedule = s = placed(schedule, groups)
@@ -152,6 +157,7 @@ class PipelineExecutor:
         self.boundary = boundary
         self.overlap = overlap
         self.exchange_stats = A2AStats() if exchange_stats is None else exchange_stats
+        self.counts_stats = A2AStats() if counts_stats is None else counts_stats
         self.end_step = end_step
         self.grad_sync = grad_sync
         self.time_exchanges = time_exchanges
@@ -193,9 +199,9 @@ class PipelineExecutor:
         else:
             for p in self.parameters():
                 p.grad = None
-        self.exchange_stats.reset()
-        self.fb_stats.reset()
-        self.exchange_stats.timed = self.time_exchanges
+        for st in (self.exchange_stats, self.fb_stats, self.counts_stats):
+            st.reset()
+        self.exchange_stats.timed = self.counts_stats.timed = self.time_exchanges
         run_ = StepRun(self, microbatches)
         t0 = time.perf_counter()
         run_.execute()
@@ -212,7 +218,7 @@ class PipelineExecutor:
             "compute_s": run_.compute_s,
             "p2p_wait_s": run_.p2p_wait_s,
             "bubble_frac": max(0.0, 1.0 - run_.compute_s / step_s) if step_s > 0 else 0.0,
-            **a2a_timings(self.exchange_stats, self.fb_stats),
+            **a2a_timings(self.exchange_stats, self.fb_stats, self.counts_stats),
             "peak_activations": float(run_.peak_activations),
             "grad_sync_exposed_s": self.grad_sync.exposed_s if self.grad_sync is not None else 0.0,
             "grad_sync_s": self.grad_sync.sync_s if self.grad_sync is not None else 0.0,
@@ -286,12 +292,13 @@ class PipelineExecutor:
         self.backend.all_gather(out, vec, group=g.replica_group)
         return [t.tolist() for t in out]
 
-def a2a_timings(step: A2AStats, fb: A2AStats) -> dict[str, float | None]:
-    """The step's all-to-all fields: whole step, F&B pairs (``fb_``), the rest (``edge_``).
-    Totals and hidden shares are None when the step's exchanges were not timed."""
+def a2a_timings(step: A2AStats, fb: A2AStats, counts: A2AStats) -> dict[str, float | None]:
+    """The step's all-to-all fields: whole step, F&B pairs (``fb_``), the rest (``edge_``), and
+    the exchanges of row counts (``counts_``, not in the others). Totals and hidden shares are
+    None when the step's exchanges were not timed."""
     edge = A2AStats(step.total_s - fb.total_s, step.wait_s - fb.wait_s)
     out: dict[str, float | None] = {}
-    for prefix, st in (("", step), ("fb_", fb), ("edge_", edge)):
+    for prefix, st in (("", step), ("fb_", fb), ("edge_", edge), ("counts_", counts)):
         out[f"{prefix}a2a_total_s"] = st.total_s if step.timed else None
         out[f"{prefix}a2a_wait_s"] = st.wait_s
         out[f"{prefix}a2a_hidden_frac"] = st.hidden_frac if step.timed else None
