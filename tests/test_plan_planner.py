@@ -54,6 +54,11 @@ def test_forwards_in_pairs_are_a_candidate_wherever_pairs_form(cfg, prof) -> Non
     both = [cs for cs in twins.values() if len(cs) == 2]
     assert both and all(row(c)["schedule"].endswith(" ff") == c.setup.pair_forwards for cs in both for c in cs)
     assert all(cs[0].time.step_s != cs[1].time.step_s for cs in both)  # priced apart: the pairs change the time
+    # the table says "ff" only where forwards pair: asked for at ep 1 nothing exchanges
+    from portapipe.plan.planner import Candidate
+
+    asked = Setup.from_config(load_config(EXAMPLE, ["schedule.pair_forwards=true", "parallel.ep=1", "parallel.dp=2"]))
+    assert not row(Candidate(asked))["schedule"].endswith("ff") and row(Candidate(paired[0]))["schedule"].endswith(" ff")
     # the planner drops the twin of a dropped setup unevaluated: pairs change no peak of the memory model
     ctx = _Context(prof, lambda ep: 1.0)
     for x in paired:

@@ -31,8 +31,9 @@ def parse_bytes(text: str) -> float:
 def row(c: Candidate) -> dict[str, Any]:
     x, t, m = c.setup, c.time, c.memory
     out: dict[str, Any] = {
-        "schedule": x.schedule + (f" v{x.chunks}" if x.schedule == "interleaved" else "") + (" ff" if x.pair_forwards else ""),
-        "pair_forwards": x.pair_forwards,
+        # "ff": forwards run as F&F pairs (asked for, with blocks whose forwards exchange rows)
+        "schedule": x.schedule + (f" v{x.chunks}" if x.schedule == "interleaved" else "") + (" ff" if x.paired_blocks else ""),
+        "pair_forwards": bool(x.paired_blocks),
         "layout": f"{x.pp}x{x.ep}x{x.dp}",
         "pp": x.pp, "ep": x.ep, "dp": x.dp, "microbatches": x.microbatches, "micro_batch_size": x.micro_batch_size,
         "memory_option": x.memory_label(),
