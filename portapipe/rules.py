@@ -232,7 +232,8 @@ def _model_dtype(x: Setup) -> list[str]:
 def _overlap_needs_pairs(x: Setup) -> list[str]:
     return _one(
         x.ep > 1 and x.overlap and x.schedule in ("1f1b", "zb1p"),
-        f"schedule.overlap: {x.schedule} has no F&B pairs, so the all-to-all is hidden only by the shared expert",
+        f"schedule.overlap: {x.schedule} has no F&B pairs, so the all-to-all is hidden only by the shared expert"
+        + (" and the F&F pairs of its forwards in a row" if x.paired_blocks else ""),
     )
 
 
