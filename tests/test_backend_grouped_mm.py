@@ -130,6 +130,17 @@ def test_cpu_backend_zeroes_rows_past_the_last_offset(monkeypatch) -> None:
     torch.testing.assert_close(out, grouped_mm_reference(a, b, offs))
 
 
+def test_rows_past_the_last_offset_get_a_zero_gradient_and_full_groups_are_not_copied() -> None:
+    from portapipe.backends.grouped_mm import cut_rows_past_end
+
+    a, b, offs = _short_offs_case(torch.float32)
+    a.requires_grad_(True)
+    CPUBackend().grouped_mm(a, b, offs).sum().backward()
+    assert torch.equal(a.grad[9:], torch.zeros(3, 16)) and a.grad[:9].abs().sum() > 0
+    full = torch.tensor([2, 2, 12])  # every row in a group: nothing to cut, no copy
+    assert cut_rows_past_end(a, full) is a and cut_rows_past_end(a, offs) is not a
+
+
 def test_cuda_backend_zeroes_rows_past_the_last_offset(monkeypatch) -> None:
     monkeypatch.setattr(F, "grouped_mm", _unwritten_tail(F.grouped_mm))
     be = CUDABackend()

@@ -102,9 +102,12 @@ def cut_rows_past_end(a: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
     torch's fused grouped_mm leaves those rows of the *input gradient* unwritten (whatever the
     allocator held; seen on the CPU with torch 2.13), where the reference gives zeros. Done on
-    the device (no host sync), and only where a gradient is wanted.
+    the device (no host sync), and only where a gradient is wanted; with the offsets on the host
+    (the CPU) ``a`` itself, uncopied, when every row is in a group (a dispatch's rows always are).
     """
     if not a.requires_grad or offs.numel() == 0:
+        return a
+    if offs.device.type == "cpu" and int(offs[-1]) >= a.shape[0]:
         return a
     tail = torch.arange(a.shape[0], device=a.device) >= offs[-1].to(a.device)
     return a.masked_fill(tail.unsqueeze(1), 0)
