@@ -57,7 +57,7 @@ EXPERT_PARAMS = ("gate_up", "down")
 
 def moe_layer_indices(model: Any, blocks: list[int], n_blocks: int) -> list[int]:
     """Global indices of the MoE layers in ``blocks`` (sorted): the rows of ``StepResult.expert_counts``."""
-    from ..models.moe import layer_range
+    from ..setup import layer_range
 
     out = []
     for b in blocks:

@@ -123,7 +123,7 @@ def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, 
     """Gradients accumulate in the master dtype (``em`` bytes); zero_stage 1 shards the master
     weights and AdamW's moments, 2 the gradients too, over dp x ep (shared) or dp (experts).
     The parameters are the master weights when the model computes in the master dtype (no copy)."""
-    from ..models.moe import layer_range
+    from ..setup import layer_range
 
     mem = RankMemory()
     elements = experts = 0

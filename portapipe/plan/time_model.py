@@ -396,7 +396,7 @@ def _block_count(setup: Any, s: Shape, block: int, n_blocks: int) -> Any:
 
 @functools.lru_cache(maxsize=4096)
 def _block_params(s: Shape, block: int, n_blocks: int, local_slots: int) -> Any:
-    from ..models.moe import layer_range
+    from ..setup import layer_range
 
     first, last = layer_range(s.n_layers, n_blocks, block)
     return block_params(s, range(first, last), block == 0, block == n_blocks - 1, local_slots)

@@ -327,10 +327,10 @@ def pair_forwards(schedule: Schedule, blocks: Collection[int]) -> Schedule:
     def lone_forward(a: Action) -> bool:
         return a.kind is F and exchanging[a.stage]
 
-    kept: list[set[int]] = [set() for _ in schedule.actions]  # positions whose pair is refused
+    refused_at: list[set[int]] = [set() for _ in schedule.actions]  # per rank: forwards not to pair
     while True:
         actions = []
-        for acts, refused in zip(schedule.actions, kept):
+        for acts, refused in zip(schedule.actions, refused_at):
             out: list[Action] = []
             i = 0
             while i < len(acts):
@@ -357,7 +357,7 @@ def pair_forwards(schedule: Schedule, blocks: Collection[int]) -> Schedule:
         if not new:
             return schedule
         for r, first in new:
-            kept[r].add(schedule.actions[r].index(first))
+            refused_at[r].add(schedule.actions[r].index(first))
 
 
 def without_w_split(schedule: Schedule) -> Schedule:
