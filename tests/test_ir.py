@@ -44,6 +44,7 @@ def test_an_f_and_f_pair_round_trips_and_is_not_an_f_and_b_pair() -> None:
     ff = parse_action("(2F0;1F1)")
     assert ff == fb(Action(Kind.F, 2, 0), Action(Kind.F, 1, 1)) and str(ff) == "(2F0;1F1)"
     assert not ff.fb_pair and parse_action("(2F0;1BW1)").fb_pair and not Action(Kind.F, 0, 0).fb_pair
+    assert ff.ff_pair and not parse_action("(2F0;1BW1)").ff_pair and not Action(Kind.F, 0, 0).ff_pair
 
 
 @pytest.mark.parametrize(

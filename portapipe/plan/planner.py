@@ -181,7 +181,7 @@ class _Context:
     def has_pairs(self, sched: Schedule) -> bool:
         """Whether ``sched`` runs an F&F pair (kept schedules only: keyed by id)."""
         if id(sched) not in self._paired:
-            self._paired[id(sched)] = any(a.pair is not None and not a.fb_pair for acts in sched.actions for a in acts)
+            self._paired[id(sched)] = any(a.ff_pair for acts in sched.actions for a in acts)
         return self._paired[id(sched)]
 
     def placement(self, x: Setup) -> Schedule | str:

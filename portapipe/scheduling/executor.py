@@ -69,8 +69,8 @@ class StepResult:
     pairs (the steady phase), ``edge_a2a_*`` for the rest: lone F, B and BW actions (warm-up,
     cool-down, and every action of 1F1B and ZB1P) and F&F pairs (``schedule.pair_forwards``);
     ``counts_a2a_*`` the same for the small exchanges of row counts that precede the rows'
-    (a router's, given as the executor's ``counts_stats``; zeros and None without them); on a step run with the executor's
-    ``time_exchanges`` off the totals and hidden shares are None (only the waits were taken);
+    (a router's, given as the executor's ``counts_stats``; zeros and None without them); on a
+    step run with the executor's ``time_exchanges`` off the totals and hidden shares are None (only the waits were taken);
     ``peak_activations`` the most micro-batches whose activations were held at once. The
     expert fields come from the model's ``end_step`` hook (None / empty without one):
     ``expert_counts[i, e]``: rows routed to logical expert e of MoE layer ``expert_layers[i]``
@@ -128,8 +128,8 @@ class PipelineExecutor:
     (reported in the timings); ``end_step``: see :data:`EndStep`; ``grad_sync``: see
     :class:`GradSync` (None: the blocking reduction after the list). ``counts_stats``: where the
     stages' exchanges of row counts record their time, reported apart from the rows' (portapipe's
-    routing: :attr:`~portapipe.models.expert_parallel.ExpertParallel.counts_stats`). ``grad_scale`` multiplies
-    every backward's seed (a loss scale). ``time_exchanges`` (an attribute a caller may flip
+    routing: :attr:`~portapipe.models.expert_parallel.ExpertParallel.counts_stats`).
+    ``grad_scale`` multiplies every backward's seed (a loss scale). ``time_exchanges`` (an attribute a caller may flip
     between steps): take each exchange's completion time, for the all-to-all totals and hidden
     shares of the step's timings; off, a step saves a callback per exchange on the
     communication thread and reports only the time blocked on exchanges.

@@ -123,6 +123,11 @@ class Action:
         """An F&B pair (a forward beside another micro-batch's backward), not an F&F pair."""
         return self.pair is not None and self.pair[1].kind is not Kind.F
 
+    @property
+    def ff_pair(self) -> bool:
+        """An F&F pair (two micro-batches' forwards, ``schedule.pair_forwards``)."""
+        return self.pair is not None and self.pair[1].kind is Kind.F
+
     def halves(self) -> tuple[Action, ...]:
         """The compute actions inside: (self,) or the FB pair."""
         return self.pair if self.pair is not None else (self,)

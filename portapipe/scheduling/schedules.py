@@ -353,7 +353,7 @@ def pair_forwards(schedule: Schedule, blocks: Collection[int]) -> Schedule:
         # a rank that stops, stops at one of the new pairs or behind one: refuse the pairs the
         # ranks stop at and pair again (each round refuses one at least, so this ends)
         at = [(r, actions[r][step]) for r, step in stopped]
-        new = [(r, a.pair[0]) for r, a in at if a.pair is not None and a.pair[1].kind is F]
+        new = [(r, a.pair[0]) for r, a in at if a.ff_pair]  # type: ignore[index]
         if not new:
             return schedule
         for r, first in new:
