@@ -18,7 +18,11 @@ all-to-all time hidden behind compute over the step, in the steady phase (the F&
 the edges (the lone F, B and BW actions: warm-up, cool-down, and all of 1F1B; and F&F pairs),
 the same for the routing's small exchanges of row counts (``counts_*``, apart from the rows'), each rank's
 median processor time per step (all of its threads: with more ranks than cores the step is
-bound by it), with the machine's load average before and after.
+bound by it), with the machine's load average before and after. From the processor times comes
+each variant's floor (``processor_floor_s``): the shortest step they allow on this host, all
+ranks' processor time over the cores they share; ours' floor over
+torch's step (``ours_floor_over_torch``) is the lowest ratio any schedule could reach with ours'
+processor time, and ``cores_busy_pct`` how much of the shared cores each variant kept busy.
 
 Taking each exchange's completion time (for the hidden shares) costs processor time on every
 exchange, so ours takes it only on timing steps: after every ``--a2a-every`` timed steps comes
@@ -286,6 +290,24 @@ def bench_rank(
     return out
 
 
+def usable_cores() -> int:
+    """Cores this process (and the ranks it starts) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def processor_floor(result: dict[str, Any], cores: int) -> dict[str, Any]:
+    """The step time the variants' processor times allow on ``cores`` shared cores (all the
+    ranks' threads' work spread over every core with none idle), and how near each came to it."""
+    proc = result["processor_ms_per_step_by_rank"]
+    floor = {k: sum(v) / cores / 1000.0 for k, v in proc.items()}
+    step = result["median_step_s"]
+    return {
+        "processor_floor_s": {k: round(v, 4) for k, v in floor.items()},
+        "ours_floor_over_torch": round(floor["ours"] / step["torch"], 3),
+        "cores_busy_pct": {k: round(100.0 * sum(v) / 1000.0 / (cores * step[k]), 1) for k, v in proc.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="[examples/cpu.yaml]")
@@ -320,10 +342,13 @@ def main(argv: list[str] | None = None) -> int:
         wall_timeout_s=1800,
     )
     r = results[0]
+    cores = usable_cores()
+    for name in schedules:
+        r[name].update(processor_floor(r[name], cores))
     report = {
         "benchmark": "step_vs_torch",
         "machine": {
-            "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "cores_usable": usable_cores(), "platform": platform.platform(), "torch": torch.__version__,
             "load_avg_1m_before": round(load_before[0], 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
         },
         "ranks": config.world_size,

@@ -32,6 +32,13 @@ def test_step_vs_torch_runs_and_ours_and_torchs_pipelines_agree() -> None:
         assert sorted(proc) == ["ours", "ours_no_overlap", "torch"]
         assert all(len(v) == report["ranks"] and min(v) > 0 for v in proc.values()), proc
         assert abs(report[schedule]["processor_ours_over_torch"] - sum(proc["ours"]) / sum(proc["torch"])) < 0.01
+        # the floor: every rank's processor time spread over the host's usable cores
+        cores, floor, step = report["machine"]["cores_usable"], report[schedule]["processor_floor_s"], report[schedule]["median_step_s"]
+        assert cores >= 1 and sorted(floor) == sorted(proc)
+        for k, v in proc.items():
+            assert abs(floor[k] - sum(v) / cores / 1000.0) < 1e-3
+            assert abs(report[schedule]["cores_busy_pct"][k] - 100.0 * floor[k] / step[k]) < 0.5
+        assert abs(report[schedule]["ours_floor_over_torch"] - floor["ours"] / step["torch"]) < 0.01
         # one step timing the exchanges follows the timed step; its time is reported apart
         assert report[schedule]["a2a_timing_steps"] == 1 and report[schedule]["median_step_s"]["ours_exchanges_timed"] > 0
         assert report[schedule]["a2a_wait_ms_per_step"] == report[schedule]["a2a_total_ms_per_step"] == 0.0  # ep 1: no exchange
