@@ -252,6 +252,20 @@ def _pair_forwards_idle(x: Setup) -> list[str]:
     return _one(x.pair_forwards and not x.paired_blocks, f"schedule.pair_forwards: {why}, so no forwards are paired")
 
 
+def _eplb_without_ep(x: Setup) -> list[str]:
+    return _one(
+        x.balancer.kind == "eplb" and x.ep == 1,
+        "balancer.kind: eplb with ep = 1 keeps every expert on the one EP rank: there is no load between ranks to balance",
+    )
+
+
+def _zero_without_replicas(x: Setup) -> list[str]:
+    return _one(
+        x.zero_stage > 0 and x.dp * x.ep == 1,
+        f"train.zero_stage: {x.zero_stage} shards over each weight's replicas, and with dp = ep = 1 every weight has one: nothing is sharded",
+    )
+
+
 def _overlap_without_ep(x: Setup) -> list[str]:
     return _one(x.ep == 1 and x.overlap and _n_moe(x) > 0, "schedule.overlap: with ep = 1 the experts are local: no all-to-all to hide")
 
@@ -283,6 +297,8 @@ RULES: tuple[Rule, ...] = (
     Rule("overlap-needs-pairs", "schedule", "the F&B overlap hides one micro-batch's all-to-all behind another's compute; 1F1B and ZB1P run no pairs", _overlap_needs_pairs, "note"),
     Rule("extra-exchange-needs-pairs", "memory", "zero-memory's re-dispatch and recompute's replayed all-to-alls are hidden by the other micro-batch of an F&B pair", _extra_exchange_needs_pairs, "note"),
     Rule("overlap-without-ep", "schedule", "with one EP rank the experts need no all-to-all", _overlap_without_ep, "note"),
+    Rule("eplb-needs-ep", "balancer", "EPLB evens the EP ranks' loads by placing and copying experts across them", _eplb_without_ep, "note"),
+    Rule("zero-needs-replicas", "train", "ZeRO shards the optimizer state (stage 2: the gradients too) over a weight's replicas: dp x ep for the weights outside the experts, dp for the experts'", _zero_without_replicas, "note"),
     Rule("pair-forwards-needs-exchanges", "schedule", "an F&F pair hides one forward's all-to-all behind another's compute: it needs the overlap and blocks that exchange rows", _pair_forwards_idle, "note"),
 )
 

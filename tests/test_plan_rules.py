@@ -85,6 +85,30 @@ def test_notes_never_reject_a_config_but_say_what_is_wasted() -> None:
     assert rules.violations(Setup.from_config(load_config(EXAMPLE)), severity="note") == []
 
 
+def test_zero_stage_with_one_replica_per_weight_is_a_note() -> None:
+    def notes(*overrides: str) -> list[str]:
+        x = Setup.from_config(load_config(EXAMPLE, list(overrides)))
+        return [n for n in rules.violations(x, severity="note") if n.startswith("train.zero_stage:")]
+
+    for stage in (1, 2):
+        assert notes(f"train.zero_stage={stage}", "parallel.ep=1") == [
+            f"train.zero_stage: {stage} shards over each weight's replicas, and with dp = ep = 1 every weight has one: nothing is sharded"
+        ]
+        # the shared weights have a replica on each EP rank, every weight one on each DP rank
+        assert notes(f"train.zero_stage={stage}") == notes(f"train.zero_stage={stage}", "parallel.ep=1", "parallel.dp=2") == []
+    assert notes("parallel.ep=1") == []
+
+
+def test_eplb_on_one_ep_rank_is_a_note() -> None:
+    def notes(*overrides: str) -> list[str]:
+        x = Setup.from_config(load_config(EXAMPLE, list(overrides)))
+        return [n for n in rules.violations(x, severity="note") if n.startswith("balancer.kind:")]
+
+    line = "balancer.kind: eplb with ep = 1 keeps every expert on the one EP rank: there is no load between ranks to balance"
+    assert notes("balancer.kind=eplb", "parallel.ep=1") == notes("balancer.kind=eplb", "parallel.ep=1", "balancer.policy=global") == [line]
+    assert notes("balancer.kind=eplb") == notes("parallel.ep=1") == []
+
+
 def test_pair_forwards_names_the_blocks_that_exchange_and_says_when_none_does() -> None:
     on = ["schedule.pair_forwards=true", "schedule.name=interleaved", "model.n_layers=4", "model.n_dense=1"]
     x = Setup.from_config(load_config(EXAMPLE, on))
