@@ -304,7 +304,7 @@ def processor_floor(result: dict[str, Any], cores: int) -> dict[str, Any]:
     return {
         "processor_floor_s": {k: round(v, 4) for k, v in floor.items()},
         "ours_floor_over_torch": round(floor["ours"] / step["torch"], 3),
-        "cores_busy_pct": {k: round(100.0 * sum(v) / 1000.0 / (cores * step[k]), 1) for k, v in proc.items()},
+        "cores_busy_pct": {k: round(100.0 * v / step[k], 1) for k, v in floor.items()},
     }
 
 
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "step_vs_torch",
         "machine": {
-            "cpus": os.cpu_count(), "cores_usable": usable_cores(), "platform": platform.platform(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "cores_usable": cores, "platform": platform.platform(), "torch": torch.__version__,
             "load_avg_1m_before": round(load_before[0], 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
         },
         "ranks": config.world_size,
