@@ -261,7 +261,7 @@ def _eplb_without_ep(x: Setup) -> list[str]:
 
 def _zero_without_replicas(x: Setup) -> list[str]:
     return _one(
-        x.zero_stage > 0 and x.dp * x.ep == 1,
+        x.zero_stage > 0 and x.replicas == 1,
         f"train.zero_stage: {x.zero_stage} shards over each weight's replicas, and with dp = ep = 1 every weight has one: nothing is sharded",
     )
 

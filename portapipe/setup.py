@@ -108,7 +108,8 @@ class Setup:
 
     @property
     def replicas(self) -> int:
-        """Micro-batch streams per step: every dp x ep rank of a stage runs its own micro-batches."""
+        """Micro-batch streams per step: every dp x ep rank of a stage runs its own micro-batches
+        (and so holds its own copy of the weights outside the experts)."""
         return self.dp * self.ep
 
     @property

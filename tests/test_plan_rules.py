@@ -3,6 +3,7 @@ lines, every rule has a reason, notes never reject a config, and the planner dro
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -85,10 +86,14 @@ def test_notes_never_reject_a_config_but_say_what_is_wasted() -> None:
     assert rules.violations(Setup.from_config(load_config(EXAMPLE)), severity="note") == []
 
 
+def _notes(key: str, *overrides: str) -> list[str]:
+    """The notes on examples/cpu.yaml with ``overrides`` that name ``key``."""
+    x = Setup.from_config(load_config(EXAMPLE, list(overrides)))
+    return [n for n in rules.violations(x, severity="note") if n.startswith(f"{key}:")]
+
+
 def test_zero_stage_with_one_replica_per_weight_is_a_note() -> None:
-    def notes(*overrides: str) -> list[str]:
-        x = Setup.from_config(load_config(EXAMPLE, list(overrides)))
-        return [n for n in rules.violations(x, severity="note") if n.startswith("train.zero_stage:")]
+    notes = functools.partial(_notes, "train.zero_stage")
 
     for stage in (1, 2):
         assert notes(f"train.zero_stage={stage}", "parallel.ep=1") == [
@@ -100,9 +105,7 @@ def test_zero_stage_with_one_replica_per_weight_is_a_note() -> None:
 
 
 def test_eplb_on_one_ep_rank_is_a_note() -> None:
-    def notes(*overrides: str) -> list[str]:
-        x = Setup.from_config(load_config(EXAMPLE, list(overrides)))
-        return [n for n in rules.violations(x, severity="note") if n.startswith("balancer.kind:")]
+    notes = functools.partial(_notes, "balancer.kind")
 
     line = "balancer.kind: eplb with ep = 1 keeps every expert on the one EP rank: there is no load between ranks to balance"
     assert notes("balancer.kind=eplb", "parallel.ep=1") == notes("balancer.kind=eplb", "parallel.ep=1", "balancer.policy=global") == [line]

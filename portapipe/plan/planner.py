@@ -261,7 +261,7 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: b
         c.problems.append("schedule.pair_forwards: no two forwards in a row pair in this schedule")
         return c
     # zero_stage: the least sharding of the optimizer (and then the gradients) that fits the budget
-    searched = search_zero and memory_bytes is not None and x.dp * x.ep > 1
+    searched = search_zero and memory_bytes is not None and x.replicas > 1
     stages = [z for z in (0, 1, 2) if z >= x.zero_stage] if searched else [x.zero_stage]
     for zero in stages:
         c.problems = []
