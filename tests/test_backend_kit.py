@@ -1,11 +1,15 @@
-"""The conformance kit (portapipe.backends.testing) on the cpu backend, the cuda and npu doubles,
-and a deliberately broken double; and the collective dtypes the device backends declare,
-checked against what NCCL and HCCL take (tests/conformance/collectives.dtypes)."""
+"""The conformance kit (portapipe.testing) on the cpu backend, the cuda and npu doubles, and
+deliberately broken doubles; its old name (portapipe.backends.testing) saying where it went; and
+the collective dtypes the device backends declare, checked against what NCCL and HCCL take
+(tests/conformance/collectives.dtypes)."""
 
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,12 +21,13 @@ from portapipe.backends.capabilities import Capabilities
 from portapipe.backends.cpu import CPUBackend
 from portapipe.backends.cuda import CUDABackend
 from portapipe.backends.grouped_mm import grouped_mm_reference
-from portapipe.backends.testing import LOCAL, RANK_LINES, run_local, run_ranks_contracts
+from portapipe.testing import LOCAL, RANK_LINES, run_local, run_ranks_contracts
 
 from . import declared
 from .standin_torch_npu import make_standin
 from .test_backend_conformance import _strict_cuda
 
+ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")  # the doubles play their device on CPU memory
 
 
@@ -86,6 +91,20 @@ def test_a_broken_double_is_caught_by_the_lines_it_breaks() -> None:
     assert failed == {"grouped-mm-matches-reference", "memory-figures"}
     assert results["grouped-mm-matches-reference"].startswith("[grouped-mm-matches-reference] float64, 5 groups: 2d x 3d result is")
     assert "memory_allocated() = None" in results["memory-figures"]
+
+
+def test_the_old_name_of_the_kit_names_the_new_one(tmp_path: Path) -> None:
+    """`pytest --pyargs portapipe.backends.testing` (and an import from it) is refused with the
+    line to run instead, not a bare "module not found" nor a kit that reaches the launcher from
+    the backends."""
+    with pytest.raises(ImportError, match="pytest --pyargs portapipe.testing"):
+        from portapipe.backends.testing import run_local  # noqa: F401
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "portapipe.backends.testing"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "1 failed" in proc.stdout, proc.stdout[-2000:]
+    assert "the conformance kit moved from portapipe.backends.testing to portapipe.testing: run PORTAPIPE_CONFORMANCE_BACKEND=<name> " \
+        "pytest --pyargs portapipe.testing" in proc.stdout
 
 
 def test_a_declaration_is_checked_before_behaviour() -> None:
