@@ -196,10 +196,18 @@ def _lr(x: Setup) -> list[str]:
 
 
 def _known_backend(x: Setup) -> list[str]:
-    from .backends.registry import known_backends  # built-ins and plug-ins; imports no device code
+    from .backends.registry import PluginError, backend_class, known_backends  # built-ins and plug-ins; imports no device code
 
     known = known_backends()
-    return _one(x.backend != "auto" and x.backend not in known, f"backend: {x.backend!r} is not a known backend; known: auto, {', '.join(known)}")
+    if x.backend == "auto":
+        return []
+    if x.backend not in known:
+        return [f"backend: {x.backend!r} is not a known backend; known: auto, {', '.join(known)}"]
+    try:
+        backend_class(x.backend)  # a plug-in's module imported: one that fails is named here, not by a rank
+    except PluginError as exc:
+        return [str(exc)]
+    return []
 
 
 def _declared(x: Setup) -> list[tuple[str, Any]]:
@@ -227,6 +235,28 @@ def _model_dtype(x: Setup) -> list[str]:
     if x.backend == "auto":
         return []
     return [p for name, caps in _declared(x) if (p := caps.dtype_problem(name, x.model.dtype))]
+
+
+def _reduce_dtype(x: Setup) -> list[str]:
+    """The dtype gradients are summed over the replicas in must be one the backend reduces."""
+    if x.backend == "auto" or x.train is None or x.model is None or x.replicas == 1:
+        return []  # the device is not known yet, or nothing is summed over replicas
+    from .optim.precision import reduce_dtype
+
+    t = x.train
+    dtype = reduce_dtype(x.model.dtype, t.master_dtype, t.grad_reduce_dtype)
+    key, value = ("train.grad_reduce_dtype", t.grad_reduce_dtype) if t.grad_reduce_dtype != "auto" else (
+        ("train.master_dtype", t.master_dtype) if t.master_dtype != "auto" else ("model.dtype", x.model.dtype))
+    out = []
+    for name, caps in _declared(x):
+        if dtype in caps.reduce_dtypes or (key == "model.dtype" and caps.dtype_problem(name, dtype)):
+            continue  # a model dtype the backend does not compute in is the model-dtype rule's line
+        fix = "use one of those" if key == "train.grad_reduce_dtype" else "set train.grad_reduce_dtype to one of those"
+        out.append(
+            f"{key}: {value}: the gradients of the {x.replicas} replicas (dp x ep) are summed in {dtype}, which backend {name!r} "
+            f"does not reduce (capabilities.reduce_dtypes: {', '.join(caps.reduce_dtypes)}); {fix}"
+        )
+    return out
 
 
 def _overlap_needs_pairs(x: Setup) -> list[str]:
@@ -294,6 +324,7 @@ RULES: tuple[Rule, ...] = (
     Rule("known-backend", "backend", "backends are built in or registered as plug-ins", _known_backend),
     Rule("ep-transport", "backend", "each backend declares its expert transports (capabilities.ep_transports); every backend has all-to-all", _transport),
     Rule("model-dtype", "backend", "the model computes in a dtype the backend's matmul takes (capabilities.compute_dtypes)", _model_dtype),
+    Rule("reduce-dtype", "backend", "the replicas' gradients are summed in a dtype the backend's collectives reduce (capabilities.reduce_dtypes)", _reduce_dtype),
     Rule("overlap-needs-pairs", "schedule", "the F&B overlap hides one micro-batch's all-to-all behind another's compute; 1F1B and ZB1P run no pairs", _overlap_needs_pairs, "note"),
     Rule("extra-exchange-needs-pairs", "memory", "zero-memory's re-dispatch and recompute's replayed all-to-alls are hidden by the other micro-batch of an F&B pair", _extra_exchange_needs_pairs, "note"),
     Rule("overlap-without-ep", "schedule", "with one EP rank the experts need no all-to-all", _overlap_without_ep, "note"),

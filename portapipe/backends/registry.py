@@ -44,14 +44,26 @@ def known_backends() -> list[str]:
     return list(_BUILTIN) + sorted(set(_plugins()) - set(_BUILTIN))
 
 
+class PluginError(ValueError):
+    """A plug-in backend whose entry point cannot be loaded: bad input (the config names it), said
+    in one line naming the ``backend`` key, the entry point and what went wrong."""
+
+
 def backend_class(name: str) -> type[Backend]:
     if name in _BUILTIN:
         return _load(_BUILTIN[name])
     plugins = _plugins()
     if name in plugins:
-        cls = plugins[name].load()
+        ep = plugins[name]
+        where = f"the plug-in entry point {name} = {getattr(ep, 'value', '?')} (group {ENTRY_POINT_GROUP})"
+        try:
+            cls = ep.load()
+        except Exception as exc:  # its module or a module it imports is missing or broken
+            text = " ".join(str(exc).split())
+            raise PluginError(f"backend: {name!r}: {where} fails to import: {type(exc).__name__}: {text}; "
+                              "reinstall the package that provides it, or choose another backend") from exc
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
-            raise TypeError(f"entry point {name!r} in group {ENTRY_POINT_GROUP!r} is not a portapipe Backend subclass")
+            raise PluginError(f"backend: {name!r}: {where} is {cls!r}, not a portapipe Backend subclass")
         return cls
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(['auto'] + known_backends())}")
 
