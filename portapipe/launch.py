@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .local_job import LaunchError, LocalJob, write_record
+from .local_job import LaunchError, LocalJob, error_line, write_record
 
 __all__ = ["LaunchError", "run_ranks", "under_torchrun", "under_mpirun", "launching_rank", "print_launch_error", "debug_enabled"]
 
@@ -132,7 +132,7 @@ def _rank_main(
         if job_dir:
             # The first rank to fail is the cause; its peers fail because it is gone (communication
             # errors). Record which kind this is, and when, before this rank's connections close.
-            line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            line = error_line(exc)
             comm = is_comm_error(exc)
             write_record(job_dir, rank, line, traceback.format_exc(), comm=comm)
         raise

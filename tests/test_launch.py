@@ -24,6 +24,22 @@ def test_rank_raising_at_start_ends_the_launch_with_its_traceback() -> None:
 
 
 @pytest.mark.multiproc
+def test_a_failed_rank_is_named_with_the_exceptions_own_name_not_its_module_path() -> None:
+    with pytest.raises(LaunchError) as info:
+        run_ranks(dist_checks.raise_checkpoint_error, 2, 1)
+    assert str(info.value) == "rank 1 failed: CheckpointWriteError: cannot write step_00000002 in /nowhere: No space left on device"
+    assert "portapipe.checkpoint.files.CheckpointWriteError" in info.value.traceback  # the details keep the full path
+
+
+def test_an_exception_is_said_by_its_name_and_its_message_on_one_line() -> None:
+    from portapipe.checkpoint.files import CheckpointWriteError
+    from portapipe.local_job import error_line
+
+    assert error_line(CheckpointWriteError("no space\n  on /x")) == "CheckpointWriteError: no space on /x"
+    assert error_line(KeyboardInterrupt()) == "KeyboardInterrupt"
+
+
+@pytest.mark.multiproc
 def test_a_hung_rank_is_stopped_by_its_watchdog() -> None:
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as info:
