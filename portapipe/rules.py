@@ -3,7 +3,8 @@
 Config validation (:func:`portapipe.config.load_config`) reports every ``error`` rule a config
 breaks, one line each naming the key; the planner drops every candidate that breaks one and
 says which rules dropped the user's own setup. ``note`` rules never reject a config: they say
-when a combination runs but wastes something (the planner prints them for the user's setup).
+when a combination runs but wastes something (the planner prints them for the user's setup;
+``portapipe train`` those about keys the user set, :func:`user_notes`).
 
 A rule's ``check(setup)`` returns its problem lines (none when the rule holds); ``setup`` is a
 :class:`~portapipe.setup.Setup` (config validation builds one from the config). This module sits
@@ -341,6 +342,23 @@ def violations(setup: Setup, severity: str = "error", scopes: tuple[str, ...] | 
         if rule.severity == severity and (scopes is None or rule.scope in scopes):
             out += rule.check(setup)
     return out
+
+
+def _away_from_default(config: Any, key: str) -> bool:
+    """Whether ``config`` sets ``key`` (``section.name``, or a whole ``section``) to something other than its default."""
+    section, _, name = key.partition(".")
+    part = getattr(config, section, None)
+    fields = getattr(type(part), "model_fields", {})
+    names = [name] if name else list(fields)
+    return any(n in fields and getattr(part, n) != fields[n].get_default(call_default_factory=True) for n in names)
+
+
+def user_notes(config: Any) -> list[str]:
+    """The note rules' lines about keys ``config`` sets away from their defaults (what ``portapipe
+    train`` says at start). A key at its default stays quiet: ``schedule.overlap: true`` with one
+    EP rank costs nothing and was no choice (a config written back holds every key)."""
+    lines = violations(Setup.from_config(config), severity="note")
+    return [line for line in lines if _away_from_default(config, line.split(":", 1)[0])]
 
 
 def broken(setup: Setup, scopes: tuple[str, ...] | None = None) -> list[tuple[Rule, list[str]]]:
