@@ -21,9 +21,10 @@ from portapipe.backends.capabilities import Capabilities
 from portapipe.backends.cpu import CPUBackend
 from portapipe.backends.cuda import CUDABackend
 from portapipe.backends.grouped_mm import grouped_mm_reference
-from portapipe.testing import LOCAL, RANK_LINES, run_local, run_ranks_contracts
+from portapipe.launch import run_ranks
+from portapipe.testing import LOCAL, RANK_LINES, grouped_mm_tolerance, run_local, run_ranks_contracts
 
-from . import declared
+from . import declared, kit_doubles
 from .standin_torch_npu import make_standin
 from .test_backend_conformance import _strict_cuda
 
@@ -91,6 +92,28 @@ def test_a_broken_double_is_caught_by_the_lines_it_breaks() -> None:
     assert failed == {"grouped-mm-matches-reference", "memory-figures"}
     assert results["grouped-mm-matches-reference"].startswith("[grouped-mm-matches-reference] float64, 5 groups: 2d x 3d result is")
     assert "memory_allocated() = None" in results["memory-figures"]
+
+
+@pytest.mark.multiproc
+def test_an_all_reduce_that_ignores_its_op_fails_the_reductions() -> None:
+    """The kit once tested SUM only: a backend summing for MAX passed it."""
+    results = run_ranks(kit_doubles.rank_lines_of, 2, "ignores-op")[0]
+    failed = {line: msg for line, msg in results.items() if msg}
+    assert set(failed) == {"reductions", "reduce-scatter-all-gather"}, failed
+    assert failed["reductions"] == "[reductions] float64 all_reduce PRODUCT: [5.0, -5.0, 2.5], want [6.0, 6.0, 1.5]"
+    assert failed["reduce-scatter-all-gather"].startswith("[reduce-scatter-all-gather] float64 reduce_scatter_tensor PRODUCT: ")
+
+
+def test_a_grouped_matmul_2_percent_off_in_bfloat16_only_fails_and_a_correct_one_passes() -> None:
+    """bfloat16's tolerance is derived as verify's (1.6e-2 for the kit's sums of 8): the old 3e-2
+    let a kernel 2% off through; the cpu backend's, correct, errs by about 3e-3 and passes."""
+    results = run_local(kit_doubles.Bfloat16Off())
+    failed = {line: msg for line, msg in results.items() if msg}
+    assert list(failed) == ["grouped-mm-matches-reference"], failed
+    assert failed["grouped-mm-matches-reference"].startswith("[grouped-mm-matches-reference] bfloat16, 5 groups: 2d x 3d result is 0.02")
+    assert 1.5e-2 < grouped_mm_tolerance("bfloat16", 8) < 2e-2
+    assert grouped_mm_tolerance("float16", 8) < 2e-3 and grouped_mm_tolerance("float32", 8) < 1e-6
+    _passes(run_local(CPUBackend()))
 
 
 def test_the_old_name_of_the_kit_names_the_new_one(tmp_path: Path) -> None:

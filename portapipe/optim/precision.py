@@ -17,6 +17,12 @@ _PRECISION = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
 LOW_PRECISION = ("bfloat16", "float16")
 
 
+def unit_roundoff(dtype: str) -> float:
+    """Half the distance from 1.0 to the next ``dtype`` number: the largest relative error of one
+    rounding to nearest (2^-24 for float32, 2^-8 for bfloat16, 2^-11 for float16)."""
+    return 2.0 ** -(_PRECISION[dtype] + 1)
+
+
 def master_dtype(model_dtype: str, setting: str) -> str:
     """The master dtype a config asks for (``auto`` resolved)."""
     if setting != "auto":
