@@ -7,6 +7,7 @@ raises :class:`BackendUnavailable` naming what is missing; nothing silently fall
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from importlib.metadata import entry_points
@@ -35,7 +36,10 @@ def _load(path: str) -> type[Backend]:
     return getattr(importlib.import_module(module), attr)
 
 
+@functools.cache
 def _plugins() -> dict[str, Any]:
+    # read once per process: scanning every installed distribution's metadata takes milliseconds,
+    # and the rules ask for each of the planner's thousands of candidate setups
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
