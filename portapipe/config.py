@@ -491,7 +491,7 @@ def _key_of(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
 def _pydantic_lines(err: ValidationError) -> list[str]:
     """One line per key: a union-typed key that no alternative took is one line saying what it takes."""
     lines = []
-    seen: dict[tuple[Any, ...], int] = {}
+    seen: set[tuple[Any, ...]] = set()
     for e in err.errors():
         loc, annotation = _key_of(tuple(e["loc"]))
         path = ".".join(str(x) for x in loc) or "<root>"
@@ -503,10 +503,9 @@ def _pydantic_lines(err: ValidationError) -> list[str]:
             line = f"{path}: {shown}expected {accepts(annotation)}"
         else:
             line = f"{path}: {shown}{e['msg'].removeprefix('Value error, ')}"  # pydantic's prefix for a validator's ValueError
-        if loc in seen:
-            continue  # the union's other alternatives: said once
-        seen[loc] = len(lines)
-        lines.append(line)
+        if loc not in seen:  # a union's other alternatives: said once
+            seen.add(loc)
+            lines.append(line)
     return lines
 
 
