@@ -54,11 +54,10 @@ from torch import nn
 import portapipe
 from portapipe.config import Config, config_from_dict, load_config
 from portapipe.data import TextData, replica_of
-from portapipe.launch import run_ranks
+from portapipe.launch import rank_threads, run_ranks
 from portapipe.compose import PipelineRuntime, model_end_step
 from portapipe.models.moe import Block
 from portapipe.scheduling.overlap import Tape, run as run_program
-from portapipe.train import rank_threads
 
 # examples/cpu.yaml as the package ships it (a link to it in a checkout): the default works when installed, too.
 DEFAULT_CONFIG = Path(portapipe.__file__).resolve().parent / "configs" / "cpu.yaml"

@@ -6,9 +6,9 @@
    then the wheel with its declared dependencies only: no extra;
 3. from an empty folder, with that environment's ``bin`` first on PATH: ``portapipe info``,
    ``init`` (the file must equal examples/cpu.yaml), a 5-step ``train``, ``verify``,
-   ``simulate``, ``profile`` and ``plan``, the benchmarks shipped in the package, and two
-   features whose extra is not installed (a chart, TensorBoard), which must fail with one line
-   naming the extra.
+   ``simulate``, ``profile`` and ``plan``, the benchmarks shipped in the package, and three
+   features whose extra is not installed (a chart, TensorBoard, the deepseek_v3 starter's token
+   data from the shipped corpus and tokenizer), which must fail with one line naming the extra.
 
 A command fails the run when its exit code is not the expected one or when stderr holds
 anything but portapipe's own lines (``portapipe...`` messages and its progress bars): a
@@ -54,6 +54,10 @@ STEPS = (
     Step("portapipe plan c.yaml --devices 4 --memory 2GiB --profile cpu.json --out best.yaml"),
     Step("portapipe bench"),
     Step("portapipe bench eplb --layers 2 --experts 16 --replicas 24 --groups 4 --nodes 2 --gpus 8 --repeats 1"),
+    # The deepseek_v3 starter's token data from an empty folder: the corpus and the tokenizer ship,
+    # so the one missing piece named is the extra (tokenize checks its files before the library).
+    Step("portapipe init deepseek_v3 --out d.yaml"),
+    Step("portapipe tokenize runs/shakespeare-1k.bin", 2, "pip install 'portapipe[data]'"),
     # Extras not installed: one line naming the extra, before anything starts.
     Step("portapipe simulate --schedule 1f1b --pp 2 --microbatches 4 --plot s.png", 2, "pip install 'portapipe[viz]'"),
     Step("portapipe train c.yaml --set log.tensorboard=true --set log.dir=runs/tb", 2, "pip install 'portapipe[tensorboard]'"),

@@ -1,4 +1,5 @@
-"""Train the small byte-level BPE tokenizer shipped in examples/tokenizer/ (1,024 tokens).
+"""Train the small byte-level BPE tokenizer shipped in examples/tokenizer/ (1,024 tokens; the
+package ships it as portapipe/data/tokenizer-1k.json, a link to it).
 
     python examples/make_tokenizer.py [OUT_DIR]
 

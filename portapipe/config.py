@@ -5,6 +5,10 @@ reported at once, one line each, naming the key path, the value and the rule:
 
     parallel.world_size: 6 != pp*ep*dp = 2*2*1 = 4
 
+One typing rule holds for every key (:func:`kind_problem`): text is never a number or a boolean,
+a number never a boolean, a boolean never a number; a key that takes one of several types says
+in one line what it takes (:func:`accepts`).
+
 Load with :func:`load_config`; apply command-line overrides (``--set a.b=value``) with
 ``overrides=[...]``. A :class:`ConfigError` carries the list of lines; the CLI prints them and
 exits with code 2 before any rank starts.
@@ -27,18 +31,104 @@ from .setup import DUALPIPE_FAMILY, n_model_blocks  # noqa: F401  (re-exported)
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 
 
-def _numeric(annotation: Any) -> bool:
-    """Whether a field's type takes numbers but not booleans (``int``, ``float | None``, ``tuple[float, float]``)."""
-    if annotation is bool:
-        return False
-    if annotation in (int, float):
-        return True
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is typing.Literal:  # e.g. zero_stage: Literal[0, 1, 2] (True == 1)
-        return all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args)
+# ------------------------------------------------------------------ what a key's type takes
+def _members(annotation: Any) -> tuple[Any, ...]:
+    """The alternatives of a union (``float | Literal['auto']``), ``None`` left out; else the type itself."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return bool not in args and any(_numeric(a) for a in args)
-    return typing.get_origin(annotation) is tuple and any(_numeric(a) for a in args)
+        return tuple(a for a in typing.get_args(annotation) if a is not type(None))
+    return (annotation,)
+
+
+def _takes(annotation: Any) -> tuple[set[str], tuple[Any, ...]]:
+    """The kinds of scalar a key takes (``number``, ``bool``, ``text``: any text; ``other``: a
+    mapping or a section, which this rule leaves alone) and its fixed choices (Literal members).
+    A tuple takes what its elements take."""
+    kinds: set[str] = set()
+    choices: tuple[Any, ...] = ()
+    for a in _members(annotation):
+        origin = typing.get_origin(a)
+        if a is bool:
+            kinds.add("bool")
+        elif a in (int, float):
+            kinds.add("number")
+        elif a is str:
+            kinds.add("text")
+        elif origin is typing.Literal:
+            choices += typing.get_args(a)
+        elif origin is tuple:
+            for element in typing.get_args(a):
+                k, c = _takes(element)
+                kinds |= k
+                choices += c
+        else:
+            kinds.add("other")
+    return kinds, choices
+
+
+def _kind(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return "text" if isinstance(value, str) else None
+
+
+def _or(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def accepts(annotation: Any) -> str:
+    """What a key of this type takes, in words: ``a number``, ``true or false``, ``a number or auto``."""
+    words: list[str] = []
+    for a in _members(annotation):
+        if a is bool:
+            words.append("true or false")
+        elif a is int:
+            words.append("an integer")
+        elif a is float:
+            words.append("a number")
+        elif a is str:
+            words.append("text")
+        elif typing.get_origin(a) is typing.Literal:
+            words += [str(c) for c in typing.get_args(a)]
+        elif typing.get_origin(a) is tuple:
+            args = typing.get_args(a)
+            what = "integers" if all(x is int for x in args) else "numbers" if all(x in (int, float) for x in args) else "values"
+            words.append(f"a list of {len(args)} {what}")
+        else:
+            words.append("a mapping" if typing.get_origin(a) is dict else getattr(a, "__name__", str(a)))
+    return _or(words)
+
+
+def kind_problem(annotation: Any, value: Any) -> str | None:
+    """One rule for every key: text is never a number or a boolean, a number never a boolean, a
+    boolean never a number (pydantic would read ``"5"`` as 5, ``"yes"`` and ``1`` as true, ``true``
+    as 1). A key's own text choices (``min_gain: auto``) are text it takes; YAML's true / false
+    are the booleans. The problem in words, or None."""
+    kinds, choices = _takes(annotation)
+    numbers = "number" in kinds or any(_kind(c) == "number" for c in choices)
+    texts = [c for c in choices if isinstance(c, str)]
+    if "other" in kinds or not (numbers or "bool" in kinds):
+        return None  # text keys and choices of words: pydantic's own message names what they take
+    for x in value if isinstance(value, (list, tuple)) else [value]:
+        kind = _kind(x)
+        if kind == "bool" and "bool" not in kinds:
+            return "a boolean is not a number; give a number"
+        if kind == "number" and not numbers:
+            return f"a number is not a boolean; give {accepts(annotation)}"
+        if kind == "text" and "text" not in kinds and x not in texts:
+            if texts and not _number_text(x):  # a word that is not one of the key's choices
+                return f"expected {accepts(annotation)}"
+            return f"text is not {'a number' if numbers else 'a boolean'}; give {accepts(annotation)} without quotes"
+    return None
+
+
+def _number_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class _Section(BaseModel):
@@ -47,13 +137,11 @@ class _Section(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _no_bool_for_numbers(cls, v: Any, info: Any) -> Any:
-        # pydantic reads true as 1 in an int or float key: `steps: true` would train one step.
-        # Strict types would also refuse a YAML integer in a float key, which is fine there.
+    def _kinds(cls, v: Any, info: Any) -> Any:
         field = cls.model_fields.get(info.field_name)
-        values = v if isinstance(v, (list, tuple)) else [v]
-        if field is not None and _numeric(field.annotation) and any(isinstance(x, bool) for x in values):
-            raise ValueError("a boolean is not a number; give a number")
+        problem = None if field is None else kind_problem(field.annotation, v)
+        if problem:
+            raise ValueError(problem)
         return v
 
 
@@ -167,7 +255,7 @@ class BalancerConfig(_Section):
     @classmethod
     def _min_gain_non_negative(cls, v: Any) -> Any:
         if v != "auto" and not v >= 0:
-            raise ValueError(f"{v} must be >= 0 (or auto)")
+            raise ValueError("expected a number >= 0 or auto")
         return v
     redundant: int = Field(0, ge=0, description="eplb: extra expert slots per EP rank")
     groups: int | None = Field(None, ge=1, description="eplb: expert groups (default: model.n_groups)")
@@ -378,17 +466,46 @@ def _without_effect(c: Config) -> list[str]:
     return out
 
 
+def _key_of(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+    """An error's location as the key path the user wrote, and that key's type. pydantic names the
+    alternative it tried after a union-typed key (``balancer.min_gain.float``,
+    ``balancer.min_gain.literal['auto']``): that part is no key and is dropped."""
+    section: Any = Config
+    annotation: Any = None
+    path: list[Any] = []
+    rest = list(loc)
+    while rest:
+        part = rest.pop(0)
+        path.append(part)
+        fields = getattr(section, "model_fields", None)
+        if fields is None or part not in fields:
+            section = None
+            continue
+        annotation = fields[part].annotation
+        section = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if section is None and len(_members(annotation)) > 1 and rest and isinstance(rest[0], str):
+            rest.pop(0)
+    return tuple(path), annotation
+
+
 def _pydantic_lines(err: ValidationError) -> list[str]:
+    """One line per key: a union-typed key that no alternative took is one line saying what it takes."""
     lines = []
+    seen: set[tuple[Any, ...]] = set()
     for e in err.errors():
-        path = ".".join(str(x) for x in e["loc"]) or "<root>"
+        loc, annotation = _key_of(tuple(e["loc"]))
+        path = ".".join(str(x) for x in loc) or "<root>"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict) else f"{value!r}: "
         if e["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key")
+            line = f"{path}: unknown key"
+        elif len(loc) < len(e["loc"]):  # an alternative of a union refused it: say what the key takes
+            line = f"{path}: {shown}expected {accepts(annotation)}"
         else:
-            value = e.get("input")
-            shown = "" if isinstance(value, dict) else f"{value!r}: "
-            msg = e["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
-            lines.append(f"{path}: {shown}{msg}")
+            line = f"{path}: {shown}{e['msg'].removeprefix('Value error, ')}"  # pydantic's prefix for a validator's ValueError
+        if loc not in seen:  # a union's other alternatives: said once
+            seen.add(loc)
+            lines.append(line)
     return lines
 
 
@@ -402,7 +519,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         problems = _pydantic_lines(err)
         # Report the cross-section mistakes too: check again with the bad keys at their defaults.
         pruned = copy.deepcopy(raw)
-        bad = [e["loc"] for e in err.errors()]
+        bad = [_key_of(tuple(e["loc"]))[0] for e in err.errors()]
         for loc in bad:
             _drop_path(pruned, loc)
         try:

@@ -3,6 +3,7 @@ overrides, and :class:`ConfigError`, which every config problem is raised as."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,13 @@ class _StrictLoader(yaml.SafeLoader):
                 )
             first[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML's) reads a float without a dot (`1e-2`, `3e4`) as text; YAML 1.2 and every
+# user read it as a number, and no config key takes text for a number.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def _yaml(text: str) -> Any:

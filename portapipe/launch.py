@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from .local_job import LaunchError, LocalJob, write_record
+from .local_job import LaunchError, LocalJob, error_line, write_record
 
-__all__ = ["LaunchError", "run_ranks", "under_torchrun", "under_mpirun", "launching_rank", "print_launch_error", "debug_enabled"]
+__all__ = ["LaunchError", "run_ranks", "rank_threads", "under_torchrun", "under_mpirun", "launching_rank", "print_launch_error", "debug_enabled"]
 
 DEBUG_HINT = "rerun with log.level: debug (or PORTAPIPE_DEBUG=1) for the traceback"
 
@@ -59,6 +59,50 @@ def launching_rank() -> int:
         if key in os.environ:
             return int(os.environ[key])
     return 0
+
+
+#: what each launcher calls the count of its ranks on this machine: torchrun, Open MPI, MPICH / Intel MPI (Hydra)
+_LOCAL_SIZE_KEYS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+def _slurm_tasks_here() -> int | None:
+    """This node's task count from SLURM's ``SLURM_STEP_TASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE``
+    (``4(x2),3``: four tasks on each of two nodes, then three) at ``SLURM_NODEID``, or
+    ``SLURM_NTASKS_PER_NODE``; None when SLURM says nothing."""
+    node = os.environ.get("SLURM_NODEID", "0")
+    for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        text = os.environ.get(key)
+        if not text or not node.isdigit():
+            continue
+        counts: list[int] = []
+        for part in text.split(","):
+            count, _, times = part.partition("(x")
+            if not count.isdigit() or (times and not times.rstrip(")").isdigit()):
+                counts = []
+                break
+            counts += [int(count)] * (int(times.rstrip(")")) if times else 1)
+        if int(node) < len(counts):
+            return counts[int(node)]
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    return int(per_node) if per_node.isdigit() else None
+
+
+def local_ranks(world_size: int) -> int:
+    """The job's ranks on this machine: all ``world_size`` under the local launcher; under torchrun,
+    mpirun or srun the count the launcher gives (``world_size`` when it gives none)."""
+    if not (under_torchrun() or under_mpirun()):
+        return world_size
+    for key in _LOCAL_SIZE_KEYS:
+        value = os.environ.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    here = _slurm_tasks_here()
+    return here if here else world_size
+
+
+def rank_threads(world_size: int) -> int:
+    """Intra-op threads per rank: this machine's cores shared out over this machine's ranks, at least one."""
+    return max(1, (os.cpu_count() or 1) // local_ranks(world_size))
 
 
 def _env_from_mpi() -> None:
@@ -132,7 +176,7 @@ def _rank_main(
         if job_dir:
             # The first rank to fail is the cause; its peers fail because it is gone (communication
             # errors). Record which kind this is, and when, before this rank's connections close.
-            line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            line = error_line(exc)
             comm = is_comm_error(exc)
             write_record(job_dir, rank, line, traceback.format_exc(), comm=comm)
         raise

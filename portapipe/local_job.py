@@ -107,9 +107,16 @@ def _rank_entry(
         with open(tmp, "wb") as f:
             pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
-        write_record(job_dir, rank, f"its result cannot be returned: {type(exc).__name__}: {exc}", "", comm=False)
+        write_record(job_dir, rank, f"its result cannot be returned: {error_line(exc)}", "", comm=False)
         sys.exit(1)
     os.replace(tmp, Path(job_dir) / f"rank{rank}.result")
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception as the user reads it: its own name and message (``CheckpointWriteError: ...``),
+    not the module path Python's traceback prints before a name that is not built in."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def write_record(job_dir: str, rank: int, error: str, traceback_text: str, comm: bool) -> None:

@@ -3,7 +3,8 @@
 Config validation (:func:`portapipe.config.load_config`) reports every ``error`` rule a config
 breaks, one line each naming the key; the planner drops every candidate that breaks one and
 says which rules dropped the user's own setup. ``note`` rules never reject a config: they say
-when a combination runs but wastes something (the planner prints them for the user's setup).
+when a combination runs but wastes something (the planner prints them for the user's setup;
+``portapipe train`` those about keys the user set, :func:`user_notes`).
 
 A rule's ``check(setup)`` returns its problem lines (none when the rule holds); ``setup`` is a
 :class:`~portapipe.setup.Setup` (config validation builds one from the config). This module sits
@@ -196,10 +197,18 @@ def _lr(x: Setup) -> list[str]:
 
 
 def _known_backend(x: Setup) -> list[str]:
-    from .backends.registry import known_backends  # built-ins and plug-ins; imports no device code
+    from .backends.registry import PluginError, backend_class, known_backends  # built-ins and plug-ins; imports no device code
 
     known = known_backends()
-    return _one(x.backend != "auto" and x.backend not in known, f"backend: {x.backend!r} is not a known backend; known: auto, {', '.join(known)}")
+    if x.backend == "auto":
+        return []
+    if x.backend not in known:
+        return [f"backend: {x.backend!r} is not a known backend; known: auto, {', '.join(known)}"]
+    try:
+        backend_class(x.backend)  # a plug-in's module imported: one that fails is named here, not by a rank
+    except PluginError as exc:
+        return [str(exc)]
+    return []
 
 
 def _declared(x: Setup) -> list[tuple[str, Any]]:
@@ -227,6 +236,28 @@ def _model_dtype(x: Setup) -> list[str]:
     if x.backend == "auto":
         return []
     return [p for name, caps in _declared(x) if (p := caps.dtype_problem(name, x.model.dtype))]
+
+
+def _reduce_dtype(x: Setup) -> list[str]:
+    """The dtype gradients are summed over the replicas in must be one the backend reduces."""
+    if x.backend == "auto" or x.train is None or x.model is None or x.replicas == 1:
+        return []  # the device is not known yet, or nothing is summed over replicas
+    from .optim.precision import reduce_dtype
+
+    t = x.train
+    dtype = reduce_dtype(x.model.dtype, t.master_dtype, t.grad_reduce_dtype)
+    key, value = ("train.grad_reduce_dtype", t.grad_reduce_dtype) if t.grad_reduce_dtype != "auto" else (
+        ("train.master_dtype", t.master_dtype) if t.master_dtype != "auto" else ("model.dtype", x.model.dtype))
+    out = []
+    for name, caps in _declared(x):
+        if dtype in caps.reduce_dtypes or (key == "model.dtype" and caps.dtype_problem(name, dtype)):
+            continue  # a model dtype the backend does not compute in is the model-dtype rule's line
+        fix = "use one of those" if key == "train.grad_reduce_dtype" else "set train.grad_reduce_dtype to one of those"
+        out.append(
+            f"{key}: {value}: the gradients of the {x.replicas} replicas (dp x ep) are summed in {dtype}, which backend {name!r} "
+            f"does not reduce (capabilities.reduce_dtypes: {', '.join(caps.reduce_dtypes)}); {fix}"
+        )
+    return out
 
 
 def _overlap_needs_pairs(x: Setup) -> list[str]:
@@ -294,6 +325,7 @@ RULES: tuple[Rule, ...] = (
     Rule("known-backend", "backend", "backends are built in or registered as plug-ins", _known_backend),
     Rule("ep-transport", "backend", "each backend declares its expert transports (capabilities.ep_transports); every backend has all-to-all", _transport),
     Rule("model-dtype", "backend", "the model computes in a dtype the backend's matmul takes (capabilities.compute_dtypes)", _model_dtype),
+    Rule("reduce-dtype", "backend", "the replicas' gradients are summed in a dtype the backend's collectives reduce (capabilities.reduce_dtypes)", _reduce_dtype),
     Rule("overlap-needs-pairs", "schedule", "the F&B overlap hides one micro-batch's all-to-all behind another's compute; 1F1B and ZB1P run no pairs", _overlap_needs_pairs, "note"),
     Rule("extra-exchange-needs-pairs", "memory", "zero-memory's re-dispatch and recompute's replayed all-to-alls are hidden by the other micro-batch of an F&B pair", _extra_exchange_needs_pairs, "note"),
     Rule("overlap-without-ep", "schedule", "with one EP rank the experts need no all-to-all", _overlap_without_ep, "note"),
@@ -310,6 +342,23 @@ def violations(setup: Setup, severity: str = "error", scopes: tuple[str, ...] | 
         if rule.severity == severity and (scopes is None or rule.scope in scopes):
             out += rule.check(setup)
     return out
+
+
+def _away_from_default(config: Any, key: str) -> bool:
+    """Whether ``config`` sets ``key`` (``section.name``, or a whole ``section``) to something other than its default."""
+    section, _, name = key.partition(".")
+    part = getattr(config, section, None)
+    fields = getattr(type(part), "model_fields", {})
+    names = [name] if name else list(fields)
+    return any(n in fields and getattr(part, n) != fields[n].get_default(call_default_factory=True) for n in names)
+
+
+def user_notes(config: Any) -> list[str]:
+    """The note rules' lines about keys ``config`` sets away from their defaults (what ``portapipe
+    train`` says at start). A key at its default stays quiet: ``schedule.overlap: true`` with one
+    EP rank costs nothing and was no choice (a config written back holds every key)."""
+    lines = violations(Setup.from_config(config), severity="note")
+    return [line for line in lines if _away_from_default(config, line.split(":", 1)[0])]
 
 
 def broken(setup: Setup, scopes: tuple[str, ...] | None = None) -> list[tuple[Rule, list[str]]]:

@@ -2,9 +2,9 @@
 option, plus the config sections a plan does not change (model, balancer, train, backend).
 
 The planner makes thousands of these; a full config is built only for the one it writes out.
-Nothing here imports torch: config validation reads setups too. The model's
-:class:`~portapipe.plan.shape.Shape` (a leaf module: it imports nothing of portapipe) is made
-here only for setups that carry a model.
+Nothing here imports torch or the planner: config validation reads setups too. The model's
+:class:`~portapipe.model_shape.Shape` (a leaf module below both this one and the planner) is
+made here only for setups that carry a model.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from .model_shape import Shape
 
 DUALPIPE_FAMILY = ("dualpipe", "dualpipev")
 
@@ -69,8 +71,6 @@ class Setup:
 
     def __post_init__(self) -> None:
         if self.shape is None and self.model is not None:
-            from .plan.shape import Shape
-
             object.__setattr__(self, "shape", Shape.of(self.model))
 
     @classmethod

@@ -160,15 +160,20 @@ def read_text(path: Path) -> str:
         raise ValueError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
+#: the 1,024-token byte-level BPE tokenizer trained on the shipped corpus (examples/make_tokenizer.py;
+#: in a checkout a link to examples/tokenizer/tokenizer.json, in a wheel the file)
+SHIPPED_TOKENIZER = Path(__file__).with_name("data") / "tokenizer-1k.json"
+
+
 def load_tokenizer(where: Path) -> Any:
     """A ``tokenizers.Tokenizer`` from ``tokenizer.json`` or a folder holding one."""
+    file = where / "tokenizer.json" if where.is_dir() else where
+    if not file.is_file():
+        raise ValueError(f"{where} holds no tokenizer.json (a Hugging Face fast tokenizer file)")
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise ValueError("portapipe tokenize needs the tokenizers library: pip install 'portapipe[data]'") from None
-    file = where / "tokenizer.json" if where.is_dir() else where
-    if not file.is_file():
-        raise ValueError(f"{where} holds no tokenizer.json (a Hugging Face fast tokenizer file)")
     try:
         return Tokenizer.from_file(str(file))
     except Exception as exc:  # tokenizers raises its own exception type

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -399,11 +398,6 @@ def check_before_launch(config: Config) -> None:
         raise ConfigError(problems)
 
 
-def rank_threads(world_size: int) -> int:
-    """Intra-op threads per rank: the machine's cores shared out, at least one."""
-    return max(1, (os.cpu_count() or 1) // world_size)
-
-
 def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
     """Check, prepare the run folder, launch ``world_size`` ranks, train; return the summary.
 
@@ -411,7 +405,7 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
     """
     from .backends.registry import check_available
     from .checkpoint.folders import Locks
-    from .launch import launching_rank, run_ranks, under_mpirun, under_torchrun
+    from .launch import launching_rank, rank_threads, run_ranks, under_mpirun, under_torchrun
 
     check_before_launch(config)
     backend = check_available(config.backend)

@@ -90,6 +90,15 @@ def all_to_all_async_issue(backend: Backend, delay_s: float) -> dict[str, Any]:
     return {"issue_s": issue_s, "pending_at_issue": pending_at_issue, "pending_after_compute": pending_after_compute, "out": out.tolist()}
 
 
+def raise_checkpoint_error(backend: Backend, bad_rank: int) -> None:
+    """Rank ``bad_rank`` fails as a checkpoint write does: an exception of portapipe's own (not built in)."""
+    from portapipe.checkpoint.files import CheckpointWriteError
+
+    if dist.get_rank() == bad_rank:
+        raise CheckpointWriteError("cannot write step_00000002 in /nowhere: No space left on device")
+    backend.barrier()
+
+
 def raise_at_start(backend: Backend, bad_rank: int) -> None:
     if dist.get_rank() == bad_rank:
         raise RuntimeError(f"rank {bad_rank} refuses to start")

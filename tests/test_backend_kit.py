@@ -1,11 +1,15 @@
-"""The conformance kit (portapipe.backends.testing) on the cpu backend, the cuda and npu doubles,
-and a deliberately broken double; and the collective dtypes the device backends declare,
-checked against what NCCL and HCCL take (tests/conformance/collectives.dtypes)."""
+"""The conformance kit (portapipe.testing) on the cpu backend, the cuda and npu doubles, and
+deliberately broken doubles; its old name (portapipe.backends.testing) saying where it went; and
+the collective dtypes the device backends declare, checked against what NCCL and HCCL take
+(tests/conformance/collectives.dtypes)."""
 
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,12 +21,14 @@ from portapipe.backends.capabilities import Capabilities
 from portapipe.backends.cpu import CPUBackend
 from portapipe.backends.cuda import CUDABackend
 from portapipe.backends.grouped_mm import grouped_mm_reference
-from portapipe.backends.testing import LOCAL, RANK_LINES, run_local, run_ranks_contracts
+from portapipe.launch import run_ranks
+from portapipe.testing import LOCAL, RANK_LINES, grouped_mm_tolerance, run_local, run_ranks_contracts
 
-from . import declared
+from . import declared, kit_doubles
 from .standin_torch_npu import make_standin
 from .test_backend_conformance import _strict_cuda
 
+ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")  # the doubles play their device on CPU memory
 
 
@@ -86,6 +92,42 @@ def test_a_broken_double_is_caught_by_the_lines_it_breaks() -> None:
     assert failed == {"grouped-mm-matches-reference", "memory-figures"}
     assert results["grouped-mm-matches-reference"].startswith("[grouped-mm-matches-reference] float64, 5 groups: 2d x 3d result is")
     assert "memory_allocated() = None" in results["memory-figures"]
+
+
+@pytest.mark.multiproc
+def test_an_all_reduce_that_ignores_its_op_fails_the_reductions() -> None:
+    """The kit once tested SUM only: a backend summing for MAX passed it."""
+    results = run_ranks(kit_doubles.rank_lines_of, 2, "ignores-op")[0]
+    failed = {line: msg for line, msg in results.items() if msg}
+    assert set(failed) == {"reductions", "reduce-scatter-all-gather"}, failed
+    assert failed["reductions"] == "[reductions] float64 all_reduce PRODUCT: [5.0, -5.0, 2.5], want [6.0, 6.0, 1.5]"
+    assert failed["reduce-scatter-all-gather"].startswith("[reduce-scatter-all-gather] float64 reduce_scatter_tensor PRODUCT: ")
+
+
+def test_a_grouped_matmul_2_percent_off_in_bfloat16_only_fails_and_a_correct_one_passes() -> None:
+    """bfloat16's tolerance is derived as verify's (1.6e-2 for the kit's sums of 8): the old 3e-2
+    let a kernel 2% off through; the cpu backend's, correct, errs by about 3e-3 and passes."""
+    results = run_local(kit_doubles.Bfloat16Off())
+    failed = {line: msg for line, msg in results.items() if msg}
+    assert list(failed) == ["grouped-mm-matches-reference"], failed
+    assert failed["grouped-mm-matches-reference"].startswith("[grouped-mm-matches-reference] bfloat16, 5 groups: 2d x 3d result is 0.02")
+    assert 1.5e-2 < grouped_mm_tolerance("bfloat16", 8) < 2e-2
+    assert grouped_mm_tolerance("float16", 8) < 2e-3 and grouped_mm_tolerance("float32", 8) < 1e-6
+    _passes(run_local(CPUBackend()))
+
+
+def test_the_old_name_of_the_kit_names_the_new_one(tmp_path: Path) -> None:
+    """`pytest --pyargs portapipe.backends.testing` (and an import from it) is refused with the
+    line to run instead, not a bare "module not found" nor a kit that reaches the launcher from
+    the backends."""
+    with pytest.raises(ImportError, match="pytest --pyargs portapipe.testing"):
+        from portapipe.backends.testing import run_local  # noqa: F401
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "portapipe.backends.testing"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "1 failed" in proc.stdout, proc.stdout[-2000:]
+    assert "the conformance kit moved from portapipe.backends.testing to portapipe.testing: run PORTAPIPE_CONFORMANCE_BACKEND=<name> " \
+        "pytest --pyargs portapipe.testing" in proc.stdout
 
 
 def test_a_declaration_is_checked_before_behaviour() -> None:

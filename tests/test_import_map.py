@@ -86,8 +86,27 @@ def test_no_module_imports_itself_back() -> None:
     assert circles(import_map()) == []
 
 
-def test_config_imports_nothing_from_plan() -> None:
+def _above(arrows: dict[str, set[str]], module: str, floor: str) -> list[str]:
+    """What ``module`` imports from outside ``floor`` (a package and its modules)."""
+    return sorted(t for t in arrows[module] if t != floor and not t.startswith(floor + "."))
+
+
+def test_validation_imports_nothing_from_plan() -> None:
+    """config.py, the rules and the Setup they read sit below the planner, which reads them."""
     arrows = import_map()
-    assert sorted(t for t in arrows["portapipe.config"] if t == "portapipe.plan" or t.startswith("portapipe.plan.")) == []
-    for base in ("portapipe.rules", "portapipe.setup"):  # what validation runs through, beside config
-        assert not any(t.startswith("portapipe.plan.") and t != "portapipe.plan.shape" for t in arrows[base]), arrows[base]
+    for base in ("portapipe.config", "portapipe.rules", "portapipe.setup"):
+        assert sorted(t for t in arrows[base] if t == "portapipe.plan" or t.startswith("portapipe.plan.")) == [], base
+
+
+def test_the_backends_import_nothing_above_them() -> None:
+    """Every module under portapipe/backends/ imports only backends modules (the conformance kit,
+    which starts ranks through the launcher, sits beside the launcher in portapipe/testing/)."""
+    arrows = import_map()
+    floor = sorted(m for m in arrows if m.startswith("portapipe.backends"))
+    assert {m: _above(arrows, m, "portapipe.backends") for m in floor if _above(arrows, m, "portapipe.backends")} == {}
+    assert "portapipe.backends.testing" in floor  # the old name, which only says where the kit went
+    assert "portapipe.launch" in arrows["portapipe.testing"]  # the kit, beside the launcher
+
+
+def test_the_rule_sees_an_arrow_up() -> None:
+    assert _above({"portapipe.backends.x": {"portapipe.launch", "portapipe.backends.base"}}, "portapipe.backends.x", "portapipe.backends") == ["portapipe.launch"]

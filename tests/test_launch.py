@@ -24,6 +24,22 @@ def test_rank_raising_at_start_ends_the_launch_with_its_traceback() -> None:
 
 
 @pytest.mark.multiproc
+def test_a_failed_rank_is_named_with_the_exceptions_own_name_not_its_module_path() -> None:
+    with pytest.raises(LaunchError) as info:
+        run_ranks(dist_checks.raise_checkpoint_error, 2, 1)
+    assert str(info.value) == "rank 1 failed: CheckpointWriteError: cannot write step_00000002 in /nowhere: No space left on device"
+    assert "portapipe.checkpoint.files.CheckpointWriteError" in info.value.traceback  # the details keep the full path
+
+
+def test_an_exception_is_said_by_its_name_and_its_message_on_one_line() -> None:
+    from portapipe.checkpoint.files import CheckpointWriteError
+    from portapipe.local_job import error_line
+
+    assert error_line(CheckpointWriteError("no space\n  on /x")) == "CheckpointWriteError: no space on /x"
+    assert error_line(KeyboardInterrupt()) == "KeyboardInterrupt"
+
+
+@pytest.mark.multiproc
 def test_a_hung_rank_is_stopped_by_its_watchdog() -> None:
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as info:
@@ -35,3 +51,36 @@ def test_a_hung_rank_is_stopped_by_its_watchdog() -> None:
 def test_world_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="world_size"):
         run_ranks(dist_checks.ring_p2p, 0)
+
+
+_LAUNCHER_KEYS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                  "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK", "PMIX_RANK", "MPI_LOCALNRANKS", "SLURM_NODEID",
+                  "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+
+
+@pytest.mark.parametrize(
+    "env, world, threads",
+    [
+        ({}, 4, 4),  # the local launcher: every rank on this machine
+        ({"RANK": "5", "WORLD_SIZE": "16", "MASTER_ADDR": "n0", "LOCAL_WORLD_SIZE": "4"}, 16, 4),  # torchrun, 4 machines
+        ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 8, 8),  # mpirun, 2 per machine
+        ({"PMI_RANK": "1", "MPI_LOCALNRANKS": "8"}, 32, 2),  # MPICH / Intel MPI
+        ({"PMIX_RANK": "9", "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "4(x2),2"}, 10, 8),  # srun: the third node holds 2
+        ({"PMIX_RANK": "0", "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "4(x2),2"}, 10, 4),
+        ({"PMI_RANK": "0", "SLURM_NTASKS_PER_NODE": "16"}, 64, 1),
+        ({"RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "n0"}, 8, 2),  # a launcher that says nothing: all ranks counted here
+    ],
+)
+def test_rank_threads_share_this_machines_cores_over_this_machines_ranks(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], world: int, threads: int
+) -> None:
+    import os
+
+    from portapipe.launch import rank_threads
+
+    for key in _LAUNCHER_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert rank_threads(world) == threads

@@ -187,3 +187,13 @@ def test_dualpipe_on_the_deepseek_v3_shape_keeps_two_copies_and_pp_plus_one_in_f
         chunk = [sum(op[4] for op in model.programs.forward(model.specs[v]) if op[0] == "C") for v in sched.stages_of(r)]
         tables = sum(model._rope_bytes(model.specs[v]) for v in sched.stages_of(r))  # once per block
         assert pp * min(chunk) <= mem.saved_peak <= (pp + 1) * max(chunk) + tables, r
+
+
+def test_the_shape_sizes_every_model_dtype_as_torch_does() -> None:
+    """Shape.e for each model.dtype the config takes (float16 was missing: `portapipe plan` failed on it)."""
+    import typing
+
+    from portapipe.config import ModelConfig
+
+    for dtype in typing.get_args(ModelConfig.model_fields["dtype"].annotation):
+        assert Shape.of(ModelConfig(dtype=dtype)).e == torch.empty(0, dtype=getattr(torch, dtype)).element_size(), dtype

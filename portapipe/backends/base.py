@@ -21,6 +21,11 @@ import torch.distributed as dist
 from .capabilities import Capabilities
 from .grouped_mm import grouped_mm_reference
 
+#: the reductions the interface's ``all_reduce`` and ``reduce_scatter_tensor`` take as ``op``
+#: (``torch.distributed.ReduceOp`` names): those gloo, NCCL and HCCL all implement. portapipe
+#: itself sums and takes maxima; the conformance kit holds every backend to all four.
+REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX")
+
 
 class BackendUnavailable(RuntimeError):
     """Raised when a backend is asked for on a machine that cannot run it."""
@@ -313,6 +318,7 @@ class Backend(ABC):
         return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+        """``tensor`` reduced over the group in place; ``op``: any of :data:`REDUCE_OPS`."""
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     def all_gather(self, tensors: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
@@ -324,7 +330,7 @@ class Backend(ABC):
         """``output`` (1/n of ``input``) = this rank's equal slice of ``input`` reduced over the group.
 
         ``input.numel()`` must be ``n * output.numel()`` for the group's size n; slice i goes to
-        the group's i-th rank (the distributed optimizer's shards).
+        the group's i-th rank (the distributed optimizer's shards). ``op``: any of :data:`REDUCE_OPS`.
         """
         # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor warns that it is deprecated)
         return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)

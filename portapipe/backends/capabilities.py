@@ -3,7 +3,7 @@
 Config validation and the rules table (:mod:`portapipe.rules`), the planner, ``portapipe
 verify`` and ``portapipe info`` read a backend's :class:`Capabilities` through its class
 (``registry.backend_class(name).capabilities``); none of them names a device. The conformance
-kit (:mod:`portapipe.backends.testing`) checks that a backend behaves as it declares.
+kit (:mod:`portapipe.testing`) checks that a backend behaves as it declares.
 
 Dtypes are named as the config names them (``float32``, ``bfloat16``...), so a declaration is
 read without touching a device.

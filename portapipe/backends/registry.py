@@ -7,6 +7,7 @@ raises :class:`BackendUnavailable` naming what is missing; nothing silently fall
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from importlib.metadata import entry_points
@@ -35,7 +36,10 @@ def _load(path: str) -> type[Backend]:
     return getattr(importlib.import_module(module), attr)
 
 
+@functools.cache
 def _plugins() -> dict[str, Any]:
+    # read once per process: scanning every installed distribution's metadata takes milliseconds,
+    # and the rules ask for each of the planner's thousands of candidate setups
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
@@ -44,14 +48,26 @@ def known_backends() -> list[str]:
     return list(_BUILTIN) + sorted(set(_plugins()) - set(_BUILTIN))
 
 
+class PluginError(ValueError):
+    """A plug-in backend whose entry point cannot be loaded: bad input (the config names it), said
+    in one line naming the ``backend`` key, the entry point and what went wrong."""
+
+
 def backend_class(name: str) -> type[Backend]:
     if name in _BUILTIN:
         return _load(_BUILTIN[name])
     plugins = _plugins()
     if name in plugins:
-        cls = plugins[name].load()
+        ep = plugins[name]
+        where = f"the plug-in entry point {name} = {getattr(ep, 'value', '?')} (group {ENTRY_POINT_GROUP})"
+        try:
+            cls = ep.load()
+        except Exception as exc:  # its module or a module it imports is missing or broken
+            text = " ".join(str(exc).split())
+            raise PluginError(f"backend: {name!r}: {where} fails to import: {type(exc).__name__}: {text}; "
+                              "reinstall the package that provides it, or choose another backend") from exc
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
-            raise TypeError(f"entry point {name!r} in group {ENTRY_POINT_GROUP!r} is not a portapipe Backend subclass")
+            raise PluginError(f"backend: {name!r}: {where} is {cls!r}, not a portapipe Backend subclass")
         return cls
     raise ValueError(f"unknown backend {name!r}; known: {', '.join(['auto'] + known_backends())}")
 

@@ -27,8 +27,10 @@ def load_checked_config(args: argparse.Namespace) -> Any:
     Raises ConfigError / BackendUnavailable, which the CLI turns into exit code 2, so bad input
     fails before any rank starts.
     """
-    from ..backends.registry import get_backend
+    from ..backends.registry import get_backend, resolve_name
     from ..config import ConfigError, load_config
+    from ..rules import violations
+    from ..setup import Setup
 
     cfg = load_config(args.config, args.overrides)
     if cfg.log.level == "debug":
@@ -38,4 +40,8 @@ def load_checked_config(args: argparse.Namespace) -> Any:
         get_backend(cfg.backend, cfg.backend_options)
     except ValueError as exc:  # an option value the backend refuses is bad input, like a config key
         raise ConfigError(str(exc).splitlines()) from None
+    if cfg.backend == "auto":  # the rules that read a backend's capabilities, now that the device is known
+        problems = violations(Setup.from_config(cfg).replace(backend=resolve_name("auto")), scopes=("backend",))
+        if problems:
+            raise ConfigError(problems)
     return cfg

@@ -73,13 +73,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"portapipe: init: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out or f"{args.name}.yaml")
+    if out.is_dir():  # --force replaces a file, never a folder
+        print(f"portapipe: init: --out {out} is a folder; name a file, e.g. {out / f'{args.name}.yaml'}", file=sys.stderr)
+        return 2
     if out.exists() and not args.force:
         print(f"portapipe: init: {out} exists; pass --force to replace it, or --out another file", file=sys.stderr)
         return 2
     if not out.parent.is_dir():
         print(f"portapipe: init: the folder {str(out.parent)!r} of --out does not exist", file=sys.stderr)
         return 2
-    out.write_text(text, encoding="utf-8")
+    try:
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:  # no permission, no space
+        print(f"portapipe: init: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     config = load_config(out)  # a starter that stopped validating is a bug, reported as a config error
     print(f"wrote {out}: {describe(config)}")
     print(next_step(out, config))

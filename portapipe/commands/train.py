@@ -1,8 +1,10 @@
 """``portapipe train CONFIG [--set KEY=VALUE ...] [--steps N]``: the training job.
 
 Checks the config, backend, data, schedule, the run folder and any checkpoint to resume before a
-rank starts (a problem exits 2), then starts ``world_size`` ranks. A progress bar goes to stderr,
-one JSON line per step to ``<log.dir>/metrics.jsonl``, and one JSON summary line to stdout.
+rank starts (a problem exits 2), prints the rules table's notes on keys set away from their
+defaults (``portapipe: note: ...``: a setting that runs but does nothing or wastes something),
+then starts ``world_size`` ranks. A progress bar goes to stderr, one JSON line per step to
+``<log.dir>/metrics.jsonl``, and one JSON summary line to stdout.
 Exit codes: 0 done; 1 a rank failed (its traceback is printed); 2 bad input; 3 the loss or the
 gradient norm stopped being finite (the run stopped at that step, one line says so); 130 / 143
 stopped by SIGINT / SIGTERM after a checkpoint (one line says which; the same command resumes).
@@ -31,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from ..launch import LaunchError, launching_rank, print_launch_error
+    from ..rules import user_notes
     from ..stop import exit_code
     from ..train import train
 
@@ -41,6 +44,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.steps is not None:
         args.overrides = [*args.overrides, f"train.steps={args.steps}"]
     config = load_checked_config(args)
+    if launching_rank() == 0:  # under torchrun / mpirun rank 0 speaks for the job
+        for note in user_notes(config):
+            print(f"portapipe: note: {note}", file=sys.stderr, flush=True)
     try:
         summary = train(config)
     except LaunchError as err:

@@ -17,6 +17,12 @@ _PRECISION = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
 LOW_PRECISION = ("bfloat16", "float16")
 
 
+def unit_roundoff(dtype: str) -> float:
+    """Half the distance from 1.0 to the next ``dtype`` number: the largest relative error of one
+    rounding to nearest (2^-24 for float32, 2^-8 for bfloat16, 2^-11 for float16)."""
+    return 2.0 ** -(_PRECISION[dtype] + 1)
+
+
 def master_dtype(model_dtype: str, setting: str) -> str:
     """The master dtype a config asks for (``auto`` resolved)."""
     if setting != "auto":
@@ -29,6 +35,12 @@ def reduce_dtype(model_dtype: str, master_setting: str, setting: str) -> str:
     return master_dtype(model_dtype, master_setting) if setting == "auto" else setting
 
 
+def _master_holds(master: str, model: str) -> bool:
+    """Whether master weights in ``master`` hold every value of a model in ``model``: as precise,
+    and a low-precision master only for a model of that very dtype."""
+    return _PRECISION[master] >= _PRECISION[model] and (master not in LOW_PRECISION or master == model)
+
+
 def precision_problems(config: Any) -> list[str]:
     """Config lines that cannot train: a master dtype less precise than the compute dtype, an EPLB
     or LPLB migration under a sharded optimizer (it moves whole expert rows of optimizer state, which
@@ -36,8 +48,9 @@ def precision_problems(config: Any) -> list[str]:
     m, t, b = config.model, config.train, config.balancer
     out = []
     master = master_dtype(m.dtype, t.master_dtype)
-    if _PRECISION[master] < _PRECISION[m.dtype] or (master in LOW_PRECISION and master != m.dtype):
-        out.append(f"train.master_dtype: {master} is less precise than model.dtype {m.dtype}; use auto, float32 or float64")
+    if not _master_holds(master, m.dtype):
+        good = ["auto"] + [d for d in _PRECISION if _master_holds(d, m.dtype)]  # never empty: the model's own dtype holds
+        out.append(f"train.master_dtype: {master} is less precise than model.dtype {m.dtype}; use {', '.join(good[:-1])} or {good[-1]}")
     if t.zero_stage > 0 and b.kind in ("eplb", "lplb") and b.interval <= t.steps:
         out.append(
             f"train.zero_stage: {t.zero_stage} shards the optimizer state that an {b.kind.upper()} rebalance (balancer.interval "

@@ -20,63 +20,14 @@ Memory options per layer are named ``off``, ``level0``, ``level1`` (zero-memory)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
-ELEMENT_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
+from ..model_shape import Shape  # below setup.py and this module; the planner's modules import it from here
+
 INDEX_BYTES = 8  # int64 indices
 PARTS = ("embed", "attention", "dense", "experts", "shared", "combine", "head")
 PHASES = ("F", "B", "W")  # forward, input-gradient backward, weight-gradient backward
 OPTIONS = ("off", "level0", "level1", "recompute_moe", "recompute_full")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The model fields that decide sizes and work (a subset of ``ModelConfig``)."""
-
-    vocab_size: int
-    hidden: int
-    n_layers: int
-    n_dense: int
-    n_heads: int
-    ffn_hidden: int
-    moe_hidden: int
-    n_experts: int
-    n_shared: int
-    top_k: int
-    seq_len: int
-    dtype: str
-
-    @classmethod
-    def of(cls, model: Any) -> Shape:
-        """From a ``ModelConfig`` (or any object / dict with these fields)."""
-        get = model.get if isinstance(model, dict) else lambda k: getattr(model, k)
-        return cls(**{f.name: get(f.name) for f in fields(cls)})
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def e(self) -> int:
-        """Bytes of one element of the model's dtype."""
-        return ELEMENT_BYTES[self.dtype]
-
-    @property
-    def lse_bytes(self) -> int:
-        """Bytes of one attention log-sum-exp (kept in at least float32)."""
-        return max(self.e, 4)
-
-    @property
-    def shared_width(self) -> int:
-        return self.moe_hidden * self.n_shared
-
-    def is_moe(self, layer: int) -> bool:
-        return layer >= self.n_dense
-
-    def rope_bytes(self) -> int:
-        """The rotary tables of one attention (module buffers, saved by every micro-batch:
-        counted once per layer while any micro-batch is held)."""
-        return 2 * self.seq_len * ((self.hidden // self.n_heads) // 2) * self.e
 
 
 def _attention_core(s: Shape) -> int:

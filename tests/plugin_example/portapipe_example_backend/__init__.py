@@ -9,6 +9,10 @@ Registered in its distribution's metadata as::
 
     [portapipe.backends]
     example32 = portapipe_example_backend:Float32Backend
+
+and checked, once installed, with the conformance kit (extra ``testing``)::
+
+    PORTAPIPE_CONFORMANCE_BACKEND=example32 pytest --pyargs portapipe.testing
 """
 
 from __future__ import annotations
