@@ -162,6 +162,13 @@ def percent(frac: float | None) -> float | None:
     return None if frac is None else 100.0 * frac
 
 
+def everywhere(backend: Any, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (collective over the world)."""
+    flag = torch.tensor([float(ok)], dtype=getattr(torch, backend.capabilities.widest_reduce_dtype), device=backend.device())
+    backend.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def memory_record(backend: Any, parts: dict[str, int]) -> dict[str, Any]:
     """The ``memory`` record: the largest per-rank bytes of each part over the ranks (collective)."""
     keys = sorted(parts)

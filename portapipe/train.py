@@ -43,7 +43,7 @@ from .checkpoint.files import atomic_write
 from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run, say_stderr
 from .config import Config, ConfigError, TrainConfig, config_from_dict
 from .data import TextData, data_problems, global_batch_size, replica_of
-from .metrics import Figures, MetricsLog, Progress, StepStats, gather_step_stats, memory_record, percent, strict
+from .metrics import Figures, MetricsLog, Progress, StepStats, everywhere, gather_step_stats, memory_record, percent, strict
 from .metrics_tb import log_problems
 from .optim.precision import LossScaler
 
@@ -102,13 +102,6 @@ def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
     t = config.train
     return ShardedAdamW(runtime.grads, model_dtype=DTYPES[config.model.dtype], zero_stage=t.zero_stage, betas=t.betas,
                         weight_decay=t.weight_decay, backend=backend)
-
-
-def everywhere(backend: Any, ok: bool) -> bool:
-    """Whether ``ok`` holds on every rank (collective over the world)."""
-    flag = torch.tensor([float(ok)], dtype=getattr(torch, backend.capabilities.widest_reduce_dtype), device=backend.device())
-    backend.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -> float | None:
