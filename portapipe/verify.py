@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .config import Config, config_from_dict
+from .config import Config, ConfigError, config_from_dict
 from .launch import run_ranks
 from .compose import PipelineRuntime, build_model
 from .metrics import everywhere
@@ -157,13 +157,22 @@ def checked(config: Config, precision: str = "highest") -> tuple[Config, Toleran
 
     ``highest``: :func:`precision_for`'s dtype throughout, so that the check can be exact (a
     float32 ``train.grad_reduce_dtype`` under a float64 check could not be, a float32 master dtype
-    under float64 would be refused); ``model``: the config as it is.
+    under float64 would be refused); ``model``: the config as it is. Raises ConfigError where the
+    derived gradient tolerance is 1 or more: rounding alone could then explain any gradient, a
+    zero one included, and the check could not fail.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
     if precision == "model":
-        exact = set(dtypes(config).values()) == {"float64"}
-        return config, EXACT if exact else rounding_tolerance(config), {}
+        if set(dtypes(config).values()) == {"float64"}:
+            return config, EXACT, {}
+        tolerance = rounding_tolerance(config)
+        if tolerance.grad >= 1.0:
+            raise ConfigError([
+                f"verify --precision model: the gradient tolerance derived for model.dtype {config.model.dtype} is {tolerance.grad:.3g} "
+                f"relative ({tolerance.basis}), so no gradient could fail it; check this model with --precision highest, "
+                "or a smaller one (model.hidden, ffn_hidden, seq_len, vocab_size, train.micro_batch_size) in its dtype"])
+        return config, tolerance, {}
     tolerance = precision_for(config)
     ranks = in_dtype(config, tolerance.precision)
     was, now = dtypes(config), dtypes(ranks)
@@ -430,7 +439,6 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision:
     backends = {c.backend for c in configs}
     if len(backends) != 1:
         raise ValueError(f"verify_many needs one backend per launch, got {sorted(backends)}")
-    from .config import ConfigError
     from .models.hf_io import init_problems
 
     plans = [checked(c, precision) for c in configs]

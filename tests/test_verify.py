@@ -296,3 +296,19 @@ def test_the_model_precision_checks_bfloat16_and_float16_with_master_weights_and
     assert [r.loss_scale for r in reports] == [None, 2.0**16, 2.0**14, None]
     # the loss scale divided out: gradients of 2^16 x the loss would be off by 2^16
     assert all(r.max_rel_grad_diff < 0.1 for r in reports[1:3])
+
+
+def test_the_model_precision_refuses_a_check_whose_derived_tolerance_no_gradient_could_fail(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vocab 512 (k = 512): bfloat16's gradient tolerance 8 u sqrt(k) (n_layers + 1) = 3.5 would
+    pass a zero gradient; float16's (0.44) is a check."""
+    import portapipe.verify
+
+    monkeypatch.setattr(portapipe.verify, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    big = _with(_config("1f1b", 2), model__vocab_size=512)
+    assert rounding_tolerance(_with(big, model__dtype="float16")).grad < 1 <= rounding_tolerance(_with(big, model__dtype="bfloat16")).grad
+    assert cli.main(["verify", _write(tmp_path, _with(big, model__dtype="bfloat16")), "--precision", "model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "verify --precision model: the gradient tolerance derived for model.dtype bfloat16 is 3.54 relative" in err[0]
+    assert "no gradient could fail it; check this model with --precision highest" in err[0]
