@@ -22,7 +22,10 @@ Checkpoints (logical, resumable on any layout; one run per folder) are in
 :mod:`portapipe.checkpoint`; this loop asks for one every ``checkpoint.every`` steps (written in
 the background), at the end, and when every rank agreed to stop on SIGINT / SIGTERM
 (:mod:`portapipe.stop`). A non-finite loss or gradient norm ends the run at that step, before the
-optimizer applies it, and writes no checkpoint of it (under float16 that is an overflow instead).
+optimizer applies it, and writes no checkpoint of it (under float16 that is an overflow instead,
+until ``train.max_skipped_steps`` in a row). Weights or AdamW state that are not finite before a
+checkpoint, and a validation loss that is not finite, end it as diverged too: no run ends well
+with a model it cannot use.
 """
 
 from __future__ import annotations
