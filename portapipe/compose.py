@@ -19,7 +19,8 @@ training or verification run builds it:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -93,6 +94,31 @@ class PipelineRuntime(PipelineExecutor):
         """This rank's MoE layers, by global layer index."""
         layers = [layer for block in self.blocks.values() for layer in block.moe_layers()]
         return sorted(layers, key=lambda layer: layer.index)
+
+    @contextlib.contextmanager
+    def unchanged(self) -> Iterator[None]:
+        """What runs inside (a step that is not training's: validation, a retried verification)
+        leaves this rank as it found it: every buffer (the routers' biases, the step's expert
+        counts), the RNG, and the attributes of the experts' clocks and of the balancer, its
+        replica switch and LP planners (the figures a step leaves for the next). A step writes
+        gradients, never the parameters: they are not copied."""
+        tensors = [t for block in self.blocks.values() for t in block.buffers()]
+        saved = [t.detach().clone() for t in tensors]
+        objects = [layer.moe.clock for layer in self.moe_layers()]
+        if self.balancer is not None:
+            objects += [self.balancer, self.balancer.switch, *self.balancer.planners]
+        attributes = [dict(vars(o)) for o in objects]
+        rng = self.backend.get_rng_state()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for t, old in zip(tensors, saved):
+                    t.copy_(old)
+            for o, attrs in zip(objects, attributes):
+                vars(o).clear()
+                vars(o).update(attrs)
+            self.backend.set_rng_state(rng)
 
 
 def model_end_step(rt: PipelineRuntime) -> dict[str, Any]:

@@ -334,6 +334,11 @@ class TrainConfig(_Section):
     grad_reduce_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
         "auto", description="dtype gradients are summed over the data-parallel replicas in; auto: the master dtype"
     )
+    max_skipped_steps: int = Field(
+        20, ge=1,
+        description="model.dtype float16: this many steps in a row skipped for overflowing gradients stop the run as diverged "
+        "(exit 3); the loss scale halves at each, from 2^16 to its floor 1 in 16",
+    )
     zero_stage: Literal[0, 1, 2] = Field(
         0,
         description="0: every replica holds the whole optimizer; 1: master weights and AdamW state sharded over the "

@@ -17,9 +17,10 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsLog:
     """Appends one JSON object per line to ``<dir>/metrics.jsonl`` (rank 0 only).
 
-    Resuming from step ``start`` drops the lines of later steps that an interrupted run left,
-    so the file reads as one run. ``tensorboard_run`` (a run id): the same figures also go to
-    TensorBoard under that run name (:mod:`portapipe.metrics_tb`).
+    Resuming from step ``resume_step`` drops the lines of later steps that an interrupted run
+    left and the summaries of earlier launches, and keeps every other line (each kind: train,
+    overflow, memory, balancer figures...), so the file reads as one run. ``tensorboard_run`` (a
+    run id): the same figures also go to TensorBoard under that run name (:mod:`portapipe.metrics_tb`).
     """
 
     def __init__(self, directory: Path, resume_step: int | None, tensorboard_run: str | None = None) -> None:
@@ -32,7 +33,7 @@ class MetricsLog:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut short by a crash
-                if rec.get("kind") == "train" and rec.get("step", 0) <= resume_step:
+                if rec.get("kind") != "summary" and rec.get("step", 0) <= resume_step:
                     kept.append(line)
         self.path.write_text("".join(k + "\n" for k in kept))
         self._file = open(self.path, "a")
@@ -87,12 +88,15 @@ class Progress:
     train_s: float = 0.0
     losses: list[float] = field(default_factory=list)
 
-    def record(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+    def record(self, step: int, loss: float | None, tokens: int, seconds: float) -> None:
+        """Step ``step`` done; ``loss`` None for a step that was not applied (float16's skipped
+        steps: their losses may be inf or nan, and describe no model the run kept)."""
         self.step = step
-        self.first_loss = loss if self.first_loss is None else self.first_loss
         self.tokens += tokens
         self.train_s += seconds
-        self.losses.append(loss)
+        if loss is not None:
+            self.first_loss = loss if self.first_loss is None else self.first_loss
+            self.losses.append(loss)
 
     def checkpoint(self) -> dict[str, Any]:
         """What a checkpoint keeps (the summary needs only the last losses)."""
@@ -156,6 +160,13 @@ def strict(value: Any) -> Any:
 
 def percent(frac: float | None) -> float | None:
     return None if frac is None else 100.0 * frac
+
+
+def everywhere(backend: Any, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (collective over the world)."""
+    flag = torch.tensor([float(ok)], dtype=getattr(torch, backend.capabilities.widest_reduce_dtype), device=backend.device())
+    backend.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def memory_record(backend: Any, parts: dict[str, int]) -> dict[str, Any]:

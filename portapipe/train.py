@@ -22,7 +22,10 @@ Checkpoints (logical, resumable on any layout; one run per folder) are in
 :mod:`portapipe.checkpoint`; this loop asks for one every ``checkpoint.every`` steps (written in
 the background), at the end, and when every rank agreed to stop on SIGINT / SIGTERM
 (:mod:`portapipe.stop`). A non-finite loss or gradient norm ends the run at that step, before the
-optimizer applies it, and writes no checkpoint of it (under float16 that is an overflow instead).
+optimizer applies it, and writes no checkpoint of it (under float16 that is an overflow instead,
+until ``train.max_skipped_steps`` in a row). Weights or AdamW state that are not finite before a
+checkpoint, and a validation loss that is not finite, end it as diverged too: no run ends well
+with a model it cannot use.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from .checkpoint.files import atomic_write
 from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run, say_stderr
 from .config import Config, ConfigError, TrainConfig, config_from_dict
 from .data import TextData, data_problems, global_batch_size, replica_of
-from .metrics import Figures, MetricsLog, Progress, StepStats, gather_step_stats, memory_record, percent, strict
+from .metrics import Figures, MetricsLog, Progress, StepStats, everywhere, gather_step_stats, memory_record, percent, strict
 from .metrics_tb import log_problems
 from .optim.precision import LossScaler
 
@@ -103,34 +106,25 @@ def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
                         weight_decay=t.weight_decay, backend=backend)
 
 
-def _snapshot_buffers(runtime: Any) -> dict[int, dict[str, torch.Tensor]]:
-    return {b: {n: t.detach().clone() for n, t in m.named_buffers()} for b, m in runtime.blocks.items()}
-
-
-def _restore_buffers(runtime: Any, saved: dict[int, dict[str, torch.Tensor]]) -> None:
-    for b, m in runtime.blocks.items():
-        for n, t in m.named_buffers():
-            t.copy_(saved[b][n])
-
-
 def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -> float | None:
-    """Mean loss over ``VAL_BATCHES`` steps of validation data; the model is left unchanged.
+    """Mean loss over ``VAL_BATCHES`` steps of validation data, each on the model as training
+    left it; nothing is changed.
 
-    The runtime's step also computes gradients and updates the routers' load-balancing bias;
-    both are undone here so evaluating never changes training.
+    The runtime's step also computes gradients, moves the routers' load-balancing biases and
+    the balancer's and expert clocks' figures: all of it is undone after each batch
+    (:meth:`~portapipe.compose.PipelineRuntime.unchanged`), so evaluating never changes training.
     """
     if data.n_bytes("val") < config.model.seq_len + 1:
         return None
-    saved = _snapshot_buffers(runtime)
     losses = []
     replica, replicas = replica_of(groups)
     for i in range(VAL_BATCHES):
         batches = data.microbatches(
             i, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len, split="val"
         )
-        losses.append(float(runtime.step(batches).loss))
-        runtime.grads.zero_grad()
-    _restore_buffers(runtime, saved)
+        with runtime.unchanged():
+            losses.append(float(runtime.step(batches).loss))
+            runtime.grads.zero_grad()
     return sum(losses) / len(losses)
 
 
@@ -222,7 +216,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
     tb_run = run.run_id if config.log.tensorboard else None
     metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run) if rank == 0 else None
-    memory = memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory()})
+    memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory()}), "step": start}
     if metrics is not None:
         metrics.write(memory)
         say_stderr("memory per rank (largest): " + ", ".join(f"{k} {memory[k] / 2**20:.2f} MiB" for k in ("params", "grads", "master", "optimizer")))
@@ -231,6 +225,19 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     stopped: dict[str, Any] | None = None
     diverged: dict[str, Any] | None = None
     saved_at = start if run.mode == "resume" else None
+
+    def diverge(record: dict[str, Any]) -> dict[str, Any]:
+        if metrics is not None:
+            metrics.write({"kind": "diverged", **record, "lr": optimizer.lr})
+        return record
+
+    def weights_broken(at: int) -> dict[str, Any] | None:
+        """Before a checkpoint of step ``at`` (collective): the divergence when any rank's weights
+        or AdamW state stopped being finite, so that no checkpoint holds them."""
+        if everywhere(backend, optimizer.finite()):
+            return None
+        return diverge({"step": at, "reason": f"the weights are not finite after the update of step {at}; no checkpoint was written of them"})
+
     failing = True
     try:
         for step in range(start, tc.steps):
@@ -248,9 +255,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             skipped = scaler.enabled and not scaler.update(finite)
             if not finite and not skipped:
                 # Same figures on every rank, so every rank stops here, before the optimizer applies it.
-                diverged = {"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))}
-                if metrics is not None:
-                    metrics.write({"kind": "diverged", **diverged, "lr": lr})
+                diverged = diverge({"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))})
                 break
             coef = 1.0 if skipped else clip_coefficient(stats.grad_norm, tc.grad_clip)
             if not skipped:
@@ -263,13 +268,18 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 hook(step, last=step + 1 == tc.steps)
             iter_s = time.perf_counter() - t0
 
-            progress.record(step + 1, float(result.loss), int(result.tokens), iter_s)
+            progress.record(step + 1, None if skipped else float(result.loss), int(result.tokens), iter_s)
             if skipped:
                 if rank == 0:
                     say_stderr(f"step {step + 1}: gradients overflowed at loss scale {scale:g}; step skipped, scale now {scaler.scale:g}")
                 if metrics is not None:
                     metrics.write({"kind": "overflow", "step": step + 1, "loss_scale": scale, "next_loss_scale": scaler.scale,
                                    "overflows": scaler.overflows})
+                if scaler.in_a_row >= tc.max_skipped_steps:  # the same count on every rank
+                    diverged = diverge({"step": step + 1, "reason": (
+                        f"{scaler.in_a_row} steps in a row overflowed in float16 (train.max_skipped_steps {tc.max_skipped_steps}), "
+                        f"the last at loss scale {scale:g}; none of them was applied")})
+                    break
             else:
                 if step > start:  # the first step of a process pays one-time costs
                     figures.add(stats)
@@ -283,17 +293,23 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             ckpt.poll()  # a failed save in the background stops the run at this step boundary
             every = config.checkpoint.every
             if every and (step + 1) % every == 0 and step + 1 < tc.steps:
+                if (diverged := weights_broken(step + 1)) is not None:
+                    break
                 with lifeline.untimed():  # may wait for the previous save: not a slow step
                     ckpt.save_training(step + 1, record(), wait=False)  # written while training goes on
                 saved_at = step + 1
             lifeline.mark_progress(last=step + 1 == tc.steps)  # the launcher's watch of steps far longer than the median
             sig = stop.agree(backend)
             if sig is not None:
+                if saved_at != step + 1 and (diverged := weights_broken(step + 1)) is not None:
+                    break
                 path = ckpt.wait() if saved_at == step + 1 else ckpt.save_training(step + 1, record())
                 stopped = {"signal": signal.Signals(sig).name, "step": step + 1, "checkpoint": str(path)}
                 break
         if stopped is None and diverged is None and start < tc.steps:
-            ckpt.save_training(tc.steps, record())
+            diverged = weights_broken(tc.steps)
+            if diverged is None:
+                ckpt.save_training(tc.steps, record())
         last_ckpt = ckpt.wait()
         failing = False
     finally:
@@ -301,6 +317,9 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         if bar is not None:
             bar.close()
 
+    val_loss = validation_loss(runtime, data, config, groups) if stopped is None and diverged is None else None
+    if val_loss is not None and not math.isfinite(val_loss):  # the same on every rank
+        diverged = diverge({"step": progress.step, "reason": f"the validation loss is {val_loss!r}"})
     tail = progress.losses[-5:]
     summary = {
         "run_id": run.run_id,
@@ -314,7 +333,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         "first_loss": progress.first_loss,
         "final_loss": progress.losses[-1] if progress.losses else None,
         "final_loss_avg5": sum(tail) / len(tail) if tail else None,
-        "val_loss": validation_loss(runtime, data, config, groups) if stopped is None and diverged is None else None,
+        "val_loss": val_loss,
         "tokens": progress.tokens,
         "train_s": progress.train_s,
         "tokens_per_s": progress.tokens / progress.train_s if progress.train_s else None,

@@ -5,6 +5,16 @@ Where the backend declares float64 compute and communication (its
 claim is exact (below). Elsewhere the pipelined step runs in float32 on the device and is
 compared with a float64 single-process reference on the CPU, within a tolerance derived from
 float32 rounding and the model's depth (:func:`float32_tolerance`), printed with the result.
+Either way the master weights and the gradients' reduction run in that dtype too: the dtype keys
+this changes are named in the result (``changed``).
+
+``precision="model"`` (``portapipe verify --precision model``) checks the run's own dtypes
+instead: ``model.dtype`` (bfloat16, float16), the master dtype the gradients accumulate in, the
+reduction's dtype and float16's loss scaling, against the float64 reference within a tolerance
+derived the same way from each dtype's unit roundoff (:func:`rounding_tolerance`). Routing is
+forced by position on both sides there: a top-k choice is discontinuous, and near-ties that a
+low-precision forward breaks otherwise than float64 would send tokens to other experts, which no
+rounding tolerance bounds (the exact check above covers the routing).
 
 The pipelined step runs on ``pp x dp x ep`` ranks (:func:`portapipe.launch.run_ranks`) with
 the configured schedule, overlap and W split; the reference builds the whole model in this
@@ -37,20 +47,26 @@ from typing import Any
 
 import torch
 
-from .config import Config, config_from_dict
+from .config import Config, ConfigError, config_from_dict
 from .launch import run_ranks
 from .compose import PipelineRuntime, build_model
+from .metrics import everywhere
 from .models.expert_parallel import ExpertParallel
+from .models.routing import ForcedRouting
+from .optim.precision import LossScaler, master_dtype, reduce_dtype
 from .scheduling.executor import build_schedule, mean_loss
 from .scheduling.overlap import Tape, run
 from .scheduling.stage import is_expert
 
 GRAD_TOLERANCE = 1e-12
-#: float32's unit roundoff (half the distance from 1.0 to the next float32)
-FLOAT32_UNIT_ROUNDOFF = 2.0**-24
-#: how many typical (random-walk) float32 errors the tolerance allows: measured errors sit
+#: unit roundoff of each dtype (half the distance from 1.0 to the next number): 2^-(mantissa bits + 1)
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+FLOAT32_UNIT_ROUNDOFF = UNIT_ROUNDOFF["float32"]
+#: how many typical (random-walk) rounding errors the tolerance allows: measured float32 errors sit
 #: 45-65x below it on the test models (docs/backends.md), a pipeline bug lands far above it
 FLOAT32_SAFETY = 4.0
+#: what ``portapipe verify --precision`` takes: the highest the backend computes in, or the config's own dtypes
+PRECISIONS = ("highest", "model")
 
 
 @dataclass(frozen=True)
@@ -70,29 +86,54 @@ class Tolerance:
 EXACT = Tolerance("float64", 0.0, GRAD_TOLERANCE, 0.0, "float64 on both sides: the loss bit for bit, gradients to summation order")
 
 
-def float32_tolerance(config: Config) -> Tolerance:
-    """Tolerance of a float32 pipelined step against the float64 reference.
+def rounding_tolerance(config: Config) -> Tolerance:
+    """Tolerance of a pipelined step in the config's own dtypes against the float64 reference.
 
-    A float32 sum of k terms carries a relative error of about sqrt(k) u (u = 2^-24, rounding
-    errors adding as a random walk: Higham and Mary, SIAM J. Sci. Comput. 2019), and the errors
-    of the stages a value passes through add up. The longest sums of one forward are over the
-    hidden width, the dense and expert FFN widths, the sequence (attention) and the vocabulary
+    A sum of k terms in a dtype of unit roundoff u carries a relative error of about sqrt(k) u
+    (rounding errors adding as a random walk: Higham and Mary, SIAM J. Sci. Comput. 2019), and the
+    errors of the stages a value passes through add up. The longest sums of one forward are over
+    the hidden width, the dense and expert FFN widths, the sequence (attention) and the vocabulary
     (log-softmax); a weight gradient sums over a micro-batch's tokens. A forward passes
     n_layers + 1 stages (the head included), a gradient twice as many (forward, then backward).
-    So: loss ``FLOAT32_SAFETY * u * sqrt(k) * (n_layers + 1)`` relative, gradients twice that;
-    router biases move by whole steps of ``bias_update_speed`` and differ only by its rounding.
+    So, with u_c the unit roundoff of ``model.dtype``: loss ``FLOAT32_SAFETY * u_c * sqrt(k) *
+    (n_layers + 1)`` relative, gradients twice that. Gradients then accumulate over the
+    micro-batches in the master dtype (never coarser than u_c: inside that budget) and are summed
+    over the R = dp x ep replicas in ``train.grad_reduce_dtype`` (u_r): R casts and R - 1 additions,
+    about sqrt(2R) u_r, ``FLOAT32_SAFETY`` times, added. float16's loss scale is a power of two:
+    multiplying by it and dividing it out is exact. Router biases move by whole steps of
+    ``bias_update_speed`` and differ only by its rounding in the bias dtype (float32 at least).
     """
     m, t, p = config.model, config.train, config.parallel
     k = max(m.hidden, m.ffn_hidden, m.moe_hidden, m.seq_len, m.vocab_size, t.micro_batch_size * m.seq_len)
     depth = m.n_layers + 1
-    u = FLOAT32_UNIT_ROUNDOFF
+    u = UNIT_ROUNDOFF[m.dtype]
     loss = FLOAT32_SAFETY * u * math.sqrt(k) * depth
-    bias = 2 * u * m.bias_update_speed * max(1, p.dp * p.ep)
+    grad = 2 * loss
+    replicas = p.dp * p.ep
+    reduced, master = reduce_dtype(m.dtype, t.master_dtype, t.grad_reduce_dtype), master_dtype(m.dtype, t.master_dtype)
     basis = (
-        f"float32 on the device (u = 2^-24) against float64 on the CPU: loss {FLOAT32_SAFETY:g} u sqrt(k) (n_layers + 1) "
+        f"{m.dtype} on the device (u = {_power(u)}) against float64 on the CPU: loss {FLOAT32_SAFETY:g} u sqrt(k) (n_layers + 1) "
         f"relative with k = {k} (the longest sum), n_layers + 1 = {depth}; gradients twice that (forward and backward)"
     )
-    return Tolerance("float32", loss, 2 * loss, bias, basis)
+    if replicas > 1:
+        u_r = UNIT_ROUNDOFF[reduced]
+        grad += FLOAT32_SAFETY * u_r * math.sqrt(2 * replicas)
+        basis += f", plus {FLOAT32_SAFETY:g} u_r sqrt(2R) for the sum over R = {replicas} replicas in {reduced} (u_r = {_power(u_r)})"
+    if master != m.dtype:
+        basis += f"; accumulated in {master}"
+    u_bias = UNIT_ROUNDOFF["float64" if m.dtype == "float64" else "float32"]
+    bias = 2 * u_bias * m.bias_update_speed * max(1, replicas)
+    return Tolerance(m.dtype, loss, grad, bias, basis)
+
+
+def _power(u: float) -> str:
+    return f"2^{round(math.log2(u))}"
+
+
+def float32_tolerance(config: Config) -> Tolerance:
+    """Tolerance of a float32 pipelined step (master weights and reduction in float32 too) against
+    the float64 reference: :func:`rounding_tolerance` in float32."""
+    return rounding_tolerance(in_dtype(config, "float32"))
 
 
 def precision_for(config: Config) -> Tolerance:
@@ -101,6 +142,41 @@ def precision_for(config: Config) -> Tolerance:
 
     caps = backend_class(resolve_name(config.backend)).capabilities
     return EXACT if caps.full_precision("float64") else float32_tolerance(config)
+
+
+def dtypes(config: Config) -> dict[str, str]:
+    """The dtype keys of a config, resolved (``auto`` read)."""
+    m, t = config.model, config.train
+    return {"model.dtype": m.dtype, "train.master_dtype": master_dtype(m.dtype, t.master_dtype),
+            "train.grad_reduce_dtype": reduce_dtype(m.dtype, t.master_dtype, t.grad_reduce_dtype)}
+
+
+def checked(config: Config, precision: str = "highest") -> tuple[Config, Tolerance, dict[str, str]]:
+    """For ``precision`` (one of :data:`PRECISIONS`): the config the ranks run, the tolerance it
+    is judged by, and every dtype key that differs from ``config`` (``{key: "was -> now"}``).
+
+    ``highest``: :func:`precision_for`'s dtype throughout, so that the check can be exact (a
+    float32 ``train.grad_reduce_dtype`` under a float64 check could not be, a float32 master dtype
+    under float64 would be refused); ``model``: the config as it is. Raises ConfigError where the
+    derived gradient tolerance is 1 or more: rounding alone could then explain any gradient, a
+    zero one included, and the check could not fail.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision == "model":
+        if set(dtypes(config).values()) == {"float64"}:
+            return config, EXACT, {}
+        tolerance = rounding_tolerance(config)
+        if tolerance.grad >= 1.0:
+            raise ConfigError([
+                f"verify --precision model: the gradient tolerance derived for model.dtype {config.model.dtype} is {tolerance.grad:.3g} "
+                f"relative ({tolerance.basis}), so no gradient could fail it; check this model with --precision highest, "
+                "or a smaller one (model.hidden, ffn_hidden, seq_len, vocab_size, train.micro_batch_size) in its dtype"])
+        return config, tolerance, {}
+    tolerance = precision_for(config)
+    ranks = in_dtype(config, tolerance.precision)
+    was, now = dtypes(config), dtypes(ranks)
+    return ranks, tolerance, {k: f"{was[k]} -> {now[k]}" for k in was if was[k] != now[k]}
 
 
 @dataclass
@@ -115,6 +191,10 @@ class VerifyReport:
     ok: bool
     precision: str = "float64"
     tolerance: Tolerance = EXACT
+    #: dtype keys verify changed from the config to check in ``precision`` (key -> "was -> now")
+    changed: dict[str, str] = field(default_factory=dict)
+    #: float16 checked in its own dtype: the loss scale of the step (the first without overflow)
+    loss_scale: float | None = None
     #: beyond the printed keys: for tests and diagnosis
     overlap: bool = True
     w_split: bool = True
@@ -126,15 +206,18 @@ class VerifyReport:
 
     def summary(self) -> dict[str, Any]:
         """The ``portapipe verify`` JSON: schedule, pp, ep, dp, microbatches, loss_diff,
-        max_rel_grad_diff, ok, precision and the tolerance it was judged by."""
-        keys = ("schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok", "precision")
+        max_rel_grad_diff, ok, precision, the dtype keys changed to check in it, float16's loss
+        scale (null otherwise) and the tolerance it was judged by."""
+        keys = ("schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok", "precision", "changed", "loss_scale")
         return {**{k: getattr(self, k) for k in keys}, "tolerance": self.tolerance.as_dict()}
 
 
 def in_dtype(config: Config, dtype: str, backend: str | None = None) -> Config:
-    """The config with the model in ``dtype`` (and on ``backend``, when given)."""
+    """The config with the model in ``dtype``, its master weights and gradients' reduction too
+    (``train.master_dtype`` and ``train.grad_reduce_dtype`` auto), on ``backend`` when given."""
     raw = config.to_dict()
     raw["model"]["dtype"] = dtype
+    raw["train"]["master_dtype"] = raw["train"]["grad_reduce_dtype"] = "auto"
     if backend is not None:
         raw["backend"], raw["backend_options"] = backend, {}
     return config_from_dict(raw)
@@ -157,33 +240,69 @@ def microbatches(config: Config, replica: int) -> list[tuple[torch.Tensor, torch
 
 
 # ------------------------------------------------------------------------------ ranks
-def runtime_for(backend: Any, raw: dict[str, Any]) -> tuple[PipelineRuntime, Any]:
+def runtime_for(backend: Any, raw: dict[str, Any], by_position: bool = False) -> tuple[PipelineRuntime, Any]:
     """This rank's runtime for one raw config, and its data: the micro-batches of its replica.
 
     A fresh backend object per config, so each config gets its own pp x dp x ep groups.
+    ``by_position``: routing forced by position (:func:`route_by_position`).
     """
     config = config_from_dict(raw)
     p = config.parallel
     be = type(backend)(backend.options)
     groups = be.parallel_groups(p.pp, p.dp, p.ep)
     runtime = PipelineRuntime(config, be, groups)
+    if by_position:
+        route_by_position(config, runtime.moe_layers())
     return runtime, microbatches(config, groups.dp_rank * p.ep + groups.ep_rank)
 
 
-def _rank_step(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def route_by_position(config: Config, moe_layers: list[Any]) -> None:
+    """Every router sends token t of a micro-batch to experts (t k + j) mod E, j < k: the same on
+    the ranks and in the reference, whatever the order of their calls."""
+    for layer in moe_layers:
+        layer.moe.router.forced = ForcedRouting(config.model.n_experts, config.model.top_k, restart=True)
+
+
+def _rank_step(backend: Any, raws: list[dict[str, Any]], by_position: bool = False) -> list[dict[str, Any]]:
     """On every rank: for each config, build the runtime, run one step, return its gradients."""
-    return [step_report(*runtime_for(backend, raw)) for raw in raws]
+    return [step_report(*runtime_for(backend, raw, by_position)) for raw in raws]
 
 
 def step_report(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
-    """Run one step; return what :func:`compare` checks (picklable, for the launcher)."""
+    """Run one step; return what :func:`compare` checks (picklable, for the launcher).
+
+    float16 scales the loss as training does: from training's first scale, halved while the
+    gradients overflow (each try undone, :meth:`~portapipe.compose.PipelineRuntime.unchanged`);
+    the gradients are reported divided by it (in float64, exactly)."""
+    scaler = LossScaler(runtime.config.model.dtype == "float16")
+    while True:
+        runtime.grad_scale = scale = scaler.scale
+        with runtime.unchanged():
+            report = _one_step(runtime, data, scale)
+            finite = not scaler.enabled or everywhere(runtime.backend, _finite(report))
+        if finite or scaler.scale == 1.0:
+            runtime.grad_scale = 1.0
+            return report
+        scaler.update(False)
+
+
+def _finite(report: dict[str, Any]) -> bool:
+    return math.isfinite(report["loss"]) and all(bool(torch.isfinite(g).all()) for g in report["grads"].values())
+
+
+def _one_step(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> dict[str, Any]:
     result = runtime.step(data)
     params = dict(runtime.named_parameters())
     grads = runtime.grads.full_grads()  # zero_stage 2 keeps only its ranges: gathered here
+
+    def unscaled(g: torch.Tensor) -> torch.Tensor:
+        return g.detach().cpu().clone() if scale == 1.0 else g.detach().cpu().to(torch.float64) / scale
+
     return {
+        "loss_scale": scale if runtime.config.model.dtype == "float16" else None,
         "ep_rank": runtime.groups.ep_rank,
         "loss": result.loss,
-        "grads": {n: grads[q].detach().cpu().clone() for n, q in params.items()},
+        "grads": {n: unscaled(grads[q]) for n, q in params.items()},
         "experts": sorted(n for n, q in params.items() if is_expert(q)),
         # logical expert of each local slot, per expert parameter (a balancer may replicate / reorder)
         "expert_ids": {
@@ -215,8 +334,9 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def reference(config: Config) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The step in one process: (mean loss, gradients by name, router biases after the step)."""
+def reference(config: Config, by_position: bool = False) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The step in one process: (mean loss, gradients by name, router biases after the step);
+    ``by_position``: routing forced as :func:`route_by_position` says."""
     from .backends.cpu import CPUBackend
 
     p = config.parallel
@@ -224,6 +344,8 @@ def reference(config: Config) -> tuple[float, dict[str, torch.Tensor], dict[str,
     replicas, m = p.dp * p.ep, config.schedule.microbatches
     scale = 1.0 / (m * replicas)
     blocks = build_model(config, range(n_blocks), n_blocks, ExpertParallel(CPUBackend()))
+    if by_position:
+        route_by_position(config, [layer for b in range(n_blocks) for layer in blocks[b].moe_layers()])
     losses = []
     with _threads(1):  # as on the ranks
         for r in range(replicas):
@@ -255,10 +377,12 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den
 
 
-def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Tolerance = EXACT) -> VerifyReport:
+def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Tolerance = EXACT, changed: dict[str, str] | None = None,
+            by_position: bool = False) -> VerifyReport:
     """Every rank's loss, gradients and router biases against the single-process reference
-    (``config`` in float64), judged by ``tolerance`` (exact for a float64 step)."""
-    ref_loss, ref_grads, ref_biases = reference(config)
+    (``config`` in float64, routed by position where the ranks were), judged by ``tolerance``
+    (exact for a float64 step); ``changed``: the dtype keys the ranks ran otherwise than asked."""
+    ref_loss, ref_grads, ref_biases = reference(config, by_position)
     p = config.parallel
     per = config.model.n_experts // p.ep
     worst, worst_name, bias_diff = 0.0, "", 0.0
@@ -288,6 +412,8 @@ def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Toler
         ok=ok,
         precision=tolerance.precision,
         tolerance=tolerance,
+        changed=dict(changed or {}),
+        loss_scale=rank_results[0].get("loss_scale"),
         overlap=config.schedule.overlap,
         w_split=config.schedule.w_split,
         loss=losses[0],
@@ -298,11 +424,12 @@ def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Toler
     )
 
 
-def verify_many(configs: list[Config], wall_timeout_s: float = 600.0) -> list[VerifyReport]:
+def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision: str = "highest") -> list[VerifyReport]:
     """Verify several configs of one world size in one launch of ranks (start-up paid once).
 
-    The ranks run in float64 where the backend declares float64 compute and communication,
-    else in float32; the reference always runs in float64 on the CPU.
+    ``precision`` highest: the ranks run in float64 where the backend declares float64 compute
+    and communication, else in float32; model: in each config's own dtypes (:func:`checked`).
+    The reference always runs in float64 on the CPU.
     """
     if not configs:
         return []
@@ -312,12 +439,12 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0) -> list[Ve
     backends = {c.backend for c in configs}
     if len(backends) != 1:
         raise ValueError(f"verify_many needs one backend per launch, got {sorted(backends)}")
-    from .config import ConfigError
     from .models.hf_io import init_problems
 
-    tolerances = [precision_for(c) for c in configs]
-    ranks_configs = [in_dtype(c, t.precision) for c, t in zip(configs, tolerances)]
+    plans = [checked(c, precision) for c in configs]
+    ranks_configs = [ranks for ranks, _, _ in plans]
     references = [in_dtype(c, "float64", backend="cpu") for c in configs]
+    by_position = precision == "model"
     for c in ranks_configs:
         build_schedule(c)  # a schedule or split that cannot run fails here, before any rank starts
         problems = init_problems(c.model)  # weights to start from that do not fit
@@ -327,15 +454,17 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0) -> list[Ve
         _rank_step,
         configs[0].world_size,
         [c.to_dict() for c in ranks_configs],
+        by_position,
         backend=configs[0].backend,
         backend_options=configs[0].backend_options,
         wall_timeout_s=wall_timeout_s,
         stall_timeout_s=configs[0].launch.stall_timeout_s,
         stop_grace_s=configs[0].launch.stop_grace_s,
     )
-    return [compare(ref, [ranks[i] for ranks in per_rank], tol) for i, (ref, tol) in enumerate(zip(references, tolerances))]
+    return [compare(ref, [ranks[i] for ranks in per_rank], tol, changed, by_position)
+            for i, (ref, (_, tol, changed)) in enumerate(zip(references, plans))]
 
 
-def verify(config: Config) -> dict[str, Any]:
-    """One step pipelined vs in one process, in the device's precision: the summary (see VerifyReport.summary)."""
-    return verify_many([config])[0].summary()
+def verify(config: Config, precision: str = "highest") -> dict[str, Any]:
+    """One step pipelined vs in one process, in ``precision`` (see :func:`checked`): the summary (see VerifyReport.summary)."""
+    return verify_many([config], precision=precision)[0].summary()

@@ -81,6 +81,12 @@ def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
     once = {"checkpoint__every": 0}  # the final checkpoint is the one resumed
     diverging = raw(base / "diverged", steps=8, train__lr=1e30, train__warmup_steps=0, train__grad_clip=0.0, checkpoint__every=1)
     diverging["model"]["dtype"] = "float32"
+    # float16, one step whose update leaves float32 master weights of 1e5, which the parameters cannot hold (inf);
+    # one that leaves weights of 3e4, finite, on which the validation's forward overflows
+    weights_inf = raw(base / "weights_inf", steps=1, train__lr=1e5, train__warmup_steps=0, train__grad_clip=0.0, data__val_fraction=0.05)
+    val_nan = raw(base / "val_nan", steps=1, train__lr=3e4, train__warmup_steps=0, train__grad_clip=0.0, data__val_fraction=0.05)
+    for c in (weights_inf, val_nan):
+        c["model"]["dtype"] = "float16"
     runs = {
         "first": raw(base / "first"),  # a finished run: 4 steps, checkpoints at 2 and 4
         "straight": raw(base / "straight", steps=40, **once),  # the default schedule: no decay
@@ -93,6 +99,8 @@ def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
         "asked": raw(base / "asked", steps=40, train__lr_schedule_steps=40, checkpoint__load=str(base / "short" / "checkpoints" / "step_00000020"), **once),
         "short_40": raw(base / "short", steps=40, **once),
         "diverged": diverging,
+        "weights_inf": weights_inf,
+        "val_nan": val_nan,
     }
     return {name: train_rank(type(backend)(backend.options), config) for name, config in runs.items()}
 
@@ -338,6 +346,21 @@ def test_a_non_finite_loss_stops_the_run_at_that_step_with_no_checkpoint_of_it(o
     assert [r["kind"] for r in lines[-2:]] == ["diverged", "summary"] and lines[-2]["step"] == bad
 
 
+@pytest.mark.multiproc
+def test_weights_that_stopped_being_finite_are_never_saved_and_a_non_finite_validation_loss_is_a_divergence(one_rank):
+    """No run ends with a nan / inf model or a null validation loss and exit 0: the last update's
+    weights are checked before every checkpoint, the validation loss after it."""
+    inf = one_rank["weights_inf"]
+    assert inf["diverged"] == {"step": 1, "reason": "the weights are not finite after the update of step 1; no checkpoint was written of them"}
+    assert inf["checkpoint"] is None and inf["val_loss"] is None and list_checkpoints(one_rank["root"] / "weights_inf") == []
+    nan = one_rank["val_nan"]
+    assert nan["diverged"]["step"] == 1 and nan["diverged"]["reason"] in ("the validation loss is nan", "the validation loss is inf")
+    assert nan["val_loss"] is None and nan["checkpoint"] is not None  # its weights are finite: saved
+    for name in ("weights_inf", "val_nan"):
+        lines = [json.loads(line) for line in (one_rank["root"] / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["kind"] for r in lines[-2:]] == ["diverged", "summary"], name
+
+
 def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
     import portapipe.train
 
@@ -351,6 +374,15 @@ def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
     assert captured.err.strip() == (
         "portapipe: training stopped at step 8: loss nan, gradient norm inf; that step was not applied and no checkpoint was "
         "written of it (last checkpoint: c7); lower train.lr or keep train.grad_clip on"
+    )
+
+    def weights(config: Any, wall_timeout_s: float = 0.0) -> dict[str, Any]:
+        return {"run_id": "r", "checkpoint": None, "val_loss": None, "diverged": {"step": 1, "reason": "the weights are not finite"}}
+
+    monkeypatch.setattr(portapipe.train, "train", weights)
+    assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 3
+    assert capsys.readouterr().err.strip() == (
+        "portapipe: training stopped at step 1: the weights are not finite (last checkpoint: none); lower train.lr or keep train.grad_clip on"
     )
 
 

@@ -134,9 +134,11 @@ def _reference(config: Any) -> dict[str, Any]:
                 p.copy_(w)  # the model computes with the master weights cast to its dtype
     val = 0.0
     with torch.no_grad():
-        for i in range(VAL_BATCHES):  # each validation step moves the routers' biases, as a training step does
+        for i in range(VAL_BATCHES):  # each validation step sees the trained model: no bias moves in between
             val += forward_backward(i, "val", False) / VAL_BATCHES
-            update_biases()
+            for b in range(n):
+                for layer in blocks[b].moe_layers():
+                    layer.moe.step_counts.zero_()
     return {"losses": losses, "norms": norms, "clipped": clipped, "val_loss": val}
 
 

@@ -87,6 +87,36 @@ def test_metrics_log_drops_steps_after_the_resumed_checkpoint(tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
+def test_a_resumed_metrics_log_keeps_every_kind_of_row_up_to_its_step_and_no_summary(tmp_path):
+    log = MetricsLog(tmp_path, None)
+    written = [{"kind": "memory", "step": 0, "params": 1}, {"kind": "train", "step": 1, "loss": 1.0},
+               {"kind": "overflow", "step": 2, "loss_scale": 65536.0}, {"kind": "train", "step": 3, "loss": 0.5, "balancer": {"moved": 1}},
+               {"kind": "validation", "step": 3, "loss": 0.6}, {"kind": "overflow", "step": 4, "loss_scale": 32768.0},
+               {"kind": "summary", "steps": 4}]
+    for row in written:
+        log.write(row)
+    log.close()
+    MetricsLog(tmp_path, 3).close()
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == written[:5]
+
+
+def test_a_manifest_is_strict_json_whatever_floats_it_is_given(tmp_path):
+    from portapipe.checkpoint.files import write_json
+
+    write_json(tmp_path / "m.json", {"losses": [1.0, float("nan")], "scale": float("inf")})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"losses": [1.0, None], "scale": None}
+
+
+def test_a_skipped_steps_loss_is_not_progress():
+    from portapipe.metrics import Progress
+
+    p = Progress()
+    p.record(1, None, 64, 0.1)
+    p.record(2, 5.5, 64, 0.1)
+    p.record(3, None, 64, 0.1)
+    assert (p.step, p.first_loss, p.losses, p.tokens) == (3, 5.5, [5.5], 192)
+
+
 # --------------------------------------------------------------------------- real training
 def _tiny_config(log_dir: Path) -> dict:
     return load_config(

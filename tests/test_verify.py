@@ -21,13 +21,16 @@ from portapipe.launch import LaunchError
 from portapipe.verify import (
     EXACT,
     FLOAT32_UNIT_ROUNDOFF,
+    PRECISIONS,
     VerifyReport,
+    checked,
     compare,
     float32_tolerance,
     float64,
     in_dtype,
     precision_for,
     reference,
+    rounding_tolerance,
     verify_many,
 )
 
@@ -163,9 +166,12 @@ def test_cli_prints_the_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     path = _write(tmp_path, _config("zb1p", 2))
     assert cli.main(["verify", path, "--set", "schedule.microbatches=3"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert list(out) == ["schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok", "precision", "tolerance"]
+    assert list(out) == ["schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok", "precision", "changed",
+                         "loss_scale", "tolerance"]
     assert out["schedule"] == "zb1p" and out["microbatches"] == 3 and out["ok"] is True and out["loss_diff"] == 0.0
     assert out["precision"] == "float64" and out["tolerance"]["loss"] == 0.0  # cpu declares float64 throughout
+    assert out["changed"] == {"model.dtype": "float32 -> float64", "train.master_dtype": "float32 -> float64",
+                              "train.grad_reduce_dtype": "float32 -> float64"} and out["loss_scale"] is None
 
 
 def test_cli_config_errors_exit_2_before_ranks_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,9 +187,128 @@ def test_cli_a_failing_rank_exits_1_with_its_traceback(
 ) -> None:
     import portapipe.verify
 
-    def fail(config: Config) -> dict[str, Any]:
+    def fail(config: Config, precision: str = "highest") -> dict[str, Any]:
         raise LaunchError("rank 1 failed:\nTraceback ...\nValueError: boom", rank=1, traceback="ValueError: boom")
 
     monkeypatch.setattr(portapipe.verify, "verify", fail)
     assert cli.main(["verify", _write(tmp_path, _config("1f1b", 2))]) == 1
     assert "ValueError: boom" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ which precision is checked
+def _with(config: Config, **keys: Any) -> Config:
+    raw = config.to_dict()
+    for key, value in keys.items():
+        section, _, name = key.partition("__")
+        raw[section][name] = value
+    return load_config(raw)
+
+
+def test_a_loss_off_by_ten_times_its_tolerance_fails_as_a_gradient_does() -> None:
+    """The loss is judged by its own tolerance (relative to the reference loss), not a looser one."""
+    cfg = _config("1f1b", 1)
+    loss, grads, biases = reference(in_dtype(cfg, "float32"))
+    tol = float32_tolerance(cfg)
+    ranks = [{"ep_rank": 0, "loss": loss, "grads": grads, "experts": [], "biases": biases, "timings": {}}]
+    good = compare(float64(cfg), ranks, tol)
+    assert good.ok
+    for factor, ok in ((0.5, True), (10.0, False)):
+        off = good.ref_loss * (1 + factor * tol.loss)
+        got = compare(float64(cfg), [{**ranks[0], "loss": off}], tol)
+        assert got.ok is ok and got.max_rel_grad_diff == good.max_rel_grad_diff, (factor, got.loss_diff, tol.loss)
+
+
+def test_the_low_precision_tolerance_is_derived_like_float32s_from_each_dtypes_unit_roundoff() -> None:
+    """model.dtype's unit roundoff in float32's formula; the sum over the replicas in
+    train.grad_reduce_dtype adds 4 u_r sqrt(2R) to the gradients'."""
+    cfg = _config("1f1b", 2)  # k = 32, n_layers + 1 = 5
+    for dtype, u in (("bfloat16", 2.0**-8), ("float16", 2.0**-11), ("float32", 2.0**-24)):
+        tol = rounding_tolerance(_with(cfg, model__dtype=dtype))
+        assert tol.precision == dtype and tol.loss == pytest.approx(4 * u * 32**0.5 * 5) and tol.grad == 2 * tol.loss, dtype
+        assert f"u = 2^{round(__import__('math').log2(u))}" in tol.basis
+    assert rounding_tolerance(_with(cfg, model__dtype="float32")) == float32_tolerance(cfg)
+    dp2 = _with(_config("1f1b", 1, dp=2), model__dtype="float32", train__grad_reduce_dtype="bfloat16")
+    tol = rounding_tolerance(dp2)
+    assert tol.grad == pytest.approx(2 * tol.loss + 4 * 2.0**-8 * 4**0.5) and "R = 2 replicas in bfloat16" in tol.basis
+
+
+def test_the_highest_precision_names_every_dtype_key_it_changes_and_the_model_precision_none() -> None:
+    bf16 = _with(_config("1f1b", 2), model__dtype="bfloat16", train__master_dtype="float32")
+    ranks, tol, changed = checked(bf16)
+    assert tol is EXACT and ranks.model.dtype == "float64" and ranks.train.master_dtype == "auto"
+    assert changed == {"model.dtype": "bfloat16 -> float64", "train.master_dtype": "float32 -> float64", "train.grad_reduce_dtype": "float32 -> float64"}
+    reduced = _with(_config("1f1b", 1, dp=2), model__dtype="float64", train__grad_reduce_dtype="float32")
+    assert checked(reduced)[2] == {"train.grad_reduce_dtype": "float32 -> float64"}  # no exact check passes a float32 sum
+    assert checked(bf16, "model") == (bf16, rounding_tolerance(bf16), {})
+    assert checked(reduced, "model")[1] == rounding_tolerance(reduced)
+    assert checked(_with(_config("1f1b", 2), model__dtype="float64"), "model")[1] is EXACT
+    with pytest.raises(ValueError, match="precision: 'exact' is not one of highest, model"):
+        checked(bf16, "exact")
+
+
+def test_the_cli_offers_the_precisions_verify_takes() -> None:
+    from portapipe.commands.verify import PRECISIONS as CLI
+
+    assert CLI == PRECISIONS
+
+
+@pytest.mark.multiproc
+def test_verify_adjusts_the_dtype_keys_it_overrides_and_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bfloat16 with train.master_dtype: float32 set by the user: checked in float64, exactly, and
+    the changed keys named, never a refusal of a dtype the user did not write."""
+    path = _write(tmp_path, _with(_config("1f1b", 2), model__dtype="bfloat16", train__master_dtype="float32"))
+    assert cli.main(["verify", path]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["ok"] is True and out["precision"] == "float64" and out["loss_diff"] == 0.0
+    assert out["changed"] == {"model.dtype": "bfloat16 -> float64", "train.master_dtype": "float32 -> float64",
+                              "train.grad_reduce_dtype": "float32 -> float64"}
+    assert ("portapipe: verify checked the pipeline in float64, not in the config's dtypes (model.dtype bfloat16 -> float64, "
+            "train.master_dtype float32 -> float64, train.grad_reduce_dtype float32 -> float64); --precision model checks those") in captured.err
+
+
+@pytest.mark.multiproc
+def test_a_float32_reduction_of_a_float32_model_is_checked_exactly_in_float64_and_within_its_tolerance_in_its_own() -> None:
+    cfg = _with(_config("zb1p", 1, dp=2), model__dtype="float32", train__grad_reduce_dtype="float32")
+    highest = verify_many([cfg])[0]
+    assert highest.ok and highest.precision == "float64" and highest.max_rel_grad_diff <= 1e-12
+    assert highest.changed["train.grad_reduce_dtype"] == "float32 -> float64"
+    own = verify_many([cfg], precision="model")[0]
+    assert own.ok and own.precision == "float32" and own.changed == {} and own.tolerance == rounding_tolerance(cfg)
+    assert 0 < own.max_rel_grad_diff < own.tolerance.grad / 10, own.summary()
+
+
+@pytest.mark.multiproc
+def test_the_model_precision_checks_bfloat16_and_float16_with_master_weights_and_loss_scaling() -> None:
+    """bfloat16 and float16 (float32 master weights) against the float64 reference: within the
+    derived tolerance, not exact; float16 at training's loss scale 2^16, or lower where the step
+    overflows (init_std 0.5: two halvings), its gradients divided by it."""
+    configs = [
+        _with(_config("1f1b", 2), model__dtype="bfloat16"),
+        _with(_config("dualpipev", 2), model__dtype="float16"),
+        _with(_config("1f1b", 2), model__dtype="float16", model__init_std=0.5),
+        _with(_config("1f1b", 1, dp=2), model__dtype="bfloat16", train__grad_reduce_dtype="bfloat16", train__zero_stage=2),
+    ]
+    reports = verify_many(configs, precision="model")
+    for cfg, r in zip(configs, reports):
+        assert r.ok and r.precision == cfg.model.dtype and r.changed == {} and r.tolerance == rounding_tolerance(cfg), r.summary()
+        assert r.loss_diff > 0 and r.max_rel_grad_diff > 0
+    assert [r.loss_scale for r in reports] == [None, 2.0**16, 2.0**14, None]
+    # the loss scale divided out: gradients of 2^16 x the loss would be off by 2^16
+    assert all(r.max_rel_grad_diff < 0.1 for r in reports[1:3])
+
+
+def test_the_model_precision_refuses_a_check_whose_derived_tolerance_no_gradient_could_fail(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vocab 512 (k = 512): bfloat16's gradient tolerance 8 u sqrt(k) (n_layers + 1) = 3.5 would
+    pass a zero gradient; float16's (0.44) is a check."""
+    import portapipe.verify
+
+    monkeypatch.setattr(portapipe.verify, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    big = _with(_config("1f1b", 2), model__vocab_size=512)
+    assert rounding_tolerance(_with(big, model__dtype="float16")).grad < 1 <= rounding_tolerance(_with(big, model__dtype="bfloat16")).grad
+    assert cli.main(["verify", _write(tmp_path, _with(big, model__dtype="bfloat16")), "--precision", "model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "verify --precision model: the gradient tolerance derived for model.dtype bfloat16 is 3.54 relative" in err[0]
+    assert "no gradient could fail it; check this model with --precision highest" in err[0]

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ..metrics import strict
+
 FORMAT = "portapipe-dcp/1"
 MANIFEST = "manifest.json"
 PREFIX = "step_"
@@ -112,7 +114,8 @@ def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
 
 
 def write_json(path: Path, record: dict[str, Any]) -> None:
-    atomic_write(path, lambda f: f.write(json.dumps(record, indent=1, allow_nan=False).encode()))
+    """``record`` as strict JSON: a float that is not finite is written as null, never fails the save."""
+    atomic_write(path, lambda f: f.write(json.dumps(strict(record), indent=1, allow_nan=False).encode()))
 
 
 def file_digest(path: Path) -> dict[str, Any]:

@@ -5,8 +5,10 @@ rank starts (a problem exits 2), prints the rules table's notes on keys set away
 defaults (``portapipe: note: ...``: a setting that runs but does nothing or wastes something),
 then starts ``world_size`` ranks. A progress bar goes to stderr, one JSON line per step to
 ``<log.dir>/metrics.jsonl``, and one JSON summary line to stdout.
-Exit codes: 0 done; 1 a rank failed (its traceback is printed); 2 bad input; 3 the loss or the
-gradient norm stopped being finite (the run stopped at that step, one line says so); 130 / 143
+Exit codes: 0 done; 1 a rank failed (its traceback is printed); 2 bad input; 3 the run diverged:
+the loss or the gradient norm stopped being finite (the run stopped at that step), float16 skipped
+train.max_skipped_steps steps in a row, the weights or the validation loss are not finite (one
+line says which); 130 / 143
 stopped by SIGINT / SIGTERM after a checkpoint (one line says which; the same command resumes).
 """
 
@@ -64,9 +66,10 @@ def _run(args: argparse.Namespace) -> int:
     if "diverged" in summary:
         d = summary["diverged"]
         if speaks:
+            what = d.get("reason") or (f"loss {d['loss']}, gradient norm {d['grad_norm']}; that step was not applied and no checkpoint "
+                                       "was written of it")
             print(
-                f"portapipe: training stopped at step {d['step']}: loss {d['loss']}, gradient norm {d['grad_norm']}; that step was not "
-                f"applied and no checkpoint was written of it (last checkpoint: {summary['checkpoint'] or 'none'}); "
+                f"portapipe: training stopped at step {d['step']}: {what} (last checkpoint: {summary['checkpoint'] or 'none'}); "
                 "lower train.lr or keep train.grad_clip on",
                 file=sys.stderr,
                 flush=True,

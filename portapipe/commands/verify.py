@@ -1,19 +1,25 @@
-"""``portapipe verify CONFIG [--set k=v ...]``: prove a parallel configuration numerically exact.
+"""``portapipe verify CONFIG [--set k=v ...] [--precision highest|model]``: prove a parallel configuration numerically exact.
 
 Runs one step pipelined on pp x dp x ep ranks and the same step in one process, and prints
 one JSON line {schedule, pp, ep, dp, microbatches, loss_diff, max_rel_grad_diff, ok,
-precision, tolerance}. Where the backend declares float64 compute and communication both run
-in float64 and must agree exactly (loss bit for bit, gradients to 1e-12); elsewhere (Ascend)
-the pipelined step runs in float32 on the device against a float64 reference on the CPU,
-within the tolerance printed (derived from float32 rounding and the model's depth). Exit 0
-when ok, 1 when the numbers differ or a rank failed (its traceback on stderr), 2 for a config
-that cannot run (reported before any rank starts).
+precision, changed, loss_scale, tolerance}. ``--precision highest`` (the default): where the
+backend declares float64 compute and communication both run in float64 and must agree exactly
+(loss bit for bit, gradients to 1e-12); elsewhere (Ascend) the pipelined step runs in float32 on
+the device against a float64 reference on the CPU, within the tolerance printed (derived from
+float32 rounding and the model's depth). The master weights and the gradients' reduction run in
+that dtype too; each dtype key changed for it is listed in ``changed`` and named on stderr.
+``--precision model`` checks the config's own dtypes instead (bfloat16 / float16, the master
+dtype, the reduction's dtype, float16's loss scaling) against the float64 reference, within a
+tolerance derived the same way from each dtype's rounding, with routing forced by position on
+both sides. Exit 0 when ok, 1 when the numbers differ or a rank failed (its traceback on stderr),
+2 for a config that cannot run (reported before any rank starts).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from . import add_config_args, load_checked_config
@@ -25,19 +31,30 @@ def run(args: argparse.Namespace) -> int:
 
     config = load_checked_config(args)
     try:
-        result = verify(config)
+        result = verify(config, args.precision)
     except LaunchError as err:
         return print_launch_error(err)
+    if result["changed"]:
+        changes = ", ".join(f"{key} {change}" for key, change in result["changed"].items())
+        print(f"portapipe: verify checked the pipeline in {result['precision']}, not in the config's dtypes ({changes}); "
+              "--precision model checks those", file=sys.stderr)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
+
+
+#: portapipe.verify.PRECISIONS (not imported here: the CLI starts without torch)
+PRECISIONS = ("highest", "model")
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "verify",
-        help="one step pipelined vs one process (float64, or float32 where the device has no float64); prints the differences as JSON",
+        help="one step pipelined vs one process (float64, or float32 where the device has no float64; "
+        "--precision model: the config's own dtypes); prints the differences as JSON",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(p)
+    p.add_argument("--precision", choices=PRECISIONS, default="highest",
+                   help="highest: float64 where the backend has it, else float32 (default); model: the config's own dtypes")
     p.set_defaults(func=run)

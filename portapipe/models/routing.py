@@ -43,22 +43,25 @@ class ForcedRouting:
     """Benchmark-only expert choice for one router.
 
     ``log_p`` None: round-robin (token t's j-th expert is ``(offset + t * k + j) % E``, the offset
-    running on over calls), so every expert gets the same rows: routing forced to uniform, as the
-    peers benchmark. Else each token draws its ``k`` distinct experts with probabilities
-    proportional to ``exp(log_p)`` (Gumbel top-k from a generator seeded per layer), so the
-    expert loads follow a recorded table.
+    running on over calls, or 0 at every call with ``restart``: the choice then depends on the
+    token's position only, not on the order of the calls), so every expert gets the same rows:
+    routing forced to uniform, as the peers benchmark. Else each token draws its ``k`` distinct
+    experts with probabilities proportional to ``exp(log_p)`` (Gumbel top-k from a generator
+    seeded per layer), so the expert loads follow a recorded table.
     """
 
-    def __init__(self, n_experts: int, top_k: int, log_p: torch.Tensor | None = None, seed: int = 0) -> None:
+    def __init__(self, n_experts: int, top_k: int, log_p: torch.Tensor | None = None, seed: int = 0, restart: bool = False) -> None:
         self.n_experts, self.top_k, self.log_p = n_experts, top_k, log_p
         self.offset = 0
+        self.restart = restart
         self.gen = torch.Generator().manual_seed(seed)
 
     def choose(self, tokens: int, device: torch.device) -> torch.Tensor:
         """Expert indices [tokens, k] (int64)."""
         if self.log_p is None:
             flat = (self.offset + torch.arange(tokens * self.top_k)) % self.n_experts
-            self.offset = (self.offset + tokens * self.top_k) % self.n_experts
+            if not self.restart:
+                self.offset = (self.offset + tokens * self.top_k) % self.n_experts
             return flat.view(tokens, self.top_k).to(device)
         u = torch.rand(tokens, self.n_experts, generator=self.gen, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
         return (self.log_p - torch.log(-torch.log(u))).topk(self.top_k, dim=1).indices.to(device)

@@ -12,9 +12,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .adamw import EPS
+
 #: bits of mantissa: the order in which one dtype is "at least as precise" as another
 _PRECISION = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
 LOW_PRECISION = ("bfloat16", "float16")
+#: float16's smallest value above zero (a subnormal, 2^-24)
+FLOAT16_TINY = 2.0**-24
 
 
 def unit_roundoff(dtype: str) -> float:
@@ -42,15 +46,22 @@ def _master_holds(master: str, model: str) -> bool:
 
 
 def precision_problems(config: Any) -> list[str]:
-    """Config lines that cannot train: a master dtype less precise than the compute dtype, an EPLB
-    or LPLB migration under a sharded optimizer (it moves whole expert rows of optimizer state, which
-    zero_stage 1 / 2 splits over the data-parallel replicas)."""
+    """Config lines that cannot train: a master dtype less precise than the compute dtype or one
+    that cannot hold AdamW's state (float16), an EPLB or LPLB migration under a sharded optimizer
+    (it moves whole expert rows of optimizer state, which zero_stage 1 / 2 splits over the
+    data-parallel replicas)."""
     m, t, b = config.model, config.train, config.balancer
     out = []
     master = master_dtype(m.dtype, t.master_dtype)
     if not _master_holds(master, m.dtype):
-        good = ["auto"] + [d for d in _PRECISION if _master_holds(d, m.dtype)]  # never empty: the model's own dtype holds
+        good = ["auto"] + [d for d in _PRECISION if _master_holds(d, m.dtype) and d != "float16"]  # float16 is refused below
         out.append(f"train.master_dtype: {master} is less precise than model.dtype {m.dtype}; use {', '.join(good[:-1])} or {good[-1]}")
+    elif master == "float16":
+        # AdamW divides by sqrt(v) + eps: both round to zero in float16, and the update becomes inf / nan
+        out.append(
+            f"train.master_dtype: float16 cannot hold AdamW's state (eps {EPS:g} and squared gradients below "
+            f"{FLOAT16_TINY:.1e} round to zero, so the update divides by zero); use auto (float32 under float16), float32 or float64"
+        )
     if t.zero_stage > 0 and b.kind in ("eplb", "lplb") and b.interval <= t.steps:
         out.append(
             f"train.zero_stage: {t.zero_stage} shards the optimizer state that an {b.kind.upper()} rebalance (balancer.interval "
@@ -62,7 +73,9 @@ def precision_problems(config: Any) -> list[str]:
 class LossScaler:
     """Dynamic loss scaling for float16 (torch.amp.GradScaler's rule): gradients are computed of
     ``scale`` x the loss; a step whose gradients overflow is skipped and halves the scale, and
-    ``growth_interval`` clean steps in a row double it. With ``enabled`` False the scale is 1."""
+    ``growth_interval`` clean steps in a row double it. With ``enabled`` False the scale is 1.
+    ``in_a_row`` counts the steps skipped since the last applied one (the training loop stops
+    at ``train.max_skipped_steps``)."""
 
     def __init__(self, enabled: bool, init: float = 2.0**16, growth_interval: int = 2000) -> None:
         self.enabled = enabled
@@ -70,6 +83,7 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.clean = 0  # steps since the last overflow or growth
         self.overflows = 0
+        self.in_a_row = 0
 
     def update(self, finite: bool) -> bool:
         """After a step's gradients were checked; True when the step may be applied."""
@@ -79,7 +93,9 @@ class LossScaler:
             self.scale = max(self.scale * 0.5, 1.0)
             self.clean = 0
             self.overflows += 1
+            self.in_a_row += 1
             return False
+        self.in_a_row = 0
         self.clean += 1
         if self.clean >= self.growth_interval:
             self.scale *= 2.0
@@ -87,10 +103,11 @@ class LossScaler:
         return True
 
     def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "clean": float(self.clean), "overflows": float(self.overflows)}
+        return {"scale": self.scale, "clean": float(self.clean), "overflows": float(self.overflows), "in_a_row": float(self.in_a_row)}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         if self.enabled and math.isfinite(state.get("scale", math.nan)):
             self.scale = float(state["scale"])
             self.clean = int(state.get("clean", 0))
             self.overflows = int(state.get("overflows", 0))
+            self.in_a_row = int(state.get("in_a_row", 0))

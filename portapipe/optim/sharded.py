@@ -127,6 +127,14 @@ class ShardedAdamW:
                        decayed=[(0, n)] if p.dim() >= 2 else [], **hp)
         self._refresh()
 
+    def finite(self) -> bool:
+        """Whether every parameter, master weight and moment this rank holds is finite (local)."""
+        for bucket, st in zip(self.grads.buckets, self.states):
+            for t in (*bucket.params, st.master, st.exp_avg, st.exp_avg_sq):
+                if t is not None and not bool(torch.isfinite(t).all()):
+                    return False
+        return True
+
     def _refresh(self) -> None:
         """The parameters from the master weights: copied, or all-gathered from the shards."""
         if self.zero_stage == 0:
