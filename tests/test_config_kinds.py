@@ -141,6 +141,8 @@ def test_a_refused_master_dtype_hints_only_at_dtypes_that_are_accepted(model: st
     lines = _problems({"model": {"dtype": model}, "train": {"master_dtype": master}})
     assert len(lines) == 1 and lines[0].startswith(f"train.master_dtype: {master} is less precise than model.dtype {model}; use "), lines
     hinted = re.split(r", | or ", lines[0].split("; use ", 1)[1])
-    assert master not in hinted and "auto" in hinted and model in hinted, hinted
+    assert master not in hinted and "auto" in hinted, hinted
+    # the model's own dtype holds it, except float16, whose master weights cannot hold AdamW's state
+    assert (model in hinted) == (model != "float16"), hinted
     for dtype in hinted:
         load_config({"model": {"dtype": model}, "train": {"master_dtype": dtype}})  # each one is accepted
