@@ -31,6 +31,7 @@ from .grouped_mm import (
     zero_rows_past_end,
 )
 from .nvshmem import NVSHMEM_MIN_TORCH, NvshmemTransport, nvshmem_api_missing
+from .staged_p2p import HostStagedP2P, HostStaging
 
 #: Default size of each NVSHMEM staging buffer (input and output, per group and dtype).
 DEFAULT_NVSHMEM_BUFFER_MB = 128
@@ -74,6 +75,24 @@ def _buffer_bytes(mb: Any) -> int:
     return int(mb * 2**20)
 
 
+def cuda_staging(device: torch.device) -> HostStaging:
+    """How a CUDA tensor goes through pinned host memory and back (for gloo's send / recv).
+
+    To the host: a copy on the current stream into a pinned buffer (torch's caching host allocator
+    keeps freed buffers for reuse), waited for once per batch by synchronizing that stream, since
+    gloo reads the buffer from its own thread. Back: a copy on the current stream, so the work the
+    caller queues after ``wait`` sees the data, as with NCCL; the pinned buffer is not reused before
+    that copy has run (the allocator records it).
+    """
+    return HostStaging(
+        host_empty=lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True),
+        to_host=lambda dst, src: dst.copy_(src, non_blocking=True),
+        host_ready=lambda: torch.cuda.current_stream(device).synchronize(),
+        to_device=lambda dst, src: dst.copy_(src, non_blocking=True),
+        on_host=lambda t: t.device.type == "cpu",
+    )
+
+
 def _nvidia_device_files() -> list[str]:
     return sorted(glob.glob("/dev/nvidia[0-9]*"))
 
@@ -115,6 +134,9 @@ class CUDABackend(Backend):
                 raise BackendUnavailable(reason)
         self._comm_stream: Any = None
         self._nvshmem: NvshmemTransport | None = None
+        # gloo's send / recv take host memory only (its collectives stage device tensors
+        # themselves): the pipeline's point-to-point goes through pinned host buffers.
+        self._staged_p2p = HostStagedP2P(cuda_staging(self.device())) if self.dist_backend == "gloo" else None
 
     # ------------------------------------------------------------------ identity
     @classmethod
@@ -226,6 +248,11 @@ class CUDABackend(Backend):
         torch.cuda.synchronize(self.device())
 
     # ------------------------------------------------------------ communication
+    def batch_isend_irecv(self, ops: Sequence[dist.P2POp]) -> list[Any]:
+        if self._staged_p2p is not None:
+            return self._staged_p2p.batch_isend_irecv(ops)
+        return super().batch_isend_irecv(ops)
+
     def expert_all_to_all(
         self,
         output: torch.Tensor,
