@@ -118,6 +118,9 @@ class CUDABackend(Backend):
         streams=True,
         memory_stats=True,
         timer="events",
+        # cuBLAS and the CPU sum in different orders: float64 here is not the CPU reference's bit
+        # for bit, so verify runs float32 on the device against float64 on the CPU (its tolerance)
+        matches_cpu_float64=False,
     )
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
@@ -139,6 +142,20 @@ class CUDABackend(Backend):
         self._staged_p2p = HostStagedP2P(cuda_staging(self.device())) if self.dist_backend == "gloo" else None
 
     # ------------------------------------------------------------------ identity
+    @classmethod
+    def launch_problem(cls, local_ranks: int, options: dict[str, Any] | None = None) -> str | None:
+        """NCCL takes one rank per GPU: more local ranks than GPUs need gloo between them."""
+        if str((options or {}).get("dist_backend", "nccl")) != "nccl":
+            return None
+        gpus = cls.device_count()  # NVML's count where it answers: no CUDA context is made
+        if gpus == 0 or local_ranks <= gpus:
+            return None  # no GPU at all is unavailable_reason's to say
+        return (
+            f"backend 'cuda': {local_ranks} ranks on this machine but {gpus} GPU{'s' if gpus > 1 else ''}, and NCCL "
+            f"takes one rank per GPU; set backend_options.dist_backend: gloo to let ranks share a GPU "
+            f"(or run at most {gpus} rank{'s' if gpus > 1 else ''} here)"
+        )
+
     @classmethod
     def device_present(cls) -> bool:
         return cls.device_count() > 0 or bool(_nvidia_device_files())
@@ -320,10 +337,26 @@ class CUDABackend(Backend):
         if "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"], self.device())
 
+    @classmethod
+    def software(cls) -> dict[str, Any]:
+        """The CUDA software torch brings (read without a device, without creating a context)."""
+        out: dict[str, Any] = {"cuda": torch.version.cuda, "nccl": None, "cudnn": None}
+        if torch.backends.cuda.is_built():
+            try:
+                out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            except Exception as exc:  # no NCCL in this build: say why
+                out["nccl"] = f"unavailable ({type(exc).__name__}: {exc})"
+            out["cudnn"] = torch.backends.cudnn.version()
+        out["nvshmem"] = "unavailable: " + reason if (reason := nvshmem_api_missing()) else "the API is there (whether the runtime loads: ep_transport: nvshmem's check)"
+        return out
+
     def describe(self) -> dict[str, Any]:
-        out = super().describe()
+        out = {**super().describe(), **self.software()}
         if self.is_available():
             props = torch.cuda.get_device_properties(self.device())
             out["device_name"] = props.name
             out["capability"] = f"{props.major}.{props.minor}"
+            out["memory_bytes"] = int(props.total_memory)
+            out["multiprocessors"] = int(props.multi_processor_count)
+            out["nvshmem"] = self.nvshmem_unavailable_reason() or "available"
         return out
