@@ -85,8 +85,12 @@ def test_the_planned_model_of_part_e_fits_an_80_gb_gpu_and_the_deepest_does_not(
 def test_parts_are_chosen_by_letters_ranges_and_calls(bench_module) -> None:
     gc = bench_module("gpu_check")
     assert gc.parse_parts("a,b") == ["a", "b"]
-    assert gc.parse_parts("c-i") == list("cdefghi") == gc.parse_parts("call2")
-    assert gc.parse_parts("call1") == ["a", "b"] and gc.parse_parts("all") == list("abcdefghi")
+    assert gc.parse_parts("c-i") == list("cdefghi")
+    assert gc.parse_parts("call1") == list("abfh") and gc.parse_parts("call2") == list("cedgi")
+    assert sorted(gc.parse_parts("call1") + gc.parse_parts("call2")) == gc.parse_parts("all") == list("abcdefghi")
+    # each call's caps fit about 6 minutes
+    for call in ("call1", "call2"):
+        assert sum(gc.BY_KEY[k].cap_s for k in gc.parse_parts(call)) <= 380, call
     with pytest.raises(ValueError, match="parts are a, b, c"):
         gc.parse_parts("z")
 
@@ -98,6 +102,8 @@ def test_pytest_output_is_counted(bench_module) -> None:
     assert (counts["failed"], counts["passed"], counts["skipped"], counts["error"]) == (3, 10, 2, 1)
     assert counts["failures"] == ["tests/test_x.py::test_a", "tests/test_y.py::test_b"]
     assert gc.pytest_counts("14/44 tests collected (30 deselected) in 2.2s")["collected"] == 14
+    cut = gc.pytest_counts("..F.s. [ 10%]\n..E\n")  # killed before its summary line
+    assert (cut["passed"], cut["failed"], cut["skipped"], cut["error"], cut["cut_off"]) == (6, 1, 1, 1, True)
 
 
 def test_a_bad_part_or_budget_exits_2_and_a_spent_budget_runs_nothing(tmp_path: Path) -> None:

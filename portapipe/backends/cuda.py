@@ -340,13 +340,12 @@ class CUDABackend(Backend):
     @classmethod
     def software(cls) -> dict[str, Any]:
         """The CUDA software torch brings (read without a device, without creating a context)."""
-        out: dict[str, Any] = {"cuda": torch.version.cuda, "nccl": None, "cudnn": None}
-        if torch.backends.cuda.is_built():
-            try:
-                out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-            except Exception as exc:  # no NCCL in this build: say why
-                out["nccl"] = f"unavailable ({type(exc).__name__}: {exc})"
-            out["cudnn"] = torch.backends.cudnn.version()
+        from importlib.metadata import distributions
+
+        # NCCL as pip installs it beside torch (nvidia-nccl-cu12 / -cu13); a build that links its
+        # own NCCL has no such package
+        nccl = sorted(f"{d.metadata['Name']} {d.version}" for d in distributions() if str(d.metadata["Name"]).startswith("nvidia-nccl"))
+        out: dict[str, Any] = {"cuda": torch.version.cuda, "nccl": ", ".join(nccl) or None, "nccl_available": dist.is_nccl_available()}
         out["nvshmem"] = "unavailable: " + reason if (reason := nvshmem_api_missing()) else "the API is there (whether the runtime loads: ep_transport: nvshmem's check)"
         return out
 
