@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The oldest torch portapipe supports (pyproject.toml: torch>=2.11), in a short leg of .ci/run:
 # a fresh virtual environment outside the checkout with pip's default torch of that release
-# (for Linux a CUDA build: about 3 GB of wheels, nvidia-* included; measured cold on the CI
-# machine: 1 min 26 s for torch, 1 min 10 s for the rest), then `portapipe verify`, a 5-step
-# `train` and the backend and optimizer tests, all run from the checkout through PYTHONPATH
-# (nothing installed), as on a GPU machine. The environment is removed afterwards.
+# (for Linux a CUDA build: about 3 GB of wheels, nvidia-* included), then `portapipe verify`, a
+# 5-step `train` and the backend and optimizer tests, all run from the checkout through
+# PYTHONPATH (nothing installed), as on a GPU machine. The environment is removed afterwards.
+# Measured on a 2-core machine like CI's: torch 1 min 26 s, the rest 1 min 10 s (nothing
+# cached); the whole leg about 10 minutes with other jobs loading the machine.
 #
 #   bash ci/oldest_torch.sh            # torch 2.11.0
 #   OLDEST_TORCH=2.12.0 bash ci/oldest_torch.sh
