@@ -4,8 +4,8 @@ gloo moves device tensors in its collectives by staging them through pinned host
 (all-reduce, broadcast, reduce, all-gather and its tensor form, gather, scatter, all-to-all with
 uneven splits, reduce-scatter's tensor form, which gloo runs as an all-reduce), but its send and
 recv hand the tensor's data pointer to the transport as it is: a device tensor there is read as
-host memory (torch's ProcessGroupGloo.cpp, send / recv, unchanged from torch 2.0 to the newest
-source; see docs/gpu.md). Several ranks on one GPU must use gloo (NCCL refuses two ranks on one
+host memory (torch's ProcessGroupGloo.cpp, send / recv; the wheels of torch 2.11 to 2.15 have
+host-staging work for the collectives above and none for send / recv: docs/gpu.md). Several ranks on one GPU must use gloo (NCCL refuses two ranks on one
 device), so their pipeline's point-to-point goes through :class:`HostStagedP2P`: each send is
 copied to a host buffer first, each receive lands in one and is copied to its device tensor when
 its work is waited on.
