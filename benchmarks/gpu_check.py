@@ -338,6 +338,16 @@ def part_verify(rec: Record, ctx: Ctx) -> None:
     reason = cuda_reason()
     device = "cuda" if reason is None and not ctx.dry else "cpu"
     rec.put("device", device)
+    if device == "cpu":  # the GPU run's configs pass the rules here too (on the cpu backend), or say why not
+        planned = {}
+        for launch, labelled in verify_configs("cpu", False).items():
+            for label, raw in labelled:
+                try:
+                    load_config(raw)
+                    planned[label] = "accepted"
+                except Exception as exc:
+                    planned[label] = "refused: " + " ".join(str(exc).split())[:200]
+        rec.put("gpu_configs", planned)
     ok = total = 0
     for launch, labelled in verify_configs(device, ctx.dry or reason is not None).items():
         runnable, refused = [], []
@@ -627,7 +637,7 @@ def hf_speed(raw: dict[str, Any], ctx: Ctx) -> dict[str, Any]:
     try:
         model, impl, tried = hf_model(raw, be.device())
         model = model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=raw["backend"] != "cpu")  # torch's fastest AdamW on a GPU
         m, t = raw["model"], raw["train"]
         mbs, n_mb = t["micro_batch_size"], raw["schedule"]["microbatches"]
         tokens = torch.randint(0, m["vocab_size"], (n_mb, mbs, m["seq_len"] + 1), device=be.device())
@@ -637,7 +647,8 @@ def hf_speed(raw: dict[str, Any], ctx: Ctx) -> dict[str, Any]:
         def step_once() -> None:
             for i in range(n_mb):
                 with autocast:
-                    loss = model(input_ids=tokens[i, :, :-1], labels=tokens[i, :, 1:]).loss / n_mb
+                    # transformers shifts the labels itself: the same tokens, predicting each next one
+                    loss = model(input_ids=tokens[i, :, :-1], labels=tokens[i, :, :-1]).loss / n_mb
                 loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -794,6 +805,8 @@ def part_memory(rec: Record, ctx: Ctx) -> None:
     raws = {name: memory_raw(device, ctx.dry, opt) for name, opt in MEMORY_OPTIONS.items()}
     model = {name: memory_need(raw) for name, raw in raws.items()}
     rec.put("model", model)
+    if device == "cpu":  # the GPU run's shapes, through the same rules and memory model
+        rec.put("gpu_model", {name: memory_need(memory_raw("cuda", False, opt)) for name, opt in MEMORY_OPTIONS.items()})
     measured = run_ranks(memory_rank, 1, raws, backend=device, wall_timeout_s=ctx.left())[0]
     rows = {}
     off = measured["off"]
@@ -844,7 +857,7 @@ def part_lplb(rec: Record, ctx: Ctx) -> None:
     why = lplb_triton.why_unavailable(be.device())
     rec.put("triton", why or "available")
     dev = Planner(r2o, physical, experts, ep_size=ep, use_triton=not why)
-    dev.update_placement(workload.to(be.device()))
+    dev.update_placement(workload)  # the placement is planned from recorded loads, as in training
     on_device = idx.to(be.device())
     got = dev.run(on_device)  # the first call compiles the kernels
     equal = bool(torch.equal(got.cpu(), want))

@@ -54,6 +54,10 @@ def test_the_dry_run_runs_every_part_and_prints_the_table_last(dry, bench_module
     rows = parts["c"]["results"]["one_rank"]
     assert [r["ok"] for r in rows if "ok" in r] == [True, True]
     assert any("dualpipe" in r["config"] and "even" in r["not_applicable"] for r in rows if "not_applicable" in r)
+    # the GPU run's configs pass the rules: every schedule at 4 ranks and the five options; at one rank all but DualPipe
+    planned = parts["c"]["results"]["gpu_configs"]
+    assert [k for k, v in planned.items() if v != "accepted"] == ["dualpipe x1"] and len(planned) == 15, planned
+    assert set(parts["g"]["results"]["gpu_model"]) == set(gc.MEMORY_OPTIONS)
     # d: a resumed run on the same device is the straight run bit for bit
     d = parts["d"]["results"]
     assert d["cpu_then_cpu"]["max_rel_loss_diff"] == 0.0 and d["cpu_then_cpu"]["steps_compared"] == 4
