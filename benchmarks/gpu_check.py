@@ -565,7 +565,10 @@ def part_speed(rec: Record, ctx: Ctx) -> None:
     theirs = hf_speed(raw, ctx)
     rec.put("transformers", theirs)
     tokens = raw["train"]["micro_batch_size"] * raw["schedule"]["microbatches"] * raw["model"]["seq_len"]
-    res: dict[str, Any] = {"model": raw["model"], "tokens_per_step": tokens, "peak_tflops": PEAK_BF16_TFLOPS}
+    res: dict[str, Any] = {"model": raw["model"], "micro_batch_size": raw["train"]["micro_batch_size"],
+                           "microbatches": raw["schedule"]["microbatches"], "tokens_per_step": tokens, "pp": 1, "ep": 1,
+                           "precision": f"{raw['model']['dtype']} weights, {raw['train']['master_dtype']} master weights and AdamW",
+                           "peak_tflops": PEAK_BF16_TFLOPS}
     if ours.get("tokens_per_s"):
         res["mfu"] = ours["tokens_per_s"] * flops["flops_per_token"] / (PEAK_BF16_TFLOPS * 1e12)
     if ours.get("tokens_per_s") and theirs.get("tokens_per_s"):
