@@ -117,7 +117,9 @@ class HostStagedP2P:
                 staged.append(("send", host, t))
             else:
                 staged.append(("recv", host, t))
-            posted.append(dist.P2POp(op.op, host, peer=op.peer, group=op.group, tag=op.tag))
+            # the peer as the op was made: a global rank, or a rank of its group (group_peer)
+            peer = {"peer": op.peer} if op.peer is not None else {"group_peer": op.group_peer}
+            posted.append(dist.P2POp(op.op, host, group=op.group, tag=op.tag, **peer))
         if any(kind == "send" for kind, _, _ in staged):
             self.staging.host_ready()
         works = self._post(posted)
