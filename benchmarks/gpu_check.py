@@ -891,7 +891,7 @@ def part_step_claims(rec: Record, ctx: Ctx) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     rec.put("cores", {"usable": cores, "threads_per_rank_4": rank_threads(4), "threads_per_rank_8": rank_threads(8),
                       "pinning": "none: the launcher has no per-rank core option; each rank runs rank_threads() = cores // ranks "
-                                 "intra-op threads, so ranks x threads <= cores and no core is shared by two ranks' threads"})
+                                 "intra-op threads, so ranks x threads <= cores; the operating system places them"})
     bench = CHECKOUT / "benchmarks"
     runs = {
         "step_vs_torch": [sys.executable, str(bench / "step_vs_torch.py"), "--steps", "8", "--warmup", "2"],
