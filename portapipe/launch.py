@@ -220,6 +220,7 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if under_mpirun() and not under_torchrun():
         _env_from_mpi()
+    refuse_unlaunchable(backend, backend_options, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if under_torchrun() or under_mpirun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise LaunchError(f"the config asks for {world_size} ranks but the launcher started {os.environ['WORLD_SIZE']}")
@@ -228,6 +229,17 @@ def run_ranks(
     body_args = (fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args)
     job = LocalJob(_rank_main, body_args, world_size, threads, stall_timeout_s, stop_grace_s, wall_timeout_s, pg_timeout_s, start_method)
     return job.run()
+
+
+def refuse_unlaunchable(backend: str, backend_options: dict[str, Any] | None, local_ranks: int) -> None:
+    """Before any rank starts: BackendUnavailable (one line, exit 2 from the CLI) where the
+    backend cannot run ``local_ranks`` ranks on this machine (NCCL: one rank per GPU)."""
+    from .backends.base import BackendUnavailable
+    from .backends.registry import backend_class, resolve_name
+
+    problem = backend_class(resolve_name(backend)).launch_problem(local_ranks, backend_options)
+    if problem:
+        raise BackendUnavailable(problem)
 
 
 def cap_cpu_isa(say: bool = True) -> None:

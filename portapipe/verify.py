@@ -137,11 +137,12 @@ def float32_tolerance(config: Config) -> Tolerance:
 
 
 def precision_for(config: Config) -> Tolerance:
-    """float64 (exact) where the config's backend computes and communicates in float64, else float32."""
+    """float64 (exact) where the config's backend computes and communicates in float64 as the CPU
+    does (``capabilities.matches_cpu_float64``), else float32."""
     from .backends.registry import backend_class, resolve_name
 
     caps = backend_class(resolve_name(config.backend)).capabilities
-    return EXACT if caps.full_precision("float64") else float32_tolerance(config)
+    return EXACT if caps.full_precision("float64") and caps.matches_cpu_float64 else float32_tolerance(config)
 
 
 def dtypes(config: Config) -> dict[str, str]:

@@ -102,7 +102,7 @@ def _strict_cuda(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict]]:
     returns = {
         "device_count": 2, "is_available": True, "get_device_capability": (9, 0), "memory_allocated": 5,
         "max_memory_allocated": 7, "get_rng_state": torch.zeros(8, dtype=torch.uint8), "is_built": True,
-        "get_device_properties": types.SimpleNamespace(name="stand-in", major=9, minor=0),
+        "get_device_properties": types.SimpleNamespace(name="stand-in", major=9, minor=0, total_memory=80 * 2**30, multi_processor_count=132),
     }
 
     class Strict:

@@ -202,6 +202,97 @@ def test_cli_refuses_a_bad_backend_option_with_exit_2(monkeypatch, capsys) -> No
     assert err[0].startswith("portapipe: config error: backend_options.nvshmem_buffer_mb: 0 is not a size in MiB")
 
 
+# ------------------------------------------------- several ranks on one GPU (gloo between them)
+@pytest.fixture
+def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine with one usable GPU, as NVML counts it (no CUDA context made)."""
+    monkeypatch.setattr(CUDABackend, "device_count", classmethod(lambda cls: 1))
+    monkeypatch.setattr(CUDABackend, "is_available", classmethod(lambda cls: True))
+
+
+def test_more_ranks_than_gpus_over_nccl_is_refused_naming_gloo(one_gpu) -> None:
+    msg = CUDABackend.launch_problem(4, {})
+    assert msg is not None and "\n" not in msg
+    assert "4 ranks on this machine but 1 GPU" in msg and "backend_options.dist_backend: gloo" in msg
+    assert CUDABackend.launch_problem(1, {}) is None  # one rank per GPU: NCCL's case
+    assert CUDABackend.launch_problem(4, {"dist_backend": "gloo"}) is None  # ranks share the GPU over gloo
+    assert CUDABackend.launch_problem(4, {"dist_backend": "nccl"}) == msg
+
+
+def test_no_gpu_is_left_to_the_availability_message(no_gpu) -> None:
+    assert CUDABackend.launch_problem(4, {}) is None
+
+
+def test_the_refusal_comes_before_any_rank_starts(one_gpu, monkeypatch) -> None:
+    from portapipe import launch
+
+    started = []
+    monkeypatch.setattr(launch, "LocalJob", lambda *a, **k: started.append(a))
+    with pytest.raises(BackendUnavailable, match="backend_options.dist_backend: gloo"):
+        launch.run_ranks(print, 2, backend="cuda")
+    assert started == []
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # torchrun's one rank per GPU on this node
+    monkeypatch.setattr(launch, "under_torchrun", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(launch, "_rank_main", lambda *a: "ran")
+    assert launch.run_ranks(print, 2, backend="cuda") == ["ran"]
+
+
+def test_cli_refuses_four_ranks_on_one_gpu_with_exit_2_in_one_line(one_gpu, monkeypatch, capsys, tmp_path) -> None:
+    from portapipe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["verify", str(ROOT / "examples" / "cuda.yaml")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("portapipe: backend 'cuda': 4 ranks on this machine but 1 GPU") and "dist_backend: gloo" in err[0]
+
+
+def test_gloo_between_ranks_stages_point_to_point_and_nccl_does_not(monkeypatch) -> None:
+    from portapipe.backends.staged_p2p import HostStagedP2P
+
+    monkeypatch.setattr(CUDABackend, "device_count", classmethod(lambda cls: 1))
+    gloo, nccl = CUDABackend({"dist_backend": "gloo"}), CUDABackend()
+    assert isinstance(gloo._staged_p2p, HostStagedP2P) and nccl._staged_p2p is None
+    seen = []
+    monkeypatch.setattr(gloo._staged_p2p, "batch_isend_irecv", lambda ops: seen.append(ops) or ["staged"])
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: ["direct"])
+    assert gloo.batch_isend_irecv(["op"]) == ["staged"] and seen == [["op"]]
+    assert nccl.batch_isend_irecv(["op"]) == ["direct"]
+
+
+def test_the_cuda_staging_pins_its_host_buffers_and_copies_without_blocking() -> None:
+    from portapipe.backends.cuda import cuda_staging
+
+    staging = cuda_staging(torch.device("cuda", 0))
+    copies = []
+
+    class Spy:
+        def copy_(self, src, non_blocking=False):
+            copies.append(non_blocking)
+
+    staging.to_host(Spy(), torch.zeros(1))
+    staging.to_device(Spy(), torch.zeros(1))
+    assert copies == [True, True]
+    assert staging.on_host(torch.zeros(1)) and not staging.on_host(torch.zeros(1, device="meta"))
+
+
+def test_the_one_gpu_starter_is_the_cuda_example_with_gloo_between_ranks() -> None:
+    """examples/cuda_1gpu.yaml: examples/cuda.yaml with only a backend_options line added."""
+    import yaml
+
+    from portapipe.config import load_config
+
+    cuda = (ROOT / "examples" / "cuda.yaml").read_text().splitlines()
+    one = (ROOT / "examples" / "cuda_1gpu.yaml").read_text().splitlines()
+    body = [line for line in one if not line.startswith("#")]
+    assert [line for line in body if line not in cuda] == ["backend_options: {dist_backend: gloo}"]
+    assert [line for line in cuda if not line.startswith("#") and line not in body] == []
+    raw_one, raw_cuda = yaml.safe_load("\n".join(one)), yaml.safe_load("\n".join(cuda))
+    assert raw_one.pop("backend_options") == {"dist_backend": "gloo"} and raw_one == raw_cuda
+    assert load_config(ROOT / "examples" / "cuda_1gpu.yaml").backend_options == {"dist_backend": "gloo"}
+
+
 # ------------------------------------------------------------------------------ GPU tests
 def _gmm_operands(form: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     if form == "2d3d":

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from portapipe.backends.ascend import AscendBackend
+from portapipe.backends.base import TENSOR_COLLECTIVE_NAMES
 from portapipe.backends.capabilities import Capabilities
 from portapipe.backends.cpu import CPUBackend
 from portapipe.backends.cuda import CUDABackend
@@ -169,9 +170,12 @@ def _strict_collectives(monkeypatch: pytest.MonkeyPatch, library: str) -> list[t
 
         return fn
 
+    # the table names torch >= 2.13's calls; an older torch has the tensor collectives' old names
+    older = {names[0]: names[-1] for names in TENSOR_COLLECTIVE_NAMES.values()}
     for library_, call in table:
         if library_ == library:
-            monkeypatch.setattr(dist, call, strict(call, getattr(dist, call)))
+            name = call if hasattr(dist, call) else older[call]
+            monkeypatch.setattr(dist, name, strict(call, getattr(dist, name)))
     return seen
 
 

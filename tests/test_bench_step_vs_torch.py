@@ -23,7 +23,11 @@ def test_step_vs_torch_runs_and_ours_and_torchs_pipelines_agree() -> None:
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
     report = json.loads(out.stdout)
-    for schedule in ("dualpipev", "interleaved"):
+    # torch 2.11 / 2.12's DualPipeV cannot run these blocks (found by presence); the others must run
+    from torch.distributed.pipelining import _backward
+
+    assert set(report["torch_unsupported"]) == (set() if hasattr(_backward, "_autograd_grad_for_inputs") else {"dualpipev"})
+    for schedule in sorted({"dualpipev", "interleaved"} - set(report["torch_unsupported"])):
         same = report[schedule]["same_computation"]
         assert same["loss_ours"] == same["loss_torch"] == same["loss_ours_no_overlap"]
         assert same["max_rel_grad_diff_torch_vs_ours"] < 1e-5 and same["max_rel_grad_diff_no_overlap_vs_ours"] < 1e-5

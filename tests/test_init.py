@@ -15,7 +15,7 @@ from portapipe.train import check_before_launch
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 PACKAGED = ROOT / "portapipe" / "configs"
-NAMES = ["cpu", "cuda", "deepseek_v3", "npu", "qwen3_moe"]
+NAMES = ["cpu", "cuda", "cuda_1gpu", "deepseek_v3", "npu", "qwen3_moe"]
 
 
 def backend_available(name: str) -> bool:
@@ -66,7 +66,7 @@ def test_init_defaults_to_cpu_and_refuses_to_overwrite(tmp_path: Path, capsys: p
 
 def test_init_refuses_unknown_names_and_missing_folders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["init", "gpt", "--out", str(tmp_path / "g.yaml")]) == 2
-    assert "no starter config 'gpt'; choose one of: cpu, cuda, deepseek_v3, npu, qwen3_moe" in capsys.readouterr().err
+    assert "no starter config 'gpt'; choose one of: cpu, cuda, cuda_1gpu, deepseek_v3, npu, qwen3_moe" in capsys.readouterr().err
     assert main(["init", "cpu", "--out", str(tmp_path / "no" / "c.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "g.yaml").exists()

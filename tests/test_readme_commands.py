@@ -62,6 +62,7 @@ def test_skipping_a_command_the_readme_does_not_have_is_refused() -> None:
 
 def test_ci_runs_the_test_command_then_every_other_readme_command() -> None:
     steps = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip() and not line.startswith("#")]
-    # between the two, the wheel in a fresh venv (tests/test_install_script.py)
-    assert steps[-3:] == ["make test", ".venv/bin/python ci/installed_package.py", '.venv/bin/python ci/readme_commands.py --skip "make test"']
+    # between the two, the wheel in a fresh venv (tests/test_install_script.py); last, the short leg on the oldest torch
+    assert steps[-4:] == ["make test", ".venv/bin/python ci/installed_package.py", '.venv/bin/python ci/readme_commands.py --skip "make test"',
+                          "bash ci/oldest_torch.sh"]
     assert "make test" in map(_script().bare, _script().commands((ROOT / "README.md").read_text()))

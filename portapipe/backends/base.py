@@ -27,6 +27,25 @@ from .grouped_mm import grouped_mm_reference
 REDUCE_OPS = ("SUM", "PRODUCT", "MIN", "MAX")
 
 
+#: The tensor forms of reduce-scatter and all-gather under each release's name: torch 2.13
+#: named them ``reduce_scatter_single`` / ``all_gather_single`` (and warns on the old names);
+#: 2.11 and 2.12 have only ``reduce_scatter_tensor`` / ``all_gather_into_tensor``.
+TENSOR_COLLECTIVE_NAMES = {
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    "all_gather": ("all_gather_single", "all_gather_into_tensor"),
+}
+
+
+def tensor_collective(kind: str) -> Any:
+    """``torch.distributed``'s function for ``kind`` (a key of :data:`TENSOR_COLLECTIVE_NAMES`),
+    under the newest name this torch has; looked up at each call, by presence, not by version."""
+    for name in TENSOR_COLLECTIVE_NAMES[kind]:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            return fn
+    raise AttributeError(f"torch {torch.__version__} has none of torch.distributed.{', '.join(TENSOR_COLLECTIVE_NAMES[kind])}")
+
+
 class BackendUnavailable(RuntimeError):
     """Raised when a backend is asked for on a machine that cannot run it."""
 
@@ -151,6 +170,12 @@ class Backend(ABC):
     @abstractmethod
     def is_available(cls) -> bool:
         """True when this machine has the device and the software to drive it."""
+
+    @classmethod
+    def launch_problem(cls, local_ranks: int, options: dict[str, Any] | None = None) -> str | None:
+        """Why ``local_ranks`` ranks of this backend cannot run on this machine with these
+        ``backend_options`` (one line), or None; asked before any rank starts."""
+        return None
 
     @classmethod
     def device_present(cls) -> bool:
@@ -332,12 +357,11 @@ class Backend(ABC):
         ``input.numel()`` must be ``n * output.numel()`` for the group's size n; slice i goes to
         the group's i-th rank (the distributed optimizer's shards). ``op``: any of :data:`REDUCE_OPS`.
         """
-        # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor warns that it is deprecated)
-        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        return tensor_collective("reduce_scatter")(output, input, op=op, group=group, async_op=async_op)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
         """``output`` = every rank's ``input`` concatenated in group-rank order (``n * input.numel()``)."""
-        return dist.all_gather_single(output, input, group=group, async_op=async_op)  # all_gather_into_tensor's name from torch 2.13
+        return tensor_collective("all_gather")(output, input, group=group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)

@@ -31,6 +31,9 @@ class Capabilities:
     ``fused_grouped_mm_dtypes``: dtypes a fused grouped-matmul kernel takes (others loop over
     groups); ``grouped_mm_max_groups``: groups one fused call takes (None: no limit).
     ``reduce_scatter`` / ``all_gather_into_tensor``: the distributed optimizer's pair runs.
+    ``matches_cpu_float64``: float64 results here are the CPU's bit for bit (the same kernels),
+    so a float64 pipelined step is verified exactly against the CPU reference; a device with float64
+    kernels of its own is verified in float32 against it, within a tolerance (portapipe verify).
     ``streams``: communication runs on its own stream beside compute (False: no-op streams,
     overlap comes from async work handles). ``memory_stats``: an allocator reports
     allocated / peak bytes. ``timer``: ``events`` (device time) or ``wall`` (host clock).
@@ -45,6 +48,7 @@ class Capabilities:
     grouped_mm_max_groups: int | None = None
     reduce_scatter: bool = True
     all_gather_into_tensor: bool = True
+    matches_cpu_float64: bool = False
     streams: bool = False
     memory_stats: bool = False
     timer: str = "wall"

@@ -31,6 +31,7 @@ from .grouped_mm import (
     zero_rows_past_end,
 )
 from .nvshmem import NVSHMEM_MIN_TORCH, NvshmemTransport, nvshmem_api_missing
+from .staged_p2p import HostStagedP2P, HostStaging
 
 #: Default size of each NVSHMEM staging buffer (input and output, per group and dtype).
 DEFAULT_NVSHMEM_BUFFER_MB = 128
@@ -74,6 +75,24 @@ def _buffer_bytes(mb: Any) -> int:
     return int(mb * 2**20)
 
 
+def cuda_staging(device: torch.device) -> HostStaging:
+    """How a CUDA tensor goes through pinned host memory and back (for gloo's send / recv).
+
+    To the host: a copy on the current stream into a pinned buffer (torch's caching host allocator
+    keeps freed buffers for reuse), waited for once per batch by synchronizing that stream, since
+    gloo reads the buffer from its own thread. Back: a copy on the current stream, so the work the
+    caller queues after ``wait`` sees the data, as with NCCL; the pinned buffer is not reused before
+    that copy has run (the allocator records it).
+    """
+    return HostStaging(
+        host_empty=lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True),
+        to_host=lambda dst, src: dst.copy_(src, non_blocking=True),
+        host_ready=lambda: torch.cuda.current_stream(device).synchronize(),
+        to_device=lambda dst, src: dst.copy_(src, non_blocking=True),
+        on_host=lambda t: t.device.type == "cpu",
+    )
+
+
 def _nvidia_device_files() -> list[str]:
     return sorted(glob.glob("/dev/nvidia[0-9]*"))
 
@@ -99,6 +118,9 @@ class CUDABackend(Backend):
         streams=True,
         memory_stats=True,
         timer="events",
+        # cuBLAS and the CPU sum in different orders: float64 here is not the CPU reference's bit
+        # for bit, so verify runs float32 on the device against float64 on the CPU (its tolerance)
+        matches_cpu_float64=False,
     )
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
@@ -115,8 +137,25 @@ class CUDABackend(Backend):
                 raise BackendUnavailable(reason)
         self._comm_stream: Any = None
         self._nvshmem: NvshmemTransport | None = None
+        # gloo's send / recv take host memory only (its collectives stage device tensors
+        # themselves): the pipeline's point-to-point goes through pinned host buffers.
+        self._staged_p2p = HostStagedP2P(cuda_staging(self.device())) if self.dist_backend == "gloo" else None
 
     # ------------------------------------------------------------------ identity
+    @classmethod
+    def launch_problem(cls, local_ranks: int, options: dict[str, Any] | None = None) -> str | None:
+        """NCCL takes one rank per GPU: more local ranks than GPUs need gloo between them."""
+        if str((options or {}).get("dist_backend", "nccl")) != "nccl":
+            return None
+        gpus = cls.device_count()  # NVML's count where it answers: no CUDA context is made
+        if gpus == 0 or local_ranks <= gpus:
+            return None  # no GPU at all is unavailable_reason's to say
+        return (
+            f"backend 'cuda': {local_ranks} ranks on this machine but {gpus} GPU{'s' if gpus > 1 else ''}, and NCCL "
+            f"takes one rank per GPU; set backend_options.dist_backend: gloo to let ranks share a GPU "
+            f"(or run at most {gpus} rank{'s' if gpus > 1 else ''} here)"
+        )
+
     @classmethod
     def device_present(cls) -> bool:
         return cls.device_count() > 0 or bool(_nvidia_device_files())
@@ -226,6 +265,11 @@ class CUDABackend(Backend):
         torch.cuda.synchronize(self.device())
 
     # ------------------------------------------------------------ communication
+    def batch_isend_irecv(self, ops: Sequence[dist.P2POp]) -> list[Any]:
+        if self._staged_p2p is not None:
+            return self._staged_p2p.batch_isend_irecv(ops)
+        return super().batch_isend_irecv(ops)
+
     def expert_all_to_all(
         self,
         output: torch.Tensor,
@@ -293,10 +337,25 @@ class CUDABackend(Backend):
         if "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"], self.device())
 
+    @classmethod
+    def software(cls) -> dict[str, Any]:
+        """The CUDA software torch brings (read without a device, without creating a context)."""
+        from importlib.metadata import distributions
+
+        # NCCL as pip installs it beside torch (nvidia-nccl-cu12 / -cu13); a build that links its
+        # own NCCL has no such package
+        nccl = sorted(f"{d.metadata['Name']} {d.version}" for d in distributions() if str(d.metadata["Name"]).startswith("nvidia-nccl"))
+        out: dict[str, Any] = {"cuda": torch.version.cuda, "nccl": ", ".join(nccl) or None, "nccl_available": dist.is_nccl_available()}
+        out["nvshmem"] = "unavailable: " + reason if (reason := nvshmem_api_missing()) else "the API is there (whether the runtime loads: ep_transport: nvshmem's check)"
+        return out
+
     def describe(self) -> dict[str, Any]:
-        out = super().describe()
+        out = {**super().describe(), **self.software()}
         if self.is_available():
             props = torch.cuda.get_device_properties(self.device())
             out["device_name"] = props.name
             out["capability"] = f"{props.major}.{props.minor}"
+            out["memory_bytes"] = int(props.total_memory)
+            out["multiprocessors"] = int(props.multi_processor_count)
+            out["nvshmem"] = self.nvshmem_unavailable_reason() or "available"
         return out

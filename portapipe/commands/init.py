@@ -2,8 +2,8 @@
 
 The starters are the configs of examples/ shipped inside the package (``portapipe/configs``,
 whose files are links to examples/ in a source checkout, so there is one copy of each): ``cpu``
-(runs anywhere), ``cuda`` and ``npu`` (the same run on a device), ``deepseek_v3`` and
-``qwen3_moe``. The file written is checked like any config, and one line says what to run next.
+(runs anywhere), ``cuda`` and ``npu`` (the same run on a device), ``cuda_1gpu`` (that run's
+ranks sharing one GPU, gloo between them), ``deepseek_v3`` and ``qwen3_moe``. The file written is checked like any config, and one line says what to run next.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("init", help="write a commented starter config (cpu, cuda, npu, deepseek_v3, qwen3_moe)")
+    p = sub.add_parser("init", help="write a commented starter config (cpu, cuda, cuda_1gpu, npu, deepseek_v3, qwen3_moe)")
     p.add_argument("name", nargs="?", default=DEFAULT, metavar="NAME", help=f"which starter [{DEFAULT}]; --list shows them")
     p.add_argument("--out", metavar="FILE", help="where to write it [NAME.yaml in this folder]")
     p.add_argument("--force", action="store_true", help="replace FILE if it exists")

@@ -1,0 +1,165 @@
+"""Ranks sharing a GPU over gloo: the pipeline's point-to-point staged through host buffers.
+
+gloo stages device tensors itself in its collectives but not in send / recv, so the cuda backend
+with ``dist_backend: gloo`` posts its sends and receives through :class:`HostStagedP2P`. Here the
+same logic runs for real on gloo ranks, the CPU playing the device (tests/staged_backend.py):
+a double of gloo's point-to-point refuses every tensor that is not a host buffer the staging made,
+and every schedule at pp 2 x ep 2 (with EPLB, LPLB and ZeRO 2 on some) verifies exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from portapipe.backends.staged_p2p import HostStagedP2P, copy_staging
+from tests import staged_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
+
+
+class _Op:
+    """torch's P2POp without a process group (its constructor needs one)."""
+
+    def __init__(self, op: Any, tensor: torch.Tensor, peer: int | None = None, group: Any = None, tag: int = 0) -> None:
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+
+@pytest.fixture(autouse=True)
+def no_group_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "P2POp", _Op)
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.waited = 0
+        self.done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waited += 1
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _recorder() -> tuple[list[Any], Any]:
+    posted: list[Any] = []
+
+    def post(ops: list[Any]) -> list[_Work]:
+        posted.extend(ops)
+        return [_Work() for _ in ops]
+
+    return posted, post
+
+
+def test_device_tensors_travel_through_host_buffers_and_land_at_wait() -> None:
+    posted, post = _recorder()
+    p2p = HostStagedP2P(copy_staging(is_host=lambda t: False), post=post)  # every tensor is "device"
+    sent = torch.arange(6.0).reshape(2, 3)
+    got = torch.full((4,), -1.0)
+    works = p2p.batch_isend_irecv([dist.P2POp(dist.isend, sent, 1, tag=3), dist.P2POp(dist.irecv, got, 1, tag=4)])
+    send_op, recv_op = posted
+    # what the library sees: host buffers, never the device tensors, with peer and tag kept
+    assert send_op.tensor is not sent and torch.equal(send_op.tensor, sent)
+    assert recv_op.tensor is not got and recv_op.tensor.shape == got.shape
+    assert (send_op.peer, send_op.tag, recv_op.peer, recv_op.tag) == (1, 3, 1, 4)
+    recv_op.tensor.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # the library fills the host buffer
+    assert torch.equal(got, torch.full((4,), -1.0))  # not yet: the data lands when waited on
+    assert works[1].wait() is True
+    assert torch.equal(got, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    works[0].wait()
+    assert works[0]._work.waited == 1
+
+
+def test_a_completed_receive_lands_when_seen_completed_and_host_tensors_go_as_they_are() -> None:
+    posted, post = _recorder()
+    p2p = HostStagedP2P(copy_staging(is_host=lambda t: t.dtype == torch.float64), post=post)
+    host = torch.zeros(2, dtype=torch.float64)
+    dev = torch.zeros(3)
+    works = p2p.batch_isend_irecv([dist.P2POp(dist.irecv, host, 0), dist.P2POp(dist.irecv, dev, 0)])
+    assert posted[0].tensor is host and works[0] is works[0]  # a host tensor is posted as it is
+    assert posted[1].tensor is not dev
+    posted[1].tensor.fill_(7.0)
+    inner = works[1]._work
+    assert works[1].is_completed() is False and torch.equal(dev, torch.zeros(3))
+    inner.done = True
+    assert works[1].is_completed() is True and torch.equal(dev, torch.full((3,), 7.0))
+    assert p2p.batch_isend_irecv([]) == []
+
+
+def test_the_gloo_double_refuses_what_gloo_cannot_move() -> None:
+    host = staged_backend.HostBuffers()
+    post = staged_backend.gloo_p2p_double(host)
+    with pytest.raises(RuntimeError, match="gloo send/recv: a tensor in device memory"):
+        post([dist.P2POp(dist.isend, torch.zeros(2), 1)])
+    buf = host.empty_like(torch.zeros(2))
+    assert host.holds(buf) and not host.holds(buf.clone()) and host.made == 1
+
+
+def _model_config(name: str, **extra: Any) -> dict[str, Any]:
+    mb = 4 if name in ("dualpipe", "dualpipev") else 2
+    raw: dict[str, Any] = {
+        "backend": staged_backend.NAME,
+        "parallel": {"pp": 2, "ep": 2, "dp": 1},
+        "schedule": {"name": name, "microbatches": mb},
+        "model": {"vocab_size": 32, "hidden": 16, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32,
+                  "moe_hidden": 16, "n_experts": 4, "top_k": 2, "seq_len": 8},
+        "train": {"micro_batch_size": 2, "seed": 5, "grad_bucket_mb": 0.01},
+    }
+    for section, values in extra.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return raw
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from portapipe.config import load_config
+    from portapipe.launch import LaunchError
+    from portapipe.verify import verify_many
+
+    raws = json.loads(open(sys.argv[1]).read())
+    for report in verify_many([load_config(raw) for raw in raws[:-1]]):
+        print("REPORT", json.dumps(report.summary()), flush=True)
+    try:
+        verify_many([load_config(raws[-1])])
+        print("UNSTAGED passed", flush=True)
+    except LaunchError as err:
+        print("UNSTAGED", " ".join(str(err).split()), flush=True)
+    """
+)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_every_schedule_verifies_exactly_at_pp2_ep2_through_staged_p2p(tmp_path: Path) -> None:
+    """Every schedule, pp 2 x ep 2, four gloo ranks whose point-to-point the double allows only
+    through host buffers: the pipelined step equals one process (float64, exact); so do DualPipeV
+    with EPLB, interleaved with LPLB and 1F1B with ZeRO 2. Without the staging, the double refuses."""
+    env = staged_backend.install(tmp_path / "site")
+    raws = [_model_config(name) for name in SCHEDULES]
+    raws.append(_model_config("dualpipev", balancer={"kind": "eplb", "redundant": 1}))
+    raws.append(_model_config("interleaved", balancer={"kind": "lplb", "topology": "ring", "redundant": 1}))
+    raws.append(_model_config("1f1b", train={"zero_stage": 2}))
+    raws.append(_model_config("1f1b", backend_options={"staging": "off"}))
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps(raws))
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(path)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    reports = [json.loads(line.split(" ", 1)[1]) for line in lines if line.startswith("REPORT ")]
+    assert [(r["schedule"], r["pp"], r["ep"]) for r in reports] == [(raw["schedule"]["name"], 2, 2) for raw in raws[:-1]]
+    bad = [r for r in reports if not (r["ok"] and r["loss_diff"] == 0.0 and r["precision"] == "float64")]
+    assert not bad, bad
+    unstaged = [line for line in lines if line.startswith("UNSTAGED")]
+    assert len(unstaged) == 1 and staged_backend.REFUSAL in unstaged[0], proc.stdout[-2000:]
