@@ -29,6 +29,7 @@ from .config import Config
 from .memory.policy import configure as configure_memory
 from .models.expert_parallel import ExpertParallel
 from .models.moe import DTYPES, Block, Layer, build_blocks
+from .models.objective import Objective, balance_terms
 from .optim.buckets import GradBuckets
 from .optim.precision import master_dtype, reduce_dtype
 from .scheduling.executor import PipelineExecutor, build_schedule, placed
@@ -36,8 +37,15 @@ from .scheduling.ir import Schedule
 
 
 def build_model(config: Config, blocks: Iterable[int], n_blocks: int, ep: ExpertParallel) -> dict[int, Block]:
-    """The model blocks ``blocks`` of a model cut into ``n_blocks``, experts placed as ``ep`` says."""
-    return build_blocks(config.model, list(blocks), n_blocks, ep, config.train.seed)
+    """The model blocks ``blocks`` of a model cut into ``n_blocks``, experts placed as ``ep`` says,
+    computing the objective's extra terms the ``train`` section weighs."""
+    return build_blocks(config.model, list(blocks), n_blocks, ep, config.train.seed, Objective.from_train(config.train))
+
+
+def loss_terms(config: Config) -> list[str]:
+    """Every loss term the model's stages record (the executor's ``loss_terms``)."""
+    m = config.model
+    return balance_terms(range(m.n_dense, m.n_layers), Objective.from_train(config.train))
 
 
 class PipelineRuntime(PipelineExecutor):
@@ -70,7 +78,7 @@ class PipelineRuntime(PipelineExecutor):
         super().__init__(
             s, blocks, backend, groups,
             boundary=boundary, overlap=config.schedule.overlap, exchange_stats=self.ep.stats, end_step=model_end_step,
-            counts_stats=self.ep.counts_stats,
+            counts_stats=self.ep.counts_stats, loss_terms=loss_terms(config),
         )
         if self.balancer is not None:
             self.balancer.attach(self.moe_layers())

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .config_text import ConfigError, apply_overrides, read_yaml  # ConfigError and apply_overrides re-exported
-from .model_rules import ARCH_DEFAULTS, ARCH_KEYS, model_problems
+from .model_rules import ARCH_DEFAULTS, ARCH_KEYS, model_problems, objective_problems
 from .setup import DUALPIPE_FAMILY, n_model_blocks  # noqa: F401  (re-exported)
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
@@ -255,6 +255,12 @@ class TrainConfig(_Section):
     overlap_grad_sync: bool = Field(
         True, description="reduce a block's gradient buckets as soon as its last backward of the step ran (false: all after the schedule)"
     )
+    seq_aux_loss_weight: float = Field(
+        0.0,
+        ge=0,
+        description="alpha of DeepSeek-V3's complementary sequence-wise balance loss, added for every MoE layer "
+        "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed",
+    )
 
     @field_validator("betas")
     @classmethod
@@ -350,7 +356,7 @@ def _cross_checks(c: Config) -> list[str]:
     from .rules import violations  # imported when used: the rules read backend classes (torch)
     from .setup import Setup
 
-    out = violations(Setup.from_config(c)) + _without_effect(c)
+    out = violations(Setup.from_config(c)) + _without_effect(c) + objective_problems(c.model, c.train)
     from .optim.precision import precision_problems
 
     out += precision_problems(c)

@@ -84,3 +84,12 @@ def _rope_scaling_checks(d: dict[str, Any]) -> list[str]:
         if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
             out.append(f"model.rope_scaling.original_max_position_embeddings: {orig!r}; yarn needs the pretraining length (a positive integer)")
     return out
+
+
+def objective_problems(m: Any, t: Any) -> list[str]:
+    """The training objective's keys (``t``, the train section) that the model ``m`` cannot honour."""
+    out: list[str] = []
+    if t.seq_aux_loss_weight and m.n_dense >= m.n_layers:
+        out.append(f"train.seq_aux_loss_weight: {t.seq_aux_loss_weight} but the model has no MoE layer (model.n_dense = "
+                   f"{m.n_dense} of {m.n_layers} layers); set 0")
+    return out

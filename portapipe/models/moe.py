@@ -54,6 +54,7 @@ from .expert_clock import ExpertClock
 from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch, split_weights, with_weights
 from .functions import RMSNorm, swiglu
 from .linear import Linear, grouped_linear
+from .objective import Objective, balance_term, sequence_balance_loss
 from .rope import apply_rope, rope_tables
 from .routing import Router, SoftmaxRouter
 
@@ -183,28 +184,44 @@ class Layer(nn.Module):
             self.ffn, self.moe = None, MoE(cfg, ep, dtype, index)
         # Memory options (portapipe.memory.policy.LayerMemory), set by portapipe.memory.policy.configure.
         self.memory: Any = None
+        #: alpha of the sequence-wise balance loss (portapipe.models.objective); 0: not computed
+        self.balance_weight = 0.0
 
     # ----------------------------------------------------------------- parts
     def dense_part(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attn(self.norm1(x))
         return h + self.ffn(self.norm2(h))
 
-    def attention_part(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def attention_part(self, x: torch.Tensor) -> tuple[Any, ...]:
         """Attention + residual, FFN norm, routing, and the rows to send with their router
         weights: ``(h, hn, send, local, local_weights, plan)``. ``send`` goes to other EP ranks,
         each row with its router weight as its last column (:func:`.expert_parallel.with_weights`);
         ``local`` / ``local_weights`` (routed to this rank's own experts) need no exchange. Both
         gathered in ``plan.send_order``, each into a buffer of its own (the local rows are kept
-        for the experts' backward, the sent ones are not)."""
+        for the experts' backward, the sent ones are not). With a balance-loss weight, the
+        layer's sequence-wise balance loss follows as a seventh element."""
         moe = self.moe
         h = x + self.attn(self.norm1(x))
         hn = self.norm2(h)
         flat = hn.reshape(-1, hn.shape[-1])
-        w, idx = moe.router(flat)
+        w, idx, affinity = moe.router.route(flat, affinities=bool(self.balance_weight))
         plan = moe.dispatch_plan(idx)
         n, order, tokens, w = plan.n_remote, plan.send_order, plan.send_order // self.top_k, w.reshape(-1)
         send = with_weights(flat.index_select(0, tokens[:n]), w.index_select(0, order[:n]))
-        return h, hn, send, flat.index_select(0, tokens[n:]), w.index_select(0, order[n:]), plan
+        out = (h, hn, send, flat.index_select(0, tokens[n:]), w.index_select(0, order[n:]), plan)
+        if affinity is None:
+            return out
+        return (*out, sequence_balance_loss(affinity, idx, x.shape[0]))
+
+    def routed(self, tape: Any, x: torch.Tensor) -> tuple[Any, ...]:
+        """The attention part through ``tape``; its balance loss (when computed) recorded as a
+        loss term of this stage (:meth:`~portapipe.scheduling.overlap.Tape.loss`).
+        Returns :meth:`attention_part`'s first six elements."""
+        out = tape.part(self.attention_part, x)
+        if len(out) == 7:
+            tape.loss(balance_term(self.index), out[6], self.balance_weight)
+            out = out[:6]
+        return out
 
     def experts_part(
         self, rows: torch.Tensor, weights: torch.Tensor | None, plan: DispatchPlan, zm: Any = None, local: bool = False
@@ -252,7 +269,7 @@ class Layer(nn.Module):
     def program(self, tape: Any, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
         if self.moe is None:
             return tape.part(self.dense_part, x)
-        routed = tape.part(self.attention_part, x)
+        routed = self.routed(tape, x)
         return (yield from self.moe_program(tape, *routed))
 
     def moe_program(
@@ -300,13 +317,16 @@ class Layer(nn.Module):
 class Block(nn.Module):
     """Layers ``[first, last)`` of the model; block 0 embeds tokens, the final block ends in the loss."""
 
-    def __init__(self, cfg: ModelConfig, block: int, n_blocks: int, ep: ExpertParallel, seed: int) -> None:
+    def __init__(self, cfg: ModelConfig, block: int, n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None) -> None:
         super().__init__()
+        self.objective = Objective() if objective is None else objective
         dtype = DTYPES[cfg.dtype]
         self.block, self.n_blocks = block, n_blocks
         self.first, self.last = layer_range(cfg.n_layers, n_blocks, block)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=dtype) if block == 0 else None
         self.layers = nn.ModuleDict({str(i): Layer(cfg, i, ep, dtype) for i in range(self.first, self.last)})
+        for layer in self.moe_layers():
+            layer.balance_weight = self.objective.seq_aux_weight
         if block == n_blocks - 1:
             self.final_norm: RMSNorm | None = norm(cfg, cfg.hidden, dtype)
             self.head: Linear | None = Linear(cfg.hidden, cfg.vocab_size, dtype)
@@ -371,9 +391,12 @@ def init_parameters(block: Block, cfg: ModelConfig, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
 
 
-def build_blocks(cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertParallel, seed: int) -> dict[int, Block]:
-    """This rank's model blocks, seeded; with ``model.init_from``, holding that folder's weights."""
-    built = {b: Block(cfg, b, n_blocks, ep, seed) for b in blocks}
+def build_blocks(
+    cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None
+) -> dict[int, Block]:
+    """This rank's model blocks, seeded; with ``model.init_from``, holding that folder's weights.
+    ``objective``: the weights of the objective's extra terms (none by default)."""
+    built = {b: Block(cfg, b, n_blocks, ep, seed, objective) for b in blocks}
     if cfg.init_from is not None and built and not next(built[blocks[0]].parameters()).is_meta:
         from .hf_folder import load_hf_weights
 

@@ -31,13 +31,16 @@ parallel groups; :meth:`~PipelineExecutor.step` runs one training step's actions
   loads; see :mod:`portapipe.compose`) and returns extra :class:`StepResult` fields.
 
 The loss is reported exactly: per-micro-batch losses are gathered and summed in a fixed order
-(replica, then micro-batch), the order :mod:`portapipe.verify`'s reference uses.
+(replica, then micro-batch), the order :mod:`portapipe.verify`'s reference uses. So are the loss
+terms the stages record inside their programs (:meth:`~.overlap.Tape.loss`, seeded in their own
+backward): the composer names them (``loss_terms``), each is gathered per micro-batch from
+whichever rank produced it and reported as its mean (:attr:`StepResult.loss_terms`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -85,6 +88,9 @@ class StepResult:
     expert_layers: list[int] = field(default_factory=list)
     #: per replica (dp x ep order) per micro-batch losses, identical on every rank
     losses: list[list[float]] = field(default_factory=list)
+    #: each loss term the stages recorded (the executor's ``loss_terms``), mean over micro-batches
+    #: and replicas summed in the order of ``loss``
+    loss_terms: dict[str, float] = field(default_factory=dict)
 
 
 class GradSync(Protocol):
@@ -129,7 +135,9 @@ class PipelineExecutor:
     :class:`GradSync` (None: the blocking reduction after the list). ``counts_stats``: where the
     stages' exchanges of row counts record their time, reported apart from the rows' (portapipe's
     routing: :attr:`~portapipe.models.expert_parallel.ExpertParallel.counts_stats`).
-    ``grad_scale`` multiplies every backward's seed (a loss scale). ``time_exchanges`` (an attribute a caller may flip
+    ``grad_scale`` multiplies every backward's seed (a loss scale). ``loss_terms``: the names of
+    every loss term any stage of the model records (:meth:`~.overlap.Tape.loss`), the same list on
+    every rank, reported in :attr:`StepResult.loss_terms`. ``time_exchanges`` (an attribute a caller may flip
     between steps): take each exchange's completion time, for the all-to-all totals and hidden
     shares of the step's timings; off, a step saves a callback per exchange on the
     communication thread and reports only the time blocked on exchanges.
@@ -149,8 +157,10 @@ class PipelineExecutor:
         grad_sync: GradSync | None = None,
         time_exchanges: bool = True,
         counts_stats: A2AStats | None = None,
+        loss_terms: Sequence[str] = (),
     ) -> None:
         self.backend, self.groups = backend, groups
+        self.loss_terms = list(loss_terms)
         self.schedule = s = placed(schedule, groups)
         self.blocks: dict[int, Stage] = {b: stages[b] for b in sorted(stages)}
         check_stages(s, groups.pp_rank, self.blocks)
@@ -209,7 +219,7 @@ class PipelineExecutor:
             self.grad_sync.finish()
         else:
             self.reduce_gradients()
-        losses = self._gather_losses(run_.losses)
+        losses, terms = self._gather_losses(run_.losses, run_.terms)
         extra = dict(self.end_step(self)) if self.end_step is not None else {}
         step_s = time.perf_counter() - t0
         tokens = sum(int(t.numel()) for _, t in microbatches) * len(losses)
@@ -223,7 +233,7 @@ class PipelineExecutor:
             "grad_sync_exposed_s": self.grad_sync.exposed_s if self.grad_sync is not None else 0.0,
             "grad_sync_s": self.grad_sync.sync_s if self.grad_sync is not None else 0.0,
         }
-        return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, losses=losses, **extra)
+        return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, losses=losses, loss_terms=terms, **extra)
 
     # ---------------------------------------------------------- reductions
     def reduce_gradients(self) -> None:
@@ -273,24 +283,36 @@ class PipelineExecutor:
             work.wait()
         return tensor + other
 
-    def _gather_losses(self, local: dict[int, torch.Tensor]) -> list[list[float]]:
-        """Every (replica, micro-batch) loss, on every rank, exactly as computed."""
+    def _gather_losses(
+        self, local: dict[int, torch.Tensor], terms: Mapping[int, Mapping[str, torch.Tensor]]
+    ) -> tuple[list[list[float]], dict[str, float]]:
+        """Every (replica, micro-batch) loss, on every rank, exactly as computed; and each loss
+        term's mean over them (its per-micro-batch values gathered alike)."""
         g = self.groups
         m = self.schedule.n_microbatches
+        names = self.loss_terms
+        column = {name: i + 1 for i, name in enumerate(names)}
         # float64 where the backend reduces it; elsewhere float32 holds a float32 model's losses
         # exactly, and the other pipeline ranks add zeros
         dtype = getattr(torch, self.backend.capabilities.widest_reduce_dtype)
-        vec = torch.zeros(m, dtype=dtype, device=self.device)
+        table = torch.zeros(m, 1 + len(names), dtype=dtype, device=self.device)
         for mb, loss in local.items():
-            vec[mb] = loss.to(dtype)
-        if g.pp > 1:  # one pipeline rank holds each micro-batch's loss; the others add zeros
-            self.backend.all_reduce(vec, group=g.pp_group)
+            table[mb, 0] = loss.to(dtype)
+        for mb, recorded in terms.items():
+            for name, value in recorded.items():
+                if name not in column:
+                    raise RuntimeError(f"a stage recorded the loss term {name!r}, which the executor's loss_terms do not name")
+                table[mb, column[name]] = value.to(dtype)
+        if g.pp > 1:  # one pipeline rank holds each micro-batch's loss (and term); the others add zeros
+            self.backend.all_reduce(table, group=g.pp_group)
         replicas = g.dp * g.ep
         if replicas == 1:
-            return [vec.tolist()]
-        out = [torch.empty_like(vec) for _ in range(replicas)]
-        self.backend.all_gather(out, vec, group=g.replica_group)
-        return [t.tolist() for t in out]
+            every = [table]
+        else:
+            every = [torch.empty_like(table) for _ in range(replicas)]
+            self.backend.all_gather(every, table, group=g.replica_group)
+        cols = [t.t().tolist() for t in every]  # per replica: [column][micro-batch]
+        return [c[0] for c in cols], {name: mean_loss([c[i] for c in cols]) for name, i in column.items()}
 
 def a2a_timings(step: A2AStats, fb: A2AStats, counts: A2AStats) -> dict[str, float | None]:
     """The step's all-to-all fields: whole step, F&B pairs (``fb_``), the rest (``edge_``), and

@@ -26,6 +26,13 @@ with code). The executor (:class:`~.executor.PipelineExecutor`) needs three thin
   knows the model's parts.
 - ``has_loss``: True for the stage whose program returns the loss (it gets the targets).
 
+A loss term produced inside any stage (an auxiliary loss of a router, a second prediction head
+beside the main one) is recorded by its program with ``tape.loss(name, value, weight)``: the
+stage's own backward starts with its gradient (``weight`` times the seed the executor gives the
+main loss), so it needs no path to the last stage and is treated like every other gradient (W
+split, F&B overlap, recompute). The executor reports each term's value by name, knowing nothing
+else of it; whoever composes the executor names every term the stages record (``loss_terms``).
+
 Beside the stages, the executor gets from whoever composes it: a :data:`Boundary` (the shape and
 dtype of what each stage sends forward), optionally the exchanges' :class:`~.exchange.A2AStats`
 and an end-of-step hook for the model's own work (:data:`~.executor.EndStep`).
