@@ -80,6 +80,7 @@ class PipelineRuntime(PipelineExecutor):
             boundary=boundary, overlap=config.schedule.overlap, exchange_stats=self.ep.stats, end_step=model_end_step,
             counts_stats=self.ep.counts_stats, loss_terms=loss_terms(config),
         )
+        self.check_copies()  # a weight several blocks share starts equal in every copy
         if self.balancer is not None:
             self.balancer.attach(self.moe_layers())
         m, t = config.model, config.train
@@ -88,7 +89,7 @@ class PipelineRuntime(PipelineExecutor):
             master_dtype=DTYPES[master_dtype(m.dtype, t.master_dtype)],
             reduce_dtype=DTYPES[reduce_dtype(m.dtype, t.master_dtype, t.grad_reduce_dtype)],
             zero_stage=t.zero_stage, bucket_mb=t.grad_bucket_mb, overlap=t.overlap_grad_sync,
-            copy_sum=self.sum_over_copies, copies=set(self.copy_rank),
+            copy_sum=self.sum_copies, holders=self.copy_holders,
             before_expert_reduce=self.balancer.reduce_gradients if self.balancer is not None else None,
         )
 

@@ -105,6 +105,11 @@ class ModelConfig(_Section):
         "float32", description="compute dtype of weights and activations; bfloat16 / float16 train against master weights (train.master_dtype)"
     )
     init_std: float = Field(0.02, gt=0)
+    tie_word_embeddings: bool = Field(
+        False,
+        description="the output head is the embedding (one weight; a copy on the last stage's rank whose gradient is "
+        "summed with the first stage's); read from and written to Hugging Face folders",
+    )
     norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon (rms_norm_eps)")
     # ---- deepseek_v3: multi-head latent attention
     q_lora_rank: int | None = Field(None, ge=0, description="deepseek_v3: rank of the query's low-rank projection; 0 = a full-rank query [0]")

@@ -211,6 +211,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     hook = BalancerHook(config, balancer, groups) if config.balancer.kind == "eplb" else None
     ckpt = Checkpointer(run, config, backend, rank, groups.world_size, runtime, optimizer, balancer)
     trainer = ckpt.restore()  # the plan's checkpoint into model, optimizer, balancer, RNG
+    runtime.check_copies()  # every copy of a shared weight (tied / MTP embedding) loaded equal
     progress = Progress(**trainer["progress"]) if trainer else Progress()
     scaler.load_state_dict(trainer.get("loss_scale", {}) if trainer else {})  # float16 resumes at its scale
     start, horizon = progress.step, run.lr_schedule_steps

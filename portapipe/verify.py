@@ -46,6 +46,7 @@ from .config import Config, config_from_dict
 from .launch import run_ranks
 from .compose import PipelineRuntime, build_model
 from .models.expert_parallel import ExpertParallel
+from .models.moe import tie_copies
 from .scheduling.executor import build_schedule, mean_loss
 from .scheduling.overlap import Tape, run
 from .scheduling.stage import is_expert
@@ -244,6 +245,7 @@ def reference_step(config: Config) -> tuple[float, dict[str, torch.Tensor], dict
     replicas, m = p.dp * p.ep, config.schedule.microbatches
     scale = 1.0 / (m * replicas)
     blocks = build_model(config, range(n_blocks), n_blocks, ExpertParallel(CPUBackend()))
+    tie_copies(blocks)  # one process holds one of each shared weight (the pipeline's copies are summed)
     losses, terms = [], []
     with _threads(1):  # as on the ranks
         for r in range(replicas):

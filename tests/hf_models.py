@@ -86,11 +86,11 @@ def logits(blocks: list[Block], tokens: torch.Tensor) -> torch.Tensor:
     tape = Tape(record=False)
     h = tokens
     for b in blocks:
-        if b.embed is not None:
+        if b.block == 0:
             h = b.embed_part(h)
         for layer in b.layers.values():
             h = run(layer.program(tape, h))
-        if b.head is not None:
+        if b.is_last:
             return b.logits_part(h)
     raise AssertionError("no block ends in the head")
 

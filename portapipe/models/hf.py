@@ -93,11 +93,23 @@ def source(key: str) -> Source:
     raise ValueError(f"{key!r} has no Hugging Face counterpart")
 
 
-def ignored(name: str, n_layers: int) -> bool:
+def ignored(name: str, n_layers: int, tied: bool = False) -> bool:
     """Hugging Face tensors a portapipe model does not hold: multi-token-prediction layers past
-    ``num_hidden_layers`` and stored RoPE frequencies (recomputed)."""
+    ``num_hidden_layers``, stored RoPE frequencies (recomputed) and, with a tied head, the head
+    saved beside the embedding (checked equal to it on load)."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
-    return (m is not None and int(m.group(1)) >= n_layers) or name.endswith("rotary_emb.inv_freq")
+    return (m is not None and int(m.group(1)) >= n_layers) or name.endswith("rotary_emb.inv_freq") or (tied and name == _TOP["head.weight"])
+
+
+def stored_copies(m: ModelConfig) -> dict[str, str]:
+    """Hugging Face tensors a folder may hold as copies of another one (copy -> original), which
+    loading checks equal and export writes: a tied head saved beside the embedding."""
+    return {_TOP["head.weight"]: _TOP["embed.weight"]} if m.tie_word_embeddings else {}
+
+
+def written_copies(m: ModelConfig) -> dict[str, str]:
+    """The copies :func:`stored_copies` names that an export writes (transformers omits a tied head)."""
+    return {}
 
 
 # ------------------------------------------------------------------------------------- configs
@@ -138,7 +150,7 @@ def model_keys(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         return {}, [f"model_type {kind!r} is not one of {', '.join(HF_ARCHS)}"]
     g = {**_HF_DEFAULTS[kind], **hf}
     bad: list[str] = []
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("tie_word_embeddings", False)):
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False)):
         if g.get(key, ok) != ok:
             bad.append(f"{key} = {g[key]!r} (portapipe supports {ok!r})")
     if g.get("attention_dropout") not in (None, 0, 0.0):
@@ -156,7 +168,7 @@ def model_keys(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "arch": kind, "vocab_size": g["vocab_size"], "hidden": g["hidden_size"], "n_layers": g["num_hidden_layers"],
             "n_heads": g["num_attention_heads"], "ffn_hidden": g["intermediate_size"], "moe_hidden": g["moe_intermediate_size"],
             "top_k": g["num_experts_per_tok"], "norm_eps": g["rms_norm_eps"], "norm_topk_prob": bool(g["norm_topk_prob"]),
-            "rope_theta": theta, "rope_scaling": scaling,
+            "rope_theta": theta, "rope_scaling": scaling, "tie_word_embeddings": bool(g.get("tie_word_embeddings", False)),
         }  # fmt: skip
         if kind == "deepseek_v3":
             keys.update(
@@ -226,7 +238,7 @@ def hf_config(m: ModelConfig, source: dict[str, Any] | None = None) -> dict[str,
         "intermediate_size": m.ffn_hidden, "moe_intermediate_size": m.moe_hidden, "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads, "num_experts_per_tok": m.top_k, "norm_topk_prob": bool(m.norm_topk_prob),
         "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": scaling,
-        "max_position_embeddings": max_pos, "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "max_position_embeddings": max_pos, "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": bool(m.tie_word_embeddings),
         "initializer_range": m.init_std, "torch_dtype": m.dtype, "use_cache": True,
     }  # fmt: skip
     if m.arch == "deepseek_v3":

@@ -47,13 +47,13 @@ from torch import nn
 from ..backends.base import Backend
 from ..config import ModelConfig
 from ..scheduling.exchange import free_storage
-from ..scheduling.stage import expert_ids, is_expert, mark_expert
+from ..scheduling.stage import expert_ids, is_expert, mark_expert, mark_shared, shared_blocks
 from ..setup import layer_range
 from .attention import HF_PRECISION, Attention, GroupedQueryAttention, LatentAttention
 from .expert_clock import ExpertClock
 from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch, split_weights, with_weights
 from .functions import RMSNorm, swiglu
-from .linear import Linear, grouped_linear
+from .linear import Linear, grouped_linear, linear
 from .objective import Objective, balance_term, sequence_balance_loss
 from .rope import apply_rope, rope_tables
 from .routing import Router, SoftmaxRouter
@@ -315,21 +315,32 @@ class Layer(nn.Module):
 
 
 class Block(nn.Module):
-    """Layers ``[first, last)`` of the model; block 0 embeds tokens, the final block ends in the loss."""
+    """Layers ``[first, last)`` of the model; block 0 embeds tokens, the final block ends in the loss.
+
+    Weights two blocks share are one logical weight with a copy in each
+    (:func:`~portapipe.scheduling.stage.mark_shared`; their gradients are summed over the copies,
+    as DualPipe's copies of a block are): the embedding, when the last block also needs it (an
+    output head tied to it, ``model.tie_word_embeddings``). With a tied head the last block's
+    logits use its embedding's weight; no head weight of its own exists.
+    """
 
     def __init__(self, cfg: ModelConfig, block: int, n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None) -> None:
         super().__init__()
         self.objective = Objective() if objective is None else objective
         dtype = DTYPES[cfg.dtype]
         self.block, self.n_blocks = block, n_blocks
+        self.is_last = block == n_blocks - 1
         self.first, self.last = layer_range(cfg.n_layers, n_blocks, block)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=dtype) if block == 0 else None
+        shares_embed = uses_embedding_last(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=dtype) if block == 0 or (self.is_last and shares_embed) else None
+        if self.embed is not None and shares_embed and n_blocks > 1:
+            mark_shared(self.embed.weight, (0, n_blocks - 1))
         self.layers = nn.ModuleDict({str(i): Layer(cfg, i, ep, dtype) for i in range(self.first, self.last)})
         for layer in self.moe_layers():
             layer.balance_weight = self.objective.seq_aux_weight
-        if block == n_blocks - 1:
+        if self.is_last:
             self.final_norm: RMSNorm | None = norm(cfg, cfg.hidden, dtype)
-            self.head: Linear | None = Linear(cfg.hidden, cfg.vocab_size, dtype)
+            self.head: Linear | None = None if cfg.tie_word_embeddings else Linear(cfg.hidden, cfg.vocab_size, dtype)
         else:
             self.final_norm = self.head = None
         if not next(self.parameters()).is_meta:  # a build on the meta device has shapes only
@@ -337,13 +348,17 @@ class Block(nn.Module):
 
     @property
     def has_loss(self) -> bool:
-        return self.head is not None
+        return self.is_last
+
+    def head_weight(self) -> nn.Parameter:
+        """The output head's weight ``[vocab, hidden]``: the embedding's when tied."""
+        return self.embed.weight if self.head is None else self.head.weight
 
     def embed_part(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)
 
     def logits_part(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.final_norm(x))
+        return linear(self.final_norm(x), self.head_weight())
 
     def loss_part(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.logits_part(x)
@@ -352,12 +367,12 @@ class Block(nn.Module):
     def program(self, tape: Any, x: torch.Tensor, targets: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]:
         """Forward of one micro-batch: tokens or hidden states in; hidden states or the loss out."""
         x = tape.watch(x)
-        if self.embed is not None:
+        if self.block == 0:
             x = tape.part(self.embed_part, x)
         for layer in self.layers.values():
             # layer.memory: recompute / zero-memory options (portapipe.memory.policy), if any.
             x = yield from (layer.program(tape, x) if layer.memory is None else layer.memory.program(layer, tape, x))
-        if self.head is not None:
+        if self.is_last:
             if targets is None:
                 raise ValueError(f"block {self.block} computes the loss and needs the targets")
             x = tape.part(self.loss_part, x, targets)
@@ -365,6 +380,27 @@ class Block(nn.Module):
 
     def moe_layers(self) -> list[Layer]:
         return [layer for layer in self.layers.values() if layer.moe is not None]
+
+
+def tie_copies(blocks: dict[int, Block]) -> None:
+    """Blocks held by one process (the single-process model): every copy of a shared weight
+    (:func:`~portapipe.scheduling.stage.mark_shared`) becomes the one parameter of the first block
+    holding it, so autograd sums its uses as one weight's."""
+    first: dict[str, nn.Parameter] = {}
+    for b in sorted(blocks):
+        for name, p in list(blocks[b].named_parameters()):
+            if not shared_blocks(p):
+                continue
+            if name not in first:
+                first[name] = p
+                continue
+            owner, _, leaf = name.rpartition(".")
+            setattr(blocks[b].get_submodule(owner), leaf, first[name])
+
+
+def uses_embedding_last(cfg: ModelConfig) -> bool:
+    """Whether the last block uses the embedding too (and holds a copy when it is not block 0)."""
+    return bool(cfg.tie_word_embeddings)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

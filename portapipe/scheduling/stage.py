@@ -47,6 +47,12 @@ Parameters carry their parallel role as attributes, read through the functions b
 - ``slot_owned`` (optional): the rows that count as *the* copy of their expert (one per expert
   over the EP group when experts are replicated); absent means every row.
 
+- ``copy_blocks`` (optional, :func:`mark_shared`): the model blocks that each hold a copy of this
+  logical weight (an embedding that the first block and the last block's multi-token prediction
+  both use; an output head tied to the embedding). Its gradient is the sum over every copy on
+  every rank, as DualPipe's two copies of a block are one weight (:meth:`~.executor.PipelineExecutor.sum_copies`);
+  absent means the parameter's own block only.
+
 The logical name of one expert's weights is :func:`expert_key`: ``prefix.{expert}.leaf`` for the
 stacked parameter ``prefix.leaf``, e.g. ``layers.3.moe.experts.5.gate_up`` is logical expert 5
 of ``layers.3.moe.experts.gate_up``.
@@ -85,6 +91,16 @@ def mark_expert(p: torch.Tensor, expert_ids: Sequence[int]) -> None:
         raise ValueError(f"an expert parameter of {p.shape[0]} rows cannot hold {len(ids)} experts")
     p.is_expert = True  # type: ignore[attr-defined]
     p.expert_ids = ids  # type: ignore[attr-defined]
+
+
+def mark_shared(p: torch.Tensor, blocks: Sequence[int]) -> None:
+    """Declare ``p`` one copy of a logical weight that each of ``blocks`` holds (its own among them)."""
+    p.copy_blocks = tuple(sorted({int(b) for b in blocks}))  # type: ignore[attr-defined]
+
+
+def shared_blocks(p: torch.Tensor) -> tuple[int, ...]:
+    """The blocks holding a copy of ``p``'s logical weight (empty: only its own block)."""
+    return tuple(getattr(p, "copy_blocks", ()))
 
 
 def is_expert(p: torch.Tensor) -> bool:
