@@ -29,7 +29,7 @@ from .config import Config
 from .memory.policy import configure as configure_memory
 from .models.expert_parallel import ExpertParallel
 from .models.moe import DTYPES, Block, Layer, build_blocks
-from .models.objective import Objective, balance_terms
+from .models.objective import Objective, balance_terms, mtp_terms
 from .optim.buckets import GradBuckets
 from .optim.precision import master_dtype, reduce_dtype
 from .scheduling.executor import PipelineExecutor, build_schedule, placed
@@ -43,9 +43,10 @@ def build_model(config: Config, blocks: Iterable[int], n_blocks: int, ep: Expert
 
 
 def loss_terms(config: Config) -> list[str]:
-    """Every loss term the model's stages record (the executor's ``loss_terms``)."""
+    """Every loss term the model's stages record (the executor's ``loss_terms``): each depth of
+    multi-token prediction, each MoE layer's balance loss (the prediction modules' included)."""
     m = config.model
-    return balance_terms(range(m.n_dense, m.n_layers), Objective.from_train(config.train))
+    return mtp_terms(m.mtp_layers) + balance_terms(range(m.n_dense, m.n_layers + m.mtp_layers), Objective.from_train(config.train))
 
 
 class PipelineRuntime(PipelineExecutor):
@@ -92,6 +93,11 @@ class PipelineRuntime(PipelineExecutor):
             copy_sum=self.sum_copies, holders=self.copy_holders,
             before_expert_reduce=self.balancer.reduce_gradients if self.balancer is not None else None,
         )
+
+    def set_step(self, step: int) -> None:
+        """Weigh the objective's terms as optimizer step ``step`` (0-based) does (``train.mtp_loss_weight``'s schedule)."""
+        for block in self.blocks.values():
+            block.objective.at_step(step)
 
     @property
     def balancer(self) -> Any:

@@ -241,6 +241,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             lr = optimizer.lr
             batches = data.microbatches(step, replica, replicas, config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
             runtime.grad_scale = scale = scaler.scale
+            runtime.set_step(step)  # train.mtp_loss_weight's schedule
             result = runtime.step(batches)
             ep = ep_step_figures(backend, groups, runtime.moe_layers())
             stats = gather_step_stats(backend, float(optimizer.local_sq_norm(counted)), result, ep)

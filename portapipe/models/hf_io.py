@@ -60,7 +60,7 @@ def init_problems(m: ModelConfig) -> list[str]:
         return out
     want = expected_hf(m)
     missing = sorted(set(want) - set(folder.files))
-    extra = sorted(n for n in set(folder.files) - set(want) if not ignored(n, m.n_layers, m.tie_word_embeddings))
+    extra = sorted(n for n in set(folder.files) - set(want) if not ignored(n, m))
     if missing:
         out.append(f"model.init_from: {folder.path} lacks {len(missing)} tensor(s) the model needs (first: {', '.join(missing[:4])})")
     if extra:
