@@ -116,6 +116,8 @@ def _restore_buffers(runtime: Any, saved: dict[int, dict[str, torch.Tensor]]) ->
 
 def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -> float | None:
     """Mean loss over ``VAL_BATCHES`` steps of validation data; the model is left unchanged.
+    It is the main next-token loss (the objective's other terms apart), so runs with and without
+    multi-token prediction or the balance loss compare.
 
     The runtime's step also computes gradients and updates the routers' load-balancing bias;
     both are undone here so evaluating never changes training.
@@ -338,11 +340,16 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
 
 def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float, iter_s: float) -> dict[str, Any]:
-    """One line of the metrics file."""
+    """One line of the metrics file. ``loss`` is the main next-token loss; the objective's other
+    terms follow apart (:func:`~portapipe.models.objective.term_figures`: ``mtp_loss_<k>`` per
+    multi-token prediction depth, ``balance_loss``) when the model computes them."""
+    from .models.objective import term_figures
+
     return {
         "kind": "train",
         "step": step,
         "loss": float(result.loss),
+        **term_figures(getattr(result, "loss_terms", {})),
         "lr": lr,
         "grad_norm": stats.grad_norm,
         "clipped": clip != 1.0,
@@ -368,7 +375,11 @@ def _progress_bar(total: int, start: int) -> Any:
 
 
 def _show(bar: Any, record: dict[str, Any]) -> None:
-    shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "bubble": f"{record['bubble_pct']:.0f}%"}
+    shown = {"loss": f"{record['loss']:.3f}"}
+    shown.update({f"mtp{key[len('mtp_loss_'):]}": f"{v:.3f}" for key, v in record.items() if key.startswith("mtp_loss_")})
+    if "balance_loss" in record:
+        shown["bal"] = f"{record['balance_loss']:.3f}"
+    shown.update({"tok/s": f"{record['tokens_per_s']:.0f}", "bubble": f"{record['bubble_pct']:.0f}%"})
     if record["a2a_hidden_pct"] is not None:
         shown["a2a hidden"] = f"{record['a2a_hidden_pct']:.0f}%"
     if record["ep_wait_frac"] is not None:
