@@ -178,3 +178,21 @@ def test_verify_is_exact_with_the_balance_loss_in_every_schedule() -> None:
         verify_config("interleaved", ep=2, memory={"recompute": "moe"}),
     ]
     check_exact(verify_many(configs))
+
+
+def test_a_loss_term_must_be_a_named_scalar_recorded_once_and_made_by_a_part() -> None:
+    tape = Tape()
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="must be a scalar"):
+        tape.loss("x", tape.part(lambda a: a * 2, w))
+    term = tape.part(lambda a: (a * 2).sum(), w)
+    tape.loss("x", term, 0.5)
+    with pytest.raises(ValueError, match="recorded twice"):
+        tape.loss("x", term)
+    with pytest.raises(ValueError, match="is not the output of a part"):
+        tape.loss("y", (w * 3).sum())
+    # recorded with weight 0.5: its gradient is 0.5 x the seed, whatever the output is
+    out = tape.part(lambda a: a.sum() * 0.0, w)
+    tape.loss_seed = 4.0
+    run(tape.backward(out, torch.ones_like(out)))
+    assert torch.equal(w.grad, torch.full((3,), 4.0 * 0.5 * 2, dtype=torch.float64))
