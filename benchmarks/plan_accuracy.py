@@ -6,8 +6,9 @@ some 10-20% over minutes here, and rounds average the drift out):
 1. Profile: ``portapipe profile`` of the base config (examples/cpu.yaml unless ``--config``), on
    its ranks, here and now (``--profile P`` reuses a file).
 2. Accuracy: for each configuration below (the five schedules, memory off / level0 / level1, 2
-   and 4 ranks, F&F pairs once, multi-token prediction twice, all from the base config), the time model's step time against the median of
-   measured steps (``runtime.step`` plus AdamW's update, the slowest rank, each step started at a
+   and 4 ranks, F&F pairs once, multi-token prediction twice, all from the base config), the
+   time model's step time against the median of measured steps (``runtime.step`` plus AdamW's
+   update, the slowest rank, each step started at a
    barrier; the configurations of one rank count take turns step by step, so a change in the
    machine's load hits all of them alike), and the memory model's peak saved-activation bytes
    per pipeline rank against :class:`~portapipe.memory.accounting.SavedActivations` on a tracked

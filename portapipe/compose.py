@@ -13,8 +13,13 @@ training or verification run builds it:
 - the executor, told the stage boundary (``[*tokens.shape, hidden]`` in the model's dtype) and
   the model's end-of-step work (:func:`model_end_step`);
 - the gradient buckets (:class:`~portapipe.optim.buckets.GradBuckets`) at the executor's seams:
-  each block's buckets reduced as soon as its backward work of the step is done, DualPipe's
-  copy sums and the balancer's replica sums first where they apply.
+  each block's buckets reduced as soon as its backward work of the step is done, the copies'
+  sums (DualPipe's copies of a block, the copies of a weight blocks share: the embedding that
+  multi-token prediction or a tied head uses on the last stage) and the balancer's replica sums
+  first where they apply;
+- the objective's extra terms (:mod:`~portapipe.models.objective`: multi-token prediction, the
+  balance loss), which the stages record and the executor reports by the names
+  :func:`loss_terms` gives.
 """
 
 from __future__ import annotations
