@@ -6,8 +6,9 @@ some 10-20% over minutes here, and rounds average the drift out):
 1. Profile: ``portapipe profile`` of the base config (examples/cpu.yaml unless ``--config``), on
    its ranks, here and now (``--profile P`` reuses a file).
 2. Accuracy: for each configuration below (the five schedules, memory off / level0 / level1, 2
-   and 4 ranks, F&F pairs once, all from the base config), the time model's step time against the median of
-   measured steps (``runtime.step`` plus AdamW's update, the slowest rank, each step started at a
+   and 4 ranks, F&F pairs once, multi-token prediction twice, all from the base config), the
+   time model's step time against the median of measured steps (``runtime.step`` plus AdamW's
+   update, the slowest rank, each step started at a
    barrier; the configurations of one rank count take turns step by step, so a change in the
    machine's load hits all of them alike), and the memory model's peak saved-activation bytes
    per pipeline rank against :class:`~portapipe.memory.accounting.SavedActivations` on a tracked
@@ -76,6 +77,9 @@ CONFIGS: dict[str, list[str]] = {
     "interleaved-pp2-ep2-level0": ["parallel.pp=2", "parallel.ep=2", "schedule.name=interleaved", "memory.zero_memory=level0"],
     "1f1b-pp2-ep2": ["parallel.pp=2", "parallel.ep=2", "schedule.name=1f1b"],
     "dualpipev-pp2-ep2-ff": ["parallel.pp=2", "parallel.ep=2", "schedule.name=dualpipev", "schedule.pair_forwards=true"],
+    # multi-token prediction (a module on the last stage, its embedding's copy), with the balance loss
+    "1f1b-pp2-mtp1": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "model.mtp_layers=1", "train.seq_aux_loss_weight=0.0001"],
+    "dualpipev-pp2-ep2-mtp1": ["parallel.pp=2", "parallel.ep=2", "schedule.name=dualpipev", "model.mtp_layers=1"],
 }
 
 

@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "precision": ["--steps", "200", "--png", "{root}/docs/precision.png"],  # the README's precision section
     "balance_e2e": ["--steps", "12", "--warmup", "3"],  # docs/balancers-in-training.md's end-to-end table
     "expert_tiles": [],  # docs/executor.md's grouped-matmul layouts
+    "mtp": ["--steps", "100"],  # the README's multi-token prediction section
 }
 
 

@@ -78,7 +78,7 @@ class StageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, tape = self.block, Tape(record=False)
-        if b.embed is not None:
+        if b.block == 0:
             x = b.embed_part(x)
         for layer in b.layers.values():
             x = run_program(layer.program(tape, x))

@@ -13,8 +13,13 @@ training or verification run builds it:
 - the executor, told the stage boundary (``[*tokens.shape, hidden]`` in the model's dtype) and
   the model's end-of-step work (:func:`model_end_step`);
 - the gradient buckets (:class:`~portapipe.optim.buckets.GradBuckets`) at the executor's seams:
-  each block's buckets reduced as soon as its backward work of the step is done, DualPipe's
-  copy sums and the balancer's replica sums first where they apply.
+  each block's buckets reduced as soon as its backward work of the step is done, the copies'
+  sums (DualPipe's copies of a block, the copies of a weight blocks share: the embedding that
+  multi-token prediction or a tied head uses on the last stage) and the balancer's replica sums
+  first where they apply;
+- the objective's extra terms (:mod:`~portapipe.models.objective`: multi-token prediction, the
+  balance loss), which the stages record and the executor reports by the names
+  :func:`loss_terms` gives.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from .config import Config
 from .memory.policy import configure as configure_memory
 from .models.expert_parallel import ExpertParallel
 from .models.moe import DTYPES, Block, Layer, build_blocks
+from .models.objective import Objective, balance_terms, mtp_terms
 from .optim.buckets import GradBuckets
 from .optim.precision import master_dtype, reduce_dtype
 from .scheduling.executor import PipelineExecutor, build_schedule, placed
@@ -37,8 +43,16 @@ from .scheduling.ir import Schedule
 
 
 def build_model(config: Config, blocks: Iterable[int], n_blocks: int, ep: ExpertParallel) -> dict[int, Block]:
-    """The model blocks ``blocks`` of a model cut into ``n_blocks``, experts placed as ``ep`` says."""
-    return build_blocks(config.model, list(blocks), n_blocks, ep, config.train.seed)
+    """The model blocks ``blocks`` of a model cut into ``n_blocks``, experts placed as ``ep`` says,
+    computing the objective's extra terms the ``train`` section weighs."""
+    return build_blocks(config.model, list(blocks), n_blocks, ep, config.train.seed, Objective.from_train(config.train))
+
+
+def loss_terms(config: Config) -> list[str]:
+    """Every loss term the model's stages record (the executor's ``loss_terms``): each depth of
+    multi-token prediction, each MoE layer's balance loss (the prediction modules' included)."""
+    m = config.model
+    return mtp_terms(m.mtp_layers) + balance_terms(range(m.n_dense, m.n_layers + m.mtp_layers), Objective.from_train(config.train))
 
 
 class PipelineRuntime(PipelineExecutor):
@@ -71,8 +85,9 @@ class PipelineRuntime(PipelineExecutor):
         super().__init__(
             s, blocks, backend, groups,
             boundary=boundary, overlap=config.schedule.overlap, exchange_stats=self.ep.stats, end_step=model_end_step,
-            counts_stats=self.ep.counts_stats,
+            counts_stats=self.ep.counts_stats, loss_terms=loss_terms(config),
         )
+        self.check_copies()  # a weight several blocks share starts equal in every copy
         if self.balancer is not None:
             self.balancer.attach(self.moe_layers())
         m, t = config.model, config.train
@@ -81,9 +96,14 @@ class PipelineRuntime(PipelineExecutor):
             master_dtype=DTYPES[master_dtype(m.dtype, t.master_dtype)],
             reduce_dtype=DTYPES[reduce_dtype(m.dtype, t.master_dtype, t.grad_reduce_dtype)],
             zero_stage=t.zero_stage, bucket_mb=t.grad_bucket_mb, overlap=t.overlap_grad_sync,
-            copy_sum=self.sum_over_copies, copies=set(self.copy_rank),
+            copy_sum=self.sum_copies, holders=self.copy_holders,
             before_expert_reduce=self.balancer.reduce_gradients if self.balancer is not None else None,
         )
+
+    def set_step(self, step: int) -> None:
+        """Weigh the objective's terms as optimizer step ``step`` (0-based) does (``train.mtp_loss_weight``'s schedule)."""
+        for block in self.blocks.values():
+            block.objective.at_step(step)
 
     @property
     def balancer(self) -> Any:

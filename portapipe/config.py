@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .config_text import ConfigError, apply_overrides, read_yaml  # ConfigError and apply_overrides re-exported
-from .model_rules import ARCH_DEFAULTS, ARCH_KEYS, model_problems
+from .model_rules import ARCH_DEFAULTS, ARCH_KEYS, model_problems, objective_problems
 from .setup import DUALPIPE_FAMILY, n_model_blocks  # noqa: F401  (re-exported)
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
@@ -193,6 +193,17 @@ class ModelConfig(_Section):
         "float32", description="compute dtype of weights and activations; bfloat16 / float16 train against master weights (train.master_dtype)"
     )
     init_std: float = Field(0.02, gt=0)
+    mtp_layers: int = Field(
+        0,
+        ge=0,
+        description="D: multi-token prediction modules (DeepSeek-V3: 1), after the head on the last stage; module k "
+        "predicts token i+k+1 (num_nextn_predict_layers in Hugging Face folders); deepseek_v3 and portapipe; at most seq_len - 1",
+    )
+    tie_word_embeddings: bool = Field(
+        False,
+        description="the output head is the embedding (one weight; a copy on the last stage's rank whose gradient is "
+        "summed with the first stage's); read from and written to Hugging Face folders",
+    )
     norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon (rms_norm_eps)")
     # ---- deepseek_v3: multi-head latent attention
     q_lora_rank: int | None = Field(None, ge=0, description="deepseek_v3: rank of the query's low-rank projection; 0 = a full-rank query [0]")
@@ -348,6 +359,31 @@ class TrainConfig(_Section):
     overlap_grad_sync: bool = Field(
         True, description="reduce a block's gradient buckets as soon as its last backward of the step ran (false: all after the schedule)"
     )
+    mtp_loss_weight: float | dict[int, float] = Field(
+        0.3,
+        description="lambda: the multi-token prediction losses enter as lambda / D x their sum; a number, or a schedule "
+        "{step: weight} from step 0 on (DeepSeek-V3: 0.3, then 0.1 for the last third); used with model.mtp_layers > 0",
+    )
+    seq_aux_loss_weight: float = Field(
+        0.0,
+        ge=0,
+        description="alpha of DeepSeek-V3's complementary sequence-wise balance loss, added for every MoE layer "
+        "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed",
+    )
+
+    @field_validator("mtp_loss_weight")
+    @classmethod
+    def _mtp_weight_in_range(cls, v: Any) -> Any:
+        weights = v.values() if isinstance(v, dict) else [v]
+        bad = [w for w in weights if not (w >= 0 and w == w and w != float("inf"))]
+        if bad:
+            raise ValueError(f"weight {bad[0]} is not a finite number >= 0")
+        if isinstance(v, dict):
+            if not v:
+                raise ValueError("an empty schedule; give a weight for step 0 at least, e.g. {0: 0.3}")
+            if min(v) != 0:
+                raise ValueError(f"the schedule starts at step {min(v)}; it must give the weight from step 0 (e.g. {{0: 0.3, {min(v)}: ...}})")
+        return v
 
     @field_validator("betas")
     @classmethod
@@ -443,7 +479,7 @@ def _cross_checks(c: Config) -> list[str]:
     from .rules import violations  # imported when used: the rules read backend classes (torch)
     from .setup import Setup
 
-    out = violations(Setup.from_config(c)) + _without_effect(c)
+    out = violations(Setup.from_config(c)) + _without_effect(c) + objective_problems(c.model, c.train)
     from .optim.precision import precision_problems
 
     out += precision_problems(c)
@@ -466,6 +502,9 @@ def _without_effect(c: Config) -> list[str]:
     if c.balancer.kind == "none" and c.balancer.redundant != _default(BalancerConfig, "redundant"):
         out.append(f"balancer.redundant: {c.balancer.redundant} has no effect: balancer.kind is none, so no expert is copied; "
                    "set balancer.kind eplb or lplb, or remove it")
+    if c.model.mtp_layers == 0 and c.train.mtp_loss_weight != _default(TrainConfig, "mtp_loss_weight"):
+        out.append(f"train.mtp_loss_weight: {c.train.mtp_loss_weight} has no effect: model.mtp_layers is 0 (no multi-token "
+                   "prediction); set model.mtp_layers, or remove it")
     if c.model.init_from is not None and c.model.init_std != _default(ModelConfig, "init_std"):
         out.append(f"model.init_std: {c.model.init_std} has no effect: every weight is read from model.init_from; remove it")
     return out

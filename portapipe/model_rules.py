@@ -61,6 +61,13 @@ def model_problems(m: Any) -> list[str]:
             out.append(f"model.n_groups: {m.n_groups} / topk_groups: {m.topk_groups}; qwen3_moe routes by a softmax over all experts (set both to 1)")
         if m.routed_scale != 1.0:
             out.append(f"model.routed_scale: {m.routed_scale}; qwen3_moe does not scale the routed weights (set 1.0)")
+    if m.mtp_layers:
+        if m.arch == "qwen3_moe":
+            out.append(f"model.mtp_layers: {m.mtp_layers}; qwen3_moe has no multi-token prediction modules (its Hugging Face "
+                       "layout holds none to load or write); set 0, or use deepseek_v3 / portapipe")
+        if m.mtp_layers > m.seq_len - 1:
+            out.append(f"model.mtp_layers: {m.mtp_layers} leaves no token to predict at depth {m.seq_len} in sequences of "
+                       f"model.seq_len = {m.seq_len}; at most {m.seq_len - 1}")
     if m.arch == "deepseek_v3":
         if m.qk_rope_head_dim is not None and m.qk_rope_head_dim % 2:
             out.append(f"model.qk_rope_head_dim: {m.qk_rope_head_dim} is odd; RoPE rotates pairs of dimensions")
@@ -83,4 +90,13 @@ def _rope_scaling_checks(d: dict[str, Any]) -> list[str]:
             out.append(f"model.rope_scaling.factor: {factor!r}; yarn needs a positive factor")
         if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
             out.append(f"model.rope_scaling.original_max_position_embeddings: {orig!r}; yarn needs the pretraining length (a positive integer)")
+    return out
+
+
+def objective_problems(m: Any, t: Any) -> list[str]:
+    """The training objective's keys (``t``, the train section) that the model ``m`` cannot honour."""
+    out: list[str] = []
+    if t.seq_aux_loss_weight and m.n_dense >= m.n_layers:
+        out.append(f"train.seq_aux_loss_weight: {t.seq_aux_loss_weight} but the model has no MoE layer (model.n_dense = "
+                   f"{m.n_dense} of {m.n_layers} layers); set 0")
     return out

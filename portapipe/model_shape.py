@@ -30,12 +30,17 @@ class Shape:
     top_k: int
     seq_len: int
     dtype: str
+    #: multi-token prediction modules (DeepSeek-V3's D) on the last block
+    mtp_layers: int = 0
+    #: the head is the embedding (one weight; its copy on the last block when that is not the first)
+    tie_word_embeddings: bool = False
 
     @classmethod
     def of(cls, model: Any) -> Shape:
-        """From a ``ModelConfig`` (or any object / dict with these fields)."""
-        get = model.get if isinstance(model, dict) else lambda k: getattr(model, k)
-        return cls(**{f.name: get(f.name) for f in fields(cls)})
+        """From a ``ModelConfig`` (or any object / dict with these fields; the ones with a default may be missing)."""
+        if isinstance(model, dict):
+            return cls(**{f.name: model[f.name] for f in fields(cls) if f.name in model})
+        return cls(**{f.name: getattr(model, f.name) for f in fields(cls) if hasattr(model, f.name)})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

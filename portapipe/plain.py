@@ -76,14 +76,14 @@ class Pipeline:
 
     def __init__(
         self, modules: Sequence[nn.Module], schedule: Schedule, backend: Backend, groups: ParallelGroups, loss_fn: LossFn,
-        boundary: Boundary | None = None,
+        boundary: Boundary | None = None, loss_terms: Sequence[str] = (),
     ) -> None:
         self.modules, self.schedule, self._given = list(modules), schedule, boundary
         self._shapes: dict[tuple[int, ...], dict[int, tuple[tuple[int, ...], torch.dtype]]] = {}
         last = {schedule.stage_block[v] for v in range(schedule.n_stages) if schedule.is_last(v)}
         device = backend.device()
         stages = {b: PlainStage(modules[b].to(device), b, loss_fn if b in last else None) for b in schedule.blocks_of(groups.pp_rank)}
-        self.executor = PipelineExecutor(schedule, stages, backend, groups, boundary=boundary or self.boundary)
+        self.executor = PipelineExecutor(schedule, stages, backend, groups, boundary=boundary or self.boundary, loss_terms=loss_terms)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters by their names in ``nn.Sequential(*modules)``."""
@@ -156,6 +156,7 @@ def pipeline(
     dp: int = 1,
     w_split: bool = True,
     boundary: Boundary | None = None,
+    loss_terms: Sequence[str] = (),
 ) -> Pipeline:
     """Pipeline ``modules`` (the whole model, one module per block, the same on every rank)
     over the ranks of ``backend``'s process group: ``dp`` replicas of ``world / dp`` pipeline ranks.
@@ -166,6 +167,8 @@ def pipeline(
 
     ``boundary(stage, input_shape) -> (shape, dtype)`` says what each virtual stage sends on;
     by default it is inferred by running the modules on meta tensors once per input shape.
+    ``loss_terms``: the names of the loss terms stages of your own record inside their programs
+    (``tape.loss``, see :mod:`portapipe.scheduling.stage`), reported in ``StepResult.loss_terms``.
     """
     import torch.distributed as dist
 
@@ -183,7 +186,7 @@ def pipeline(
         raise ValueError(f"{schedule} on pp = {pp} ranks runs {expected} modules (one per model block); got {n}")
     plan = make_schedule(schedule, pp, microbatches, chunks, w_split)
     _check_identical(modules)
-    return Pipeline(modules, plan, backend, backend.parallel_groups(pp, dp, 1), loss_fn, boundary)
+    return Pipeline(modules, plan, backend, backend.parallel_groups(pp, dp, 1), loss_fn, boundary, loss_terms)
 
 
 @torch.no_grad()

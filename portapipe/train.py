@@ -108,7 +108,8 @@ def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
 
 def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -> float | None:
     """Mean loss over ``VAL_BATCHES`` steps of validation data, each on the model as training
-    left it; nothing is changed.
+    left it; nothing is changed. It is the main next-token loss (the objective's other terms
+    apart), so runs with and without multi-token prediction or the balance loss compare.
 
     The runtime's step also computes gradients, moves the routers' load-balancing biases and
     the balancer's and expert clocks' figures: all of it is undone after each batch
@@ -204,6 +205,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     hook = BalancerHook(config, balancer, groups) if config.balancer.kind == "eplb" else None
     ckpt = Checkpointer(run, config, backend, rank, groups.world_size, runtime, optimizer, balancer)
     trainer = ckpt.restore()  # the plan's checkpoint into model, optimizer, balancer, RNG
+    runtime.check_copies()  # every copy of a shared weight (tied / MTP embedding) loaded equal
     progress = Progress(**trainer["progress"]) if trainer else Progress()
     scaler.load_state_dict(trainer.get("loss_scale", {}) if trainer else {})  # float16 resumes at its scale
     start, horizon = progress.step, run.lr_schedule_steps
@@ -246,6 +248,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             lr = optimizer.lr
             batches = data.microbatches(step, replica, replicas, config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
             runtime.grad_scale = scale = scaler.scale
+            runtime.set_step(step)  # train.mtp_loss_weight's schedule
             result = runtime.step(batches)
             ep = ep_step_figures(backend, groups, runtime.moe_layers())
             stats = gather_step_stats(backend, float(optimizer.local_sq_norm(counted)), result, ep)
@@ -354,11 +357,16 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
 
 def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float, iter_s: float) -> dict[str, Any]:
-    """One line of the metrics file."""
+    """One line of the metrics file. ``loss`` is the main next-token loss; the objective's other
+    terms follow apart (:func:`~portapipe.models.objective.term_figures`: ``mtp_loss_<k>`` per
+    multi-token prediction depth, ``balance_loss``) when the model computes them."""
+    from .models.objective import term_figures
+
     return {
         "kind": "train",
         "step": step,
         "loss": float(result.loss),
+        **term_figures(getattr(result, "loss_terms", {})),
         "lr": lr,
         "grad_norm": stats.grad_norm,
         "clipped": clip != 1.0,
@@ -384,7 +392,11 @@ def _progress_bar(total: int, start: int) -> Any:
 
 
 def _show(bar: Any, record: dict[str, Any]) -> None:
-    shown = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}", "bubble": f"{record['bubble_pct']:.0f}%"}
+    shown = {"loss": f"{record['loss']:.3f}"}
+    shown.update({f"mtp{key[len('mtp_loss_'):]}": f"{v:.3f}" for key, v in record.items() if key.startswith("mtp_loss_")})
+    if "balance_loss" in record:
+        shown["bal"] = f"{record['balance_loss']:.3f}"
+    shown.update({"tok/s": f"{record['tokens_per_s']:.0f}", "bubble": f"{record['bubble_pct']:.0f}%"})
     if record["a2a_hidden_pct"] is not None:
         shown["a2a hidden"] = f"{record['a2a_hidden_pct']:.0f}%"
     if record["ep_wait_frac"] is not None:

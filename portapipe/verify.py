@@ -35,6 +35,11 @@ With a balancer (``balancer.kind`` eplb / lplb) an expert may sit in several slo
 hold the same weights bit for bit and a token's rows are computed row by row, so the loss still
 matches exactly; a replicated expert's gradient is the sum of its replicas' partial sums, so it
 matches to rounding. Each rank reports the logical expert of every slot (``expert_ids``).
+
+Loss terms recorded inside the stages (the sequence-wise balance loss, multi-token prediction:
+:mod:`portapipe.models.objective`) are compared the same way: each term's mean over micro-batches
+and replicas equals the reference's bit for bit (``loss_terms_diff``), and the reference seeds them
+in its one autograd graph as the pipeline seeds them in each stage's backward.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from .metrics import everywhere
 from .models.expert_parallel import ExpertParallel
 from .models.routing import ForcedRouting
 from .optim.precision import LossScaler, master_dtype, reduce_dtype
+from .models.moe import tie_copies
 from .scheduling.executor import build_schedule, mean_loss
 from .scheduling.overlap import Tape, run
 from .scheduling.stage import is_expert
@@ -204,13 +210,21 @@ class VerifyReport:
     max_bias_diff: float = 0.0
     worst_param: str = ""
     timings: list[dict[str, float]] = field(default_factory=list)
+    #: the largest difference of a loss term's mean (relative to the reference's), over terms and ranks
+    loss_terms_diff: float = 0.0
+    #: the reference's loss terms (name -> mean)
+    ref_loss_terms: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """The ``portapipe verify`` JSON: schedule, pp, ep, dp, microbatches, loss_diff,
         max_rel_grad_diff, ok, precision, the dtype keys changed to check in it, float16's loss
-        scale (null otherwise) and the tolerance it was judged by."""
+        scale (null otherwise) and the tolerance it was judged by; with loss terms (balance loss,
+        multi-token prediction), their names and ``loss_terms_diff``."""
         keys = ("schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok", "precision", "changed", "loss_scale")
-        return {**{k: getattr(self, k) for k in keys}, "tolerance": self.tolerance.as_dict()}
+        out = {**{k: getattr(self, k) for k in keys}, "tolerance": self.tolerance.as_dict()}
+        if self.ref_loss_terms:
+            out.update(loss_terms=sorted(self.ref_loss_terms), loss_terms_diff=self.loss_terms_diff)
+        return out
 
 
 def in_dtype(config: Config, dtype: str, backend: str | None = None) -> Config:
@@ -316,6 +330,7 @@ def _one_step(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.Ten
         "expert_counts": None if result.expert_counts is None else result.expert_counts.cpu(),
         "expert_layers": result.expert_layers,
         "tokens": result.tokens,
+        "loss_terms": dict(result.loss_terms),
     }
 
 
@@ -338,6 +353,12 @@ def _threads(n: int) -> Iterator[None]:
 def reference(config: Config, by_position: bool = False) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The step in one process: (mean loss, gradients by name, router biases after the step);
     ``by_position``: routing forced as :func:`route_by_position` says."""
+    loss, grads, biases, _ = reference_step(config, by_position)
+    return loss, grads, biases
+
+
+def reference_step(config: Config, by_position: bool = False) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
+    """:func:`reference`, and each loss term's mean over micro-batches and replicas."""
     from .backends.cpu import CPUBackend
 
     p = config.parallel
@@ -345,20 +366,25 @@ def reference(config: Config, by_position: bool = False) -> tuple[float, dict[st
     replicas, m = p.dp * p.ep, config.schedule.microbatches
     scale = 1.0 / (m * replicas)
     blocks = build_model(config, range(n_blocks), n_blocks, ExpertParallel(CPUBackend()))
+    tie_copies(blocks)  # one process holds one of each shared weight (the pipeline's copies are summed)
     if by_position:
         route_by_position(config, [layer for b in range(n_blocks) for layer in blocks[b].moe_layers()])
-    losses = []
+    losses, terms = [], []
     with _threads(1):  # as on the ranks
         for r in range(replicas):
-            row = []
+            row, term_row = [], []
             for inputs, targets in microbatches(config, r):
-                tape = Tape(record=False)
+                tape = Tape(record=False, loss_seed=scale)
                 h = inputs
                 for b in range(n_blocks):
                     h = run(blocks[b].program(tape, h, targets if b == n_blocks - 1 else None))
-                h.backward(torch.full_like(h, scale))
+                tape.plain_backward(h, torch.full_like(h, scale))
                 row.append(float(h.detach()))
+                term_row.append({name: float(t) for name, t in tape.terms.items()})
             losses.append(row)
+            terms.append(term_row)
+    names = sorted({name for row in terms for mb in row for name in mb})
+    term_means = {name: mean_loss([[mb[name] for mb in row] for row in terms]) for name in names}
     grads, biases = {}, {}
     for b in range(n_blocks):
         for name, q in blocks[b].named_parameters():
@@ -367,7 +393,7 @@ def reference(config: Config, by_position: bool = False) -> tuple[float, dict[st
             layer.moe.router.update_bias(layer.moe.step_counts)
             if (bias := _bias(layer)) is not None:
                 biases[f"{layer.index}"] = bias.clone()
-    return mean_loss(losses), grads, biases
+    return mean_loss(losses), grads, biases, term_means
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -383,7 +409,7 @@ def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Toler
     """Every rank's loss, gradients and router biases against the single-process reference
     (``config`` in float64, routed by position where the ranks were), judged by ``tolerance``
     (exact for a float64 step); ``changed``: the dtype keys the ranks ran otherwise than asked."""
-    ref_loss, ref_grads, ref_biases = reference(config, by_position)
+    ref_loss, ref_grads, ref_biases, ref_terms = reference_step(config, by_position)
     p = config.parallel
     per = config.model.n_experts // p.ep
     worst, worst_name, bias_diff = 0.0, "", 0.0
@@ -401,7 +427,8 @@ def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Toler
         for layer, bias in r["biases"].items():
             bias_diff = max(bias_diff, float((bias - ref_biases[layer]).abs().max()))
     loss_diff = max(abs(x - ref_loss) for x in losses)
-    ok = loss_diff <= tolerance.loss * abs(ref_loss) and worst <= tolerance.grad and bias_diff <= tolerance.bias
+    terms_diff = _terms_diff(ref_terms, [r.get("loss_terms", {}) for r in rank_results])
+    ok = loss_diff <= tolerance.loss * abs(ref_loss) and worst <= tolerance.grad and bias_diff <= tolerance.bias and terms_diff <= tolerance.loss
     return VerifyReport(
         schedule=config.schedule.name,
         pp=p.pp,
@@ -422,7 +449,21 @@ def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Toler
         max_bias_diff=bias_diff,
         worst_param=worst_name,
         timings=[r["timings"] for r in rank_results],
+        loss_terms_diff=terms_diff,
+        ref_loss_terms=ref_terms,
     )
+
+
+def _terms_diff(ref: dict[str, float], ranks: list[dict[str, float]]) -> float:
+    """The largest relative difference of a loss term over the ranks (inf for a term one side lacks)."""
+    worst = 0.0
+    for got in ranks:
+        if set(got) != set(ref):
+            return float("inf")
+        for name, want in ref.items():
+            d = abs(got[name] - want)
+            worst = max(worst, d / abs(want) if want else (0.0 if d == 0 else float("inf")))
+    return worst
 
 
 def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision: str = "highest") -> list[VerifyReport]:

@@ -46,11 +46,12 @@ def model_section(variant: str, **extra: Any) -> dict[str, Any]:
     return {**VARIANTS[variant], **extra}
 
 
-def transformers_model(variant: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Any:
-    """A random transformers model of the variant (eager attention and experts, ``dtype``)."""
+def transformers_model(variant: str, dtype: torch.dtype = torch.float64, seed: int = 0, **model: Any) -> Any:
+    """A random transformers model of the variant (eager attention and experts, ``dtype``;
+    ``model``: keys of the portapipe model section changed)."""
     import transformers
 
-    m = load_config({"model": model_section(variant)}).model
+    m = load_config({"model": model_section(variant, **model)}).model
     raw = hf_config(m)
     cls = getattr(transformers, raw["architectures"][0])
     config_cls = cls.config_class
@@ -86,14 +87,57 @@ def logits(blocks: list[Block], tokens: torch.Tensor) -> torch.Tensor:
     tape = Tape(record=False)
     h = tokens
     for b in blocks:
-        if b.embed is not None:
+        if b.block == 0:
             h = b.embed_part(h)
         for layer in b.layers.values():
             h = run(layer.program(tape, h))
-        if b.head is not None:
+        if b.is_last:
             return b.logits_part(h)
     raise AssertionError("no block ends in the head")
 
 
 def tokens(n: int, seq: int, seed: int = 1, vocab: int = 64) -> torch.Tensor:
     return torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def mtp_folder(variant: str, path: Path, seed: int = 0, depth: int = 1) -> Path:
+    """A folder in DeepSeek-V3's published layout with ``depth`` multi-token prediction layers:
+    transformers saves a model ``depth`` layers deeper (those layers are the modules' decoder
+    blocks, as published), then each gets ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm`` and the copies ``embed_tokens`` / ``shared_head.head``, and config.json
+    says ``num_hidden_layers: n`` and ``num_nextn_predict_layers: depth``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    n = VARIANTS[variant]["n_layers"]
+    deeper = transformers_model(variant, seed=seed, n_layers=n + depth)
+    save(deeper, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed + 100)
+    hidden = VARIANTS[variant]["hidden"]
+    for i in range(n, n + depth):
+        for leaf in ("enorm", "hnorm", "shared_head.norm"):
+            tensors[f"model.layers.{i}.{leaf}.weight"] = 1 + 0.2 * torch.randn(hidden, generator=g, dtype=torch.float64)
+        tensors[f"model.layers.{i}.eh_proj.weight"] = 0.1 * torch.randn(hidden, 2 * hidden, generator=g, dtype=torch.float64)
+        tensors[f"model.layers.{i}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[f"model.layers.{i}.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=n, num_nextn_predict_layers=depth)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def transformers_mtp(folder: Path) -> tuple[Any, Any]:
+    """transformers' main model and its ``MtpModel`` read from a folder of :func:`mtp_folder`."""
+    import transformers
+    from transformers.modeling_layers import MtpModel
+
+    main = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float64, attn_implementation="eager", experts_implementation="eager"
+    )
+    n = main.config.num_hidden_layers
+    # its pattern of MTP keys names DeepSeek-V3's layer 61; this model's modules start at layer n
+    main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{i}\..*" for i in range(n, n + main.config.num_mtp_layers)]
+    return main, MtpModel.from_pretrained(main).to(torch.float64)

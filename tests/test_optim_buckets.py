@@ -59,7 +59,7 @@ def test_low_precision_gradients_accumulate_in_float32_main_grad_micro_batch_by_
     xs = [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)]
     each = [torch.autograd.grad(block(x).pow(2).sum(), block.weight)[0] for x in xs]  # bf16, one per micro-batch
     grads = GradBuckets({0: block}, ONE, None, master_dtype=torch.float32, reduce_dtype=torch.float32, zero_stage=0,
-                        bucket_mb=1.0, overlap=True, copy_sum=lambda b, t: t, copies=set())
+                        bucket_mb=1.0, overlap=True, copy_sum=lambda h, t: t)
     grads.start()
     for x in xs:
         block(x).pow(2).sum().backward()
@@ -78,7 +78,7 @@ def test_low_precision_gradients_accumulate_in_float32_main_grad_micro_batch_by_
 def test_without_overlap_nothing_is_issued_before_the_last_action():
     block = torch.nn.Linear(4, 4, bias=False)
     grads = GradBuckets({0: block}, ONE, None, master_dtype=torch.float32, reduce_dtype=torch.float32, zero_stage=0,
-                        bucket_mb=1.0, overlap=False, copy_sum=lambda b, t: t, copies=set())
+                        bucket_mb=1.0, overlap=False, copy_sum=lambda h, t: t)
     grads.start()
     assert block.weight.grad is not None and block.weight.grad.data_ptr() == grads.buckets[0].grad.data_ptr()  # the bucket's view
     grads.block_done(0)

@@ -44,7 +44,8 @@ def _forward(cfg, option: str):
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize(
-    "shape", [[], ["model.moe_hidden=24", "model.top_k=1", "model.n_shared=2"], ["model.dtype=float64", "model.hidden=48", "model.n_heads=3"], ["model.dtype=bfloat16"]]
+    "shape", [[], ["model.moe_hidden=24", "model.top_k=1", "model.n_shared=2"], ["model.dtype=float64", "model.hidden=48", "model.n_heads=3"], ["model.dtype=bfloat16"],
+              ["model.mtp_layers=2"]]
 )
 def test_each_part_saves_what_the_formula_says(shape: list[str], option: str) -> None:
     """Per part call, the accounting's bytes equal shape.saved_bytes (attention also keeps the
@@ -122,6 +123,9 @@ STEPS = {
     "dualpipe": ["parallel.pp=2", "parallel.ep=1", "schedule.name=dualpipe"],
     "dualpipev-recompute": ["parallel.pp=2", "parallel.ep=1", "schedule.name=dualpipev", "memory.recompute=full", "memory.recompute_layers=1"],
     "dualpipev-ep2-level0": ["parallel.pp=1", "parallel.ep=2", "schedule.name=dualpipev", "memory.zero_memory=level0"],
+    # multi-token prediction on the last stage (its embedding's copy and modules counted there)
+    "1f1b-mtp": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "model.mtp_layers=1"],
+    "dualpipev-mtp2-level1": ["parallel.pp=2", "parallel.ep=1", "schedule.name=dualpipev", "model.mtp_layers=2", "memory.zero_memory=level1"],
 }
 
 

@@ -63,6 +63,8 @@ def moe_layer_indices(model: Any, blocks: list[int], n_blocks: int) -> list[int]
     for b in blocks:
         first, last = layer_range(model.n_layers, n_blocks, b)
         out += [i for i in range(first, last) if i >= model.n_dense]
+        if b == n_blocks - 1:  # the multi-token prediction modules' layers (always MoE)
+            out += [model.n_layers + k for k in range(model.mtp_layers)]
     return sorted(out)
 
 

@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
             "dropped": result.dropped, "ranked": [row(c) for c in result.ranked[: args.top]], "user": row(result.user),
         }))
     else:
-        print(f"model: {config.model.n_layers} layers, {config.model.n_experts} experts top-{config.model.top_k}, hidden {config.model.hidden}; "
+        mtp = f" + {config.model.mtp_layers} multi-token prediction module(s) on the last stage" if config.model.mtp_layers else ""
+        print(f"model: {config.model.n_layers} layers{mtp}, {config.model.n_experts} experts top-{config.model.top_k}, hidden {config.model.hidden}; "
               f"global batch {result.user.setup.global_batch} sequences of {config.model.seq_len}; profile: {profile.source}")
         for line in summary(result):
             print(line)

@@ -39,7 +39,7 @@ class LayerMemory:
             return (yield from self.recompute.full(tape, layer, x))
         if layer.moe is None:
             return (yield from layer.program(tape, x))
-        routed = tape.part(layer.attention_part, x)
+        routed = layer.routed(tape, x)
         if self.recompute is not None:
             return (yield from self.recompute.moe(tape, layer, *routed))
         h, hn, send, plan = routed[0], routed[1], routed[2], routed[-1]

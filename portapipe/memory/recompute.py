@@ -21,7 +21,10 @@ Segments:
   gathered again from the normed tokens).
 
 A replay has no side effects on the layer's state: buffers the forward updates (the per-step
-expert loads) are restored after each replayed part, so loads are counted once.
+expert loads) are restored after each replayed part, so loads are counted once. Loss terms the
+segment records (:meth:`~portapipe.scheduling.overlap.Tape.loss`, a router's balance loss) are
+reported once, by the forward, and seeded by the replay, whose backward is where they get their
+gradient.
 """
 
 from __future__ import annotations
@@ -41,10 +44,12 @@ MODES = ("none", "moe", "full")
 
 
 class _Forward(Tape):
-    """Runs a program without keeping anything for backward; exchanges stay asynchronous."""
+    """Runs a program without keeping anything for backward; exchanges stay asynchronous. Its
+    loss terms are reported on ``parent`` (the stage's tape); the replay seeds them."""
 
-    def __init__(self) -> None:
+    def __init__(self, parent: Tape) -> None:
         super().__init__(record=True)
+        self.terms = parent.terms
 
     def watch(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -58,11 +63,15 @@ class _Forward(Tape):
 
 
 class _Replay(Tape):
-    """A recording tape whose parts leave the module's buffers as they found them."""
+    """A recording tape whose parts leave the module's buffers as they found them. Its loss terms
+    are seeded as the stage's (``loss_seed``), not reported again."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__(record=True)
+    def __init__(self, module: torch.nn.Module, loss_seed: float) -> None:
+        super().__init__(record=True, loss_seed=loss_seed)
         self._buffers = list(module.buffers())
+
+    def _report(self, name: str, value: torch.Tensor) -> None:
+        pass
 
     def part(self, fn: Any, *args: Any, plain: bool = False) -> Any:
         before = [b.clone() for b in self._buffers]
@@ -116,7 +125,7 @@ class Recompute:
         their values for the replay (default: the inputs, kept), for inputs cheaper to rebuild
         than to keep. Records one step whose backward replays the segment.
         """
-        out = yield from run(_Forward(), *inputs)
+        out = yield from run(_Forward(tape), *inputs)
         out = out.detach().requires_grad_(True)
         if values is None:
             kept = [x.detach() for x in inputs]
@@ -128,7 +137,7 @@ class Recompute:
 
         def prepare() -> Program:
             """The replay: needs no gradient, so the tape may run it while a later exchange travels."""
-            replay = _Replay(layer)
+            replay = _Replay(layer, tape.loss_seed)
             sink: list[torch.Tensor | None] = []
             leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in values()]
             xs = replay.part(lambda *a: _Capture.apply(sink, *a), *leaves)

@@ -42,16 +42,18 @@ class Attention(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``x[b, s, hidden]`` at positions ``offset .. offset + s - 1`` (a multi-token prediction
+        module's rows sit at the positions of the tokens they embed)."""
         b, s, h = x.shape
-        if s > self.cos.shape[0]:
-            raise ValueError(f"sequence length {s} exceeds model.seq_len = {self.cos.shape[0]}")
+        if offset + s > self.cos.shape[0]:
+            raise ValueError(f"sequence length {offset + s} exceeds model.seq_len = {self.cos.shape[0]}")
 
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
 
-        q = apply_rope(heads(self.wq(x)), self.cos, self.sin)
-        k = apply_rope(heads(self.wk(x)), self.cos, self.sin)
+        q = apply_rope(heads(self.wq(x)), self.cos, self.sin, offset)
+        k = apply_rope(heads(self.wk(x)), self.cos, self.sin, offset)
         v = heads(self.wv(x))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         # wo merges the heads itself and keeps ``o`` (kept by the attention anyway), not a copy.
@@ -98,12 +100,12 @@ class GroupedQueryAttention(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_norm(self.wq(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.wk(x).view(b, s, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = self.rotary(q), self.rotary(k)
+        q, k = self.rotary(q, offset), self.rotary(k, offset)
         times = self.n_heads // self.n_kv
         o = attend(q, _repeat_heads(k, times), _repeat_heads(v, times), self.scale)
         return self.wo(o, heads=True)
@@ -135,7 +137,7 @@ class LatentAttention(nn.Module):
         self.rotary = Rotary(self.rope, cfg.rope_theta, cfg.rope_scaling, interleaved=bool(cfg.rope_interleave))
         self.scale = softmax_scale(qk, cfg.rope_scaling)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         b, s, _ = x.shape
         if self.wq is not None:
             q = self.wq(x)
@@ -146,7 +148,7 @@ class LatentAttention(nn.Module):
         latent, k_rot = self.kv_a(x).split([self.kv_rank, self.rope], dim=-1)
         kv = self.kv_b(self.kv_a_norm(latent)).view(b, s, self.n_heads, self.nope + self.v_dim).transpose(1, 2)
         k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_rot = self.rotary(q_rot)
-        k_rot = self.rotary(k_rot.reshape(b, 1, s, self.rope)).expand(b, self.n_heads, s, self.rope)
+        q_rot = self.rotary(q_rot, offset)
+        k_rot = self.rotary(k_rot.reshape(b, 1, s, self.rope), offset).expand(b, self.n_heads, s, self.rope)
         o = attend(torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_pass, k_rot), dim=-1), v, self.scale)
         return self.wo(o, heads=True)

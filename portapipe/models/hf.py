@@ -75,6 +75,11 @@ def source(key: str) -> Source:
             return Source((f"{base}gate_proj.weight", f"{base}up_proj.weight"), transpose=True)
         return Source((f"{base}down_proj.weight",), transpose=True)
     simple = {
+        # a multi-token prediction module's own weights (DeepSeek-V3's published layout)
+        "enorm.weight": "enorm.weight",
+        "hnorm.weight": "hnorm.weight",
+        "eh_proj.weight": "eh_proj.weight",
+        "shared_head.norm.weight": "shared_head.norm.weight",
         "norm1.weight": "input_layernorm.weight",
         "norm2.weight": "post_attention_layernorm.weight",
         "ffn.down.weight": "mlp.down_proj.weight",
@@ -93,11 +98,32 @@ def source(key: str) -> Source:
     raise ValueError(f"{key!r} has no Hugging Face counterpart")
 
 
-def ignored(name: str, n_layers: int) -> bool:
-    """Hugging Face tensors a portapipe model does not hold: multi-token-prediction layers past
-    ``num_hidden_layers`` and stored RoPE frequencies (recomputed)."""
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    return (m is not None and int(m.group(1)) >= n_layers) or name.endswith("rotary_emb.inv_freq")
+def ignored(name: str, m: ModelConfig) -> bool:
+    """Hugging Face tensors a portapipe model ``m`` does not hold: multi-token-prediction layers
+    past its own (``num_hidden_layers + model.mtp_layers``), stored RoPE frequencies (recomputed)
+    and the copies :func:`stored_copies` names (checked equal to their originals on load)."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    past = layer is not None and int(layer.group(1)) >= m.n_layers + m.mtp_layers
+    return past or name.endswith("rotary_emb.inv_freq") or name in stored_copies(m)
+
+
+def stored_copies(m: ModelConfig) -> dict[str, str]:
+    """Hugging Face tensors a folder may hold as copies of another one (copy -> original), which
+    loading checks equal: a tied head saved beside the embedding; each multi-token prediction
+    layer's embedding and head (``model.layers.{n}.embed_tokens`` / ``shared_head.head``, the
+    published layout), one weight with the model's."""
+    head = _TOP["embed.weight"] if m.tie_word_embeddings else _TOP["head.weight"]
+    out = {_TOP["head.weight"]: _TOP["embed.weight"]} if m.tie_word_embeddings else {}
+    for i in range(m.n_layers, m.n_layers + m.mtp_layers):
+        out[f"model.layers.{i}.embed_tokens.weight"] = _TOP["embed.weight"]
+        out[f"model.layers.{i}.shared_head.head.weight"] = head
+    return out
+
+
+def written_copies(m: ModelConfig) -> dict[str, str]:
+    """The copies :func:`stored_copies` names that an export writes: the multi-token prediction
+    layers' (as published; transformers omits a tied head)."""
+    return {k: v for k, v in stored_copies(m).items() if k != _TOP["head.weight"]}
 
 
 # ------------------------------------------------------------------------------------- configs
@@ -138,7 +164,7 @@ def model_keys(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         return {}, [f"model_type {kind!r} is not one of {', '.join(HF_ARCHS)}"]
     g = {**_HF_DEFAULTS[kind], **hf}
     bad: list[str] = []
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("tie_word_embeddings", False)):
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False)):
         if g.get(key, ok) != ok:
             bad.append(f"{key} = {g[key]!r} (portapipe supports {ok!r})")
     if g.get("attention_dropout") not in (None, 0, 0.0):
@@ -156,7 +182,7 @@ def model_keys(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "arch": kind, "vocab_size": g["vocab_size"], "hidden": g["hidden_size"], "n_layers": g["num_hidden_layers"],
             "n_heads": g["num_attention_heads"], "ffn_hidden": g["intermediate_size"], "moe_hidden": g["moe_intermediate_size"],
             "top_k": g["num_experts_per_tok"], "norm_eps": g["rms_norm_eps"], "norm_topk_prob": bool(g["norm_topk_prob"]),
-            "rope_theta": theta, "rope_scaling": scaling,
+            "rope_theta": theta, "rope_scaling": scaling, "tie_word_embeddings": bool(g.get("tie_word_embeddings", False)),
         }  # fmt: skip
         if kind == "deepseek_v3":
             keys.update(
@@ -164,7 +190,7 @@ def model_keys(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 n_shared=g["n_shared_experts"], n_groups=g["n_group"], topk_groups=g["topk_group"],
                 routed_scale=float(g["routed_scaling_factor"]), q_lora_rank=g["q_lora_rank"] or 0, kv_lora_rank=g["kv_lora_rank"],
                 qk_nope_head_dim=g["qk_nope_head_dim"], qk_rope_head_dim=g["qk_rope_head_dim"], v_head_dim=g["v_head_dim"],
-                rope_interleave=bool(g["rope_interleave"]),
+                rope_interleave=bool(g["rope_interleave"]), mtp_layers=int(g.get("num_nextn_predict_layers") or 0),
             )  # fmt: skip
             if g.get("num_key_value_heads", g["num_attention_heads"]) != g["num_attention_heads"]:
                 bad.append(f"num_key_value_heads = {g['num_key_value_heads']} != num_attention_heads (latent attention has one key per head)")
@@ -196,6 +222,10 @@ def config_problems(m: ModelConfig, hf: dict[str, Any], where: str) -> list[str]
     out = [f"model.init_from: {where}: {line}" for line in bad]
     for key, want in keys.items():
         have = getattr(m, key)
+        if key == "mtp_layers":  # fewer modules than the folder holds: the first ones are trained, the rest left out
+            if have > want:
+                out.append(f"model.mtp_layers: {have}, but {where} holds {want} multi-token prediction layer(s) (num_nextn_predict_layers)")
+            continue
         if key == "rope_scaling":
             have = normal_scaling(have)
         if have != want and not (isinstance(want, float) and isinstance(have, float) and abs(have - want) <= 1e-12 * abs(want)):
@@ -226,7 +256,7 @@ def hf_config(m: ModelConfig, source: dict[str, Any] | None = None) -> dict[str,
         "intermediate_size": m.ffn_hidden, "moe_intermediate_size": m.moe_hidden, "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads, "num_experts_per_tok": m.top_k, "norm_topk_prob": bool(m.norm_topk_prob),
         "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": scaling,
-        "max_position_embeddings": max_pos, "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "max_position_embeddings": max_pos, "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": bool(m.tie_word_embeddings),
         "initializer_range": m.init_std, "torch_dtype": m.dtype, "use_cache": True,
     }  # fmt: skip
     if m.arch == "deepseek_v3":
@@ -235,7 +265,7 @@ def hf_config(m: ModelConfig, source: dict[str, Any] | None = None) -> dict[str,
             first_k_dense_replace=m.n_dense, n_group=m.n_groups, topk_group=m.topk_groups, routed_scaling_factor=m.routed_scale,
             q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
             qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=bool(m.rope_interleave),
-            topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=0,
+            topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=m.mtp_layers,
         )  # fmt: skip
     else:
         out.update(

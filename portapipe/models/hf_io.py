@@ -22,7 +22,7 @@ import torch
 
 from ..config import ModelConfig
 from ..scheduling.stage import logical_slices
-from .hf import HF_ARCHS, config_problems, hf_config, ignored, source
+from .hf import HF_ARCHS, config_problems, hf_config, ignored, source, stored_copies, written_copies
 from .hf_folder import DTYPES, INDEX, SINGLE, Folder, safetensors_lib
 
 
@@ -46,7 +46,8 @@ def expected_hf(m: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def init_problems(m: ModelConfig) -> list[str]:
-    """Why ``model.init_from`` cannot fill the model ``m`` (empty when it can); reads headers only."""
+    """Why ``model.init_from`` cannot fill the model ``m`` (empty when it can); reads headers, and
+    the tensors stored twice (:func:`~.hf.stored_copies`), which must be equal."""
     if m.init_from is None:
         return []
     try:
@@ -59,7 +60,7 @@ def init_problems(m: ModelConfig) -> list[str]:
         return out
     want = expected_hf(m)
     missing = sorted(set(want) - set(folder.files))
-    extra = sorted(n for n in set(folder.files) - set(want) if not ignored(n, m.n_layers))
+    extra = sorted(n for n in set(folder.files) - set(want) if not ignored(n, m))
     if missing:
         out.append(f"model.init_from: {folder.path} lacks {len(missing)} tensor(s) the model needs (first: {', '.join(missing[:4])})")
     if extra:
@@ -74,7 +75,22 @@ def init_problems(m: ModelConfig) -> list[str]:
             out.append(f"model.init_from: {n} has shape {list(shape)}, the model needs {list(want[n])}")
         if dtype not in DTYPES:
             out.append(f"model.init_from: {n} is stored as {dtype}; portapipe reads {', '.join(DTYPES)}")
+    if not out:
+        out += copy_problems(folder, m)
     return out[:20]
+
+
+def copy_problems(folder: Folder, m: ModelConfig) -> list[str]:
+    """The tensors ``folder`` stores twice (:func:`~.hf.stored_copies`) that are not equal: one
+    logical weight cannot start as two."""
+    out = []
+    for copy, original in stored_copies(m).items():
+        if copy in folder.files and original in folder.files:
+            a, b = folder.read([copy, original]).values()
+            if a.shape != b.shape or not torch.equal(a, b):
+                out.append(f"model.init_from: {folder.path}: {copy} differs from {original}, of which it is a copy here; "
+                           "one weight cannot start as two")
+    return out
 
 
 def source_config(m: ModelConfig) -> dict[str, Any] | None:
@@ -114,6 +130,8 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
     tensors: dict[str, torch.Tensor] = {}
     for key in sorted(want):
         tensors.update(source(key).split(state[key].detach().cpu()))
+    for copy, original in written_copies(config).items():
+        tensors[copy] = tensors[original].clone()
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name in sorted(tensors):

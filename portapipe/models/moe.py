@@ -47,13 +47,14 @@ from torch import nn
 from ..backends.base import Backend
 from ..config import ModelConfig
 from ..scheduling.exchange import free_storage
-from ..scheduling.stage import expert_ids, is_expert, mark_expert
+from ..scheduling.stage import expert_ids, is_expert, mark_expert, mark_shared, shared_blocks
 from ..setup import layer_range
 from .attention import HF_PRECISION, Attention, GroupedQueryAttention, LatentAttention
 from .expert_clock import ExpertClock
 from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch, split_weights, with_weights
 from .functions import RMSNorm, swiglu
-from .linear import Linear, grouped_linear
+from .linear import Linear, grouped_linear, linear
+from .objective import Objective, balance_term, mtp_term, sequence_balance_loss
 from .rope import apply_rope, rope_tables
 from .routing import Router, SoftmaxRouter
 
@@ -183,28 +184,46 @@ class Layer(nn.Module):
             self.ffn, self.moe = None, MoE(cfg, ep, dtype, index)
         # Memory options (portapipe.memory.policy.LayerMemory), set by portapipe.memory.policy.configure.
         self.memory: Any = None
+        #: alpha of the sequence-wise balance loss (portapipe.models.objective); 0: not computed
+        self.balance_weight = 0.0
+        #: the position of the layer's first row (a multi-token prediction module's: its depth)
+        self.position_offset = 0
 
     # ----------------------------------------------------------------- parts
     def dense_part(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.norm1(x))
+        h = x + self.attn(self.norm1(x), self.position_offset)
         return h + self.ffn(self.norm2(h))
 
-    def attention_part(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def attention_part(self, x: torch.Tensor) -> tuple[Any, ...]:
         """Attention + residual, FFN norm, routing, and the rows to send with their router
         weights: ``(h, hn, send, local, local_weights, plan)``. ``send`` goes to other EP ranks,
         each row with its router weight as its last column (:func:`.expert_parallel.with_weights`);
         ``local`` / ``local_weights`` (routed to this rank's own experts) need no exchange. Both
         gathered in ``plan.send_order``, each into a buffer of its own (the local rows are kept
-        for the experts' backward, the sent ones are not)."""
+        for the experts' backward, the sent ones are not). With a balance-loss weight, the
+        layer's sequence-wise balance loss follows as a seventh element."""
         moe = self.moe
-        h = x + self.attn(self.norm1(x))
+        h = x + self.attn(self.norm1(x), self.position_offset)
         hn = self.norm2(h)
         flat = hn.reshape(-1, hn.shape[-1])
-        w, idx = moe.router(flat)
+        w, idx, affinity = moe.router.route(flat, affinities=bool(self.balance_weight))
         plan = moe.dispatch_plan(idx)
         n, order, tokens, w = plan.n_remote, plan.send_order, plan.send_order // self.top_k, w.reshape(-1)
         send = with_weights(flat.index_select(0, tokens[:n]), w.index_select(0, order[:n]))
-        return h, hn, send, flat.index_select(0, tokens[n:]), w.index_select(0, order[n:]), plan
+        out = (h, hn, send, flat.index_select(0, tokens[n:]), w.index_select(0, order[n:]), plan)
+        if affinity is None:
+            return out
+        return (*out, sequence_balance_loss(affinity, idx, x.shape[0]))
+
+    def routed(self, tape: Any, x: torch.Tensor) -> tuple[Any, ...]:
+        """The attention part through ``tape``; its balance loss (when computed) recorded as a
+        loss term of this stage (:meth:`~portapipe.scheduling.overlap.Tape.loss`).
+        Returns :meth:`attention_part`'s first six elements."""
+        out = tape.part(self.attention_part, x)
+        if len(out) == 7:
+            tape.loss(balance_term(self.index), out[6], self.balance_weight)
+            out = out[:6]
+        return out
 
     def experts_part(
         self, rows: torch.Tensor, weights: torch.Tensor | None, plan: DispatchPlan, zm: Any = None, local: bool = False
@@ -252,7 +271,7 @@ class Layer(nn.Module):
     def program(self, tape: Any, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
         if self.moe is None:
             return tape.part(self.dense_part, x)
-        routed = tape.part(self.attention_part, x)
+        routed = self.routed(tape, x)
         return (yield from self.moe_program(tape, *routed))
 
     def moe_program(
@@ -297,19 +316,93 @@ class Layer(nn.Module):
         return tape.part(last, h, shared, combine.wait(), mine, plan)
 
 
-class Block(nn.Module):
-    """Layers ``[first, last)`` of the model; block 0 embeds tokens, the final block ends in the loss."""
+class MTPLayer(Layer):
+    """Multi-token prediction module of depth ``depth`` (DeepSeek-V3 report, 2.2): a decoder
+    layer (always with routed experts, as transformers builds it) at global index ``n_layers +
+    depth - 1``, with its own input norms, projection and output norm (the published layout:
+    ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``). It uses the model's embedding and
+    output head, which the last block holds.
 
-    def __init__(self, cfg: ModelConfig, block: int, n_blocks: int, ep: ExpertParallel, seed: int) -> None:
+    Row p of depth k combines the previous depth's row p (``hnorm``) with the embedding of token
+    p + k (``enorm``), ``eh_proj`` over ``[enorm(embedding); hnorm(hidden)]``, then runs the layer
+    (RoPE at the embedded tokens' positions, ``p + k``) and predicts token p + k + 1 through
+    ``shared_head.norm`` and the head; the normed output is the next depth's previous hidden state
+    (as transformers' ``MtpModel`` chains them; depth 0's is the main model's normed last hidden
+    state). Depth k has ``seq - k`` rows. Its loss is the report's: the cross-entropy summed over
+    those rows, divided by all ``batch x seq`` positions (1 / T).
+    """
+
+    def __init__(self, cfg: ModelConfig, depth: int, ep: ExpertParallel, dtype: torch.dtype) -> None:
+        super().__init__(cfg, cfg.n_layers + depth - 1, ep, dtype)
+        self.depth = self.position_offset = depth
+        self.enorm = norm(cfg, cfg.hidden, dtype)
+        self.hnorm = norm(cfg, cfg.hidden, dtype)
+        self.eh_proj = Linear(2 * cfg.hidden, cfg.hidden, dtype)
+        self.shared_head = nn.ModuleDict({"norm": norm(cfg, cfg.hidden, dtype)})
+
+    def mtp_input_part(self, h: torch.Tensor, tokens: torch.Tensor, embed: nn.Embedding) -> torch.Tensor:
+        """``eh_proj([enorm(embed(tokens)); hnorm(h)])`` over the first ``tokens.shape[1]`` rows of ``h``."""
+        rows = tokens.shape[1]
+        return self.eh_proj(torch.cat([self.enorm(embed(tokens)), self.hnorm(h[:, :rows])], dim=-1))
+
+    def mtp_output_part(
+        self, x: torch.Tensor, targets: torch.Tensor, head: torch.Tensor, positions: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the normed output, the depth's loss: cross-entropy summed over its rows / ``positions``)."""
+        hk = self.shared_head["norm"](x)
+        logits = linear(hk, head)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum") / positions
+        return hk, loss
+
+    def predict(
+        self, tape: Any, h: torch.Tensor, targets: torch.Tensor, embed: nn.Embedding, head: torch.Tensor, weight: float
+    ) -> Generator[Any, None, torch.Tensor]:
+        """Program: this depth over the previous depth's output ``h`` (``targets``: the micro-batch's
+        next tokens, from which the tokens it embeds are read); records its loss with ``weight``
+        (lambda / D) as a loss term of the stage; returns its normed output."""
+        k = self.depth
+        batch, seq = targets.shape
+        x = tape.part(self.mtp_input_part, h, targets[:, k - 1 : seq - 1], embed)
+        x = yield from (self.program(tape, x) if self.memory is None else self.memory.program(self, tape, x))
+        hk, loss = tape.part(self.mtp_output_part, x, targets[:, k:], head, batch * seq)
+        tape.loss(mtp_term(k), loss, weight)
+        return hk
+
+
+class Block(nn.Module):
+    """Layers ``[first, last)`` of the model; block 0 embeds tokens, the final block ends in the loss.
+
+    The last block also holds the ``model.mtp_layers`` multi-token prediction modules
+    (:class:`MTPLayer`, in ``layers`` under their global indices after the main layers'), run
+    after the head on its normed hidden state.
+
+    Weights two blocks share are one logical weight with a copy in each
+    (:func:`~portapipe.scheduling.stage.mark_shared`; their gradients are summed over the copies,
+    as DualPipe's copies of a block are): the embedding, when the last block also needs it
+    (multi-token prediction, or an output head tied to it, ``model.tie_word_embeddings``). With a
+    tied head the last block's logits use its embedding's weight; no head weight of its own exists.
+    """
+
+    def __init__(self, cfg: ModelConfig, block: int, n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None) -> None:
         super().__init__()
+        self.objective = Objective() if objective is None else objective
         dtype = DTYPES[cfg.dtype]
         self.block, self.n_blocks = block, n_blocks
+        self.is_last = block == n_blocks - 1
         self.first, self.last = layer_range(cfg.n_layers, n_blocks, block)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=dtype) if block == 0 else None
+        shares_embed = uses_embedding_last(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=dtype) if block == 0 or (self.is_last and shares_embed) else None
+        if self.embed is not None and shares_embed and n_blocks > 1:
+            mark_shared(self.embed.weight, (0, n_blocks - 1))
         self.layers = nn.ModuleDict({str(i): Layer(cfg, i, ep, dtype) for i in range(self.first, self.last)})
-        if block == n_blocks - 1:
+        self.mtp_depth = cfg.mtp_layers if self.is_last else 0
+        for k in range(1, self.mtp_depth + 1):
+            self.layers[str(cfg.n_layers + k - 1)] = MTPLayer(cfg, k, ep, dtype)
+        for layer in self.moe_layers():
+            layer.balance_weight = self.objective.seq_aux_weight
+        if self.is_last:
             self.final_norm: RMSNorm | None = norm(cfg, cfg.hidden, dtype)
-            self.head: Linear | None = Linear(cfg.hidden, cfg.vocab_size, dtype)
+            self.head: Linear | None = None if cfg.tie_word_embeddings else Linear(cfg.hidden, cfg.vocab_size, dtype)
         else:
             self.final_norm = self.head = None
         if not next(self.parameters()).is_meta:  # a build on the meta device has shapes only
@@ -317,34 +410,76 @@ class Block(nn.Module):
 
     @property
     def has_loss(self) -> bool:
-        return self.head is not None
+        return self.is_last
+
+    def head_weight(self) -> nn.Parameter:
+        """The output head's weight ``[vocab, hidden]``: the embedding's when tied."""
+        return self.embed.weight if self.head is None else self.head.weight
 
     def embed_part(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)
 
     def logits_part(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.final_norm(x))
+        return linear(self.final_norm(x), self.head_weight())
 
-    def loss_part(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.logits_part(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    def loss_part(self, x: torch.Tensor, targets: torch.Tensor) -> Any:
+        """The main next-token loss; with multi-token prediction also the normed hidden state it read."""
+        hn = self.final_norm(x)
+        logits = linear(hn, self.head_weight())
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return (loss, hn) if self.mtp_depth else loss
+
+    def main_layers(self) -> list[Layer]:
+        """The model's layers in this block, in order (the multi-token prediction modules apart)."""
+        return [self.layers[str(i)] for i in range(self.first, self.last)]
+
+    def mtp_layers(self) -> list[MTPLayer]:
+        """The multi-token prediction modules, by depth."""
+        return [layer for layer in self.layers.values() if isinstance(layer, MTPLayer)]
 
     def program(self, tape: Any, x: torch.Tensor, targets: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]:
         """Forward of one micro-batch: tokens or hidden states in; hidden states or the loss out."""
         x = tape.watch(x)
-        if self.embed is not None:
+        if self.block == 0:
             x = tape.part(self.embed_part, x)
-        for layer in self.layers.values():
+        for layer in self.main_layers():
             # layer.memory: recompute / zero-memory options (portapipe.memory.policy), if any.
             x = yield from (layer.program(tape, x) if layer.memory is None else layer.memory.program(layer, tape, x))
-        if self.head is not None:
+        if self.is_last:
             if targets is None:
                 raise ValueError(f"block {self.block} computes the loss and needs the targets")
-            x = tape.part(self.loss_part, x, targets)
+            if not self.mtp_depth:
+                return tape.part(self.loss_part, x, targets)
+            loss, h = tape.part(self.loss_part, x, targets)
+            weight = self.objective.mtp_weight / self.mtp_depth
+            for mtp in self.mtp_layers():
+                h = yield from mtp.predict(tape, h, targets, self.embed, self.head_weight(), weight)
+            x = loss
         return x
 
     def moe_layers(self) -> list[Layer]:
         return [layer for layer in self.layers.values() if layer.moe is not None]
+
+
+def tie_copies(blocks: dict[int, Block]) -> None:
+    """Blocks held by one process (the single-process model): every copy of a shared weight
+    (:func:`~portapipe.scheduling.stage.mark_shared`) becomes the one parameter of the first block
+    holding it, so autograd sums its uses as one weight's."""
+    first: dict[str, nn.Parameter] = {}
+    for b in sorted(blocks):
+        for name, p in list(blocks[b].named_parameters()):
+            if not shared_blocks(p):
+                continue
+            if name not in first:
+                first[name] = p
+                continue
+            owner, _, leaf = name.rpartition(".")
+            setattr(blocks[b].get_submodule(owner), leaf, first[name])
+
+
+def uses_embedding_last(cfg: ModelConfig) -> bool:
+    """Whether the last block uses the embedding too (and holds a copy when it is not block 0)."""
+    return bool(cfg.tie_word_embeddings or cfg.mtp_layers)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -371,9 +506,12 @@ def init_parameters(block: Block, cfg: ModelConfig, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
 
 
-def build_blocks(cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertParallel, seed: int) -> dict[int, Block]:
-    """This rank's model blocks, seeded; with ``model.init_from``, holding that folder's weights."""
-    built = {b: Block(cfg, b, n_blocks, ep, seed) for b in blocks}
+def build_blocks(
+    cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None
+) -> dict[int, Block]:
+    """This rank's model blocks, seeded; with ``model.init_from``, holding that folder's weights.
+    ``objective``: the weights of the objective's extra terms (none by default)."""
+    built = {b: Block(cfg, b, n_blocks, ep, seed, objective) for b in blocks}
     if cfg.init_from is not None and built and not next(built[blocks[0]].parameters()).is_meta:
         from .hf_folder import load_hf_weights
 

@@ -8,7 +8,9 @@
 - :class:`SoftmaxRouter` (qwen3_moe): a softmax over all experts (in float32), top-k, optionally
   renormalised (``norm_topk_prob``); no bias, so :meth:`~SoftmaxRouter.update_bias` does nothing.
 
-Every router has ``update_bias(counts)``, which the training step calls with each step's global
+Every router's ``route(x, affinities=True)`` also gives each token's affinities to every routed
+expert, normalised to sum 1 (what the sequence-wise balance loss reads, :mod:`.objective`); ``forward``
+is its first two results. Every router has ``update_bias(counts)``, which the training step calls with each step's global
 expert loads, and ``forced``: None, or a :class:`ForcedRouting` (the ``bench`` section's
 benchmark-only routings, set by :func:`force_routing`) that chooses the experts instead of the
 scores; the weights are still the scores of the chosen experts, so gradients flow as usual.
@@ -122,6 +124,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x[T, H] -> (weights[T, k], expert indices[T, k])."""
+        w, idx, _ = self.route(x)
+        return w, idx
+
+    def route(self, x: torch.Tensor, affinities: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x[T, H] -> (weights[T, k], expert indices[T, k], normalised affinities[T, E] or None
+        unless asked): the sigmoid scores over their sum per token (the report's s'_{i,t})."""
         if self.precision is None or self.precision == x.dtype:
             logits = self.gate(x)
         else:  # the scores in float32 (the weight's gradient is then computed with the input's)
@@ -138,7 +146,7 @@ class Router(nn.Module):
         if self.normalize:
             total = w.sum(-1, keepdim=True)
             w = w / (total + self.eps if self.eps else total)
-        return (w * self.scale).to(x.dtype), idx
+        return (w * self.scale).to(x.dtype), idx, scores / scores.sum(-1, keepdim=True) if affinities else None
 
     @torch.no_grad()
     def update_bias(self, counts: torch.Tensor) -> None:
@@ -158,6 +166,11 @@ class SoftmaxRouter(nn.Module):
         self.forced: ForcedRouting | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w, idx, _ = self.route(x)
+        return w, idx
+
+    def route(self, x: torch.Tensor, affinities: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x[T, H] -> (weights[T, k], expert indices[T, k], softmax probabilities[T, E] or None unless asked)."""
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=HF_PRECISION)
         if self.forced is None:
@@ -167,7 +180,7 @@ class SoftmaxRouter(nn.Module):
             w = probs.gather(1, idx)
         if self.normalize:
             w = w / w.sum(-1, keepdim=True)
-        return w.to(logits.dtype), idx
+        return w.to(logits.dtype), idx, probs if affinities else None
 
     def update_bias(self, counts: torch.Tensor) -> None:
         """Nothing to update: this router has no load-balancing bias (balance with EPLB / LPLB)."""

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..scheduling.stage import is_expert, owned_rows
+from ..scheduling.stage import is_expert, owned_rows, shared_blocks
 
 
 @dataclass
@@ -55,6 +55,14 @@ class Bucket:
     hooks: list[Any] = field(default_factory=list)
     #: the last norm runs and what they were built from (see GradBuckets.norm_runs)
     norm_cache: tuple[Any, ...] | None = None
+    #: every copy of these parameters as (pipeline rank, block): the bucket's gradient is summed
+    #: over them before the replica reduction (one holder: no copies)
+    holders: tuple[tuple[int, int], ...] = ()
+    #: the bucket's place among its block's buckets of the same holders and kind (pairs it with the copies')
+    copy_index: int = 0
+    #: whether the bucket is its weights' own (counted in the gradient norm) rather than a copy
+    #: another block's weights lend to this block (a shared embedding)
+    home: bool = True
 
     @property
     def shard_size(self) -> int:
@@ -91,24 +99,38 @@ def _group_of(groups: Any, expert: bool) -> tuple[Any, int, int]:
     return (groups.replica_group if n > 1 else None), len(ranks), ranks.index(groups.rank)
 
 
-def layout(blocks: Mapping[int, nn.Module], groups: Any, bucket_elems: int) -> list[Bucket]:
+Holders = Callable[[int, nn.Parameter], tuple[tuple[int, int], ...]]
+
+
+def layout(blocks: Mapping[int, nn.Module], groups: Any, bucket_elems: int, holders: Holders | None = None) -> list[Bucket]:
     """Buckets of every block (in block order), shared parameters before expert ones, each at most
-    ``bucket_elems`` elements unless one parameter alone is larger."""
+    ``bucket_elems`` elements unless one parameter alone is larger. ``holders(block, param)``: the
+    copies of a parameter (see :attr:`Bucket.holders`); parameters with other copies than the
+    rest of their block's (a weight shared with another block) get buckets of their own, laid
+    out alike in every block holding a copy."""
     out: list[Bucket] = []
     for b in sorted(blocks):
         params = [p for p in blocks[b].parameters() if p.requires_grad]
         for expert in (False, True):
             group, n, r = _group_of(groups, expert)
-            chunk: list[nn.Parameter] = []
-            size = 0
+            by_holders: dict[tuple[tuple[int, int], ...], list[nn.Parameter]] = {}
             for p in [q for q in params if is_expert(q) == expert]:
-                if chunk and size + p.numel() > bucket_elems:
+                by_holders.setdefault(holders(b, p) if holders is not None else (), []).append(p)
+            for held, ps in by_holders.items():
+                home = not shared_blocks(ps[0]) or b == min(shared_blocks(ps[0]))
+                made = len(out)
+                chunk: list[nn.Parameter] = []
+                size = 0
+                for p in ps:
+                    if chunk and size + p.numel() > bucket_elems:
+                        out.append(_bucket(b, expert, chunk, group, n, r))
+                        chunk, size = [], 0
+                    chunk.append(p)
+                    size += p.numel()
+                if chunk:
                     out.append(_bucket(b, expert, chunk, group, n, r))
-                    chunk, size = [], 0
-                chunk.append(p)
-                size += p.numel()
-            if chunk:
-                out.append(_bucket(b, expert, chunk, group, n, r))
+                for i, bucket in enumerate(out[made:]):
+                    bucket.holders, bucket.copy_index, bucket.home = held, i, home
     return out
 
 
@@ -124,8 +146,11 @@ def _bucket(block: int, expert: bool, params: list[nn.Parameter], group: Any, n:
 class GradBuckets:
     """A rank's gradient buckets and their reduction over the replicas (see the module docstring).
 
-    ``copy_sum(block, tensor)``: the sum with DualPipe's other copy of ``block`` (collective
-    with that rank; identity for a block held once); ``copies``: the blocks that have one.
+    ``holders(block, param)``: every copy of a parameter as (pipeline rank, block): DualPipe's
+    two copies of a block, the copies of a weight several blocks share
+    (:func:`~portapipe.scheduling.stage.mark_shared`); ``copy_sum(holders, {block: tensor})``: the
+    sum over those copies of a bucket-shaped tensor, given this rank's (collective with the
+    other holders; see :meth:`~portapipe.scheduling.executor.PipelineExecutor.sum_copies`).
     ``before_expert_reduce``: run once per step before expert buckets are reduced (a balancer's
     replica sums), or None. ``zero_stage`` 2 reduce-scatters; 0 and 1 all-reduce.
     """
@@ -141,17 +166,17 @@ class GradBuckets:
         zero_stage: int,
         bucket_mb: float,
         overlap: bool,
-        copy_sum: Callable[[int, torch.Tensor], torch.Tensor],
-        copies: set[int],
+        copy_sum: Callable[[tuple[tuple[int, int], ...], Mapping[int, torch.Tensor]], torch.Tensor],
+        holders: Holders | None = None,
         before_expert_reduce: Callable[[], None] | None = None,
     ) -> None:
         self.backend, self.groups = backend, groups
         self.master_dtype, self.reduce_dtype = master_dtype, reduce_dtype
         self.zero_stage, self.overlap = zero_stage, overlap
-        self.copy_sum, self.copies = copy_sum, set(copies)
+        self.copy_sum = copy_sum
         self.before_expert_reduce = before_expert_reduce
         elem = torch.tensor([], dtype=master_dtype).element_size()
-        self.buckets = layout(blocks, groups, max(1, int(bucket_mb * 2**20 / elem)))
+        self.buckets = layout(blocks, groups, max(1, int(bucket_mb * 2**20 / elem)), holders)
         self.device = next((b.params[0].device for b in self.buckets), torch.device("cpu"))
         self.by_block: dict[int, list[Bucket]] = {}
         for bucket in self.buckets:
@@ -168,7 +193,7 @@ class GradBuckets:
     # -------------------------------------------------------------------- step
     def deferred(self, bucket: Bucket) -> bool:
         """Whether a bucket waits for :meth:`finish` (copy sum or replica sum first)."""
-        return bucket.block in self.copies or (bucket.expert and self.before_expert_reduce is not None)
+        return len(bucket.holders) > 1 or (bucket.expert and self.before_expert_reduce is not None)
 
     def start(self) -> None:
         """Before a step: zeroed buffers, every parameter's gradient pointed at its view."""
@@ -197,9 +222,14 @@ class GradBuckets:
     def finish(self) -> None:
         """After the last action: the deferred reductions, then wait for all (collective)."""
         t0 = time.perf_counter()
+        copied: dict[tuple[Any, ...], list[Bucket]] = {}
         for bucket in self.buckets:
-            if bucket.block in self.copies:
-                bucket.grad.copy_(self.copy_sum(bucket.block, bucket.grad))
+            if len(bucket.holders) > 1:
+                copied.setdefault((bucket.holders, bucket.expert, bucket.copy_index), []).append(bucket)
+        for key in sorted(copied):  # one order on every rank holding copies
+            total = self.copy_sum(key[0], {bucket.block: bucket.grad for bucket in copied[key]})
+            for bucket in copied[key]:
+                bucket.grad.copy_(total)
         if self.before_expert_reduce is not None:
             self.before_expert_reduce()
         for bucket in self.buckets:
@@ -275,9 +305,11 @@ class GradBuckets:
         (None: all of it).
 
         Each range is one rank's, so a replicated parameter is counted once over its group;
-        DualPipe's second copy of a block (``counted_block`` False) counts nothing; a balancer's
+        DualPipe's second copy of a block (``counted_block`` False) and a copy of a weight another
+        block owns (``bucket.home`` False) count nothing; a balancer's
         replicated expert counts only in the slot that owns it, padding never. Kept until a
         balancer relabels its slots (a new ``slot_owned`` tensor), not rebuilt every step."""
+        counted_block = counted_block and bucket.home
         key = (counted_block, *(owned_rows(p) for p in bucket.params))
         cached = bucket.norm_cache
         if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):

@@ -20,6 +20,7 @@ from ..memory import accounting
 from ..memory.policy import configure
 from ..models.expert_parallel import ExpertParallel
 from ..models.moe import build_blocks
+from ..models.objective import Objective
 from ..scheduling.overlap import Tape, observing, run
 from ..scheduling.wgrad import WeightGradQueue
 from .measure_clock import cpu
@@ -27,7 +28,7 @@ from .profile import Linear
 
 PART_NAMES = {
     "embed_part": "embed", "attention_part": "attention", "dense_part": "dense", "experts_part": "experts",
-    "shared_part": "shared", "combine_part": "combine", "loss_part": "head",
+    "shared_part": "shared", "combine_part": "combine", "loss_part": "head", "mtp_input_part": "mtp", "mtp_output_part": "head",
 }
 MEMORY = {
     "off": {}, "level0": {"zero_memory": "level0"}, "level1": {"zero_memory": "level1"},
@@ -44,7 +45,10 @@ def part_name(fn: Callable[..., Any]) -> str:
 
 def part_units(name: str, args: tuple[Any, ...]) -> int:
     """Tokens a part call handles (routed rows for the experts)."""
-    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if name == "mtp" and len(tensors) > 1:  # the tokens it embeds (the hidden state may be longer)
+        return int(tensors[1].numel())
+    first = tensors[0] if tensors else None
     if first is None:
         return 0
     if name == "experts" or name == "embed":
@@ -146,7 +150,7 @@ def tokens(config: Config, mbs: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def block_for(config: Config, ep: ExpertParallel, option: str) -> Any:
-    blocks = build_blocks(config.model, [0], 1, ep, config.train.seed)
+    blocks = build_blocks(config.model, [0], 1, ep, config.train.seed, Objective.from_train(config.train))
     configure(blocks, MemoryConfig(**MEMORY[option]))
     return blocks[0]
 

@@ -34,7 +34,7 @@ import torch
 
 from ..scheduling.ir import Action, Kind, Schedule
 from .programs import Programs, StageSpec, interleave, stage_specs
-from .shape import Shape, block_params, layer_buffer_bytes, wqueue_bytes
+from .shape import Shape, block_params, layer_buffer_bytes, mtp_layer_indices, wqueue_bytes
 from .time_model import _block_params
 
 
@@ -132,7 +132,8 @@ def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, 
         elements += c.elements
         experts += c.expert_elements
         first, last = layer_range(s.n_layers, n_blocks, b)
-        mem.buffers += sum(layer_buffer_bytes(s, i, slots) for i in range(first, last))
+        mtp = mtp_layer_indices(s) if b == n_blocks - 1 else range(0)
+        mem.buffers += sum(layer_buffer_bytes(s, i, slots) for i in [*range(first, last), *mtp])
     sharded = (elements - experts) / (dp * ep) + experts / dp  # this rank's ranges of its buckets
     mem.params = float(elements * s.e)
     mem.grads = float((sharded if zero == 2 else elements) * em)

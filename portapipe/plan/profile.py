@@ -50,6 +50,9 @@ FORMAT = 1
 TIMED_OPTIONS = ("off", "level0", "level1")
 # the parts whose work a memory option changes; every other part costs what it costs with ``off``
 CHANGED_PARTS = {"level0": ("experts", "combine"), "level1": ("experts", "shared", "combine")}
+#: a part a profile may lack (measured on a model without it) -> the measured part whose pace per
+#: FLOP prices it: the multi-token prediction input is a norm and a projection, as attention's are
+BORROWED = {"mtp": "attention"}
 
 
 class ProfileError(ValueError):
@@ -120,6 +123,12 @@ class Profile:
         if option not in self.parts or part not in CHANGED_PARTS.get(option, ()):
             option = "off"
         cost = self.parts[option].get(part, {}).get(phase)
+        if cost is None and part in BORROWED:  # a profile of a model without the part: priced by FLOPs
+            # at the pace measured for a part of the same kind of work
+            like = self.parts[option].get(BORROWED[part], {}).get(phase)
+            if like is not None and self.shape is not None:
+                ratio = flops(self.shape, part, phase) / max(flops(self.shape, BORROWED[part], phase), 1e-30)
+                cost = Linear(like.fixed, like.per_unit * ratio)
         if cost is None:
             return 0.0
         return cost(units) + self.part_overhead_s.get(phase, 0.0)

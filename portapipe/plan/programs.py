@@ -17,6 +17,12 @@ layer's memory option, so the memory and time models follow the same order the e
 :func:`interleave` merges a forward and a backward program the way
 :func:`~portapipe.scheduling.overlap.run_pair` does; with one EP rank exchanges are plain copies
 that are never in flight, so the pair runs one program after the other.
+
+A last block's multi-token prediction modules (layers ``n_layers .. n_layers + D - 1``) run after
+its head: per depth k, the ``mtp`` part, the module's MoE layer and a ``head`` part, over the
+``(seq_len - k) / seq_len`` share of the micro-batch's tokens that has a token k + 1 ahead. Their
+backward is priced before the main head's rather than after it (the tape runs the main head's
+last, as the modules read its output): the same work, a different order within the action.
 """
 
 from __future__ import annotations
@@ -50,9 +56,11 @@ class Programs:
     combine travels; the rest arrive by the dispatch. With one EP rank every row is local and
     a layer exchanges nothing."""
 
-    def __init__(self, shape: Shape, tokens: int, rows: float, slots: int | None = None, *, ep: int) -> None:
+    def __init__(self, shape: Shape, tokens: float, rows: float, slots: int | None = None, *, ep: int, depth: int = 0) -> None:
         self.s, self.T, self.R, self.slots, self.ep = shape, tokens, rows, slots, ep
+        self.depth = depth  # a multi-token prediction depth's programs: its share of the tokens
         self.local_rows = min(rows, tokens * shape.top_k / ep)
+        self._depths: dict[int, Programs] = {}
         self._cache: dict[tuple[StageSpec, str], list[Op]] = {}
         self.stats: dict[tuple, tuple[float, float, float, float]] = {}  # the memory model's, per program
         self.wqueue: dict[StageSpec, float] = {}  # the memory model's, per stage
@@ -141,7 +149,18 @@ class Programs:
         counts = ("n", layer)
         return [self._c("attention", "F", option, 1), ("I", counts, self.s.n_experts * 8), ("Y", counts), ("A", counts)]
 
+    def _at_depth(self, layer: int) -> Programs:
+        """The programs of the multi-token prediction module whose layer is ``layer``."""
+        k = layer - self.s.n_layers + 1
+        if k not in self._depths:
+            share = (self.s.seq_len - k) / self.s.seq_len
+            self._depths[k] = Programs(self.s, self.T * share, self.R * share, self.slots, ep=self.ep, depth=k)
+        return self._depths[k]
+
     def _layer_forward(self, layer: int, option: str) -> list[Op]:
+        if layer >= self.s.n_layers and not self.depth:  # a prediction module: its input, layer and head
+            d = self._at_depth(layer)
+            return [d._c("mtp", "F", "off", 1), *d._layer_forward(layer, option), d._c("head", "F", "off", 1)]
         if not self.s.is_moe(layer):
             return [self._c("dense", "F", option, 1)]
         return self._attention(layer, option) + self._moe_forward(layer, option)
@@ -149,6 +168,13 @@ class Programs:
     def _layer_backward(self, layer: int, option: str, phase: str) -> tuple[list[Op], list[Op], list[Op]]:
         """A layer's backward as (replay, recomputed backward, the rest): a recomputed layer's
         replay needs no gradient, so the stage's backward may run it early (see :meth:`backward`)."""
+        if layer >= self.s.n_layers and not self.depth:  # a prediction module: its head, layer and input
+            d = self._at_depth(layer)
+            replay, custom, ops = d._layer_backward(layer, option, phase)
+            head, mtp = d._c("head", phase, "off", -1), d._c("mtp", phase, "off", -1)
+            if custom:  # recomputed: the head's backward comes before its replay's
+                return replay, [head, *custom], [*ops, mtp]
+            return replay, custom, [head, *ops, mtp]
         s = self.s
         replay: list[Op] = []
         custom: list[Op] = []
@@ -211,10 +237,13 @@ class Programs:
         key = (stage, "F")
         if key not in self._cache:
             ops: list[Op] = [self._c("embed", "F", "off", 1)] if stage.first else []
-            for layer, option in zip(stage.layers, stage.options):
+            main = [(layer, option) for layer, option in zip(stage.layers, stage.options) if layer < self.s.n_layers]
+            for layer, option in main:
                 ops += self._layer_forward(layer, option)
             if stage.last:
                 ops.append(self._c("head", "F", "off", 1))
+                for layer, option in zip(stage.layers[len(main):], stage.options[len(main):]):
+                    ops += self._layer_forward(layer, option)
             else:  # the stage output, held until the backward
                 ops.append(("C", "output", "F", self.T, 0, self.T * self.s.hidden * self.s.e, "off"))
             self._cache[key] = ops
@@ -351,7 +380,9 @@ def stage_specs(setup: Any, schedule: Any) -> list[StageSpec]:
         b = schedule.stage_block[v]
         if b not in specs:
             first, last = layer_range(m.n_layers, n_blocks, b)
-            layers = tuple(range(first, last))
+            # the last block's multi-token prediction modules after its layers (memory options as
+            # portapipe.memory.policy.configure gives them: counted after the block's layers)
+            layers = tuple(range(first, last)) + (tuple(range(m.n_layers, m.n_layers + m.mtp_layers)) if b == n_blocks - 1 else ())
             options = tuple(layer_option(o) for o in plan_layers(setup, [i >= m.n_dense for i in layers]))
             specs[b] = StageSpec(layers, options, b == 0, b == n_blocks - 1)
         out.append(specs[b])

@@ -2,7 +2,9 @@
 
 An MoE layer runs as the parts ``attention`` (norms, attention, routing) -> dispatch all-to-all
 -> ``experts`` -> combine all-to-all -> ``shared`` -> ``combine``; a dense layer as one part
-``dense``; the first block adds ``embed`` and the last ``head`` (final norm, head, loss). This
+``dense``; the first block adds ``embed`` and the last ``head`` (final norm, head, loss), then
+per multi-token prediction depth ``mtp`` (its embedding, norms and projection), an MoE layer and
+a ``head`` again, over the micro-batch's positions that have a token that far ahead. This
 module says, for one micro-batch of ``tokens`` tokens of which an EP rank receives ``rows``
 routed rows:
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from ..model_shape import Shape  # below setup.py and this module; the planner's modules import it from here
 
 INDEX_BYTES = 8  # int64 indices
-PARTS = ("embed", "attention", "dense", "experts", "shared", "combine", "head")
+PARTS = ("embed", "attention", "dense", "experts", "shared", "combine", "head", "mtp")
 PHASES = ("F", "B", "W")  # forward, input-gradient backward, weight-gradient backward
 OPTIONS = ("off", "level0", "level1", "recompute_moe", "recompute_full")
 
@@ -43,12 +45,15 @@ def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slot
     (their replay saves ``off``'s bytes during the backward).
     """
     e, h, k, T = s.e, s.hidden, s.top_k, tokens
-    if option == "recompute_full" and part not in ("embed", "head"):
+    if option == "recompute_full" and part not in ("embed", "head", "mtp"):
         return 0
     if option == "recompute_moe" and part in ("experts", "shared", "combine"):
         return 0
     if part == "embed":
         return T * INDEX_BYTES
+    if part == "mtp":  # the embedding (its indices are the targets' storage), its norm's input and
+        # scale, the hidden state's norm scale (its input is the head's), the projection's input
+        return T * (3 * h * e + 2 * e)
     if part == "head":  # final norm (input, scale, output), log-softmax, targets, the loss's weight sum
         return T * (2 * h * e + e + s.vocab_size * e + INDEX_BYTES) + e
     if part == "dense":
@@ -120,6 +125,8 @@ def wqueue_bytes(s: Shape, part: str, tokens: int, rows: float) -> float:
         return T * (3 * s.shared_width + h) * e
     if part == "head":
         return T * (h + s.vocab_size) * e
+    if part == "mtp":
+        return T * 3 * h * e
     return 0
 
 
@@ -137,6 +144,7 @@ def flops(s: Shape, part: str, phase: str) -> float:
         "head": dict.fromkeys(PHASES, 2 * h * s.vocab_size),
         "combine": {"F": (s.top_k + 2) * h * s.e, "B": (s.top_k + 2) * h * s.e, "W": 0},
         "embed": {"F": h * s.e, "B": h * s.e, "W": 0},
+        "mtp": dict.fromkeys(PHASES, 4 * h * h),  # the projection of [embedding; hidden]
     }
     if part not in table:
         raise ValueError(f"unknown part {part!r}; known: {', '.join(PARTS)}")
@@ -175,15 +183,30 @@ def layer_params(s: Shape, layer: int, local_slots: int) -> ParamCount:
 
 
 def block_params(s: Shape, layers: range, first: bool, last: bool, local_slots: int) -> ParamCount:
-    """A model block: its layers, plus the embedding (first block) or final norm and head (last)."""
+    """A model block: its layers, plus the embedding (first block) or final norm and head (last,
+    none of its own when tied), the multi-token prediction modules (an MoE layer, three norms and
+    a projection each) and, in a last block that is not the first, the embedding's copy they use."""
     c = ParamCount()
     for i in layers:
         c += layer_params(s, i, local_slots)
+    embed = ParamCount(s.vocab_size * s.hidden, 1)
     if first:
-        c += ParamCount(s.vocab_size * s.hidden, 1)
+        c += embed
     if last:
-        c += ParamCount(s.hidden + s.vocab_size * s.hidden, 2)
+        c += ParamCount(s.hidden, 1)
+        if not s.tie_word_embeddings:
+            c += ParamCount(s.vocab_size * s.hidden, 1)
+        if not first and (s.tie_word_embeddings or s.mtp_layers):
+            c += embed
+        for i in mtp_layer_indices(s):
+            c += layer_params(s, i, local_slots)
+            c += ParamCount(3 * s.hidden + 2 * s.hidden * s.hidden, 4)
     return c
+
+
+def mtp_layer_indices(s: Shape) -> range:
+    """Global indices of the multi-token prediction modules' layers (after the model's)."""
+    return range(s.n_layers, s.n_layers + s.mtp_layers)
 
 
 def layer_buffer_bytes(s: Shape, layer: int, slots: int) -> int:

@@ -31,13 +31,16 @@ parallel groups; :meth:`~PipelineExecutor.step` runs one training step's actions
   loads; see :mod:`portapipe.compose`) and returns extra :class:`StepResult` fields.
 
 The loss is reported exactly: per-micro-batch losses are gathered and summed in a fixed order
-(replica, then micro-batch), the order :mod:`portapipe.verify`'s reference uses.
+(replica, then micro-batch), the order :mod:`portapipe.verify`'s reference uses. So are the loss
+terms the stages record inside their programs (:meth:`~.overlap.Tape.loss`, seeded in their own
+backward): the composer names them (``loss_terms``), each is gathered per micro-batch from
+whichever rank produced it and reported as its mean (:attr:`StepResult.loss_terms`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,7 +52,7 @@ from ..backends.base import Backend, ParallelGroups
 from .exchange import A2AStats
 from .ir import Action, Kind, Schedule
 from .runnable import build_schedule, check_stages, make_schedule, placed
-from .stage import Boundary, Stage, is_expert
+from .stage import Boundary, Stage, is_expert, shared_blocks
 from .step_run import StepRun
 from .wgrad import early_weight_grads
 
@@ -85,6 +88,9 @@ class StepResult:
     expert_layers: list[int] = field(default_factory=list)
     #: per replica (dp x ep order) per micro-batch losses, identical on every rank
     losses: list[list[float]] = field(default_factory=list)
+    #: each loss term the stages recorded (the executor's ``loss_terms``), mean over micro-batches
+    #: and replicas summed in the order of ``loss``
+    loss_terms: dict[str, float] = field(default_factory=dict)
 
 
 class GradSync(Protocol):
@@ -129,7 +135,9 @@ class PipelineExecutor:
     :class:`GradSync` (None: the blocking reduction after the list). ``counts_stats``: where the
     stages' exchanges of row counts record their time, reported apart from the rows' (portapipe's
     routing: :attr:`~portapipe.models.expert_parallel.ExpertParallel.counts_stats`).
-    ``grad_scale`` multiplies every backward's seed (a loss scale). ``time_exchanges`` (an attribute a caller may flip
+    ``grad_scale`` multiplies every backward's seed (a loss scale). ``loss_terms``: the names of
+    every loss term any stage of the model records (:meth:`~.overlap.Tape.loss`), the same list on
+    every rank, reported in :attr:`StepResult.loss_terms`. ``time_exchanges`` (an attribute a caller may flip
     between steps): take each exchange's completion time, for the all-to-all totals and hidden
     shares of the step's timings; off, a step saves a callback per exchange on the
     communication thread and reports only the time blocked on exchanges.
@@ -149,8 +157,10 @@ class PipelineExecutor:
         grad_sync: GradSync | None = None,
         time_exchanges: bool = True,
         counts_stats: A2AStats | None = None,
+        loss_terms: Sequence[str] = (),
     ) -> None:
         self.backend, self.groups = backend, groups
+        self.loss_terms = list(loss_terms)
         self.schedule = s = placed(schedule, groups)
         self.blocks: dict[int, Stage] = {b: stages[b] for b in sorted(stages)}
         check_stages(s, groups.pp_rank, self.blocks)
@@ -164,13 +174,17 @@ class PipelineExecutor:
         self.grad_scale = 1.0
         self.device = backend.device()
         self.actions: list[Action] = s.actions[groups.pp_rank]
+        # The pipeline ranks holding each block (two for DualPipe's blocks).
+        self.block_ranks: dict[int, tuple[int, ...]] = {}
+        for v in range(s.n_stages):
+            self.block_ranks[s.stage_block[v]] = tuple(sorted({*self.block_ranks.get(s.stage_block[v], ()), s.stage_rank[v]}))
         # DualPipe: the other pipeline rank holding the same block (its gradients are summed).
         self.copy_rank: dict[int, int] = {}
         for b in self.blocks:
-            holders = sorted({s.stage_rank[v] for v in range(s.n_stages) if s.stage_block[v] == b})
+            holders = self.block_ranks[b]
             others = [r for r in holders if r != groups.pp_rank]
             if len(others) > 1:
-                raise ValueError(f"block {b} is held by ranks {holders}; at most two copies are supported")
+                raise ValueError(f"block {b} is held by ranks {list(holders)}; at most two copies are supported")
             if others:
                 self.copy_rank[b] = others[0]
         self.fb_stats = A2AStats()
@@ -209,7 +223,7 @@ class PipelineExecutor:
             self.grad_sync.finish()
         else:
             self.reduce_gradients()
-        losses = self._gather_losses(run_.losses)
+        losses, terms = self._gather_losses(run_.losses, run_.terms)
         extra = dict(self.end_step(self)) if self.end_step is not None else {}
         step_s = time.perf_counter() - t0
         tokens = sum(int(t.numel()) for _, t in microbatches) * len(losses)
@@ -223,7 +237,7 @@ class PipelineExecutor:
             "grad_sync_exposed_s": self.grad_sync.exposed_s if self.grad_sync is not None else 0.0,
             "grad_sync_s": self.grad_sync.sync_s if self.grad_sync is not None else 0.0,
         }
-        return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, losses=losses, **extra)
+        return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, losses=losses, loss_terms=terms, **extra)
 
     # ---------------------------------------------------------- reductions
     def reduce_gradients(self) -> None:
@@ -256,41 +270,115 @@ class PipelineExecutor:
         self.backend.all_reduce(flat, group=group)
         _unflatten(flat, [p.grad for p in params])
 
-    def sum_over_copies(self, block: int, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` plus the same-shaped one of the other rank holding ``block`` (DualPipe), or
-        ``tensor`` itself when this rank holds the only copy. Both ranks call it in the same order."""
-        peer = self.copy_rank.get(block)
-        if peer is None:
-            return tensor
-        s = self.schedule
-        n = self._copy_calls.get(block, 0)
-        self._copy_calls[block] = n + 1
-        tag = 2 * s.n_stages * s.n_microbatches + n * s.n_blocks + block  # above every activation tag
-        other = torch.empty_like(tensor)
-        dst = self.groups.global_rank(peer)
-        ops = [dist.P2POp(dist.isend, tensor, dst, tag=tag), dist.P2POp(dist.irecv, other, dst, tag=tag)]
-        for work in self.backend.batch_isend_irecv(ops):
-            work.wait()
-        return tensor + other
+    # ------------------------------------------------------------ copies
+    def copy_holders(self, block: int, param: torch.Tensor | None = None) -> tuple[tuple[int, int], ...]:
+        """Every copy of one logical weight as ``(pipeline rank, block)``, sorted: of ``param``
+        (a parameter of ``block``) or, without one, of ``block``'s own parameters. A block's
+        parameters have a copy on each rank holding the block (DualPipe: two); a shared weight
+        (:func:`~.stage.mark_shared`) has one on each rank holding each of its blocks."""
+        blocks = (shared_blocks(param) if param is not None else ()) or (block,)
+        return tuple(sorted((r, b) for b in blocks for r in self.block_ranks[b]))
 
-    def _gather_losses(self, local: dict[int, torch.Tensor]) -> list[list[float]]:
-        """Every (replica, micro-batch) loss, on every rank, exactly as computed."""
+    def sum_copies(self, holders: Sequence[tuple[int, int]], local: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """The sum of every copy's same-shaped tensor (``local``: this rank's, by block), added in
+        the order of ``holders`` on every rank, so each copy gets the same sum bit for bit.
+        Collective with the other ranks in ``holders``, which call it in the same order."""
+        copies = self._gather_copies(holders, local)
+        total = copies[0]
+        for t in copies[1:]:
+            total = total + t
+        return total
+
+    def sum_over_copies(self, block: int, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the copies of ``block`` (DualPipe's two), or ``tensor`` itself
+        when this rank holds the only copy (see :meth:`sum_copies`)."""
+        holders = self.copy_holders(block)
+        return tensor if len(holders) == 1 else self.sum_copies(holders, {block: tensor})
+
+    @torch.no_grad()
+    def check_copies(self) -> None:
+        """Every copy of every weight that several blocks share equals the others bit for bit
+        (collective); ValueError naming the first that differs (copies start equal and stay so: a
+        difference is a load or an update gone wrong). DualPipe's copies of a block are built and
+        loaded alike and are not compared."""
+        for holders, by_block in self.copy_groups():
+            if len({b for _, b in holders}) == 1:
+                continue
+            for i, (name, _) in enumerate(next(iter(by_block.values()))):
+                copies = self._gather_copies(holders, {b: params[i][1].detach() for b, params in by_block.items()})
+                if any(not torch.equal(copies[0], t) for t in copies[1:]):
+                    raise ValueError(f"the copies of {name} held by (pipeline rank, block) {list(holders)} differ")
+
+    def copy_groups(self) -> list[tuple[tuple[tuple[int, int], ...], dict[int, list[tuple[str, torch.Tensor]]]]]:
+        """This rank's parameters that have copies, by their holders (sorted: one order on every
+        rank), then by block, in the block's order."""
+        by: dict[tuple[tuple[int, int], ...], dict[int, list[tuple[str, torch.Tensor]]]] = {}
+        for b, stage in self.blocks.items():
+            for name, p in stage.named_parameters():
+                holders = self.copy_holders(b, p)
+                if len(holders) > 1:
+                    by.setdefault(holders, {}).setdefault(b, []).append((name, p))
+        return sorted(by.items())
+
+    def _gather_copies(self, holders: Sequence[tuple[int, int]], local: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Every copy's tensor in the order of ``holders``: this rank's from ``local`` (by block),
+        the others' received (one exchange per other rank holding copies)."""
+        me = self.groups.pp_rank
+        mine = [c for r, c in holders if r == me]
+        if sorted(mine) != sorted(local):
+            raise ValueError(f"copies of blocks {sorted(local)} given where this rank holds blocks {mine} of {list(holders)}")
+        peers = sorted({r for r, _ in holders if r != me})
+        got: dict[tuple[int, int], torch.Tensor] = {(me, c): local[c] for c in mine}
+        if peers:
+            s = self.schedule
+            blocks = sorted({c for _, c in holders})
+            key = blocks[0] * s.n_blocks + blocks[-1]
+            n = self._copy_calls.get(key, 0)
+            self._copy_calls[key] = n + 1
+            tag = 2 * s.n_stages * s.n_microbatches + n * s.n_blocks**2 + key  # above every activation tag
+            sent = torch.stack([local[c].contiguous() for c in mine])
+            ops, bufs = [], {}
+            for peer in peers:
+                theirs = [c for r, c in holders if r == peer]
+                bufs[peer] = (theirs, torch.empty((len(theirs), *sent.shape[1:]), dtype=sent.dtype, device=sent.device))
+                dst = self.groups.global_rank(peer)
+                ops += [dist.P2POp(dist.isend, sent, dst, tag=tag), dist.P2POp(dist.irecv, bufs[peer][1], dst, tag=tag)]
+            for work in self.backend.batch_isend_irecv(ops):
+                work.wait()
+            for peer, (theirs, buf) in bufs.items():
+                got.update({(peer, c): buf[i] for i, c in enumerate(theirs)})
+        return [got[h] for h in holders]
+
+    def _gather_losses(
+        self, local: dict[int, torch.Tensor], terms: Mapping[int, Mapping[str, torch.Tensor]]
+    ) -> tuple[list[list[float]], dict[str, float]]:
+        """Every (replica, micro-batch) loss, on every rank, exactly as computed; and each loss
+        term's mean over them (its per-micro-batch values gathered alike)."""
         g = self.groups
         m = self.schedule.n_microbatches
+        names = self.loss_terms
+        column = {name: i + 1 for i, name in enumerate(names)}
         # float64 where the backend reduces it; elsewhere float32 holds a float32 model's losses
         # exactly, and the other pipeline ranks add zeros
         dtype = getattr(torch, self.backend.capabilities.widest_reduce_dtype)
-        vec = torch.zeros(m, dtype=dtype, device=self.device)
+        table = torch.zeros(m, 1 + len(names), dtype=dtype, device=self.device)
         for mb, loss in local.items():
-            vec[mb] = loss.to(dtype)
-        if g.pp > 1:  # one pipeline rank holds each micro-batch's loss; the others add zeros
-            self.backend.all_reduce(vec, group=g.pp_group)
+            table[mb, 0] = loss.to(dtype)
+        for mb, recorded in terms.items():
+            for name, value in recorded.items():
+                if name not in column:
+                    raise RuntimeError(f"a stage recorded the loss term {name!r}, which the executor's loss_terms do not name")
+                table[mb, column[name]] = value.to(dtype)
+        if g.pp > 1:  # one pipeline rank holds each micro-batch's loss (and term); the others add zeros
+            self.backend.all_reduce(table, group=g.pp_group)
         replicas = g.dp * g.ep
         if replicas == 1:
-            return [vec.tolist()]
-        out = [torch.empty_like(vec) for _ in range(replicas)]
-        self.backend.all_gather(out, vec, group=g.replica_group)
-        return [t.tolist() for t in out]
+            every = [table]
+        else:
+            every = [torch.empty_like(table) for _ in range(replicas)]
+            self.backend.all_gather(every, table, group=g.replica_group)
+        cols = [t.t().tolist() for t in every]  # per replica: [column][micro-batch]
+        return [c[0] for c in cols], {name: mean_loss([c[i] for c in cols]) for name, i in column.items()}
 
 def a2a_timings(step: A2AStats, fb: A2AStats, counts: A2AStats) -> dict[str, float | None]:
     """The step's all-to-all fields: whole step, F&B pairs (``fb_``), the rest (``edge_``), and

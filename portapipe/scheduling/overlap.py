@@ -28,6 +28,14 @@ so device backends overlap on streams with no change here.
 With ``Tape(record=False)`` parts are plain calls and exchanges are blocking autograd
 functions: the whole stage is one ordinary autograd graph (used as the reference).
 
+Loss terms produced inside a stage (:meth:`Tape.loss`: an auxiliary loss such as a router's
+balance loss, or a prediction loss computed beside the main one) seed the stage's own backward:
+the tape adds ``loss_seed x weight`` as the term's gradient when its backward starts, exactly as
+the executor seeds a last stage's loss, so the term's gradient never travels to the last stage
+and every step of the backward (W split, F&B overlap, a recomputed segment's replay) treats it
+like any other gradient. The executor only collects the terms' values (:attr:`Tape.terms`) for
+reporting; what a term means is the stage's business.
+
 Weight gradients under a W split (a B action passes a :class:`~.wgrad.WeightGradQueue`): a part
 recorded with ``tape.part(fn, *args)`` runs its backward with the queue active, so layers that
 defer themselves (:func:`~.wgrad.defer_weight_grad`) queue their weight gradients; a part
@@ -97,9 +105,15 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 class Tape:
     """Records one micro-batch's forward through a stage, part by part, for a part-wise backward."""
 
-    def __init__(self, record: bool = True, input_grad: bool = True) -> None:
+    def __init__(self, record: bool = True, input_grad: bool = True, loss_seed: float = 1.0) -> None:
         self.record = record
         self.input_grad = input_grad  # False: the stage input's gradient is not wanted (a first stage)
+        #: the gradient a loss term of weight 1 starts the backward with (the executor's seed of the
+        #: main loss: 1 / (micro-batches x replicas), times a loss scale)
+        self.loss_seed = loss_seed
+        #: the loss terms recorded by the forward (:meth:`loss`), by name, detached: what is reported
+        self.terms: dict[str, torch.Tensor] = {}
+        self._seeds: list[tuple[torch.Tensor, float]] = []  # (term, weight) whose gradient the backward seeds
         self._steps: list[_Part | _Exchange | Custom] = []
         self._grads: dict[int, tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = {}  # id -> (tensor, (step, term)s)
         self._input: torch.Tensor | None = None
@@ -171,6 +185,31 @@ class Tape:
         result may start it first."""
         if self.record:
             self._ahead.append((len(self._steps), fn))
+
+    def loss(self, name: str, value: torch.Tensor, weight: float = 1.0) -> None:
+        """Record a loss term produced in this stage: ``value`` (a scalar output of a part) enters
+        the objective as ``weight x value``, so the backward starts it with the gradient
+        ``weight x loss_seed``. ``name`` (unique per micro-batch over the whole model) reports it."""
+        if value.dim() != 0:
+            raise ValueError(f"loss term {name!r} must be a scalar, got shape {tuple(value.shape)}")
+        if name in self.terms:
+            raise ValueError(f"loss term {name!r} was recorded twice in one forward")
+        self._report(name, value)
+        if weight and value.requires_grad:
+            if self.record:
+                self._check_known(value, "loss term {!r}", name)
+            self._seeds.append((value, float(weight)))
+
+    def _report(self, name: str, value: torch.Tensor) -> None:
+        self.terms[name] = value.detach()
+
+    def plain_backward(self, output: torch.Tensor, grad: torch.Tensor) -> None:
+        """The backward of a ``Tape(record=False)`` graph: ``output`` seeded with ``grad`` and
+        every loss term with ``weight x loss_seed``, in one autograd call."""
+        roots = [output, *(t for t, _ in self._seeds)]
+        grads = [grad, *(torch.full_like(t, self.loss_seed * w) for t, w in self._seeds)]
+        self._seeds = []
+        torch.autograd.backward(roots, grads)
 
     def custom(self, step: Custom) -> None:
         """Record a step with its own backward program (see :class:`Custom`)."""
@@ -248,6 +287,9 @@ class Tape:
         parts_queue = queue if aside is None else aside  # (a custom step's backward still gets ``queue``)
         fill = aside if aside is not None else queue if queue is not None and queue.fill_waits and OBSERVER.get() is None else None
         self._add_grad(output, grad, len(steps))
+        for term, weight in self._seeds:  # the loss terms produced in this stage start here too
+            self._add_grad(term, torch.full_like(term, self.loss_seed * weight), len(steps))
+        self._seeds = []
         flow = _Flow(steps)
         in_flight: list[tuple[int, Pending]] = []
         ahead = [j for j, st in enumerate(steps) if isinstance(st, Custom) and st.prepare is not None]

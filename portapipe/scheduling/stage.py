@@ -26,6 +26,13 @@ with code). The executor (:class:`~.executor.PipelineExecutor`) needs three thin
   knows the model's parts.
 - ``has_loss``: True for the stage whose program returns the loss (it gets the targets).
 
+A loss term produced inside any stage (an auxiliary loss of a router, a second prediction head
+beside the main one) is recorded by its program with ``tape.loss(name, value, weight)``: the
+stage's own backward starts with its gradient (``weight`` times the seed the executor gives the
+main loss), so it needs no path to the last stage and is treated like every other gradient (W
+split, F&B overlap, recompute). The executor reports each term's value by name, knowing nothing
+else of it; whoever composes the executor names every term the stages record (``loss_terms``).
+
 Beside the stages, the executor gets from whoever composes it: a :data:`Boundary` (the shape and
 dtype of what each stage sends forward), optionally the exchanges' :class:`~.exchange.A2AStats`
 and an end-of-step hook for the model's own work (:data:`~.executor.EndStep`).
@@ -39,6 +46,12 @@ Parameters carry their parallel role as attributes, read through the functions b
   replicate and reorder experts, so row j is not expert j in general).
 - ``slot_owned`` (optional): the rows that count as *the* copy of their expert (one per expert
   over the EP group when experts are replicated); absent means every row.
+
+- ``copy_blocks`` (optional, :func:`mark_shared`): the model blocks that each hold a copy of this
+  logical weight (an embedding that the first block and the last block's multi-token prediction
+  both use; an output head tied to the embedding). Its gradient is the sum over every copy on
+  every rank, as DualPipe's two copies of a block are one weight (:meth:`~.executor.PipelineExecutor.sum_copies`);
+  absent means the parameter's own block only.
 
 The logical name of one expert's weights is :func:`expert_key`: ``prefix.{expert}.leaf`` for the
 stacked parameter ``prefix.leaf``, e.g. ``layers.3.moe.experts.5.gate_up`` is logical expert 5
@@ -78,6 +91,16 @@ def mark_expert(p: torch.Tensor, expert_ids: Sequence[int]) -> None:
         raise ValueError(f"an expert parameter of {p.shape[0]} rows cannot hold {len(ids)} experts")
     p.is_expert = True  # type: ignore[attr-defined]
     p.expert_ids = ids  # type: ignore[attr-defined]
+
+
+def mark_shared(p: torch.Tensor, blocks: Sequence[int]) -> None:
+    """Declare ``p`` one copy of a logical weight that each of ``blocks`` holds (its own among them)."""
+    p.copy_blocks = tuple(sorted({int(b) for b in blocks}))  # type: ignore[attr-defined]
+
+
+def shared_blocks(p: torch.Tensor) -> tuple[int, ...]:
+    """The blocks holding a copy of ``p``'s logical weight (empty: only its own block)."""
+    return tuple(getattr(p, "copy_blocks", ()))
 
 
 def is_expert(p: torch.Tensor) -> bool:

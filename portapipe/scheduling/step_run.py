@@ -38,6 +38,7 @@ class StepRun:
         self.tapes: dict[tuple[int, int], tuple[Tape, torch.Tensor]] = {}
         self.queues: dict[tuple[int, int], WeightGradQueue] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.terms: dict[int, dict[str, torch.Tensor]] = {}  # micro-batch -> the stages' loss terms (Tape.loss)
         self.compute_s = 0.0
         self.p2p_wait_s = 0.0
         self.peak_activations = 0  # micro-batches whose activations were alive at once
@@ -107,8 +108,10 @@ class StepRun:
         inputs, targets = self.mbs[m]
         first = s.is_first(v)
         x = inputs if first else self._take(Kind.RECV_F, v, m)
-        tape = Tape(input_grad=not first)
+        tape = Tape(input_grad=not first, loss_seed=self.scale)
         out = yield from block.program(tape, x, targets if s.is_last(v) else None)
+        if tape.terms:
+            self.terms.setdefault(m, {}).update(tape.terms)
         self.tapes[(v, m)] = (tape, out)
         self.peak_activations = max(self.peak_activations, len(self.tapes))
         if s.is_last(v):

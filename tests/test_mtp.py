@@ -1,0 +1,233 @@
+"""Multi-token prediction (DeepSeek-V3 report, 2.2): ``model.mtp_layers`` modules on the last stage.
+
+- the module's forward equals transformers' ``MtpModel`` on a Hugging Face DeepSeek-V3 folder with
+  ``num_nextn_predict_layers: 1`` (logits, float64);
+- each depth's loss equals the report's formula written here independently, and the objective's
+  gradient (main loss + lambda / D x the depths' losses) enters the last stage's backward, with and
+  without the W split, recompute and zero-memory;
+- the published layout goes in (``model.init_from``) and comes out (export) bit for bit;
+- ``portapipe verify`` is exact with D = 1 and D = 2 in every schedule, the balance loss on, with and
+  without EPLB's redundant experts;
+- the keys are refused where they cannot apply.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from portapipe.backends.cpu import CPUBackend
+from portapipe.config import ConfigError, load_config
+from portapipe.memory.policy import configure
+from portapipe.models.expert_parallel import ExpertParallel
+from portapipe.models.hf_io import export_hf, init_problems
+from portapipe.models.moe import build_blocks
+from portapipe.models.objective import Objective, mtp_weight_at, term_figures
+from portapipe.scheduling.overlap import Tape, run
+from portapipe.scheduling.stage import logical_state
+from portapipe.scheduling.wgrad import WeightGradQueue
+from portapipe.verify import verify_many
+
+from .hf_models import model_section, mtp_folder, portapipe_blocks, tokens, transformers_mtp
+from .test_objective import SCHEDULES, check_exact, verify_config
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return mtp_folder("deepseek_v3", tmp_path_factory.mktemp("mtp") / "ds", seed=4)
+
+
+def _main_hidden(blocks: list[Any], x: torch.Tensor) -> torch.Tensor:
+    """The main model's normed last hidden state (depth 0 of the prediction chain)."""
+    tape, h = Tape(record=False), x
+    for b in blocks:
+        if b.block == 0:
+            h = b.embed_part(h)
+        for layer in b.main_layers():
+            h = run(layer.program(tape, h))
+    return blocks[-1].final_norm(h)
+
+
+def _depths(blocks: list[Any], x_full: torch.Tensor, h: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each depth's (logits, normed output), written from the report: depth k's row i combines the
+    previous depth's row i with the embedding of token i + k, at RoPE position i + k."""
+    last = blocks[-1]
+    seq = x_full.shape[1] - 1
+    out = []
+    for mtp in last.mtp_layers():
+        k = mtp.depth
+        emb = last.embed(x_full[:, k:seq])
+        z = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(h[:, : seq - k])], dim=-1))
+        z = run(mtp.program(Tape(record=False), z))
+        h = mtp.shared_head["norm"](z)
+        out.append((F.linear(h, last.head_weight()), h))
+    return out
+
+
+def report_loss(logits: torch.Tensor, x_full: torch.Tensor, k: int) -> torch.Tensor:
+    """L_MTP^k = -(1 / T) sum_i log P^k_i[t_i], over the rows that have a token k + 1 ahead, T all
+    the micro-batch's positions; row i of depth k predicts token i + k + 1."""
+    batch, seq = x_full.shape[0], x_full.shape[1] - 1
+    logp = torch.log_softmax(logits, dim=-1)
+    total = logits.new_zeros(())
+    for b in range(batch):
+        for i in range(seq - k):
+            total = total - logp[b, i, x_full[b, i + k + 1]]
+    return total / (batch * seq)
+
+
+def test_the_modules_forward_equals_transformers_mtp_model(folder: Path) -> None:
+    main, mtp = transformers_mtp(folder)
+    blocks = portapipe_blocks("deepseek_v3", folder, mtp_layers=1)
+    x = tokens(2, 16, seed=5)
+    seq = x.shape[1]
+    with torch.no_grad():
+        h0 = main(x, output_hidden_states=True).hidden_states[-1]
+        position = torch.arange(1, seq)[None].expand(2, -1)
+        want = mtp._project_to_logits(mtp.forward_layer(0, h0[:, : seq - 1], position, None, input_ids=x[:, 1:]))
+        ours = blocks[-1].mtp_layers()[0]
+        hn = _main_hidden(blocks, x)
+        z = run(ours.program(Tape(record=False), ours.mtp_input_part(hn, x[:, 1:], blocks[-1].embed)))
+        got = F.linear(ours.shared_head["norm"](z), blocks[-1].head_weight())
+    assert float((hn - h0).abs().max()) <= 1e-12
+    assert float((got - want).abs().max()) <= 1e-12 and float(want.abs().max()) > 0.5
+    # what the equality rests on: row i embeds token i + 1, in the report's order [embedding; hidden]
+    with torch.no_grad():
+        for proj in (lambda: ours.mtp_input_part(hn, x[:, :-1], blocks[-1].embed),
+                     lambda: ours.eh_proj(torch.cat([ours.hnorm(hn[:, :-1]), ours.enorm(blocks[-1].embed(x[:, 1:]))], dim=-1))):
+            z = run(ours.program(Tape(record=False), proj()))
+            assert float((F.linear(ours.shared_head["norm"](z), blocks[-1].head_weight()) - want).abs().max()) > 1e-3
+
+
+def _model(depth: int, weight: Any = 0.3, **model: Any) -> Any:
+    return load_config({
+        "backend": "cpu",
+        "model": {"vocab_size": 32, "hidden": 16, "n_layers": 3, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16,
+                  "n_experts": 4, "top_k": 2, "seq_len": 8, "dtype": "float64", "mtp_layers": depth, **model},
+        "train": {"mtp_loss_weight": weight},
+    })
+
+
+def _block(config: Any) -> Any:
+    return build_blocks(config.model, [0], 1, ExpertParallel(CPUBackend()), seed=3, objective=Objective.from_train(config.train))[0]
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t = torch.randint(0, 32, (3, 9), generator=torch.Generator().manual_seed(4))
+    return t[:, :-1], t[:, 1:], t
+
+
+@pytest.mark.parametrize("memory", [{}, {"recompute": "full"}, {"zero_memory": "level1"}])
+@pytest.mark.parametrize("w_split", [False, True])
+def test_each_depths_loss_is_the_reports_and_its_gradient_enters_the_last_stages_backward(memory: dict[str, str], w_split: bool) -> None:
+    depth, lam, seed = 2, 0.3, 0.25
+    config = _model(depth, lam)
+    x, y, full = _data()
+    block = _block(config)
+    configure({0: block}, load_config({"memory": memory}).memory)
+    tape = Tape(input_grad=False, loss_seed=seed)
+    loss = run(block.program(tape, x, y))
+    queue = WeightGradQueue() if w_split else None
+    run(tape.backward(loss, torch.full_like(loss, seed), queue))
+    if queue is not None:
+        queue.run()
+    # independently: one autograd graph of seed x (main + lambda / D x sum_k L_MTP^k)
+    ref = _block(config)
+    h = _main_hidden([ref], x)
+    main = F.cross_entropy(F.linear(h, ref.head_weight()).reshape(-1, 32), y.reshape(-1))
+    losses = [report_loss(logits, full, k) for k, (logits, _) in enumerate(_depths([ref], full, h), 1)]
+    (seed * (main + lam / depth * sum(losses))).backward()
+    assert float(loss) == pytest.approx(float(main), rel=1e-14)
+    assert [float(tape.terms[f"mtp.{k}"]) for k in (1, 2)] == pytest.approx([float(v) for v in losses], rel=1e-13)
+    want = dict(ref.named_parameters())
+    for name, p in block.named_parameters():
+        assert torch.allclose(p.grad, want[name].grad, rtol=1e-11, atol=1e-16), name
+    assert float(want["layers.4.eh_proj.weight"].grad.abs().max()) > 0  # depth 2 got its gradient
+
+
+def test_lambda_follows_its_schedule_step_by_step() -> None:
+    assert mtp_weight_at({0: 0.3, 10: 0.1}, 0) == 0.3 and mtp_weight_at({0: 0.3, 10: 0.1}, 9) == 0.3
+    assert mtp_weight_at({0: 0.3, 10: 0.1}, 10) == 0.1 and mtp_weight_at(0.2, 123) == 0.2
+    config = _model(1, {0: 0.3, 5: 0.1})
+    x, y, _ = _data()
+    grads = []
+    for step in (0, 5):
+        block = _block(config)
+        block.objective.at_step(step)
+        tape = Tape(input_grad=False, loss_seed=1.0)
+        loss = run(block.program(tape, x, y))
+        run(tape.backward(loss, torch.ones_like(loss)))
+        grads.append(block.layers["3"].eh_proj.weight.grad)  # reached by the MTP loss only
+    assert torch.allclose(grads[1] * 3, grads[0], rtol=1e-12)
+
+
+def test_the_reported_figures_name_each_depth() -> None:
+    assert term_figures({"mtp.2": 2.0, "mtp.1": 3.0, "balance.1": 1.0}) == {"mtp_loss_1": 3.0, "mtp_loss_2": 2.0, "balance_loss": 1.0}
+
+
+# ------------------------------------------------------------------------------ Hugging Face
+def test_the_published_layout_goes_in_and_comes_out_bit_for_bit(folder: Path, tmp_path: Path) -> None:
+    m = load_config({"model": model_section("deepseek_v3", init_from=str(folder), mtp_layers=1, dtype="float64")}).model
+    assert init_problems(m) == []
+    blocks = portapipe_blocks("deepseek_v3", folder, mtp_layers=1)
+    state = logical_state([(n, t) for b in blocks for n, t in b.state_dict(keep_vars=True).items()])
+    assert {"layers.4.enorm.weight", "layers.4.eh_proj.weight", "layers.4.shared_head.norm.weight", "layers.4.moe.experts.3.down"} <= set(state)
+    out = export_hf(state, load_config({"model": model_section("deepseek_v3", mtp_layers=1)}).model, tmp_path / "out")
+    written, original = load_file(str(out / "model.safetensors")), load_file(str(folder / "model.safetensors"))
+    assert sorted(written) == sorted(original)
+    assert all(torch.equal(written[k], original[k]) and written[k].dtype == original[k].dtype for k in original)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_a_folder_is_read_with_fewer_modules_but_not_more_and_its_copies_must_be_equal(folder: Path, tmp_path: Path) -> None:
+    def problems(path: Path, depth: int) -> list[str]:
+        return init_problems(load_config({"model": model_section("deepseek_v3", init_from=str(path), mtp_layers=depth)}).model)
+
+    assert problems(folder, 0) == []  # the module is left out: the main model trains alone
+    assert any(line.startswith("model.mtp_layers: 2, but ") and "holds 1 multi-token prediction" in line for line in problems(folder, 2))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.4.shared_head.head.weight"] = tensors["model.layers.4.shared_head.head.weight"] + 1
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    (line,) = problems(bad, 1)
+    assert "model.layers.4.shared_head.head.weight differs from lm_head.weight" in line
+
+
+def test_the_keys_are_refused_where_they_cannot_apply() -> None:
+    cases = {
+        "model.mtp_layers: 1; qwen3_moe has no multi-token prediction": {"model": {"arch": "qwen3_moe", "mtp_layers": 1}},
+        "model.mtp_layers: 8 leaves no token to predict": {"model": {"seq_len": 8, "mtp_layers": 8}},
+        "train.mtp_loss_weight: 0.1 has no effect": {"train": {"mtp_loss_weight": 0.1}},
+        "the schedule starts at step 3": {"model": {"mtp_layers": 1}, "train": {"mtp_loss_weight": {3: 0.1}}},
+        "is not a finite number >= 0": {"model": {"mtp_layers": 1}, "train": {"mtp_loss_weight": -0.5}},
+    }
+    for text, raw in cases.items():
+        with pytest.raises(ConfigError, match=text):
+            load_config(raw)
+    assert load_config({"model": {"seq_len": 8, "mtp_layers": 7}, "train": {"mtp_loss_weight": {0: 0.3, 100: 0.1}}}).train.mtp_loss_weight == {0: 0.3, 100: 0.1}
+
+
+# ------------------------------------------------------------------------------------ verify
+@pytest.mark.multiproc
+def test_verify_is_exact_with_one_and_two_modules_in_every_schedule() -> None:
+    """pp 2 x ep 2, the balance loss on: D = 1 and D = 2 in every schedule; EPLB's redundant experts
+    (which place the modules' experts too) with 1F1B and DualPipeV; recompute and zero-memory."""
+    eplb = {"kind": "eplb", "redundant": 1}
+    configs = [verify_config(name, ep=2, model={"mtp_layers": depth}) for depth in (1, 2) for name in SCHEDULES]
+    configs += [
+        verify_config("1f1b", ep=2, model={"mtp_layers": 2}, balancer=eplb),
+        verify_config("dualpipev", ep=2, model={"mtp_layers": 1}, balancer=eplb, memory={"recompute": "full"}),
+        verify_config("zb1p", ep=2, model={"mtp_layers": 1, "tie_word_embeddings": True}, memory={"zero_memory": "level1"}),
+    ]
+    reports = verify_many(configs)
+    check_exact(reports)
+    for r, c in zip(reports, configs):
+        assert {f"mtp.{k}" for k in range(1, c.model.mtp_layers + 1)} <= set(r.ref_loss_terms)
