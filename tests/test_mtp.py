@@ -24,18 +24,16 @@ from safetensors.torch import load_file, save_file
 
 from portapipe.backends.cpu import CPUBackend
 from portapipe.config import ConfigError, load_config
-from portapipe.memory.policy import configure
 from portapipe.models.expert_parallel import ExpertParallel
 from portapipe.models.hf_io import export_hf, init_problems
 from portapipe.models.moe import build_blocks
 from portapipe.models.objective import Objective, mtp_weight_at, term_figures
 from portapipe.scheduling.overlap import Tape, run
 from portapipe.scheduling.stage import logical_state
-from portapipe.scheduling.wgrad import WeightGradQueue
 from portapipe.verify import verify_many
 
 from .hf_models import model_section, mtp_folder, portapipe_blocks, tokens, transformers_mtp
-from .test_objective import SCHEDULES, check_exact, verify_config
+from .test_objective import SCHEDULES, check_exact, stage_step, verify_config
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +128,7 @@ def test_each_depths_loss_is_the_reports_and_its_gradient_enters_the_last_stages
     config = _model(depth, lam)
     x, y, full = _data()
     block = _block(config)
-    configure({0: block}, load_config({"memory": memory}).memory)
-    tape = Tape(input_grad=False, loss_seed=seed)
-    loss = run(block.program(tape, x, y))
-    queue = WeightGradQueue() if w_split else None
-    run(tape.backward(loss, torch.full_like(loss, seed), queue))
-    if queue is not None:
-        queue.run()
+    loss, tape = stage_step(block, memory, x, y, seed, w_split)
     # independently: one autograd graph of seed x (main + lambda / D x sum_k L_MTP^k)
     ref = _block(config)
     h = _main_hidden([ref], x)

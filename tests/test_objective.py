@@ -28,6 +28,18 @@ from portapipe.scheduling.wgrad import WeightGradQueue
 from portapipe.verify import verify_many
 
 
+def stage_step(block: Any, memory: dict[str, str], x: torch.Tensor, y: torch.Tensor, seed: float, w_split: bool) -> tuple[torch.Tensor, Tape]:
+    """One stage's forward and part-wise backward as the executor runs them (memory options of
+    ``memory``, weight gradients queued for a W when ``w_split``): the loss and the tape."""
+    configure({0: block}, load_config({"memory": memory}).memory)
+    tape = Tape(input_grad=False, loss_seed=seed)
+    loss = run(block.program(tape, x, y))
+    queue = WeightGradQueue() if w_split else None
+    run(tape.backward(loss, torch.full_like(loss, seed), queue))
+    if queue is not None:
+        queue.run()
+    return loss, tape
+
 def report_formula(scores: torch.Tensor, idx: torch.Tensor, batch: int) -> torch.Tensor:
     """alpha-free L_Bal of DeepSeek-V3 (section 2.1.2), term by term, mean over the sequences."""
     rows, n_r = scores.shape
@@ -108,14 +120,8 @@ def test_a_stages_balance_loss_gets_its_gradient_in_that_stages_backward(memory:
     alpha, seed = 0.3, 0.25
     config = _model(alpha)
     block = _blocks(config)
-    configure({0: block}, load_config({"memory": memory}).memory)
     x, y = _data()
-    tape = Tape(input_grad=False, loss_seed=seed)
-    loss = run(block.program(tape, x, y))
-    queue = WeightGradQueue() if w_split else None
-    run(tape.backward(loss, torch.full_like(loss, seed), queue))
-    if queue is not None:
-        queue.run()
+    loss, tape = stage_step(block, memory, x, y, seed, w_split)
     want, values = _independent_grads(config, alpha, seed)
     got = {n: p.grad for n, p in block.named_parameters()}
     assert set(tape.terms) == {"balance.1", "balance.2"}
