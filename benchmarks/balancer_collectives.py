@@ -45,7 +45,7 @@ def _rank(backend: Any, ep: int, redundant: int, reps: int) -> dict[str, Any]:
     from portapipe.balancing.step_figures import gather_figures
 
     mine = {"pp_rank": 0, "layers": list(range(LAYERS)), "rank_loads": torch.rand(LAYERS, ep).tolist(), "orig_loads": [],
-            "replica_tokens": 12.0, "switch": {"gain_s": 0.01, "cost_s": 0.02}, "event": None}
+            "replica_tokens": 12.0, "switch": {"gain_s": 0.01, "cost_s": 0.02, "refresh_s": 0.0}, "event": None, "dp_rank": 0}
     world = dist.get_world_size()
 
     def objects() -> int:

@@ -290,8 +290,8 @@ class ExpertBalancer:
 
     # ------------------------------------------------------------- periodic step
     def _global_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """``StepResult.expert_counts`` (EP-summed) summed over DP too, so every replica decides alike."""
-        c = counts.detach().to(torch.float64).cpu().clone()
+        """``StepResult.expert_counts`` (EP-summed, float64 on the CPU) summed over DP too, so every replica decides alike."""
+        c = counts.clone()
         if self.groups.dp > 1:
             self.backend.all_reduce(c, group=self.groups.dp_group)
         return c
@@ -340,11 +340,14 @@ class ExpertBalancer:
         (:func:`~portapipe.balancing.report.merge_figures`; the same dict on every rank).
         """
         slots = self._slot_loads()
-        counts = None
+        counts = group_counts = None
         if self.layers and result.expert_counts is not None:
-            counts = self._global_counts(result.expert_counts)
-        # before a rebalance changes the placement the step ran with
-        mine = rank_figures(self.placement, self.layers, self.groups.pp_rank, self.ep, slots, counts, self.kind == "lplb")
+            group_counts = result.expert_counts.detach().to(torch.float64).cpu()
+            counts = self._global_counts(group_counts)
+        # before a rebalance changes the placement the step ran with; LPLB's originals from this
+        # DP replica's counts, as its EP group routed them
+        mine = rank_figures(self.placement, self.layers, self.groups.pp_rank, self.groups.dp_rank, self.ep, slots,
+                            group_counts, self.kind == "lplb")
         mine["switch"] = self.switch.figures(self._replica_gain(counts)) if self.modules else None
         event = None
         due = (step + 1) % self.interval == 0
@@ -356,7 +359,7 @@ class ExpertBalancer:
                 event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
                 self.history.append(event)
         mine["event"] = None if event is None else event.as_dict()
-        parts = self.gather(mine, as_objects=due)
+        parts = self.gather(mine)
         merged = merge_figures(parts)
         if "min_gain" in mine:  # auto: the same on every rank
             merged["min_gain"] = mine["min_gain"]
