@@ -82,6 +82,7 @@ class PipelineRuntime(PipelineExecutor):
             zero_stage=t.zero_stage, bucket_mb=t.grad_bucket_mb, overlap=t.overlap_grad_sync,
             copy_sum=self.sum_over_copies, copies=set(self.copy_rank),
             before_expert_reduce=self.balancer.reduce_gradients if self.balancer is not None else None,
+            idle=self.balancer.idle if self.balancer is not None else None,
         )
 
     @property

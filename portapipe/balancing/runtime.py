@@ -188,10 +188,11 @@ class ExpertBalancer:
         only, and every replica slot takes its expert's total, bit-identical on every holder
         (:mod:`~portapipe.balancing.replica_sum`). Experts with one slot are untouched.
         While the replicas are switched off they took no tokens, so a first slot's gradient is
-        already its expert's total: the sum is skipped (under ``zero_stage`` 0) and the replicas
-        are marked out of date.
+        already its expert's total: the sum is skipped (under ``zero_stage`` 0: :meth:`idle`) and
+        the replicas are marked out of date. Under a ZeRO stage their optimizer rows cannot be
+        refilled, so they are summed while off too and stay exact copies.
         """
-        if not self.switch.on and self.can_refresh:
+        if self.idle():
             self.stale = self.stale or bool((self.placement.logcnt > 1).any())
             return
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -201,6 +202,13 @@ class ExpertBalancer:
             # processor time (every thread of this rank, the transport's too): on a shared host the
             # wall time would also count the wait for peers to be scheduled
             self.sum_s_per_byte = (time.process_time() - cpu0) / sent
+
+    def idle(self) -> bool:
+        """Whether the replicas have nothing to do this step: switched off (they take no tokens)
+        where their rows can be refilled before they are used again (``zero_stage`` 0). Their
+        gradient sum is then skipped, and the gradient buckets reduce over DP only the rows
+        that own their expert (optim/buckets.py)."""
+        return not self.switch.on and self.can_refresh
 
     def _sum_replica_gradients(self) -> int:
         """The replica sum of every MoE layer with replicas (see :meth:`reduce_gradients`); the bytes this rank sent."""
