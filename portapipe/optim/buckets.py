@@ -239,6 +239,8 @@ class GradBuckets:
             bucket.work = _DONE
             return
         bucket.runs = self.owned_runs(bucket) if bucket.expert and self._idle else None
+        if bucket.runs == [(0, bucket.offsets[-1] + bucket.params[-1].numel())]:  # every row owns its expert
+            bucket.runs = None
         if bucket.runs == []:  # replica rows only: nothing to reduce
             bucket.work = _DONE
             return
