@@ -155,6 +155,13 @@ def _max_rel_grad_diff(a: PipelineRuntime, b: PipelineRuntime) -> float:
     return worst
 
 
+def _in_buckets(rt: PipelineRuntime) -> bool:
+    """Whether every trainable parameter's gradient (or main_grad) is a view of the runtime's gradient buckets."""
+    storages = {b.grad.untyped_storage().data_ptr() for b in rt.grads.buckets if b.grad is not None}
+    grads = [getattr(p, "main_grad", p.grad) for p in rt.parameters() if p.requires_grad]
+    return all(g is not None and g.untyped_storage().data_ptr() in storages for g in grads)
+
+
 def _all_max(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -214,6 +221,8 @@ def bench_rank(
             "loss_torch": loss_torch,
             "max_rel_grad_diff_torch_vs_ours": diff_torch,
             "max_rel_grad_diff_no_overlap_vs_ours": diff_plain,
+            # torch's pipeline accumulates into, and is reduced through, the same gradient buckets as ours
+            "torch_grads_in_buckets": bool(_all_max([0.0 if _in_buckets(theirs.rt) else 1.0])[0] == 0.0),
         }
 
     times: dict[str, list[float]] = {k: [] for k in variants}

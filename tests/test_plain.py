@@ -329,9 +329,12 @@ def _mixed_rank(backend: Any) -> dict[str, Any]:
     pipe = portapipe.pipeline(_mixed_modules(), backend=backend, loss_fn=_loss, schedule="dualpipev", microbatches=M)
     x, y = _batch(False, 0)
     pipe.step(x, y)
+    storages = {b.grad.untyped_storage().data_ptr() for b in pipe.grads.buckets}
+    in_buckets = [getattr(p, "main_grad", p.grad).untyped_storage().data_ptr() in storages for _, p in pipe.named_parameters()]
     once = {k: p.grad.clone() for k, p in pipe.named_parameters()}
     pipe.step(x, y, accumulate=True)
-    return {"once": once, "twice": {k: p.grad.clone() for k, p in pipe.named_parameters()}, "dtype": str(pipe.dtype)}
+    return {"once": once, "twice": {k: p.grad.clone() for k, p in pipe.named_parameters()}, "dtype": str(pipe.dtype),
+            "in_buckets": in_buckets}
 
 
 @pytest.mark.multiproc
@@ -343,7 +346,7 @@ def test_parameters_of_two_dtypes_get_their_gradients_in_their_own_and_accumulat
     x, y = _batch(False, 0)
     for xm, ym in zip(x.chunk(M), y.chunk(M)):
         (_loss(model(xm), ym) / M).backward()
-    assert got["dtype"] == "torch.float64"
+    assert got["dtype"] == "torch.float64" and all(got["in_buckets"])  # accumulated in the gradient buckets
     for k, p in model.named_parameters():
         g = got["once"][k]
         assert g.dtype == p.dtype, k
