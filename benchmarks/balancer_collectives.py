@@ -1,4 +1,4 @@
-"""A balancer's per-step collectives, each against what it replaced, on gloo ranks; prints JSON lines.
+"""A balancer's per-step collectives, each against what it replaced, on gloo ranks; prints one JSON object.
 
 1. The replica gradient sum: between each expert's holders against an all-reduce over the EP group.
 2. After-step's figures: one fixed-shape float64 row per rank (one all-gather) against
@@ -45,7 +45,7 @@ def _rank(backend: Any, ep: int, redundant: int, reps: int) -> dict[str, Any]:
     from portapipe.balancing.step_figures import gather_figures
 
     mine = {"pp_rank": 0, "layers": list(range(LAYERS)), "rank_loads": torch.rand(LAYERS, ep).tolist(), "orig_loads": [],
-            "replica_tokens": 12.0, "switch": {"gain_s": 0.01, "cost_s": 0.02}, "event": None}
+            "replica_tokens": 12.0, "switch": {"gain_s": 0.01, "cost_s": 0.02, "refresh_s": 0.0}, "event": None, "dp_rank": 0}
     world = dist.get_world_size()
 
     def objects() -> int:
@@ -82,11 +82,11 @@ def main() -> None:
     out = run_ranks(_rank, args.ep, args.ep, args.redundant, args.reps, wall_timeout_s=600)
     from portapipe.balancing.replica_sum import EXCHANGE_PER_BYTE
 
-    for name in ("exchange", "all_reduce", "figures_tensor", "figures_object"):
-        print(json.dumps({"path": name, "ep": args.ep, "redundant": args.redundant,
-                          "median_ms_per_rank": [round(r[name]["median_ms"], 3) for r in out],
-                          "bytes_sent_per_rank": [r[name]["bytes_sent"] for r in out]}))
-    print(json.dumps({"auto_takes": out[0]["auto"], "exchange_per_byte": EXCHANGE_PER_BYTE}))
+    paths = [{"path": name, "median_ms_per_rank": [round(r[name]["median_ms"], 3) for r in out],
+              "bytes_sent_per_rank": [r[name]["bytes_sent"] for r in out]}
+             for name in ("exchange", "all_reduce", "figures_tensor", "figures_object")]
+    print(json.dumps({"benchmark": "balancer_collectives", "ep": args.ep, "redundant": args.redundant, "paths": paths,
+                      "auto_takes": out[0]["auto"], "exchange_per_byte": EXCHANGE_PER_BYTE}))
 
 
 if __name__ == "__main__":

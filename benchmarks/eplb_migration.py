@@ -16,7 +16,8 @@ sent within and between nodes and the share of the moved rows that stay in their
 bfloat16 with bfloat16 AdamW moments and a float32 master copy: the ``--dtype`` flags change it),
 max / mean GPU load (mean over layers and worst layer) and the time of a call for all layers on
 one thread: median wall clock, median and least processor time (the machine may be shared, so
-the load average is recorded; ``targets_at_10pct_drift`` checks the incremental policy's bounds). The Pareto
+the load average is recorded; ``targets_at_10pct_drift`` checks the incremental policy's bounds at 10% drift,
+``targets_at_10_to_15pct_drift`` its balance and locality from 10% to 15%). The Pareto
 curve runs incremental over a range of ``max_moved`` (and of ``min_gain`` at a fixed budget):
 moved fraction against balance, as JSON and, with ``--png``, as a plot.
 
@@ -46,6 +47,8 @@ from portapipe.balancing.eplb import gpu_loads, lower_bound, rebalance_experts  
 
 EXPERT_PARAMS = 3 * 7168 * 2048
 BUDGETS = (0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3)
+#: processor time of one incremental call for all 61 layers on one core, at 10% drift
+TIME_BOUND_MS = 200
 MIN_GAINS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
@@ -105,7 +108,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
-    colors = {"0.05": "tab:green", "0.1": "tab:blue", "0.2": "tab:red"}
+    colors = {"0.05": "tab:green", "0.1": "tab:blue", "0.12": "tab:purple", "0.15": "tab:orange", "0.2": "tab:red"}
     zero = 0.4  # where "moves nothing" sits on the log axis
     for drift, block in result["drifts"].items():
         c = colors.get(drift, None)
@@ -135,7 +138,7 @@ def plot(result: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(ap)  # --sigma: the base loads' skew, before the drift
-    ap.add_argument("--drifts", type=float, nargs="+", default=[0.05, 0.10, 0.20])
+    ap.add_argument("--drifts", type=float, nargs="+", default=[0.05, 0.10, 0.12, 0.15, 0.20])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--max-moved", type=float, default=0.1, help="incremental's budget in the policy table")
     ap.add_argument("--repeats", type=int, default=11, help="timed calls per policy (seed 0, each drift)")
@@ -209,9 +212,20 @@ def main() -> None:
             "slots_changed_worst_layer <= 0.10": inc["slots_changed_worst_layer"] <= 0.10,
             "max_over_mean <= 1.01": inc["max_over_mean"] <= 1.01,
             "max_over_mean_worst <= 1.02": inc["max_over_mean_worst"] <= 1.02,
-            "median_cpu_ms < 50": inc["median_cpu_ms"] < 50,
+            f"median_cpu_ms < {TIME_BOUND_MS}": inc["median_cpu_ms"] < TIME_BOUND_MS,
             "never_worse_than_keep": inc["never_worse_than_keep"],
             "intra_node_share > node-blind's": inc["intra_node_share"] > out["drifts"]["0.1"]["policies"]["incremental_node_blind"]["intra_node_share"],
+        }
+    if deepseek_v3 and args.max_moved == 0.1:
+        # from 10% to 15% drift: the balance at <= 10% of the slots, with fewer rows across nodes than node-blind
+        out["targets_at_10_to_15pct_drift"] = {
+            drift: {
+                "slots_changed_worst_layer <= 0.10": block["policies"]["incremental"]["slots_changed_worst_layer"] <= 0.10,
+                "max_over_mean <= 1.01": block["policies"]["incremental"]["max_over_mean"] <= 1.01,
+                "rows_inter_node < node-blind's": block["policies"]["incremental"]["rows_inter_node"]
+                < block["policies"]["incremental_node_blind"]["rows_inter_node"],
+            }
+            for drift, block in out["drifts"].items() if 0.1 <= float(drift) <= 0.15
         }
     if args.png:
         plot(out, args.png)

@@ -25,7 +25,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: benchmark -> the arguments of the run its README row quotes
+#: benchmark -> the arguments of the run its README row quotes; every script beside this one is
+#: an entry (tests/test_run_all.py checks it)
 BENCHMARKS: dict[str, list[str]] = {
     "schedule_speed": [],
     "schedules_vs_torch": [],
@@ -40,6 +41,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "balance_e2e": ["--steps", "12", "--warmup", "3"],  # docs/balancers-in-training.md's end-to-end table
     "expert_tiles": [],  # docs/executor.md's grouped-matmul layouts
     "mtp": ["--steps", "100"],  # the README's multi-token prediction section
+    "lone_overlap": ["--reps", "20"],  # docs/executor.md's lone actions' hidden exchange time
+    "balancer_collectives": ["--ep", "4", "--redundant", "1"],  # docs/balancers-in-training.md's replica sum and figure gather
 }
 
 

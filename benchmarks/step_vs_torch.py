@@ -104,8 +104,9 @@ def torch_peer_problem(name: str) -> str | None:
 class TorchPipeline:
     """torch.distributed.pipelining's schedule over the blocks of a (never stepped) PipelineRuntime.
 
-    The runtime only lends its blocks and its post-step work (gradient reduction over the
-    replicas and the router-bias update), so both sides finish a step in the same state.
+    The runtime only lends its blocks and its post-step work (its gradient buckets, which torch's
+    backward accumulates into and which are reduced over the replicas after the schedule, and
+    the router-bias update), so both sides finish a step in the same state.
     """
 
     def __init__(self, runtime: PipelineRuntime, config: Config, backend: Any) -> None:
@@ -116,9 +117,13 @@ class TorchPipeline:
         last = runtime.blocks.get(s.stage_block[n_stages - 1])
         replicas = g.dp * g.ep
 
+        m = config.schedule.microbatches
+
         def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            # Seeded like ours: each micro-batch's loss / replicas (torch divides by micro-batches).
-            return last.loss_part(output, target) / replicas
+            # Seeded like ours: each micro-batch's loss / (micro-batches x replicas). torch's own
+            # division of .grad by the micro-batches is off: a gradient accumulated in the buckets'
+            # main_grad (another dtype than the parameter's) has no .grad for it to divide.
+            return last.loss_part(output, target) / (m * replicas)
 
         self.local = s.stages_of(g.pp_rank)
         stages = [
@@ -127,27 +132,27 @@ class TorchPipeline:
         ]
         name = config.schedule.name
         if name == "1f1b":  # one stage per rank
-            self.schedule = Schedule1F1B(stages[0], config.schedule.microbatches, loss_fn=loss_fn)
+            self.schedule = Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
         else:
             cls = {"dualpipev": ScheduleDualPipeV, "interleaved": ScheduleInterleaved1F1B}[name]
-            self.schedule = cls(stages, config.schedule.microbatches, loss_fn=loss_fn)
+            self.schedule = cls(stages, m, loss_fn=loss_fn, scale_grads=False)
         self.first, self.last = 0 in self.local, n_stages - 1 in self.local
 
     def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One step; returns the global mean loss (same on every rank)."""
-        for p in self.rt.parameters():
-            p.grad = None
+        self.rt.grads.start()  # zeroed buckets, each parameter's .grad (or main_grad) a view of them
         # The public step() takes the whole batch and splits it along dim 0 into the same
         # micro-batches (equal sizes); keyword names for pre-split inputs differ between releases.
         args = (torch.cat([x for x, _ in microbatches]),) if self.first else ()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {"target": torch.cat([y for _, y in microbatches]), "losses": losses} if self.last else {}
         self.schedule.step(*args, return_outputs=False, **kwargs)
-        self.rt.reduce_gradients()
+        self.rt.grads.finish()  # DualPipe copies, replica sums and the reduction over the replicas, as ours
         model_end_step(self.rt)
+        # each rank's losses are divided by micro-batches x replicas: their sum over ranks is the mean
         total = torch.tensor([float(sum(float(x.detach()) for x in losses))], dtype=torch.float64)
         dist.all_reduce(total)
-        return float(total) / len(microbatches)
+        return float(total)
 
 
 def _config(base: dict[str, Any], name: str, overlap: bool) -> Config:
@@ -163,6 +168,13 @@ def _max_rel_grad_diff(a: PipelineRuntime, b: PipelineRuntime) -> float:
         scale = max(float(gb.abs().max()), 1e-30)
         worst = max(worst, float((ga - gb).abs().max()) / scale)
     return worst
+
+
+def _in_buckets(rt: PipelineRuntime) -> bool:
+    """Whether every trainable parameter's gradient (or main_grad) is a view of the runtime's gradient buckets."""
+    storages = {b.grad.untyped_storage().data_ptr() for b in rt.grads.buckets if b.grad is not None}
+    grads = [getattr(p, "main_grad", p.grad) for p in rt.parameters() if p.requires_grad]
+    return all(g is not None and g.untyped_storage().data_ptr() in storages for g in grads)
 
 
 def _all_max(values: list[float]) -> list[float]:
@@ -224,6 +236,8 @@ def bench_rank(
             "loss_torch": loss_torch,
             "max_rel_grad_diff_torch_vs_ours": diff_torch,
             "max_rel_grad_diff_no_overlap_vs_ours": diff_plain,
+            # torch's pipeline accumulates into, and is reduced through, the same gradient buckets as ours
+            "torch_grads_in_buckets": bool(_all_max([0.0 if _in_buckets(theirs.rt) else 1.0])[0] == 0.0),
         }
 
     times: dict[str, list[float]] = {k: [] for k in variants}

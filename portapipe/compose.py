@@ -98,6 +98,7 @@ class PipelineRuntime(PipelineExecutor):
             zero_stage=t.zero_stage, bucket_mb=t.grad_bucket_mb, overlap=t.overlap_grad_sync,
             copy_sum=self.sum_copies, holders=self.copy_holders,
             before_expert_reduce=self.balancer.reduce_gradients if self.balancer is not None else None,
+            idle=self.balancer.idle if self.balancer is not None else None,
         )
 
     def set_step(self, step: int) -> None:

@@ -4,7 +4,9 @@
 ``nn.Sequential(*modules)`` would run in one process), and returns a :class:`Pipeline` whose
 :meth:`~Pipeline.step` runs one training step of the schedule on this rank: forwards, backwards
 with the W split where the schedule has W actions (autograd's input-only backward first, the
-weights' backward at W), DualPipe's copy summing and the data-parallel gradient reduction. Call
+weights' backward at W), DualPipe's copy summing and the data-parallel gradient reduction (the
+gradient buckets of :mod:`portapipe.optim.buckets`, as for portapipe's own model: each block's
+buckets are reduced while the rest of the schedule runs). Call
 it on every rank, e.g. inside a function started by :func:`portapipe.launch.run_ranks` (which
 also joins the ranks of torchrun or mpirun)::
 
@@ -20,6 +22,7 @@ holds each on two ranks), ``pp * chunks`` for interleaved, ``2 * pp`` for dualpi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
@@ -28,12 +31,16 @@ from torch import nn
 from torch.func import functional_call
 
 from .backends.base import Backend, ParallelGroups
+from .optim.buckets import GradBuckets
 from .scheduling.executor import PipelineExecutor, StepResult, make_schedule
 from .scheduling.ir import Schedule
 from .scheduling.schedules import NAMES
 from .scheduling.stage import Boundary
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: size of one gradient bucket (MB), as ``train.grad_bucket_mb``'s default
+BUCKET_MB = 25.0
 
 
 class PlainStage:
@@ -83,7 +90,15 @@ class Pipeline:
         last = {schedule.stage_block[v] for v in range(schedule.n_stages) if schedule.is_last(v)}
         device = backend.device()
         stages = {b: PlainStage(modules[b].to(device), b, loss_fn if b in last else None) for b in schedule.blocks_of(groups.pp_rank)}
-        self.executor = PipelineExecutor(schedule, stages, backend, groups, boundary=boundary or self.boundary, loss_terms=loss_terms)
+        self.executor = ex = PipelineExecutor(schedule, stages, backend, groups, boundary=boundary or self.boundary, loss_terms=loss_terms)
+        # gradients accumulate and are reduced in the parameters' dtype (the wider of two: a
+        # parameter in another one gets its gradient back in its own after the step)
+        dtypes = {p.dtype for p in self.parameters() if p.requires_grad}
+        self.dtype = functools.reduce(torch.promote_types, sorted(dtypes, key=str)) if dtypes else torch.float32
+        ex.grad_sync = self.grads = GradBuckets(
+            ex.blocks, groups, backend, master_dtype=self.dtype, reduce_dtype=self.dtype, zero_stage=0, bucket_mb=BUCKET_MB,
+            overlap=True, copy_sum=ex.sum_copies, holders=ex.copy_holders,
+        )
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters by their names in ``nn.Sequential(*modules)``."""
@@ -99,6 +114,8 @@ class Pipeline:
         data-parallel replicas) of ``loss_fn``; ``result.loss`` is that mean. With ``accumulate``
         the gradient is added to the ``.grad`` already there (gradient accumulation: after k such
         steps ``.grad`` holds the sum of k means; scale by 1 / k for their mean), else it replaces it.
+        ``.grad`` is a view of the pipeline's gradient buffers, which the next step overwrites:
+        clone it to keep it.
         """
         m = self.schedule.n_microbatches
         if inputs.shape[0] != targets.shape[0] or inputs.shape[0] % m:
@@ -110,10 +127,14 @@ class Pipeline:
         if self._given is None:
             for x, _ in mbs:
                 self._infer(x)
-        # The executor starts every step from no gradient: earlier ones are set aside and added back.
-        before = [(p, p.grad) for p in self.parameters() if p.grad is not None] if accumulate else []
+        # Every step starts from zeroed buffers: earlier gradients are set aside and added back.
+        before = [(p, p.grad.clone()) for p in self.parameters() if p.grad is not None] if accumulate else []
         result = self.executor.step(mbs)
         with torch.no_grad():
+            for p in self.parameters():
+                main = getattr(p, "main_grad", None)  # accumulated and reduced in the buckets' dtype
+                if main is not None and p.requires_grad:
+                    p.grad = main.to(p.dtype)
             for p, g in before:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         return result

@@ -76,9 +76,10 @@ def test_config_accepts_fitting_balancers() -> None:
     load_config(_raw("1f1b", {"kind": "eplb", "groups": 2, "nodes": 2, "max_moved": 1.0}))
 
 
-def test_merge_adds_every_ranks_rows_and_takes_each_stages_decision_once() -> None:
-    def part(pp_rank: int, loads: list[list[float]], tokens: float, event: Any = None) -> dict[str, Any]:
-        return {"pp_rank": pp_rank, "layers": [1, 2], "rank_loads": loads, "orig_loads": [], "replica_tokens": tokens, "event": event}
+def test_merge_adds_each_ep_groups_rows_and_takes_each_stages_decision_once() -> None:
+    def part(pp_rank: int, loads: list[list[float]], tokens: float, event: Any = None, dp_rank: int = 0) -> dict[str, Any]:
+        return {"pp_rank": pp_rank, "dp_rank": dp_rank, "layers": [1, 2], "rank_loads": loads, "orig_loads": [],
+                "replica_tokens": tokens, "event": event}
 
     ev = Rebalance(1, 0.5, 0.9, True, rows_moved=3, layers=[1, 2], policy="incremental", slots_changed=4,
                    rows_inter_node=1, bytes_moved=300, bytes_inter_node=100).as_dict()
@@ -87,13 +88,47 @@ def test_merge_adds_every_ranks_rows_and_takes_each_stages_decision_once() -> No
     parts = [part(0, [[2, 1], [1, 1]], 1.0, ev), part(0, [[1, 0], [1, 1]], 3.0, ev),
              part(1, [[1, 2], [0, 2]], 1.5, ev), part(1, [[0, 1], [0, 2]], 0.5, ev)]
     out = merge_figures(parts)
-    # layer 1: [4, 4] -> 1.0; layer 2: [2, 6] -> 4/6
-    assert out["rank_balancedness"] == pytest.approx((1.0 + 4 / 6) / 2)
+    # each EP group waits for its own slowest rank: stage 0's layer 1 [3, 1] -> 2/3, layer 2
+    # [2, 2] -> 1; stage 1's [1, 3] -> 2/3 and [0, 4] -> 1/2 (not the copies' sums [4, 4], [2, 6])
+    assert out["rank_balancedness"] == pytest.approx((2 / 3 + 1 + 2 / 3 + 1 / 2) / 4, rel=1e-15)
     assert out["replica_tokens"] == 6.0
     assert out["rebalance"]["before"] == 0.5 and out["rebalance"]["after"] == 0.9 and out["rebalance"]["applied"]
     # one event per (stage, layers): the two stages' events are the same layers, taken once
     assert {k: out["rebalance"][k] for k in ("slots_changed", "rows_moved", "rows_inter_node", "bytes_moved", "bytes_inter_node")} == {
         "slots_changed": 4, "rows_moved": 3, "rows_inter_node": 1, "bytes_moved": 300, "bytes_inter_node": 100}
+
+
+def test_merge_gives_the_step_rows_rank_balancedness_over_dp_replicas() -> None:
+    """dp 2 x ep 2: each replica's EP group has its own balancedness (the step row's figure,
+    metrics.ep_step_figures over every rank); the loads summed over the replicas would give another."""
+    from types import SimpleNamespace
+
+    from portapipe.metrics import ep_step_figures
+    from portapipe.models.expert_clock import ExpertClock
+
+    routed = {0: [[[3, 1]], [[2, 0]]], 1: [[[0, 2]], [[1, 1]]]}  # dp rank -> each EP rank's rows routed to EP ranks 0, 1 (one layer)
+    parts = [{"pp_rank": 0, "dp_rank": d, "layers": [5], "rank_loads": rows, "orig_loads": [[6.0, 0.0]], "replica_tokens": 0.0,
+              "event": None} for d, ranks in routed.items() for rows in ranks]
+    out = merge_figures(parts)
+    # replica 0 computed [5, 1] rows -> 3/5; replica 1 [1, 3] -> 2/3; summed over DP [6, 4] would give 5/6
+    assert out["rank_balancedness"] == pytest.approx((3 / 5 + 2 / 3) / 2, rel=1e-15)
+    assert out["rank_balancedness_originals"] == 0.5  # one figure per replica's layer, taken once
+    summed, layers = 0.0, 0
+    for d in routed:  # the step row: each rank's figure from its EP group's clocks, summed over every rank
+        computed = torch.tensor(routed[d], dtype=torch.float64).sum(0)[0]  # rows each EP rank of replica d computed
+        for e in range(2):
+            clock = ExpertClock()
+            clock.seconds, clock.rows = 1.0, int(computed[e])
+            peer = torch.tensor([[1.0, float(computed[1 - e])]], dtype=torch.float64)
+
+            class Gather:
+                def all_gather(self, out: list[torch.Tensor], local: torch.Tensor, group: Any = None, e: int = e, peer: Any = peer) -> None:
+                    out[e].copy_(local)
+                    out[1 - e].copy_(peer)
+
+            _, bal, n = ep_step_figures(Gather(), SimpleNamespace(ep=2, ep_group=None), [SimpleNamespace(moe=SimpleNamespace(clock=clock))])
+            summed, layers = summed + bal, layers + n
+    assert out["rank_balancedness"] == pytest.approx(summed / layers, rel=1e-15)
 
 
 # ------------------------------------------------------------------------------ on 4 ranks

@@ -31,6 +31,7 @@ def test_step_vs_torch_runs_and_ours_and_torchs_pipelines_agree() -> None:
         same = report[schedule]["same_computation"]
         assert same["loss_ours"] == same["loss_torch"] == same["loss_ours_no_overlap"]
         assert same["max_rel_grad_diff_torch_vs_ours"] < 1e-5 and same["max_rel_grad_diff_no_overlap_vs_ours"] < 1e-5
+        assert same["torch_grads_in_buckets"] is True  # one gradient reduction: the buckets, for torch's pipeline too
         # every rank's processor time per step, for each variant
         proc = report[schedule]["processor_ms_per_step_by_rank"]
         assert sorted(proc) == ["ours", "ours_no_overlap", "torch"]

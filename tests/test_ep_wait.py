@@ -26,11 +26,11 @@ STEPS = 4
 LPLB = {"kind": "lplb", "redundant": 1, "topology": "ring", "interval": 1, "window": 1, "min_gain": "auto"}
 
 
-def _config(log_dir: Path, bench: dict[str, Any], balancer: dict[str, Any] | None = None) -> dict[str, Any]:
+def _config(log_dir: Path, bench: dict[str, Any], balancer: dict[str, Any] | None = None, dp: int = 1) -> dict[str, Any]:
     return load_config(
         {
             "backend": "cpu",
-            "parallel": {"pp": 1, "ep": 4, "dp": 1},
+            "parallel": {"pp": 1, "ep": 4 // dp, "dp": dp},
             "schedule": {"name": "1f1b", "microbatches": 2},
             # MoE-dominated: wide experts, a narrow attention
             "model": {"vocab_size": 256, "hidden": 32, "n_layers": 3, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32,
@@ -84,6 +84,8 @@ def test_skew_lowers_balancedness_and_a_balancer_wins_it_back(runs: dict[str, An
         assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
         for m in lines:
             assert 0.0 <= m["ep_wait_frac"] < 1.0 and 0.0 < m["rank_balancedness"] <= 1.0
+            if "balancer" in m:  # one definition: the balancer's figure is the step row's
+                assert m["balancer"]["rank_balancedness"] == pytest.approx(m["rank_balancedness"], rel=1e-12)
     last = {name: lines[-1] for name, lines in runs.items()}
     # round-robin routing gives every rank exactly the same rows
     assert all(m["rank_balancedness"] == 1.0 for m in runs["uniform"])
@@ -98,6 +100,62 @@ def test_skew_lowers_balancedness_and_a_balancer_wins_it_back(runs: dict[str, An
         return sum(m["ep_wait_frac"] for m in runs[name][1:]) / (STEPS - 1)
 
     assert wait("skewed") > 1.5 * wait("uniform") and wait("skewed") > 1.5 * wait("balanced")
+
+
+def test_step_figures_against_the_closed_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks' rows through metrics.gather_step_stats: the EP wait share is the summed wait over
+    the summed step time (0.1 + 0.3 s over 1 + 3 s: 0.1, where the largest wait would give 0.075),
+    the rank balancedness the summed per-layer figures over the MoE layers of every rank."""
+    import torch
+    from types import SimpleNamespace
+
+    from portapipe.metrics import gather_step_stats
+
+    def result(step_s: float) -> Any:
+        return SimpleNamespace(timings={"step_s": step_s, "bubble_frac": 0.25 * step_s})
+
+    class Capture:
+        def all_gather(self, parts: list[Any], local: Any) -> None:
+            self.row = local.clone()
+            for p in parts:
+                p.copy_(local)
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    other = Capture()
+    gather_step_stats(other, 9.0, result(3.0), (0.3, 1.0, 2))  # rank 1: waited 0.3 s, balancedness 0.5 + 0.5 over 2 layers
+
+    class Both:
+        def all_gather(self, parts: list[Any], local: Any) -> None:
+            parts[0].copy_(local)
+            parts[1].copy_(other.row)
+
+    stats = gather_step_stats(Both(), 16.0, result(1.0), (0.1, 1.8, 2))  # rank 0: 0.1 s, 1.0 + 0.8 over 2 layers
+    assert stats.ep_wait_frac == pytest.approx((0.1 + 0.3) / (1.0 + 3.0), rel=1e-15)
+    assert stats.rank_balancedness == pytest.approx((1.8 + 1.0) / 4, rel=1e-15)
+    assert (stats.grad_norm, stats.step_s, stats.bubble_frac) == (5.0, 3.0, 0.75)  # sqrt(16 + 9), slowest rank, largest idle share
+
+
+def _train_dp2(backend: Any, raw: dict[str, Any]) -> list[dict[str, Any]]:
+    from portapipe.train import train_rank
+
+    train_rank(backend, raw)
+    return [json.loads(line) for line in (Path(raw["log"]["dir"]) / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in line]
+
+
+@pytest.mark.multiproc
+def test_at_dp_2_the_balancers_rank_balancedness_is_the_step_rows(tmp_path: Path) -> None:
+    """dp 2 x ep 2 with EPLB and the model's own router (the two replicas' batches route
+    differently): each replica's EP group has its own balancedness; the balancer's record and the
+    step row give the same figure (the loads summed over the two replicas gave 0.9242 against 0.9247)."""
+    from portapipe.launch import run_ranks
+
+    raw = _config(tmp_path / "dp2", {}, dict(AUTO, min_gain=0.0, stay_off=False), dp=2)
+    raw["train"]["steps"] = 3
+    lines = run_ranks(_train_dp2, 4, raw, wall_timeout_s=300)[0]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        assert m["balancer"]["rank_balancedness"] == pytest.approx(m["rank_balancedness"], rel=1e-12)
+    assert len({m["rank_balancedness"] for m in lines}) > 1  # the figures move with the rebalances
 
 
 def test_bench_routing_is_checked_before_launch(tmp_path: Path) -> None:

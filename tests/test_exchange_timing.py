@@ -6,11 +6,13 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from portapipe.scheduling import exchange as exchange_module
 from portapipe.scheduling.exchange import A2AStats, Pending
 from portapipe.scheduling.executor import a2a_timings
 
@@ -18,34 +20,67 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Work:
-    """A work handle whose future runs its callbacks at once (the rows have arrived)."""
+    """A work handle whose rows arrive when the test says (:meth:`arrive` runs the future's
+    callbacks); ``wait`` takes ``wait_for`` seconds of the test's clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: list[float], wait_for: float) -> None:
+        self.now, self.wait_for = now, wait_for
         self.futures = 0
+        self.future: torch.futures.Future = torch.futures.Future()
 
     def get_future(self) -> Any:
         self.futures += 1
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(None)
-        return fut
+        return self.future
+
+    def arrive(self) -> None:
+        self.future.set_result(None)
 
     def wait(self) -> None:
-        return None
+        self.now[0] += self.wait_for
 
     def is_completed(self) -> bool:
-        return True
+        return self.future.done()
 
 
 @pytest.mark.parametrize("timed", [True, False])
-def test_completion_is_taken_only_while_the_stats_are_timed(timed: bool) -> None:
-    stats, work = A2AStats(timed=timed), _Work()
+def test_an_exchanges_total_runs_from_issue_to_its_completion(timed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issued at t = 1, the rows arrive at t = 3 (the communication thread's callback), the caller
+    waits from t = 10 to 10.5: 0.5 s blocked, 2 s in flight (not the 9.5 s to the end of the wait)."""
+    now = [1.0]
+    monkeypatch.setattr(exchange_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    stats, work = A2AStats(timed=timed), _Work(now, wait_for=0.5)
     pending = Pending(torch.zeros(2), work, stats)
-    assert pending.arrived and pending.in_flight
+    assert not pending.arrived and pending.in_flight
+    now[0] = 3.0
+    work.arrive()
+    assert pending.arrived
+    now[0] = 10.0
     pending.wait()
     assert work.futures == (1 if timed else 0)
-    assert stats.count == 1 and stats.wait_s >= 0.0
-    # timed: issue -> completion (the callback ran at issue), never less than the wait
-    assert (stats.total_s >= stats.wait_s and stats.total_s > 0.0) if timed else stats.total_s == 0.0
+    assert stats.count == 1 and stats.wait_s == 0.5
+    assert stats.total_s == (2.0 if timed else 0.0)
+    assert stats.hidden_frac == (0.75 if timed else 0.0)
+
+
+def test_an_exchange_whose_completion_is_not_reported_counts_to_the_end_of_its_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A work handle without a future: issue (t = 1) to the end of the wait (t = 4.5)."""
+    now = [1.0]
+    monkeypatch.setattr(exchange_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    stats = A2AStats()
+    pending = Pending(torch.zeros(2), _NoFuture(now), stats)
+    now[0] = 4.0
+    pending.wait()
+    assert (stats.wait_s, stats.total_s) == (0.5, 3.5)
+
+
+class _NoFuture:
+    """A work handle that cannot report its completion; ``wait`` takes 0.5 s of the test's clock."""
+
+    def __init__(self, now: list[float]) -> None:
+        self.now = now
+
+    def wait(self) -> None:
+        self.now[0] += 0.5
 
 
 def test_step_timings_of_an_untimed_step_give_waits_and_no_totals() -> None:

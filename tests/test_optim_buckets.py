@@ -84,3 +84,62 @@ def test_without_overlap_nothing_is_issued_before_the_last_action():
     grads.block_done(0)
     assert all(b.work is None for b in grads.buckets)
     grads.finish()
+
+
+class _Doubling:
+    """A backend whose all-reduce adds an identical second rank (doubles), recording what it was sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, int]] = []
+
+    def all_reduce(self, t, group=None, async_op=False):
+        self.sent.append((group, t.numel()))
+        t.mul_(2)
+        return SimpleNamespace(wait=lambda: None)
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_a_balancer_with_nothing_to_do_reduces_only_the_rows_that_own_their_expert(idle):
+    """dp 2: an expert parameter of 4 slots, the last two replicas (``slot_owned`` False). While
+    the balancer is idle (replicas off, no replica sum) its expert bucket goes out at the seam and
+    carries the two owned rows only; the replica rows keep their local (out-of-date) values."""
+    block = torch.nn.Module()
+    block.shared = torch.nn.Parameter(torch.zeros(2))
+    block.e = torch.nn.Parameter(torch.zeros(4, 3))
+    block.e.is_expert = True
+    block.e.slot_owned = torch.tensor([True, True, False, False])
+    groups = SimpleNamespace(rank=0, dp=2, ep=1, dp_ranks=[0, 1], dp_group="dp", replica_ranks=[0, 1], replica_group="rep")
+    backend, summed = _Doubling(), []
+    grads = GradBuckets({0: block}, groups, backend, master_dtype=torch.float32, reduce_dtype=torch.float32, zero_stage=0,
+                        bucket_mb=1.0, overlap=True, copy_sum=lambda h, t: t,
+                        before_expert_reduce=lambda: summed.append(True), idle=lambda: idle)
+    grads.start()
+    block.e.grad.copy_(torch.arange(12.0).view(4, 3))
+    block.shared.grad.fill_(1.0)
+    grads.block_done(0)
+    # idle: nothing to wait for, so the expert bucket goes out with the shared one
+    assert [b.work is not None for b in grads.buckets] == [True, idle]
+    grads.finish()
+    assert summed == [True]  # the balancer is still asked (it marks its replicas out of date)
+    assert backend.sent == [("rep", 2), ("dp", 6 if idle else 12)]
+    want = torch.arange(12.0).view(4, 3) * 2
+    if idle:
+        want[2:] /= 2
+    assert torch.equal(block.e.grad, want) and torch.equal(block.shared.grad, torch.full((2,), 2.0))
+
+
+def test_the_owned_rows_are_reduced_whole_under_a_zero_stage():
+    """zero_stage 1 / 2 shard every row over DP: ``idle`` is not taken there (the balancer never
+    skips its sum under ZeRO either)."""
+    block = torch.nn.Module()
+    block.e = torch.nn.Parameter(torch.zeros(4, 3))
+    block.e.is_expert = True
+    block.e.slot_owned = torch.tensor([True, False, True, False])
+    groups = SimpleNamespace(rank=0, dp=2, ep=1, dp_ranks=[0, 1], dp_group="dp", replica_ranks=[0, 1], replica_group="rep")
+    backend = _Doubling()
+    grads = GradBuckets({0: block}, groups, backend, master_dtype=torch.float32, reduce_dtype=torch.float32, zero_stage=1,
+                        bucket_mb=1.0, overlap=True, copy_sum=lambda h, t: t, idle=lambda: True)
+    grads.start()
+    grads.finish()
+    assert backend.sent == [("dp", 12)]
+    assert grads.owned_runs(grads.buckets[0]) == [(0, 3), (6, 9)]

@@ -307,6 +307,53 @@ def test_plain_modules_with_data_parallel_replicas_equal_one_process() -> None:
     _check(run_ranks(_rank, 4, cases, 2), cases, 2)
 
 
+class _Float32Head(nn.Module):
+    """A float32 block after a float64 one: the pipeline's buckets hold float64 gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(12, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.float())
+
+
+def _mixed_modules() -> list[nn.Module]:
+    torch.manual_seed(5)
+    return [nn.Linear(12, 12, dtype=torch.float64), _Float32Head()]
+
+
+def _mixed_rank(backend: Any) -> dict[str, Any]:
+    import portapipe
+
+    pipe = portapipe.pipeline(_mixed_modules(), backend=backend, loss_fn=_loss, schedule="dualpipev", microbatches=M)
+    x, y = _batch(False, 0)
+    pipe.step(x, y)
+    storages = {b.grad.untyped_storage().data_ptr() for b in pipe.grads.buckets}
+    in_buckets = [getattr(p, "main_grad", p.grad).untyped_storage().data_ptr() in storages for _, p in pipe.named_parameters()]
+    once = {k: p.grad.clone() for k, p in pipe.named_parameters()}
+    pipe.step(x, y, accumulate=True)
+    return {"once": once, "twice": {k: p.grad.clone() for k, p in pipe.named_parameters()}, "dtype": str(pipe.dtype),
+            "in_buckets": in_buckets}
+
+
+@pytest.mark.multiproc
+def test_parameters_of_two_dtypes_get_their_gradients_in_their_own_and_accumulate() -> None:
+    """The buckets hold the wider dtype (float64); the float32 head's gradient comes back in
+    float32, from a float64 sum over the micro-batches; an accumulating step adds to it."""
+    got = run_ranks(_mixed_rank, 1)[0]
+    model = nn.Sequential(*_mixed_modules())
+    x, y = _batch(False, 0)
+    for xm, ym in zip(x.chunk(M), y.chunk(M)):
+        (_loss(model(xm), ym) / M).backward()
+    assert got["dtype"] == "torch.float64" and all(got["in_buckets"])  # accumulated in the gradient buckets
+    for k, p in model.named_parameters():
+        g = got["once"][k]
+        assert g.dtype == p.dtype, k
+        torch.testing.assert_close(g, p.grad, rtol=1e-5 if p.dtype == torch.float32 else 1e-12, atol=0, msg=k)
+        assert torch.equal(got["twice"][k], 2 * g), k  # the same step again, added to the first
+
+
 @pytest.mark.multiproc
 def test_the_own_model_example_runs_and_matches_one_process() -> None:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -344,6 +391,7 @@ def test_a_stage_that_does_not_watch_its_input_is_named() -> None:
     """A contract stage must pass its input through tape.watch, or no gradient can go back."""
     from portapipe.backends.base import ParallelGroups
     from portapipe.backends.cpu import CPUBackend
+    from portapipe.optim.buckets import GradBuckets
     from portapipe.scheduling.executor import PipelineExecutor, make_schedule
 
     class Unwatched(PlainStage):
@@ -355,5 +403,10 @@ def test_a_stage_that_does_not_watch_its_input_is_named() -> None:
     stages = {0: PlainStage(nn.Linear(2, 2), 0), 1: Unwatched(nn.Linear(2, 2), 1, nn.functional.mse_loss)}
     g = ParallelGroups(rank=0, world_size=1, pp=1, dp=1, ep=1, pp_rank=0, dp_rank=0, ep_rank=0)
     ex = PipelineExecutor(make_schedule("dualpipev", 1, 2), stages, CPUBackend(), g, boundary=lambda v, s: (tuple(s), torch.float32))
+    batch = [(torch.randn(3, 2), torch.randn(3, 2))] * 2
+    with pytest.raises(RuntimeError, match=r"PipelineExecutor.step needs a grad_sync to own and sum the step's gradients"):
+        ex.step(batch)  # nothing would own or reduce the gradients
+    ex.grad_sync = GradBuckets(stages, g, ex.backend, master_dtype=torch.float32, reduce_dtype=torch.float32, zero_stage=0,
+                               bucket_mb=1.0, overlap=True, copy_sum=ex.sum_copies, holders=ex.copy_holders)
     with pytest.raises(RuntimeError, match=r"1BW0: stage 1 gives no gradient for its input; its program must pass .* through tape.watch\(x\)"):
-        ex.step([(torch.randn(3, 2), torch.randn(3, 2))] * 2)
+        ex.step(batch)

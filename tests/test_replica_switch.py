@@ -130,17 +130,19 @@ def test_stale_replicas_are_refilled_and_never_copied_from() -> None:
 STEPS = 6
 
 
-def _config(log_dir: Path, stay_off: bool) -> dict[str, Any]:
+def _config(log_dir: Path, stay_off: bool, kind: str = "eplb", zero_stage: int = 0, dp: int = 1) -> dict[str, Any]:
+    # eplb: the identity placement replicates experts 0 and 1; lplb: each rank's ring copy. No
+    # rebalance in the run (a ZeRO stage shards the optimizer state a rebalance would move).
+    balancer = {"kind": kind, "redundant": 1, "interval": 100, "stay_off": stay_off, **({"topology": "ring"} if kind == "lplb" else {})}
     return load_config(
         {
             "backend": "cpu",
-            "parallel": {"pp": 1, "ep": 2, "dp": 1},
+            "parallel": {"pp": 1, "ep": 2, "dp": dp},
             "schedule": {"name": "1f1b", "microbatches": 2},
             "model": {"vocab_size": 256, "hidden": 32, "n_layers": 2, "n_dense": 0, "n_heads": 2, "ffn_hidden": 32,
                       "moe_hidden": 32, "n_experts": 4, "top_k": 2, "seq_len": 16, "dtype": "float64"},
-            # the identity placement replicates experts 0 and 1; no rebalance in the run
-            "balancer": {"kind": "eplb", "redundant": 1, "interval": 100, "stay_off": stay_off},
-            "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0},
+            "balancer": balancer,
+            "train": {"steps": STEPS, "micro_batch_size": 2, "lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0, "zero_stage": zero_stage},
             "log": {"dir": str(log_dir), "progress": False},
             "checkpoint": {"every": 0},
         }
@@ -169,17 +171,24 @@ def _train_both(backend: Any, configs: dict[str, dict[str, Any]]) -> dict[str, A
 
 
 @pytest.mark.multiproc
-def test_replicas_off_then_on_train_exactly_as_replicas_always_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind, zero_stage, dp", [("eplb", 0, 1), ("lplb", 1, 1), ("lplb", 0, 2)])
+def test_replicas_off_then_on_train_exactly_as_replicas_always_on(tmp_path: Path, kind: str, zero_stage: int, dp: int) -> None:
+    """zero_stage 0: the replicas skip their gradient sum while off (at dp 2 their rows are not
+    reduced over DP either) and are refilled before they take tokens again. Under ZeRO their
+    optimizer rows cannot be refilled, so they are summed while off too: skipping it would leave
+    them two steps behind from step 4 on."""
     from portapipe.launch import run_ranks
 
-    configs = {"switched": _config(tmp_path / "switched", True), "always": _config(tmp_path / "always", False)}
-    runs = run_ranks(_train_both, 2, configs, wall_timeout_s=300)[0]
+    configs = {"switched": _config(tmp_path / "switched", True, kind, zero_stage, dp),
+               "always": _config(tmp_path / "always", False, kind, zero_stage, dp)}
+    runs = run_ranks(_train_both, 2 * dp, configs, wall_timeout_s=300)[0]
     switched, always = runs["switched"], runs["always"]
     assert [m["balancer"]["replicas_used"] for m in switched] == [True, False, False, True, True, True]
     assert all(m["balancer"]["replicas_used"] for m in always)
-    # steps 2-3 routed nothing to replicas; after step 3 the two replicas of each layer were refilled
+    # steps 2-3 routed nothing to replicas; after step 3 (zero_stage 0) the two replicas of each layer were refilled
     assert [m["balancer"]["replica_tokens"] > 0 for m in switched] == [True, False, False, True, True, True]
-    assert [m["balancer"].get("replicas_refreshed_rows", 0) for m in switched] == [0, 0, 4, 0, 0, 0]
+    refilled = [0, 0, 4, 0, 0, 0] if zero_stage == 0 else [0] * STEPS
+    assert [m["balancer"].get("replicas_refreshed_rows", 0) for m in switched] == refilled
     # replicas are exact copies, so only the order of the gradient sums differs: an out-of-date
     # replica (weights and AdamW moments of two steps ago) would change the loss from step 4 on
     for a, b in zip(switched, always):

@@ -42,6 +42,16 @@ def test_entries_run_in_turn_and_the_file_records_each(run_all, tmp_path, capsys
     assert json.loads(capsys.readouterr().out) == {"out": str(out), "entries": 2, "failed": 1}
 
 
+def test_every_benchmark_script_is_an_entry() -> None:
+    """A benchmark that run_all does not run has no figure in results.json to quote."""
+    spec = importlib.util.spec_from_file_location("run_all_entries", ROOT / "benchmarks" / "run_all.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_")} - {"run_all"}
+    assert scripts - set(module.BENCHMARKS) == set(), "benchmarks that run_all.py does not run"
+    assert set(module.BENCHMARKS) - scripts == set(), "run_all.py entries without a script"
+
+
 def test_unknown_entries_are_refused(run_all, tmp_path, capsys) -> None:
     assert run_all.main(["--only", "nope", "--out", str(tmp_path / "r.json")]) == 2
     assert "unknown entries ['nope']" in capsys.readouterr().err

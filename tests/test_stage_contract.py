@@ -211,6 +211,7 @@ def _toy_batch(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _toy_rank(backend: Any) -> tuple[float, dict[str, torch.Tensor], float, bool]:
+    from portapipe.optim.buckets import GradBuckets
     from portapipe.scheduling.exchange import ExchangeGroup
     from portapipe.scheduling.executor import PipelineExecutor, make_schedule
 
@@ -222,6 +223,9 @@ def _toy_rank(backend: Any) -> tuple[float, dict[str, torch.Tensor], float, bool
     executor = PipelineExecutor(
         schedule, stages, backend, groups, boundary=lambda v, shape: ((*shape, 8), torch.float64), exchange_stats=group.stats
     )
+    # shared gradients summed over the EP replicas, the experts' over DP (one replica here)
+    executor.grad_sync = GradBuckets(stages, groups, backend, master_dtype=torch.float64, reduce_dtype=torch.float64, zero_stage=0,
+                                     bucket_mb=1.0, overlap=True, copy_sum=executor.sum_copies, holders=executor.copy_holders)
     x, y = _toy_batch(groups.ep_rank)
     mbs = list(zip(x.chunk(4), y.chunk(4)))
     # the same step with the exchanges' completion not taken: same values, only the waits timed

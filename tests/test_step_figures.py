@@ -7,25 +7,32 @@ from typing import Any
 
 import pytest
 
-from portapipe.balancing.runtime import merge_figures
-from portapipe.balancing.step_figures import gather_figures, pack_figures, unpack_figures
+from portapipe.balancing.runtime import Rebalance, merge_figures
+from portapipe.balancing.step_figures import FigureGather, pack_figures, unpack_figures
 
 EP = 2
 
 
 def _figures(rank: int) -> dict[str, Any]:
     """Rank r's figures: pipeline rank r // 2, with a third of a token and LPLB's originals on
-    the first stage; no MoE layer and no switch on the last rank."""
+    the first stage, whose ranks also carry a decision and min_gain auto's price; no MoE layer
+    and no switch on the last rank."""
     if rank == 3:
-        return {"pp_rank": 1, "layers": [], "rank_loads": [], "orig_loads": [], "replica_tokens": 0.0, "switch": None, "event": None}
+        return {"pp_rank": 1, "dp_rank": 0, "layers": [], "rank_loads": [], "orig_loads": [], "replica_tokens": 0.0, "switch": None,
+                "event": None}
     layers = [1, 2] if rank < 2 else [3]
     loads = [[10.0 / 3 + i, 7.25 * (i + 1)] for i in range(len(layers))]
-    return {
-        "pp_rank": rank // 2, "layers": layers, "rank_loads": loads,
+    out = {
+        "pp_rank": rank // 2, "dp_rank": rank % 2, "layers": layers, "rank_loads": loads,
         "orig_loads": [[r[0] + r[1], 0.0] for r in loads] if rank < 2 else [],
         "replica_tokens": 1.0 / 3 + rank, "switch": {"gain_s": 0.1 * rank + 1e-7, "cost_s": 2.0 / 7, "refresh_s": 0.03 * rank},
         "event": None,
     }
+    if rank < 2:
+        out["min_gain"] = 0.0123 / 7
+        out["event"] = Rebalance(12, 0.9 / 7, 0.99, rank == 0, rows_moved=5, layers=layers, policy=("incremental+refined", "lplb")[rank],
+                                 slots_changed=6, rows_inter_node=2, bytes_moved=5 * 2**40 + 3, bytes_inter_node=2 * 2**40 + 1).as_dict()
+    return out
 
 
 @pytest.mark.parametrize("rank", range(4))
@@ -33,9 +40,11 @@ def test_a_row_unpacks_to_the_same_dict(rank: int) -> None:
     assert unpack_figures(pack_figures(_figures(rank), 3, EP), 3, EP) == _figures(rank)
 
 
-def test_events_and_too_many_layers_are_refused() -> None:
-    with pytest.raises(ValueError, match="rebalance event"):
-        pack_figures({**_figures(0), "event": {"step": 2}}, 3, EP)
+def test_foreign_events_and_too_many_layers_are_refused() -> None:
+    with pytest.raises(ValueError, match="a decision on layers \\[3\\] travels with the figures of layers \\[1, 2\\]"):
+        pack_figures({**_figures(0), "event": {**_figures(0)["event"], "layers": [3]}}, 3, EP)
+    with pytest.raises(ValueError, match="a decision by policy 'mine'"):
+        pack_figures({**_figures(0), "event": {**_figures(0)["event"], "policy": "mine"}}, 3, EP)
     with pytest.raises(ValueError, match="2 MoE layers on this rank but rows were sized for 1"):
         pack_figures(_figures(0), 1, EP)
 
@@ -46,7 +55,18 @@ def _gather(backend: Any) -> dict[str, Any]:
     mine = _figures(dist.get_rank())
     objects: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(objects, mine)
-    return {"tensor": gather_figures(backend, mine, 2, EP, dist.get_world_size()), "object": objects}
+    gather = FigureGather(backend, len(mine["layers"]), EP)
+    real = dist.all_gather_object
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the after-step's figures gathered as Python objects")
+
+    dist.all_gather_object = refused  # a rebalance step's figures too travel as one row per rank
+    try:
+        tensor = gather(mine)
+    finally:
+        dist.all_gather_object = real
+    return {"tensor": tensor, "object": objects}
 
 
 def test_the_tensor_gather_gives_what_the_object_gather_gives() -> None:

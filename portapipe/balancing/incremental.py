@@ -3,7 +3,15 @@
 A rebalance of a running model moves every changed slot's expert weights and optimizer state
 between GPUs. The other policies plan from scratch and change nearly every slot; this one starts
 from the placement in force (``current``) and changes as few slots as the balance gained is
-worth. Each round, in every layer that can still improve, each of its ``HOT`` most loaded GPUs
+worth, at most ``max_moved`` * R per layer. Two searches plan each layer:
+
+- the **targeted search** (:mod:`.targeted`): swaps that bring each GPU above a target load
+  just below it, the cheapest fit first (an expert fetched within its node before one from
+  another node), for a few targets near the load of the (budget / 2 + 1)-th hottest GPU;
+- the **rounds** below, for the layers the targeted search leaves above the highest of its
+  targets (they also add and drop replicas, which a hot expert may need).
+
+Each round, in every layer that can still improve, each of its ``HOT`` most loaded GPUs
 ``g`` proposes the best of three kinds of move, ranked by balance gained per slot changed:
 
 - **swap** a slot of ``g`` with a slot of another GPU (two slots change, replica counts do not);
@@ -22,11 +30,12 @@ the proposals that share no GPU (including the holders an add or drop raises) an
 a hotter one, within the budget, so each estimate holds. Rounds stop at ``max_moved`` * R changed
 slots per layer or when no move gains.
 
-Every round's placement is a candidate: per layer the policy returns the round that maximises
-``balancedness gain - min_gain * moved / R``, where balancedness is mean / max GPU load (in
-float64, on the plans themselves) and ``moved`` counts the slots whose new expert's rows must
-come from another GPU, i.e. the bytes moved over the bytes of all slots (the first best round on
-ties). Round 0 is ``current`` with value 0, so no layer ever ends less balanced than it was.
+Every step of either search is a candidate: per layer the policy returns the plan that maximises
+``balancedness gain - min_gain * moved / R`` (:func:`~.plan_value.plan_values`: balancedness is
+mean / max GPU load, in float64, on the plans themselves; ``moved`` counts the slots whose new
+expert's rows must come from another GPU, i.e. the bytes moved over the bytes of all slots), the
+targeted search's plan on ties. ``current`` itself is a candidate with value 0, so no layer ever ends less
+balanced than it was.
 
 Slot rules, as in ``refined``: every expert keeps at least one slot and no GPU holds two replicas
 of one expert; ``current`` must already keep them.
@@ -34,13 +43,13 @@ of one expert; ``current`` must already keep them.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 
-from .published import gpu_loads
+from .plan_value import SlotPrice, plan_values
 from .slots import check_distinct
+from .targeted import targeted_plans
 
 #: a move must lower the GPU it relieves by more than this fraction of its load (float32 noise)
 EPS = 1e-6
@@ -54,7 +63,7 @@ PARTNERS = 2
 #: add candidates: the slots of those GPUs that lose least by giving up their replica
 ADD_SLOTS = 4
 
-#: default price of a change whose expert crosses nodes, against 1 within a node (see _Price)
+#: default price of a change whose expert crosses nodes, against 1 within a node (see SlotPrice)
 INTER_NODE_COST = 2.0
 
 
@@ -81,7 +90,7 @@ def check_current(current: torch.Tensor | object, layers: int, experts: int, num
 
 def _round(
     w: torch.Tensor, phy: torch.Tensor, cnt: torch.Tensor, cur: torch.Tensor, num_gpus: int, room: torch.Tensor,
-    price: "_Price",
+    price: SlotPrice,
 ):
     """One round of moves for every layer: (accept[A, M], slots[A, M, 2], values[A, M, 2], dec[A, M], inc[A, M]).
 
@@ -89,7 +98,7 @@ def _round(
     those that do not interact with a hotter proposal and fit ``room`` [A] (changed slots the
     layer may still spend). A single-slot move repeats its slot and value in both columns;
     ``dec`` / ``inc`` lose / gain a replica (equal for a swap). Moves are ranked by gain per
-    ``price`` of the slots they change (see :class:`_Price`); the budget counts slots.
+    ``price`` of the slots they change (see :class:`~.plan_value.SlotPrice`); the budget counts slots.
 
     Partners: the t-th hottest GPU's are ``PARTNERS`` of the least loaded GPUs (the t-th, the
     (t + M)-th, ...), so no two hot GPUs compete for one. For a swap of slot i (expert a) of hot GPU
@@ -219,41 +228,6 @@ def _round(
     return _resolve(kind.values > -math.inf, hot, gpu, holds.view(a, num_gpus, e), s1, v1, s2, v2, dec, inc, spent, room)
 
 
-class _Price:
-    """What changing a slot's expert costs, relative to the placement in force (``current``):
-    nothing when the slot gets back its current expert, 1 when the new expert's rows come from
-    the slot's own node (a GPU of it holds that expert in ``current``), ``inter_node_cost`` when
-    they must cross nodes. With one node every change costs 1: moves are ranked by gain per
-    changed slot. GPUs are numbered node-major."""
-
-    def __init__(self, current: torch.Tensor, experts: int, num_gpus: int, num_nodes: int, inter_node_cost: float) -> None:
-        layers, r = current.shape
-        gpu = torch.arange(r) // (r // num_gpus)
-        self.node = gpu // (num_gpus // num_nodes)  # [R] node of each slot
-        self.experts, self.inter = experts, inter_node_cost
-        self.cur = current
-        self.on_node = torch.zeros(layers, num_nodes * experts, dtype=torch.bool).scatter_(1, self.node * experts + current, True)
-
-    def rows(self, rows: torch.Tensor) -> "_Price":
-        """The same prices for the layers ``rows`` (the still active ones)."""
-        sub = copy.copy(self)
-        sub.cur, sub.on_node = self.cur[rows], self.on_node[rows]
-        return sub
-
-    def of(self, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Price of slot ``slots`` [A, ...] holding expert ``values`` (same shape), float."""
-        a = slots.shape[0]
-        flat_s, flat_v = slots.reshape(a, -1), values.reshape(a, -1)
-        near = self.on_node.gather(1, self.node[flat_s] * self.experts + flat_v)
-        moved = flat_v != self.cur.gather(1, flat_s)
-        price = torch.where(near, 1.0, self.inter) * moved
-        return price.view(slots.shape)
-
-    def delta(self, phy: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Change of the price when slots ``slots`` go from their expert in ``phy`` to ``values``."""
-        return self.of(slots, values) - self.of(slots, phy.gather(1, slots.reshape(slots.shape[0], -1)).view(slots.shape))
-
-
 def _resolve(valid, hot, gpu, holds, s1, v1, s2, v2, dec, inc, spent, room):
     """Take each layer's proposed moves hottest first, skipping any that would interact with a
     hotter proposal (a common GPU: a slot's GPU, the hot GPU, or a holder an add / drop raises; or
@@ -276,12 +250,29 @@ def incremental_plan(
     num_nodes: int = 1, inter_node_cost: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(phy2log [L, R], logcnt [L, E]) of the incremental policy for float32 loads ``w`` (see module doc);
-    with ``num_nodes`` > 1 a change whose expert must cross nodes counts ``inter_node_cost`` in the
-    ranking of moves (:class:`_Price`)."""
+    with ``num_nodes`` > 1 a change whose expert must cross nodes costs ``inter_node_cost`` in the
+    ranking of moves (:class:`~.plan_value.SlotPrice`)."""
+    layers, experts = w.shape
+    price = SlotPrice(current, experts, num_gpus, num_nodes, inter_node_cost)
+    budget = math.floor(max_moved * current.shape[1] + 1e-9)
+    phy, worth, reached = targeted_plans(w, current, num_gpus, budget, min_gain, price)
+    # where swaps did not reach even the highest target, the rounds' moves (replicas added and dropped too)
+    hard = (~reached).nonzero().flatten()
+    if hard.numel():
+        plan, value = _rounds(w[hard], current[hard], num_gpus, budget, min_gain, price.rows(hard))
+        better = value > worth[hard]
+        phy[hard[better]] = plan[better]
+    cnt = torch.zeros(layers, experts, dtype=torch.int64).scatter_add_(1, phy, torch.ones_like(phy))
+    return phy, cnt
+
+
+def _rounds(
+    w: torch.Tensor, current: torch.Tensor, num_gpus: int, budget: int, min_gain: float, price: SlotPrice,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(phy2log [L, R], worth [L]) of the best round per layer (module doc: each round's placement
+    is a candidate; round 0 is ``current``, worth 0)."""
     layers, experts = w.shape
     r = current.shape[1]
-    price = _Price(current, experts, num_gpus, num_nodes, inter_node_cost)
-    budget = math.floor(max_moved * r + 1e-9)
     phy = current.clone()
     cnt = torch.zeros(layers, experts, dtype=torch.int64).scatter_add_(1, phy, torch.ones_like(phy))
     snapshots = [phy.clone()]
@@ -302,17 +293,6 @@ def incremental_plan(
     # per layer, the round with the best balancedness gain net of min_gain per moved fraction
     k = len(snapshots)
     stack = torch.stack(snapshots)  # [K, L, R]
-    top = gpu_loads(w.repeat(k, 1), stack.view(k * layers, r), num_gpus).max(1).values.view(k, layers)
-    mean = w.to(torch.float64).sum(1) / num_gpus
-    bal = torch.where(top > 0, mean / top.clamp(min=torch.finfo(torch.float64).tiny), torch.ones_like(top))
-    # moved: changed slots whose expert's rows come from another GPU (no GPU holds an expert twice)
-    s = r // num_gpus
-    gpu = torch.arange(r) // s
-    held = torch.zeros(layers, num_gpus * experts, dtype=torch.bool).scatter_(1, gpu * experts + current, True)
-    here = held.expand(k, layers, -1).gather(2, (gpu * experts + stack))
-    moved = ((stack != current) & ~here).sum(2).to(torch.float64)
-    value = (bal - bal[0]) - torch.where(moved > 0, min_gain * moved / r, 0.0)  # min_gain may be inf
+    value = plan_values(w.repeat(k, 1), stack.view(k * layers, r), current.repeat(k, 1), num_gpus, min_gain).view(k, layers)
     best = value.argmax(0)  # the first maximum: the fewest rounds among equals
-    phy = stack[best, torch.arange(layers)]
-    cnt = torch.zeros(layers, experts, dtype=torch.int64).scatter_add_(1, phy, torch.ones_like(phy))
-    return phy, cnt
+    return stack[best, torch.arange(layers)], value[best, torch.arange(layers)]

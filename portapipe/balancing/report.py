@@ -52,13 +52,15 @@ class Rebalance:
                 "bytes_inter_node": self.bytes_inter_node, "layers": self.layers}
 
 
-def rank_figures(placement: ExpertPlacement, layers: list[int], pp_rank: int, ep: int, slots: torch.Tensor,
+def rank_figures(placement: ExpertPlacement, layers: list[int], pp_rank: int, dp_rank: int, ep: int, slots: torch.Tensor,
                  counts: torch.Tensor | None, originals: bool) -> dict[str, Any]:
     """One rank's raw per-layer loads of the step, for :func:`merge_figures`: ``slots`` (the rows
-    this rank routed to each physical slot ``[layers, slots]``, added over the ranks by the merge:
-    no collective of their own) as routed under ``placement``; with ``originals`` (lplb)
-    and ``counts`` (tokens per logical expert) also the loads had every token gone to its first slot."""
-    out: dict[str, Any] = {"pp_rank": pp_rank, "layers": list(layers), "rank_loads": [], "orig_loads": [], "replica_tokens": 0.0}
+    this rank routed to each physical slot ``[layers, slots]``, added over its EP group by the
+    merge: no collective of their own) as routed under ``placement``; with ``originals`` (lplb)
+    and ``counts`` (tokens per logical expert, summed over this rank's EP group) also the loads
+    had every token gone to its first slot. ``pp_rank`` and ``dp_rank`` name the EP group."""
+    out: dict[str, Any] = {"pp_rank": pp_rank, "dp_rank": dp_rank, "layers": list(layers), "rank_loads": [], "orig_loads": [],
+                           "replica_tokens": 0.0}
     if not layers:
         return out
     num_slots = placement.phy2log.shape[1]
@@ -79,13 +81,17 @@ SUMMED = ("slots_changed", "rows_moved", "rows_inter_node", "bytes_moved", "byte
 def merge_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One record from every rank's figures.
 
-    Each rank reports the rows it routed itself, so the slot loads and replica tokens are added
-    over every rank holding a layer (EP and DP members; DualPipe's two pipeline ranks holding the
-    same layers). LPLB's originals (from ``expert_counts``, already summed over the EP and DP
-    groups) and the decisions are the same on every rank of a stage: taken once per layers.
+    ``rank_balancedness`` is the step row's figure (:func:`portapipe.metrics.ep_step_figures`):
+    the mean over MoE layers and EP groups of mean / max of the rows each EP rank of the group
+    computed. An EP group (one pipeline rank of one DP replica) waits for its own slowest rank,
+    so each group's balancedness counts, not that of the loads summed over DP replicas or
+    DualPipe's two copies of a layer. Each rank reports the rows it routed itself, so a group's
+    slot loads are added over its members. LPLB's originals (from ``expert_counts``, summed over
+    the EP group and DualPipe's copies) are the same on every rank of a DP replica's stage, and
+    the decisions on every rank of a stage: taken once.
     """
-    loads: dict[int, torch.Tensor] = {}
-    orig: dict[int, list[float]] = {}
+    loads: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, pp_rank, dp_rank): rows per EP rank
+    orig: dict[tuple[int, int], list[float]] = {}  # (layer, dp_rank)
     tokens = 0.0
     events: dict[tuple[int, ...], dict[str, Any]] = {}
     for part in parts:
@@ -93,18 +99,20 @@ def merge_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
         if not key:
             continue
         tokens += part["replica_tokens"]
+        group = (part["pp_rank"], part.get("dp_rank", 0))
         for layer, row in zip(key, part["rank_loads"]):
             t = torch.tensor(row, dtype=torch.float64)
-            loads[layer] = loads[layer] + t if layer in loads else t
-        orig.update(zip(key, part["orig_loads"]))
+            at = (layer, *group)
+            loads[at] = loads[at] + t if at in loads else t
+        orig.update(((layer, group[1]), row) for layer, row in zip(key, part["orig_loads"]))
         if part["event"] is not None:
             events[key] = part["event"]
     out: dict[str, Any] = {
-        "rank_balancedness": float(mean_over_max(torch.stack(list(loads.values()))).mean()) if loads else None,
+        "rank_balancedness": float(mean_over_max(torch.stack([loads[k] for k in sorted(loads)])).mean()) if loads else None,
         "replica_tokens": tokens,
     }
     if orig:
-        out["rank_balancedness_originals"] = float(mean_over_max(torch.tensor(list(orig.values()), dtype=torch.float64)).mean())
+        out["rank_balancedness_originals"] = float(mean_over_max(torch.tensor([orig[k] for k in sorted(orig)], dtype=torch.float64)).mean())
     if events:
         evs = list(events.values())
         weight = [len(e["layers"]) for e in evs]

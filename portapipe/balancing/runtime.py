@@ -190,10 +190,11 @@ class ExpertBalancer:
         only, and every replica slot takes its expert's total, bit-identical on every holder
         (:mod:`~portapipe.balancing.replica_sum`). Experts with one slot are untouched.
         While the replicas are switched off they took no tokens, so a first slot's gradient is
-        already its expert's total: the sum is skipped (under ``zero_stage`` 0) and the replicas
-        are marked out of date.
+        already its expert's total: the sum is skipped (under ``zero_stage`` 0: :meth:`idle`) and
+        the replicas are marked out of date. Under a ZeRO stage their optimizer rows cannot be
+        refilled, so they are summed while off too and stay exact copies.
         """
-        if not self.switch.on and self.can_refresh:
+        if self.idle():
             self.stale = self.stale or bool((self.placement.logcnt > 1).any())
             return
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -203,6 +204,13 @@ class ExpertBalancer:
             # processor time (every thread of this rank, the transport's too): on a shared host the
             # wall time would also count the wait for peers to be scheduled
             self.sum_s_per_byte = (time.process_time() - cpu0) / sent
+
+    def idle(self) -> bool:
+        """Whether the replicas have nothing to do this step: switched off (they take no tokens)
+        where their rows can be refilled before they are used again (``zero_stage`` 0). Their
+        gradient sum is then skipped, and the gradient buckets reduce over DP only the rows
+        that own their expert (optim/buckets.py)."""
+        return not self.switch.on and self.can_refresh
 
     def _sum_replica_gradients(self) -> int:
         """The replica sum of every MoE layer with replicas (see :meth:`reduce_gradients`); the bytes this rank sent."""
@@ -292,8 +300,8 @@ class ExpertBalancer:
 
     # ------------------------------------------------------------- periodic step
     def _global_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """``StepResult.expert_counts`` (EP-summed) summed over DP too, so every replica decides alike."""
-        c = counts.detach().to(torch.float64).cpu().clone()
+        """``StepResult.expert_counts`` (EP-summed, float64 on the CPU) summed over DP too, so every replica decides alike."""
+        c = counts.clone()
         if self.groups.dp > 1:
             self.backend.all_reduce(c, group=self.groups.dp_group)
         return c
@@ -342,11 +350,14 @@ class ExpertBalancer:
         (:func:`~portapipe.balancing.report.merge_figures`; the same dict on every rank).
         """
         slots = self._slot_loads()
-        counts = None
+        counts = group_counts = None
         if self.layers and result.expert_counts is not None:
-            counts = self._global_counts(result.expert_counts)
-        # before a rebalance changes the placement the step ran with
-        mine = rank_figures(self.placement, self.layers, self.groups.pp_rank, self.ep, slots, counts, self.kind == "lplb")
+            group_counts = result.expert_counts.detach().to(torch.float64).cpu()
+            counts = self._global_counts(group_counts)
+        # before a rebalance changes the placement the step ran with; LPLB's originals from this
+        # DP replica's counts, as its EP group routed them
+        mine = rank_figures(self.placement, self.layers, self.groups.pp_rank, self.groups.dp_rank, self.ep, slots,
+                            group_counts, self.kind == "lplb")
         mine["switch"] = self.switch.figures(self._replica_gain(counts)) if self.modules else None
         event = None
         due = (step + 1) % self.interval == 0
@@ -358,7 +369,7 @@ class ExpertBalancer:
                 event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
                 self.history.append(event)
         mine["event"] = None if event is None else event.as_dict()
-        parts = self.gather(mine, as_objects=due)
+        parts = self.gather(mine)
         merged = merge_figures(parts)
         if "min_gain" in mine:  # auto: the same on every rank
             merged["min_gain"] = mine["min_gain"]

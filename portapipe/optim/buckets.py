@@ -19,6 +19,15 @@ of the schedule runs (``train.overlap_grad_sync``). :meth:`GradBuckets.finish`, 
 action, does what cannot start early (DualPipe's copy sums, a balancer's replica sums of expert
 gradients, both before the replica reduction), then waits for everything; its time is the
 gradient synchronisation left exposed.
+
+A balancer with nothing to do (its replicas took no tokens this step and skip their replica
+sum: ``idle``, zero_stage 0 only) holds its expert buckets back for nothing, and their replica
+rows are out of date anyway (refilled from their first slots before they take tokens again):
+those buckets are then issued at the seam like any other, and only the rows that own their
+expert (:func:`~portapipe.scheduling.stage.owned_rows`) are reduced, packed into one buffer.
+
+Every executor step goes through buckets (:mod:`portapipe.compose` for portapipe's model,
+:mod:`portapipe.plain` for plain modules): they are the one gradient reduction.
 """
 
 from __future__ import annotations
@@ -63,6 +72,10 @@ class Bucket:
     #: whether the bucket is its weights' own (counted in the gradient norm) rather than a copy
     #: another block's weights lend to this block (a shared embedding)
     home: bool = True
+    #: the owned rows' runs and what they were built from (see GradBuckets.owned_runs)
+    owned_cache: tuple[Any, ...] | None = None
+    #: the runs of ``grad`` travelling packed in ``sent`` (None: all of it)
+    runs: list[tuple[int, int]] | None = None
 
     @property
     def shard_size(self) -> int:
@@ -102,15 +115,16 @@ def _group_of(groups: Any, expert: bool) -> tuple[Any, int, int]:
 Holders = Callable[[int, nn.Parameter], tuple[tuple[int, int], ...]]
 
 
-def layout(blocks: Mapping[int, nn.Module], groups: Any, bucket_elems: int, holders: Holders | None = None) -> list[Bucket]:
+def layout(blocks: Mapping[int, Any], groups: Any, bucket_elems: int, holders: Holders | None = None) -> list[Bucket]:
     """Buckets of every block (in block order), shared parameters before expert ones, each at most
-    ``bucket_elems`` elements unless one parameter alone is larger. ``holders(block, param)``: the
-    copies of a parameter (see :attr:`Bucket.holders`); parameters with other copies than the
+    ``bucket_elems`` elements unless one parameter alone is larger. A block is anything with
+    ``named_parameters()`` (a module, or a stage of the stage contract). ``holders(block, param)``:
+    the copies of a parameter (see :attr:`Bucket.holders`); parameters with other copies than the
     rest of their block's (a weight shared with another block) get buckets of their own, laid
     out alike in every block holding a copy."""
     out: list[Bucket] = []
     for b in sorted(blocks):
-        params = [p for p in blocks[b].parameters() if p.requires_grad]
+        params = [p for _, p in blocks[b].named_parameters() if p.requires_grad]
         for expert in (False, True):
             group, n, r = _group_of(groups, expert)
             by_holders: dict[tuple[tuple[int, int], ...], list[nn.Parameter]] = {}
@@ -152,12 +166,14 @@ class GradBuckets:
     sum over those copies of a bucket-shaped tensor, given this rank's (collective with the
     other holders; see :meth:`~portapipe.scheduling.executor.PipelineExecutor.sum_copies`).
     ``before_expert_reduce``: run once per step before expert buckets are reduced (a balancer's
-    replica sums), or None. ``zero_stage`` 2 reduce-scatters; 0 and 1 all-reduce.
+    replica sums), or None. ``idle``: asked at :meth:`start`, whether that work has nothing to
+    do this step (a balancer's replicas idle: see the module docstring; zero_stage 0 only).
+    ``zero_stage`` 2 reduce-scatters; 0 and 1 all-reduce.
     """
 
     def __init__(
         self,
-        blocks: Mapping[int, nn.Module],
+        blocks: Mapping[int, Any],
         groups: Any,
         backend: Any,
         *,
@@ -169,12 +185,16 @@ class GradBuckets:
         copy_sum: Callable[[tuple[tuple[int, int], ...], Mapping[int, torch.Tensor]], torch.Tensor],
         holders: Holders | None = None,
         before_expert_reduce: Callable[[], None] | None = None,
+        idle: Callable[[], bool] | None = None,
     ) -> None:
         self.backend, self.groups = backend, groups
         self.master_dtype, self.reduce_dtype = master_dtype, reduce_dtype
         self.zero_stage, self.overlap = zero_stage, overlap
         self.copy_sum = copy_sum
         self.before_expert_reduce = before_expert_reduce
+        # a shard's range must hold every row under zero_stage 1 / 2: only stage 0 reduces part of a bucket
+        self.idle = idle if zero_stage == 0 else None
+        self._idle = False  # this step's answer
         elem = torch.tensor([], dtype=master_dtype).element_size()
         self.buckets = layout(blocks, groups, max(1, int(bucket_mb * 2**20 / elem)), holders)
         self.device = next((b.params[0].device for b in self.buckets), torch.device("cpu"))
@@ -193,11 +213,12 @@ class GradBuckets:
     # -------------------------------------------------------------------- step
     def deferred(self, bucket: Bucket) -> bool:
         """Whether a bucket waits for :meth:`finish` (copy sum or replica sum first)."""
-        return len(bucket.holders) > 1 or (bucket.expert and self.before_expert_reduce is not None)
+        return len(bucket.holders) > 1 or (bucket.expert and self.before_expert_reduce is not None and not self._idle)
 
     def start(self) -> None:
         """Before a step: zeroed buffers, every parameter's gradient pointed at its view."""
         self._first_issue = None
+        self._idle = self.idle is not None and bool(self.idle())
         for bucket in self.buckets:
             if bucket.grad is None:
                 bucket.grad = torch.zeros(bucket.numel, dtype=self.master_dtype, device=self.device)
@@ -247,7 +268,16 @@ class GradBuckets:
         if bucket.group_size == 1:
             bucket.work = _DONE
             return
-        sent = bucket.grad if self.reduce_dtype == self.master_dtype else bucket.grad.to(self.reduce_dtype)
+        bucket.runs = self.owned_runs(bucket) if bucket.expert and self._idle else None
+        if bucket.runs == [(0, bucket.offsets[-1] + bucket.params[-1].numel())]:  # every row owns its expert
+            bucket.runs = None
+        if bucket.runs == []:  # replica rows only: nothing to reduce
+            bucket.work = _DONE
+            return
+        if bucket.runs is not None:  # only the rows that own their expert: packed, sent, unpacked
+            sent = torch.cat([bucket.grad[a:b] for a, b in bucket.runs]).to(self.reduce_dtype)
+        else:
+            sent = bucket.grad if self.reduce_dtype == self.master_dtype else bucket.grad.to(self.reduce_dtype)
         bucket.sent = sent
         if self.zero_stage == 2:
             out = bucket.shard_grad if self.reduce_dtype == self.master_dtype else sent.new_empty(bucket.shard_size)
@@ -265,9 +295,14 @@ class GradBuckets:
             if self.zero_stage == 2:
                 if out is not bucket.shard_grad:
                     bucket.shard_grad.copy_(out)
+            elif bucket.runs is not None:
+                at = 0
+                for a, b in bucket.runs:
+                    bucket.grad[a:b].copy_(out[at:at + b - a])
+                    at += b - a
             elif out is not bucket.grad:
                 bucket.grad.copy_(out)
-        bucket.work = bucket.sent = None
+        bucket.work = bucket.sent = bucket.runs = None
         if self.zero_stage == 2:  # the full gradient is freed as soon as it is reduced
             bucket.grad = None
             self.release(bucket)
@@ -320,6 +355,26 @@ class GradBuckets:
             edges = torch.diff(mask.to(torch.int8).cpu(), prepend=torch.zeros(1, dtype=torch.int8), append=torch.zeros(1, dtype=torch.int8))
             runs = list(zip((edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()))
         bucket.norm_cache = (key, runs)
+        return runs
+
+    def owned_runs(self, bucket: Bucket) -> list[tuple[int, int]]:
+        """The ``[start, end)`` runs of the whole bucket holding rows that own their expert
+        (every row of a parameter without ``slot_owned``), adjacent runs joined; kept until a
+        balancer relabels its slots, like :meth:`norm_runs`."""
+        key = tuple(owned_rows(p) for p in bucket.params)
+        cached = bucket.owned_cache
+        if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+            return cached[1]
+        runs: list[tuple[int, int]] = []
+        for p, offset, owned in zip(bucket.params, bucket.offsets, key):
+            width = p[0].numel() if p.dim() else 1
+            rows = [(0, p.numel())] if owned is None else [(r * width, (r + 1) * width) for r in owned.nonzero().flatten().tolist()]
+            for a, b in rows:
+                if runs and runs[-1][1] == offset + a:
+                    runs[-1] = (runs[-1][0], offset + b)
+                else:
+                    runs.append((offset + a, offset + b))
+        bucket.owned_cache = (key, runs)
         return runs
 
     def _norm_mask(self, bucket: Bucket, counted_block: bool) -> torch.Tensor | None:

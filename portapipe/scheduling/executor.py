@@ -17,18 +17,18 @@ parallel groups; :meth:`~PipelineExecutor.step` runs one training step's actions
   pair, or an F&F pair: two micro-batches' forwards) interleaved
   (:func:`~portapipe.scheduling.overlap.run_pair`) when ``overlap`` is on, else one after the
   other. A micro-batch's tape is dropped as soon as its backward ran.
-- Gradient synchronisation: with a ``grad_sync`` (:class:`GradSync`, e.g. portapipe's gradient
-  buckets) the executor only offers the seams: ``start()`` before the step,
-  ``block_done(block)`` right after the action that ends a block's backward work of the step on
-  this rank (its last ``B``, ``BW``, ``W`` or ``FB``, read from the action list), ``finish()``
-  after the last action; what is launched there is the composer's business. Without one,
-  after the list (:meth:`~PipelineExecutor.reduce_gradients`): DualPipe's two copies of each
-  block sum their gradients; gradients of parameters not marked as experts are summed over the
-  replica group (dp x ep), expert gradients (:func:`~.stage.is_expert`) over dp; each
-  micro-batch's backward was seeded with 1 / (micro-batches x replicas), so ``.grad`` is the
-  gradient of the global mean loss. Then the optional ``end_step`` hook does the model's own
-  end-of-step work (portapipe's model: replica gradients of a balancer, router biases, expert
-  loads; see :mod:`portapipe.compose`) and returns extra :class:`StepResult` fields.
+- Gradient synchronisation: a ``grad_sync`` (:class:`GradSync`: portapipe's gradient buckets,
+  :class:`~portapipe.optim.buckets.GradBuckets`) owns the step's gradients; the executor only
+  offers the seams: ``start()`` before the step, ``block_done(block)`` right after the action
+  that ends a block's backward work of the step on this rank (its last ``B``, ``BW``, ``W`` or
+  ``FB``, read from the action list), ``finish()`` after the last action; what is launched
+  there is the composer's business (:mod:`portapipe.compose`, :mod:`portapipe.plain`): DualPipe's
+  two copies of each block sum their gradients (:meth:`~PipelineExecutor.sum_over_copies`),
+  shared gradients are summed over the replica group (dp x ep), expert gradients
+  (:func:`~.stage.is_expert`) over dp; each micro-batch's backward was seeded with
+  1 / (micro-batches x replicas), so the gradients are those of the global mean loss. Then the
+  optional ``end_step`` hook does the model's own end-of-step work (portapipe's model: router
+  biases, expert loads; see :mod:`portapipe.compose`) and returns extra :class:`StepResult` fields.
 
 The loss is reported exactly: per-micro-batch losses are gathered and summed in a fixed order
 (replica, then micro-batch), the order :mod:`portapipe.verify`'s reference uses. So are the loss
@@ -52,7 +52,7 @@ from ..backends.base import Backend, ParallelGroups
 from .exchange import A2AStats
 from .ir import Action, Kind, Schedule
 from .runnable import build_schedule, check_stages, make_schedule, placed
-from .stage import Boundary, Stage, is_expert, shared_blocks
+from .stage import Boundary, Stage, shared_blocks
 from .step_run import StepRun
 from .wgrad import early_weight_grads
 
@@ -132,7 +132,8 @@ class PipelineExecutor:
     ``stages`` maps each model block this rank's schedule places here to its stage (already on
     the backend's device). ``exchange_stats``: where the stages' exchanges record their time
     (reported in the timings); ``end_step``: see :data:`EndStep`; ``grad_sync``: see
-    :class:`GradSync` (None: the blocking reduction after the list). ``counts_stats``: where the
+    :class:`GradSync` (it may be set after construction, since it sums DualPipe's copies through
+    :meth:`sum_over_copies`; :meth:`step` refuses to run without one). ``counts_stats``: where the
     stages' exchanges of row counts record their time, reported apart from the rows' (portapipe's
     routing: :attr:`~portapipe.models.expert_parallel.ExpertParallel.counts_stats`).
     ``grad_scale`` multiplies every backward's seed (a loss scale). ``loss_terms``: the names of
@@ -207,22 +208,20 @@ class PipelineExecutor:
         s = self.schedule
         if len(microbatches) != s.n_microbatches:
             raise ValueError(f"step() got {len(microbatches)} micro-batches; schedule {s.name} runs {s.n_microbatches}")
+        if self.grad_sync is None:
+            raise RuntimeError(
+                "PipelineExecutor.step needs a grad_sync to own and sum the step's gradients "
+                "(portapipe.optim.buckets.GradBuckets, as portapipe.plain.Pipeline builds it)"
+            )
         self._copy_calls.clear()  # copy-exchange tags restart every step
-        if self.grad_sync is not None:
-            self.grad_sync.start()
-        else:
-            for p in self.parameters():
-                p.grad = None
+        self.grad_sync.start()
         for st in (self.exchange_stats, self.fb_stats, self.counts_stats):
             st.reset()
         self.exchange_stats.timed = self.counts_stats.timed = self.time_exchanges
         run_ = StepRun(self, microbatches)
         t0 = time.perf_counter()
         run_.execute()
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
-        else:
-            self.reduce_gradients()
+        self.grad_sync.finish()
         losses, terms = self._gather_losses(run_.losses, run_.terms)
         extra = dict(self.end_step(self)) if self.end_step is not None else {}
         step_s = time.perf_counter() - t0
@@ -234,41 +233,10 @@ class PipelineExecutor:
             "bubble_frac": max(0.0, 1.0 - run_.compute_s / step_s) if step_s > 0 else 0.0,
             **a2a_timings(self.exchange_stats, self.fb_stats, self.counts_stats),
             "peak_activations": float(run_.peak_activations),
-            "grad_sync_exposed_s": self.grad_sync.exposed_s if self.grad_sync is not None else 0.0,
-            "grad_sync_s": self.grad_sync.sync_s if self.grad_sync is not None else 0.0,
+            "grad_sync_exposed_s": self.grad_sync.exposed_s,
+            "grad_sync_s": self.grad_sync.sync_s,
         }
         return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, losses=losses, loss_terms=terms, **extra)
-
-    # ---------------------------------------------------------- reductions
-    def reduce_gradients(self) -> None:
-        """DualPipe copies' sum, then replicated gradients over dp x ep and expert ones over dp.
-
-        Collective over the pipeline copies and the replica groups; every trainable parameter
-        ends with a ``.grad`` (zeros where no micro-batch reached it). Frozen parameters
-        (``requires_grad`` False) keep ``.grad`` None, so an optimizer leaves them alone (a zero
-        gradient would still let AdamW's weight decay move them).
-        """
-        g = self.groups
-        params = [p for p in self.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        # DualPipe: both copies of a block end with the sum of their gradients (a+b == b+a
-        # exactly, so the copies stay bitwise identical).
-        for b in self.copy_rank:
-            grads = [p.grad for _, p in self.blocks[b].named_parameters() if p.requires_grad]
-            _unflatten(self.sum_over_copies(b, _flatten(grads)), grads)
-        shared = [p for p in params if not is_expert(p)]
-        experts = [p for p in params if is_expert(p)]
-        if g.dp * g.ep > 1 and shared:
-            self._all_reduce_grads(shared, g.replica_group)
-        if g.dp > 1 and experts:
-            self._all_reduce_grads(experts, g.dp_group)
-
-    def _all_reduce_grads(self, params: list[nn.Parameter], group: Any) -> None:
-        flat = _flatten([p.grad for p in params])
-        self.backend.all_reduce(flat, group=group)
-        _unflatten(flat, [p.grad for p in params])
 
     # ------------------------------------------------------------ copies
     def copy_holders(self, block: int, param: torch.Tensor | None = None) -> tuple[tuple[int, int], ...]:
@@ -380,6 +348,7 @@ class PipelineExecutor:
         cols = [t.t().tolist() for t in every]  # per replica: [column][micro-batch]
         return [c[0] for c in cols], {name: mean_loss([c[i] for c in cols]) for name, i in column.items()}
 
+
 def a2a_timings(step: A2AStats, fb: A2AStats, counts: A2AStats) -> dict[str, float | None]:
     """The step's all-to-all fields: whole step, F&B pairs (``fb_``), the rest (``edge_``), and
     the exchanges of row counts (``counts_``, not in the others). Totals and hidden shares are
@@ -400,15 +369,3 @@ def mean_loss(losses: list[list[float]]) -> float:
         for x in row:
             total += x
     return total / (len(losses) * len(losses[0]))
-
-
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
-
-
-def _unflatten(flat: torch.Tensor, into: list[torch.Tensor]) -> None:
-    i = 0
-    for t in into:
-        n = t.numel()
-        t.copy_(flat[i : i + n].view_as(t))
-        i += n
