@@ -44,6 +44,10 @@ BENCHMARKS: dict[str, list[str]] = {
     "lone_overlap": ["--reps", "20"],  # docs/executor.md's lone actions' hidden exchange time
     "balancer_collectives": ["--ep", "4", "--redundant", "1"],  # docs/balancers-in-training.md's replica sum and figure gather
 }
+#: benchmark scripts whose figures come from another machine, with where they run instead
+ELSEWHERE: dict[str, str] = {
+    "gpu_check": "on a GPU machine (docs/gpu.md); its CPU dry mode runs in make test (tests/test_gpu_check.py)",
+}
 
 
 def machine() -> dict[str, Any]:
