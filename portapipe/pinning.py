@@ -22,6 +22,8 @@ from typing import Any, Literal, Union
 from .config_text import ConfigError
 
 PinMode = Union[bool, Literal["auto"]]
+#: the modes as a command line spells them (the benchmarks' ``--pin-cores``)
+MODES: dict[str, PinMode] = {"auto": "auto", "true": True, "false": False}
 
 _CPU_SYS = Path("/sys/devices/system/cpu")
 _CGROUP = Path("/sys/fs/cgroup")
@@ -150,16 +152,20 @@ def placement() -> dict[str, Any]:
     return {"pinned": _pinned is not None, "cores": describe(cores), "n_cores": len(cores), "threads": torch.get_num_threads()}
 
 
-def gather_placement(mode: PinMode) -> dict[str, Any]:
-    """Every rank's :func:`placement` (a collective over the default group), as the run records it."""
-    import torch.distributed as dist
-
-    mine = placement()
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+def summary(mode: PinMode, every: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's :func:`placement`, in rank order, as a run or a benchmark records it."""
     return {
         "pin_cores": mode,
         "pinned": all(p["pinned"] for p in every),
         "cores_by_rank": [p["cores"] for p in every],
         "threads_by_rank": [p["threads"] for p in every],
     }
+
+
+def gather_placement(mode: PinMode) -> dict[str, Any]:
+    """:func:`summary` of every rank's placement (a collective over the default group)."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, placement())
+    return summary(mode, every)

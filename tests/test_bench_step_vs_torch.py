@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_step_vs_torch_runs_and_ours_and_torchs_pipelines_agree() -> None:
     # 2 ranks (pp 2, no expert parallelism) and a small model: the API and the check, not the speed.
     small = ["--set", "parallel.ep=1", "--set", "model.hidden=32", "--set", "model.seq_len=16", "--set", "train.micro_batch_size=2"]
-    cmd = [sys.executable, "-m", "portapipe.cli", "bench", "step_vs_torch", "--steps", "1", "--warmup", "0", *small]
+    cmd = [sys.executable, "-m", "portapipe.cli", "bench", "step_vs_torch", "--steps", "1", "--warmup", "0", "--pin-cores", "auto", *small]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
@@ -48,6 +48,14 @@ def test_step_vs_torch_runs_and_ours_and_torchs_pipelines_agree() -> None:
         assert report[schedule]["a2a_wait_ms_per_step"] == report[schedule]["a2a_total_ms_per_step"] == 0.0  # ep 1: no exchange
         assert report[schedule]["counts_a2a_total_ms_per_step"] == 0.0 and report[schedule]["counts_a2a_hidden_pct"] is None
     assert report["pair_forwards"] is False
+    # pinned where every rank can have a core (2 ranks): each rank's cores, shared by ours and torch's variants
+    from portapipe import pinning
+
+    want = pinning.plan("auto", report["ranks"])
+    placed = report["placement"]
+    assert placed["pin_cores"] == "auto" and placed["pinned"] is (want is not None) and len(placed["cores_by_rank"]) == report["ranks"]
+    if want is not None:
+        assert placed["cores_by_rank"] == [pinning.describe(c) for c in want] and placed["threads_by_rank"] == [len(c) for c in want]
 
 
 @pytest.mark.parametrize("steps, warmup", [("0", "1"), ("-1", "1"), ("2", "-1")])
