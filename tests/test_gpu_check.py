@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py: every part's code path runs here in the dry mode, so a GPU run is never
 spent on a typo; parts run in their own processes under caps, and the JSON and the table are
-written after each one."""
+written after each one. The driver is benchmarks/gpu_check.py; its parts are the modules of
+benchmarks/gpu_check_parts/ (imported here by ``bench_module("gpu_check_parts.NAME")``)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def dry(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedP
 @pytest.mark.slow
 def test_the_dry_run_runs_every_part_and_prints_the_table_last(dry, bench_module) -> None:
     proc, report, out = dry
-    gc = bench_module("gpu_check")
+    suite, memory, speed = (bench_module(f"gpu_check_parts.{name}") for name in ("suite", "memory", "speed"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(report["parts"]) == list("abcdefghi") and report["dry"] is True
     bad = {k: (r["status"], r.get("error") or r.get("summary")) for k, r in report["parts"].items() if r["status"] not in ("ok", "dry", "skipped")}
@@ -49,7 +50,7 @@ def test_the_dry_run_runs_every_part_and_prints_the_table_last(dry, bench_module
     assert parts["a"]["results"]["environment"]["torch"] and "portapipe_info" in parts["a"]["results"]
     b = parts["b"]["results"]
     assert b["cuda_marked"]["collected"] >= 1 and b["conformance_kit"]["collected"] >= 10 and b["suite"]["rc"] == 0
-    assert gc.CONFORMANCE_KIT in b["conformance_kit"]["command"]
+    assert suite.CONFORMANCE_KIT in b["conformance_kit"]["command"]
     # c: the verification ran on the CPU stand-in, and a schedule the rules refuse at one rank is named so
     rows = parts["c"]["results"]["one_rank"]
     assert [r["ok"] for r in rows if "ok" in r] == [True, True]
@@ -57,7 +58,7 @@ def test_the_dry_run_runs_every_part_and_prints_the_table_last(dry, bench_module
     # the GPU run's configs pass the rules: every schedule at 4 ranks and the five options; at one rank all but DualPipe
     planned = parts["c"]["results"]["gpu_configs"]
     assert [k for k, v in planned.items() if v != "accepted"] == ["dualpipe x1"] and len(planned) == 15, planned
-    assert set(parts["g"]["results"]["gpu_model"]) == set(gc.MEMORY_OPTIONS)
+    assert set(parts["g"]["results"]["gpu_model"]) == set(memory.MEMORY_OPTIONS)
     # d: a resumed run on the same device is the straight run bit for bit
     d = parts["d"]["results"]
     assert d["cpu_then_cpu"]["max_rel_loss_diff"] == 0.0 and d["cpu_then_cpu"]["steps_compared"] == 4
@@ -65,12 +66,12 @@ def test_the_dry_run_runs_every_part_and_prints_the_table_last(dry, bench_module
     # e: the sizing arithmetic ran for every candidate, largest first, and the FLOPs convention is stated
     e = parts["e"]["results"]
     planned = [c["planned_bytes"] for c in e["sizing"]["candidates"]]
-    assert planned == sorted(planned, reverse=True) and len(planned) == len(gc.SPEED_MODELS)
-    assert "6 x active parameters" in e["flops"]["convention"] and e["result"]["peak_tflops"] == gc.PEAK_BF16_TFLOPS
+    assert planned == sorted(planned, reverse=True) and len(planned) == len(speed.SPEED_MODELS)
+    assert "6 x active parameters" in e["flops"]["convention"] and e["result"]["peak_tflops"] == speed.PEAK_BF16_TFLOPS
     assert e["portapipe"]["tokens_per_s"] > 0 and e["transformers"]["tokens_per_s"] > 0
     # f, g, h: measured on the CPU stand-in; h's answer equals the CPU path's
     assert all(r["grouped_s"] > 0 and r["dense_s"] > 0 for r in parts["f"]["results"]["rows"])
-    assert set(parts["g"]["results"]["rows"]) == set(gc.MEMORY_OPTIONS)
+    assert set(parts["g"]["results"]["rows"]) == set(memory.MEMORY_OPTIONS)
     assert parts["h"]["results"]["result"]["equal_to_cpu_path"] is True
     # i: the benchmarks' own --help lists every flag the GPU run passes
     assert parts["i"]["results"]["step_vs_torch"]["flags_missing"] == [] and parts["i"]["results"]["balance_e2e"]["flags_missing"] == []
@@ -78,8 +79,8 @@ def test_the_dry_run_runs_every_part_and_prints_the_table_last(dry, bench_module
 
 def test_the_planned_model_of_part_e_fits_an_80_gb_gpu_and_the_deepest_does_not(bench_module) -> None:
     """The arithmetic that sizes part e's model: bf16 weights with float32 master and AdamW."""
-    gc = bench_module("gpu_check")
-    need = [gc.memory_need(gc.speed_raw(m, "cuda", False))["total"] for m in gc.SPEED_MODELS]
+    memory, speed = bench_module("gpu_check_parts.memory"), bench_module("gpu_check_parts.speed")
+    need = [memory.memory_need(speed.speed_raw(m, "cuda", False))["total"] for m in speed.SPEED_MODELS]
     budget = 0.85 * 80 * 2**30
     assert need[0] > budget and any(n <= budget for n in need)
     fits = next(n for n in need if n <= budget)
@@ -100,7 +101,7 @@ def test_parts_are_chosen_by_letters_ranges_and_calls(bench_module) -> None:
 
 
 def test_pytest_output_is_counted(bench_module) -> None:
-    gc = bench_module("gpu_check")
+    gc = bench_module("gpu_check_parts.suite")
     out = "FAILED tests/test_x.py::test_a - AssertionError: no\nERROR tests/test_y.py::test_b\n3 failed, 10 passed, 2 skipped, 1 error in 4.0s\n"
     counts = gc.pytest_counts(out)
     assert (counts["failed"], counts["passed"], counts["skipped"], counts["error"]) == (3, 10, 2, 1)
