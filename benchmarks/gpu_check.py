@@ -43,7 +43,7 @@ from typing import Any
 
 # the parts: benchmarks/gpu_check_parts/ beside this script (on the path as its folder), shipped in
 # the package as this script is (portapipe/benchmarks/gpu_check_parts, a link)
-from gpu_check_parts.common import T0, Ctx, Record, child_env, cuda_reason, run_cmd, say, tail
+from gpu_check_parts.common import T0, Ctx, Record, adopt_orphans, child_env, cuda_reason, descendants, kill, run_cmd, say, tail
 from gpu_check_parts.parts import BY_KEY, CALLS, PARTS
 
 
@@ -96,6 +96,29 @@ def run_child(key: str, out: Path, dry: bool, cap_s: float) -> int:
     return 0
 
 
+#: how long after its cap a part's process is killed (it stops its own children at the cap)
+CHILD_GRACE_S = 10.0
+
+
+def caches(out: Path) -> dict[str, str]:
+    """Where the parts' tools keep their caches (Triton's kernels, Hypothesis's examples): under
+    ``out``, not in the home folder or the checkout, unless the caller chose a place."""
+    wanted = {"TRITON_CACHE_DIR": out / "work" / "cache" / "triton", "HYPOTHESIS_STORAGE_DIRECTORY": out / "work" / "cache" / "hypothesis"}
+    return {k: str(v) for k, v in wanted.items() if k not in os.environ}
+
+
+def left_running(before: set[int], settle_s: float = 2.0) -> list[int]:
+    """What a part left running below this process that was not there ``before`` it (a pytest or a
+    launch it started, orphaned when it was killed): it would take the next part's processors and
+    memory. Helpers that end with their parent (a fork server, a resource tracker) get ``settle_s``."""
+    deadline = time.time() + settle_s
+    while True:
+        found = [pid for pid in descendants(os.getpid()) if pid not in before]
+        if not found or time.time() > deadline:
+            return found
+        time.sleep(0.1)
+
+
 def drive(keys: list[str], out: Path, dry: bool, budget_s: float) -> dict[str, Any]:
     import torch
 
@@ -117,6 +140,8 @@ def drive(keys: list[str], out: Path, dry: bool, budget_s: float) -> dict[str, A
         part = BY_KEY[key]
         left = budget_s - (time.time() - T0) if budget_s else float("inf")
         cap = min(part.cap_dry_s if dry else part.cap_s, left - 5)
+        if key == keys[-1] and budget_s:  # the last part may take what the budget leaves (its kill included)
+            cap = max(cap, left - 5 - CHILD_GRACE_S)
         if cap < 10:
             report["parts"][key].update(status="not run", reason=f"the budget of {budget_s:.0f} s is spent")
             say(f"{key}: not run, the budget is spent")
@@ -126,12 +151,17 @@ def drive(keys: list[str], out: Path, dry: bool, budget_s: float) -> dict[str, A
         path = out / "parts" / f"{key}.json"
         path.unlink(missing_ok=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", key, "--out", str(out), "--cap-s", str(cap)] + (["--dry"] if dry else [])
-        res = run_cmd(cmd, cap + 10, child_env({"TRITON_INTERPRET": "1"} if dry and key == "h" else None))
+        before = set(descendants(os.getpid()))
+        res = run_cmd(cmd, cap + CHILD_GRACE_S, child_env({**caches(out), **({"TRITON_INTERPRET": "1"} if dry and key == "h" else {})}))
+        leftovers = left_running(before)
+        kill(leftovers)
         rec = json.loads(path.read_text()) if path.exists() else {"part": key, "title": part.title, "results": {}}
         if res["timed_out"]:
             rec.update(status="timeout", error=f"stopped at its cap of {cap:.0f} s; what it finished is kept")
         elif res["rc"] != 0 or rec.get("status") in (None, "running"):
             rec.update(status="crashed", error=f"exit code {res['rc']}: " + tail(res["stderr"], 12))
+        if leftovers:
+            rec["leftover_processes_killed"] = len(leftovers)
         rec["seconds"] = res["s"]
         report["parts"][key] = rec
         write(out, report)
@@ -162,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: --budget-s: {args.budget_s} is negative; give seconds, or 0 for no budget", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    adopt_orphans()
     report = drive(keys, out, args.dry, args.budget_s)
     print(table(report), flush=True)
     bad = [k for k, r in report["parts"].items() if r["status"] in ("failed", "crashed", "timeout")]

@@ -39,8 +39,51 @@ def tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, theirs, ...), read from /proc; empty where there
+    is none (zombies, ended and not yet reaped, left out)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue  # ended meanwhile
+            if state != "Z":
+                children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL each of ``pids``, and reap those that are this process's children (adopted orphans)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(OSError):  # not our child: its own parent reaps it
+            os.waitpid(pid, 0)
+
+
+def adopt_orphans() -> None:
+    """Make this process the reaper of its descendants' orphans (Linux), so that :func:`descendants`
+    still finds a grandchild whose parent died (a part killed at its cap, a rank's helper)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
 def run_cmd(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None) -> dict[str, Any]:
-    """Run ``cmd`` in its own session, killed with its children at ``timeout_s``."""
+    """Run ``cmd`` in its own session; at ``timeout_s`` it is killed with every process below it
+    (those that started sessions or process groups of their own too: pytest's, a launch's ranks)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or child_env(),
                             cwd=cwd, start_new_session=True)
@@ -48,8 +91,10 @@ def run_cmd(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None,
         out, err = proc.communicate(timeout=max(1.0, timeout_s))
         timed_out = False
     except subprocess.TimeoutExpired:
+        below = descendants(proc.pid)  # before the kill: an orphan's parent is no longer its parent
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        kill([proc.pid, *below])
         out, err = proc.communicate()
         timed_out = True
     return {"cmd": " ".join(cmd), "rc": proc.returncode, "timed_out": timed_out, "s": round(time.perf_counter() - t0, 1),
