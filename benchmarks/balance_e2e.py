@@ -246,6 +246,8 @@ def main() -> None:
                     help="each rank on cores of its own, one thread per core (launch.pin_cores) [false]")
     args = ap.parse_args()
     pin = pinning.MODES[args.pin_cores]
+    for layout in args.layouts:  # a layout the cores cannot pin is refused before any runs
+        pinning.plan(pin, LAYOUTS[layout]["pp"] * LAYOUTS[layout]["ep"])
     import tempfile
 
     if "uniform" not in args.sources:
@@ -305,4 +307,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from portapipe.cli import guarded  # errors as one line, as the CLI prints them
+
+    sys.exit(guarded(main))

@@ -83,3 +83,18 @@ def test_one_step_with_pinned_ranks_says_each_ranks_cores(tmp_path: Path) -> Non
     if want is not None:  # 2 usable cores or more: one set each, one thread per core
         assert placed["cores_by_rank"] == [pinning.describe(c) for c in want] and placed["threads_by_rank"] == [len(c) for c in want]
     assert set(layout["variants"]) == {"loads:none", "uniform:none"}
+
+
+def test_pinning_more_ranks_than_cores_is_refused_in_one_line_before_any_layout_runs(tmp_path: Path) -> None:
+    from portapipe import pinning
+
+    if len(pinning.usable_cores()) >= 8:
+        pytest.skip("this machine has a core for each of 8 ranks")
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "benchmarks" / "balance_e2e.py"), "--layouts", "ep2", "pp2ep4", "--sources", "loads", "uniform",
+           "--steps", "1", "--warmup", "0", "--pin-cores", "true", "--out-dir", str(tmp_path / "runs")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and out.stdout == "" and len(lines) == 1, out.stderr
+    assert lines[0].startswith("portapipe: config error: launch.pin_cores: true") and "8 ranks" in lines[0]

@@ -64,3 +64,16 @@ def test_step_counts_it_cannot_time_exit_2_before_ranks_start(steps: str, warmup
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1] == f"step_vs_torch.py: error: --steps must be >= 1 and --warmup >= 0, got --steps {steps} --warmup {warmup}"
+
+
+def test_pinning_more_ranks_than_cores_is_refused_in_one_line_before_ranks_start() -> None:
+    from portapipe import pinning
+
+    if len(pinning.usable_cores()) >= 4:
+        pytest.skip("this machine has a core for each of the 4 ranks")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_vs_torch.py"), "--steps", "1", "--pin-cores", "true"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and out.stdout == "" and len(lines) == 1, out.stderr
+    assert lines[0].startswith("portapipe: config error: launch.pin_cores: true") and "4 ranks" in lines[0]
