@@ -157,6 +157,35 @@ def test_more_ranks_than_cores_are_refused_with_true_before_any_rank_starts_and_
     assert all(r["cores"] == sorted(usable) and r["threads"] == 1 and not r["placement"]["pinned"] for r in got)
 
 
+_TORCHRUN_JOB = """
+import json, os, sys, torch
+sys.path.insert(0, {root!r})
+from portapipe.launch import run_ranks
+
+def where(backend):
+    return {{"local_rank": int(os.environ["LOCAL_RANK"]), "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}}
+
+if __name__ == "__main__":
+    print(json.dumps(run_ranks(where, 2, pin_cores=True)[0]))
+"""
+
+
+@pytest.mark.multiproc
+def test_under_torchrun_each_rank_pins_itself_to_its_local_share(tmp_path: Path) -> None:
+    usable = pinning.usable_cores()
+    if len(usable) < 2:
+        pytest.skip("needs 2 usable cores")
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_JOB.format(root=str(ROOT)))
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_KEYS}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), key=lambda r: r["local_rank"])
+    want = pinning.split(usable, 2)
+    assert [r["cores"] for r in got] == [sorted(c) for c in want] and [r["threads"] for r in got] == [len(c) for c in want]
+
+
 @pytest.mark.multiproc
 def test_a_pinned_training_run_records_each_ranks_cores_in_its_memory_row(tmp_path: Path) -> None:
     usable = pinning.usable_cores()
