@@ -222,9 +222,10 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     if metrics is not None:
         metrics.write(memory)
         say_stderr("memory per rank (largest): " + ", ".join(f"{k} {memory[k] / 2**20:.2f} MiB" for k in ("params", "grads", "master", "optimizer")))
-        if memory["launch"]["pinned"]:
-            placed = memory["launch"]
-            say_stderr("cores per rank (launch.pin_cores): " + ", ".join(f"{c} ({t} thread{'s' * (t != 1)})" for c, t in zip(placed["cores_by_rank"], placed["threads_by_rank"])))
+        placed = memory["launch"]
+        if placed["pinned"]:
+            each = zip(placed["cores_by_rank"], placed["threads_by_rank"])
+            say_stderr("cores per rank (launch.pin_cores): " + ", ".join(f"{c} ({t} thread{'s' * (t != 1)})" for c, t in each))
     bar = _progress_bar(tc.steps, start) if rank == 0 and config.log.progress else None
     figures = Figures()
     stopped: dict[str, Any] | None = None
