@@ -32,9 +32,13 @@ none (paired ratio - 1). How skewed each source is: max / mean of its expert loa
 layers) and the rank balancedness without a balancer.
 
 Step times are wall clock (load averages recorded); the EP wait is measured from processor time
-(see portapipe/models/expert_clock.py).
+(see portapipe/models/expert_clock.py). Each rank runs the usable cores / ranks intra-op threads;
+``--pin-cores true`` (``launch.pin_cores``) binds each rank to cores of its own, one thread per
+core (a rank waiting on its EP peer then leaves its own cores idle, as a GPU would); each layout's
+``placement`` gives every rank's cores and threads.
 
     python benchmarks/balance_e2e.py [--layouts ep2 ep4 pp2ep4] [--sources ...] [--balancers none eplb lplb lplb_on] [--steps 12] [--warmup 3]
+        [--pin-cores auto|true|false] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from portapipe import pinning  # noqa: E402
 from portapipe.config import load_config  # noqa: E402
-from portapipe.launch import run_ranks  # noqa: E402
+from portapipe.launch import rank_threads, run_ranks  # noqa: E402
 
 # ep2: one rank per core of a 2-core machine, where a rank waiting on its EP peer leaves its core idle
 # (with more ranks than cores a waiting rank hands its core to another, and the wait costs less wall time)
@@ -130,8 +135,9 @@ def trained_model(folder: Path, steps: int) -> Path:
     return out
 
 
-def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str, list[dict[str, Any]]]:
-    """Every variant's training, stepped in turns; rank 0 returns each step's figures."""
+def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Every variant's training, stepped in turns: each step's figures (rank 0's are the job's) and
+    this rank's cores and threads."""
     from portapipe.compose import PipelineRuntime
     from portapipe.config import config_from_dict
     from portapipe.data import TextData, replica_of
@@ -181,7 +187,7 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str
                               "optimizer_cpu_s": float(times[3]), "after_step_cpu_s": float(times[4]),
                               "ep_wait_frac": stats.ep_wait_frac, "rank_balancedness": stats.rank_balancedness, "balancer": balance,
                               "expert_counts": None if result.expert_counts is None else result.expert_counts.tolist()})
-    return out
+    return {"steps": out, "placement": pinning.placement()}
 
 
 def summarise(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -236,7 +242,12 @@ def main() -> None:
                     help="where the trained source is kept (trained on first use)")
     ap.add_argument("--train-steps", type=int, default=60, help="steps the trained source is trained for")
     ap.add_argument("--out-dir", default=None, help="run folders (default: a temporary one)")
+    ap.add_argument("--pin-cores", choices=list(pinning.MODES), default="false",
+                    help="each rank on cores of its own, one thread per core (launch.pin_cores) [false]")
     args = ap.parse_args()
+    pin = pinning.MODES[args.pin_cores]
+    for layout in args.layouts:  # a layout the cores cannot pin is refused before any runs
+        pinning.plan(pin, LAYOUTS[layout]["pp"] * LAYOUTS[layout]["ep"])
     import tempfile
 
     if "uniform" not in args.sources:
@@ -247,6 +258,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "benchmark": "balance_e2e",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "cores_usable": len(pinning.usable_cores()),
         "torch": torch.__version__,
         "load_avg_1min_before": round(os.getloadavg()[0], 2),
         "steps": args.steps,
@@ -261,7 +273,8 @@ def main() -> None:
                 for source in args.sources for bal in balancers}
         world = LAYOUTS[layout]["pp"] * LAYOUTS[layout]["ep"]
         t0 = time.perf_counter()
-        steps = run_ranks(_rank, world, raws, args.steps, wall_timeout_s=3600)[0]
+        ranks = run_ranks(_rank, world, raws, args.steps, threads=rank_threads(world), wall_timeout_s=3600, pin_cores=pin)
+        steps = ranks[0]["steps"]
         table = {name: summarise(s, args.warmup) for name, s in steps.items()}
 
         def paired(name: str, base: str) -> float:
@@ -286,11 +299,14 @@ def main() -> None:
                     "ep_wait": round((none["ep_wait_frac"] - row["ep_wait_frac"]) / gap_w, 3) if gap_w > 0 else None,
                 }
         cost = {bal: round(table[f"uniform:{bal}"]["paired_ratio_vs_none"] - 1, 4) for bal in balancers[1:]}
-        result["layouts"][layout] = {"ranks": world, "seconds": round(time.perf_counter() - t0, 1), "skew": skew,
+        result["layouts"][layout] = {"ranks": world, "seconds": round(time.perf_counter() - t0, 1),
+                                     "placement": pinning.summary(pin, [r["placement"] for r in ranks]), "skew": skew,
                                      "variants": table, "gap_won_back": won, "balanced_router_cost_frac": cost}
     result["load_avg_1min_after"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    from portapipe.cli import guarded  # errors as one line, as the CLI prints them
+
+    sys.exit(guarded(main))

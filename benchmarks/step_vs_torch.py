@@ -24,6 +24,11 @@ ranks' processor time over the cores they share; ours' floor over
 torch's step (``ours_floor_over_torch``) is the lowest ratio any schedule could reach with ours'
 processor time, and ``cores_busy_pct`` how much of the shared cores each variant kept busy.
 
+Every variant runs in the same rank processes, in turns, so ours and torch's get the same cores
+and intra-op threads: ``--pin-cores true`` (``launch.pin_cores``) binds each rank to cores of its
+own, one thread per core (a fair test of the step-time claims needs a core per rank; ranks that
+share cores are processor-bound); the JSON's ``placement`` gives each rank's cores and threads.
+
 Taking each exchange's completion time (for the hidden shares) costs processor time on every
 exchange, so ours takes it only on timing steps: after every ``--a2a-every`` timed steps comes
 one more step of every variant on which our exchanges are timed (the executor's
@@ -32,7 +37,7 @@ times from the others; ``median_step_s`` also gives ours' median on the timing s
 (``ours_exchanges_timed``). ``--a2a-every 0``: every step is both (the exchanges always timed).
 
     python benchmarks/step_vs_torch.py [--config examples/cpu.yaml] [--steps 20] [--warmup 3]
-        [--a2a-every 4] [--schedules dualpipev,interleaved,1f1b] [--set k=v ...]
+        [--a2a-every 4] [--schedules dualpipev,interleaved,1f1b] [--pin-cores auto|true|false] [--set k=v ...]
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 import portapipe
+from portapipe import pinning
 from portapipe.config import Config, config_from_dict, load_config
 from portapipe.data import TextData, replica_of
 from portapipe.launch import rank_threads, run_ranks
@@ -316,12 +322,8 @@ def bench_rank(
             "counts_a2a_wait_ms_per_step": round(1000.0 * counts_wait / world / n_timed, 2),
             "same_computation": check[name],
         }
+    out["placement"] = pinning.placement()  # every variant ran here: the same cores and threads
     return out
-
-
-def usable_cores() -> int:
-    """Cores this process (and the ranks it starts) may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def processor_floor(result: dict[str, Any], cores: int) -> dict[str, Any]:
@@ -344,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     parser.add_argument("--a2a-every", type=int, default=4, help="a step timing our exchanges after every N timed steps (0: every step)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated, of {', '.join(PEERS)}")
+    parser.add_argument("--pin-cores", choices=list(pinning.MODES), default=None,
+                        help="each rank on cores of its own, one thread per core: launch.pin_cores (ours and torch's variants share the ranks) [the config's]")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
@@ -358,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     schedules = tuple(name for name in schedules if name not in unsupported)
     if not schedules:
         parser.error("--schedules: torch cannot run any of them here: " + "; ".join(f"{k}: {v}" for k, v in unsupported.items()))
-    config = load_config(args.config, ["backend=cpu", *args.overrides])
+    pin = [f"launch.pin_cores={args.pin_cores}"] if args.pin_cores else []
+    config = load_config(args.config, ["backend=cpu", *args.overrides, *pin])
     if "interleaved" in schedules and config.schedule.microbatches % config.parallel.pp:
         parser.error(f"interleaved needs schedule.microbatches ({config.schedule.microbatches}) divisible by pp ({config.parallel.pp})")
     t0 = time.perf_counter()
@@ -373,9 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         args.a2a_every,
         threads=rank_threads(config.world_size),
         wall_timeout_s=1800,
+        pin_cores=config.launch.pin_cores,
     )
+    placement = pinning.summary(config.launch.pin_cores, [res.pop("placement") for res in results])
     r = results[0]
-    cores = usable_cores()
+    cores = len(pinning.usable_cores())
     for name in schedules:
         r[name].update(processor_floor(r[name], cores))
     report = {
@@ -384,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(), "cores_usable": cores, "platform": platform.platform(), "torch": torch.__version__,
             "load_avg_1m_before": round(load_before[0], 2), "load_avg_1m_after": round(os.getloadavg()[0], 2),
         },
+        "placement": placement,  # each rank's cores and threads, the same for ours and torch's variants
         "ranks": config.world_size,
         "pp": config.parallel.pp,
         "ep": config.parallel.ep,

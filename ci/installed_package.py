@@ -54,6 +54,9 @@ STEPS = (
     Step("portapipe plan c.yaml --devices 4 --memory 2GiB --profile cpu.json --out best.yaml"),
     Step("portapipe bench"),
     Step("portapipe bench eplb --layers 2 --experts 16 --replicas 24 --groups 4 --nodes 2 --gpus 8 --repeats 1"),
+    # The GPU check's driver and its parts (a folder the package ships beside the scripts), in its
+    # dry mode; its progress lines are its own (stderr kept in a file), its table the last output.
+    Step("portapipe bench gpu_check --dry --parts a,f --out gc 2> gc.log && grep -q '| f | grouped matmul' gc/gpu_check.md"),
     # The deepseek_v3 starter's token data from an empty folder: the corpus and the tokenizer ship,
     # so the one missing piece named is the extra (tokenize checks its files before the library).
     Step("portapipe init deepseek_v3 --out d.yaml"),

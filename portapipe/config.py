@@ -434,13 +434,20 @@ class CheckpointConfig(_Section):
 
 
 class LaunchConfig(_Section):
-    """How the local launcher watches and stops its ranks (not used under torchrun / mpirun)."""
+    """How the local launcher watches and stops its ranks (not used under torchrun / mpirun), and
+    the cores each rank of a machine runs on (under every launcher)."""
 
     stall_timeout_s: float = Field(
         60.0, ge=0, description="a rank whose heartbeat stops this long (stopped, frozen) is named and the job ended; 0 never"
     )
     stop_grace_s: float = Field(
         60.0, ge=0, description="after SIGINT / SIGTERM, seconds the ranks get to finish their step and checkpoint before they are killed"
+    )
+    pin_cores: bool | Literal["auto"] = Field(
+        False,
+        description="bind each rank of a machine to a disjoint set of the cores the launcher may use (its affinity and CPU quota), "
+        "one intra-op thread per core of the set; true refuses more ranks on a machine than cores; auto pins where every rank "
+        "can have a core and leaves the ranks unpinned otherwise; false: unpinned, each rank runs cores / ranks threads",
     )
 
 

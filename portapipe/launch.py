@@ -1,9 +1,10 @@
 """Start ranks: locally (:mod:`portapipe.local_job`), or join torchrun / mpirun's ranks.
 
 :func:`run_ranks` is the one way portapipe starts a distributed function, for the CLI, the
-tests and the benchmarks. Each rank gets a ready backend (process group initialised, threads
-pinned, SIGINT / SIGTERM recorded for a graceful stop) and calls ``fn(backend, *args)``; the
-return values come back in rank order.
+tests and the benchmarks. Each rank gets a ready backend (process group initialised, intra-op
+threads set, bound to cores of its own with ``pin_cores`` (:mod:`portapipe.pinning`), SIGINT /
+SIGTERM recorded for a graceful stop) and calls ``fn(backend, *args)``; the return values come
+back in rank order.
 
 Bounded failure: a rank that raises, dies or stalls ends every rank and is named in one line
 (:class:`LaunchError`, its traceback attached); every collective has a timeout and every rank a
@@ -23,9 +24,11 @@ from typing import Any
 
 import torch
 
+from . import pinning
 from .local_job import LaunchError, LocalJob, error_line, write_record
 
-__all__ = ["LaunchError", "run_ranks", "rank_threads", "under_torchrun", "under_mpirun", "launching_rank", "print_launch_error", "debug_enabled"]
+__all__ = ["LaunchError", "run_ranks", "rank_threads", "local_ranks", "local_rank", "under_torchrun", "under_mpirun", "launching_rank",
+           "print_launch_error", "debug_enabled"]
 
 DEBUG_HINT = "rerun with log.level: debug (or PORTAPIPE_DEBUG=1) for the traceback"
 
@@ -63,6 +66,17 @@ def launching_rank() -> int:
 
 #: what each launcher calls the count of its ranks on this machine: torchrun, Open MPI, MPICH / Intel MPI (Hydra)
 _LOCAL_SIZE_KEYS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+#: ... and this process's place among them (the local launcher sets LOCAL_RANK too), then SLURM's
+_LOCAL_RANK_KEYS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+
+
+def local_rank() -> int:
+    """This process's rank among the job's ranks on this machine (0 when no launcher says)."""
+    for key in _LOCAL_RANK_KEYS:
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def _slurm_tasks_here() -> int | None:
@@ -101,8 +115,10 @@ def local_ranks(world_size: int) -> int:
 
 
 def rank_threads(world_size: int) -> int:
-    """Intra-op threads per rank: this machine's cores shared out over this machine's ranks, at least one."""
-    return max(1, (os.cpu_count() or 1) // local_ranks(world_size))
+    """Intra-op threads per unpinned rank: the cores this process may use (:func:`pinning.usable_cores`,
+    not ``os.cpu_count()``: a container may allow fewer) shared out over this machine's ranks, at
+    least one. A pinned rank runs one thread per core of its own set instead."""
+    return max(1, len(pinning.usable_cores()) // local_ranks(world_size))
 
 
 def _env_from_mpi() -> None:
@@ -153,14 +169,24 @@ def _rank_main(
     pg_timeout_s: float,
     wall_timeout_s: float,
     args: tuple[Any, ...],
+    cores: list[list[int]] | None = None,
     job_dir: str | None = None,
 ) -> Any:
-    """Body of every rank: pin threads, arm the watchdog, init the backend, run ``fn``."""
+    """Body of every rank: bind it to its cores (``cores``: each local rank's, or None), set its
+    threads, arm the watchdog, init the backend, run ``fn``."""
     from . import stop
 
     stop.install()  # first: a stop asked for while this rank starts is not lost
     from .backends import get_backend
 
+    if cores is not None:
+        here = local_rank()
+        if here >= len(cores):
+            raise LaunchError(f"local rank {here} of {len(cores)} ranks on this machine: the launcher's LOCAL_RANK and LOCAL_WORLD_SIZE disagree")
+        mine = cores[here]
+        pinning.pin(mine)  # before torch starts its thread pool, which then inherits the binding
+        threads = len(mine)
+    os.environ["OMP_NUM_THREADS"] = str(max(1, threads))  # for what this rank starts
     torch.set_num_threads(max(1, threads))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     stacks = open(Path(job_dir) / f"rank{rank}.stacks", "w") if job_dir else None
@@ -203,6 +229,7 @@ def run_ranks(
     stop_grace_s: float = 60.0,
     start_method: str = "forkserver",
     low_precision: bool = True,
+    pin_cores: pinning.PinMode = False,
 ) -> list[Any]:
     """Run ``fn(backend, *args)`` on ``world_size`` ranks; return the results in rank order.
 
@@ -215,18 +242,22 @@ def run_ranks(
     operation when this process already ran threads (their locks are copied held), so the
     default starts ranks from a clean server process. ``low_precision``: the ranks may compute
     in bfloat16 (False for a float32 / float64 run, where capping oneDNN is not worth a line).
+    ``pin_cores`` (``launch.pin_cores``: True, "auto" or False): each of this machine's ranks bound
+    to cores of its own, with one intra-op thread per core instead of ``threads``; True with more
+    ranks here than usable cores raises ConfigError before any rank starts.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if under_mpirun() and not under_torchrun():
         _env_from_mpi()
     refuse_unlaunchable(backend, backend_options, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    cores = pinning.plan(pin_cores, local_ranks(world_size))
     if under_torchrun() or under_mpirun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
             raise LaunchError(f"the config asks for {world_size} ranks but the launcher started {os.environ['WORLD_SIZE']}")
-        return [_rank_main(fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args)]
+        return [_rank_main(fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args, cores)]
     cap_cpu_isa(say=low_precision)
-    body_args = (fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args)
+    body_args = (fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args, cores)
     job = LocalJob(_rank_main, body_args, world_size, threads, stall_timeout_s, stop_grace_s, wall_timeout_s, pg_timeout_s, start_method)
     return job.run()
 

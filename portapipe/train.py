@@ -195,6 +195,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     from .checkpoint.io import Checkpointer
     from .metrics import ep_step_figures
     from .models.routing import force_routing
+    from .pinning import gather_placement
 
     tc, rank = config.train, groups.rank
     optimizer = make_sharded_optimizer(runtime, config, backend)
@@ -218,10 +219,15 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
     tb_run = run.run_id if config.log.tensorboard else None
     metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run) if rank == 0 else None
-    memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory()}), "step": start}
+    memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory()}), "step": start,
+              "launch": gather_placement(config.launch.pin_cores)}
     if metrics is not None:
         metrics.write(memory)
         say_stderr("memory per rank (largest): " + ", ".join(f"{k} {memory[k] / 2**20:.2f} MiB" for k in ("params", "grads", "master", "optimizer")))
+        placed = memory["launch"]
+        if placed["pinned"]:
+            each = zip(placed["cores_by_rank"], placed["threads_by_rank"])
+            say_stderr("cores per rank (launch.pin_cores): " + ", ".join(f"{c} ({t} thread{'s' * (t != 1)})" for c, t in each))
     bar = _progress_bar(tc.steps, start) if rank == 0 and config.log.progress else None
     figures = Figures()
     stopped: dict[str, Any] | None = None
@@ -414,7 +420,7 @@ def check_before_launch(config: Config) -> None:
 
     from .models.hf_io import init_problems
 
-    problems = list(data_problems(config)) + init_problems(config.model) + log_problems(config.log.tensorboard)
+    problems = list(data_problems(config)) + init_problems(config.model) + log_problems(config.log.tensorboard) + pin_problems(config)
     try:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:
@@ -427,6 +433,18 @@ def check_before_launch(config: Config) -> None:
         problems.append(str(err))
     if problems:
         raise ConfigError(problems)
+
+
+def pin_problems(config: Config) -> list[str]:
+    """``launch.pin_cores: true`` on a machine with fewer usable cores than the job's ranks here."""
+    from .launch import local_ranks
+    from .pinning import plan
+
+    try:
+        plan(config.launch.pin_cores, local_ranks(config.world_size))
+    except ConfigError as err:
+        return err.problems
+    return []
 
 
 def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
@@ -458,5 +476,6 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
             stall_timeout_s=config.launch.stall_timeout_s,
             stop_grace_s=config.launch.stop_grace_s,
             low_precision=config.model.dtype == "bfloat16",
+            pin_cores=config.launch.pin_cores,
         )
     return results[0]

@@ -1,8 +1,12 @@
-"""benchmarks/balance_e2e.py's summary of a variant's steps and its variants (its runs are too
-slow for the suite: the figures in docs/balancers-in-training.md come from the script itself)."""
+"""benchmarks/balance_e2e.py's summary of a variant's steps and its variants (its full runs are too
+slow for the suite: the figures in docs/balancers-in-training.md come from the script itself), and
+one step of its smallest run with the ranks pinned."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,3 +64,37 @@ def test_variants_differ_only_in_routing_and_balancer(tmp_path: Path) -> None:
         "ep4", "loads", "lplb", "examples/expert_loads.txt", tmp_path / "f", 4)["balancer"]
     with pytest.raises(KeyError):
         variant_config("ep3", "loads", "none", "x", tmp_path / "d", 4)
+
+
+@pytest.mark.multiproc
+def test_one_step_with_pinned_ranks_says_each_ranks_cores(tmp_path: Path) -> None:
+    from portapipe import pinning
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "benchmarks" / "balance_e2e.py"), "--layouts", "ep2", "--sources", "loads", "uniform",
+           "--balancers", "none", "--steps", "1", "--warmup", "0", "--pin-cores", "auto", "--out-dir", str(tmp_path / "runs")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    layout = json.loads(out.stdout)["layouts"]["ep2"]
+    want = pinning.plan("auto", 2)
+    placed = layout["placement"]
+    assert placed["pin_cores"] == "auto" and placed["pinned"] is (want is not None)
+    if want is not None:  # 2 usable cores or more: one set each, one thread per core
+        assert placed["cores_by_rank"] == [pinning.describe(c) for c in want] and placed["threads_by_rank"] == [len(c) for c in want]
+    assert set(layout["variants"]) == {"loads:none", "uniform:none"}
+
+
+def test_pinning_more_ranks_than_cores_is_refused_in_one_line_before_any_layout_runs(tmp_path: Path) -> None:
+    from portapipe import pinning
+
+    if len(pinning.usable_cores()) >= 8:
+        pytest.skip("this machine has a core for each of 8 ranks")
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "benchmarks" / "balance_e2e.py"), "--layouts", "ep2", "pp2ep4", "--sources", "loads", "uniform",
+           "--steps", "1", "--warmup", "0", "--pin-cores", "true", "--out-dir", str(tmp_path / "runs")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and out.stdout == "" and len(lines) == 1, out.stderr
+    assert lines[0].startswith("portapipe: config error: launch.pin_cores: true") and "8 ranks" in lines[0]

@@ -91,8 +91,10 @@ def test_every_number_and_boolean_key_refuses_text_and_every_boolean_key_numbers
                 lines = _problems({section: {name: v}})
                 assert re.match(rf"{re.escape(f'{key}: {v!r}: ')}(text is not a |expected )", lines[0]), (key, lines)
                 checked += 1
-        if "bool" in kinds and not numbers:
-            assert _problems({section: {name: 1}})[0] == f"{key}: 1: a number is not a boolean; give true or false"
+        if "bool" in kinds and not numbers:  # a boolean key, with its own words beside (launch.pin_cores: auto)
+            words = " or ".join(["true or false", *(str(c) for a in _alternatives(annotation) if typing.get_origin(a) is typing.Literal
+                                                    for c in typing.get_args(a))])
+            assert _problems({section: {name: 1}})[0] == f"{key}: 1: a number is not a boolean; give {words}"
     assert checked > 40
 
 

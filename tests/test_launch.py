@@ -74,13 +74,12 @@ _LAUNCHER_KEYS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "L
 def test_rank_threads_share_this_machines_cores_over_this_machines_ranks(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], world: int, threads: int
 ) -> None:
-    import os
-
+    from portapipe import pinning
     from portapipe.launch import rank_threads
 
     for key in _LAUNCHER_KEYS:
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(pinning, "usable_cores", lambda: list(range(16)))  # the cores this process may use
     assert rank_threads(world) == threads

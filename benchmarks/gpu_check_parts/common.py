@@ -1,0 +1,182 @@
+"""What the GPU check's parts share: a part's record and context, child processes (the driver's
+parts, `portapipe` commands, pytest) and the CUDA questions asked without making a CUDA context."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+#: a source checkout (tests/ beside portapipe/); None where the benchmark runs from the package
+CHECKOUT = ROOT if (ROOT / "tests").is_dir() and (ROOT / "portapipe").is_dir() else None
+T0 = time.time()
+
+
+def say(msg: str) -> None:
+    """A progress line with the time and the seconds since the command started."""
+    print(f"[{time.strftime('%H:%M:%S')} +{time.time() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with the checkout first on the path (children import its code)."""
+    env = os.environ.copy()
+    if CHECKOUT is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT), env.get("PYTHONPATH", "")) if p)
+    env.update(extra or {})
+    return env
+
+
+def tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, theirs, ...), read from /proc; empty where there
+    is none (zombies, ended and not yet reaped, left out)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue  # ended meanwhile
+            if state != "Z":
+                children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill(pids: list[int]) -> None:
+    """SIGKILL each of ``pids``, and reap those that are this process's children (adopted orphans)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(OSError):  # not our child: its own parent reaps it
+            os.waitpid(pid, 0)
+
+
+def adopt_orphans() -> None:
+    """Make this process the reaper of its descendants' orphans (Linux), so that :func:`descendants`
+    still finds a grandchild whose parent died (a part killed at its cap, a rank's helper)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def run_cmd(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None) -> dict[str, Any]:
+    """Run ``cmd`` in its own session; at ``timeout_s`` it is killed with every process below it
+    (those that started sessions or process groups of their own too: pytest's, a launch's ranks)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or child_env(),
+                            cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=max(1.0, timeout_s))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        below = descendants(proc.pid)  # before the kill: an orphan's parent is no longer its parent
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill([proc.pid, *below])
+        out, err = proc.communicate()
+        timed_out = True
+    return {"cmd": " ".join(cmd), "rc": proc.returncode, "timed_out": timed_out, "s": round(time.perf_counter() - t0, 1),
+            "stdout": out, "stderr": err}
+
+
+def last_json(text: str) -> Any:
+    """The last top-level JSON value printed (progress lines may come before it)."""
+    decoder = json.JSONDecoder()
+    for start in reversed([i for i, ch in enumerate(text) if ch in "{[" and (i == 0 or text[i - 1] == "\n")]):
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            continue
+        if not text[end:].strip():
+            return value
+    raise ValueError("printed no JSON at its end")
+
+
+def cli(args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`portapipe ARGS` as a child process; its last JSON line as ``json`` when it printed one."""
+    res = run_cmd([sys.executable, "-m", "portapipe.cli", *args], timeout_s, env)
+    with contextlib.suppress(ValueError):
+        res["json"] = last_json(res["stdout"])
+    return res
+
+
+def starter(name: str) -> Path:
+    """A starter config shipped with portapipe (examples/NAME.yaml in a checkout)."""
+    return Path(str(resources.files("portapipe") / "configs" / f"{name}.yaml"))
+
+
+def cuda_reason() -> str | None:
+    """Why the cuda backend cannot run here, or None (asked without creating a CUDA context)."""
+    from portapipe.backends.registry import backend_class
+
+    cls = backend_class("cuda")
+    return None if cls.is_available() else cls.unavailable_reason()
+
+
+def gpu_count() -> int:
+    from portapipe.backends.registry import backend_class
+
+    return int(backend_class("cuda").device_count())
+
+
+def cuda_options(ranks: int) -> dict[str, str]:
+    """backend_options for ``ranks`` ranks on this machine: gloo between them where they share GPUs."""
+    return {"dist_backend": "gloo"} if ranks > max(1, gpu_count()) else {}
+
+
+def set_args(options: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for key, value in options.items():
+        out += ["--set", f"{key}={value}"]
+    return out
+
+
+class Record(dict):
+    """One part's result, written to its file each time :meth:`save` is called. Its ``status``:
+    ok, dry, failed, skipped (with a ``reason``), and from the driver timeout, crashed, not run."""
+
+    def __init__(self, path: Path, key: str, title: str, dry: bool) -> None:
+        super().__init__(part=key, title=title, status="running", dry=dry, summary="", results={})
+        self.path = path
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self, indent=1, default=str) + "\n")
+        tmp.replace(self.path)
+
+    def put(self, key: str, value: Any) -> None:
+        self["results"][key] = value
+        self.save()
+
+
+@dataclass(frozen=True)
+class Ctx:
+    dry: bool
+    work: Path  # this part's scratch folder
+    deadline: float  # time.time() by which the part must be done
+
+    def left(self, reserve: float = 5.0) -> float:
+        return max(1.0, self.deadline - time.time() - reserve)
+

@@ -1,0 +1,47 @@
+"""The GPU check's parts, in the order `--parts all` runs them, with their time caps, and the two
+calls of a run on one GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .common import Ctx, Record
+from .correctness import part_verify
+from .env import part_env
+from .grouped_mm import part_grouped_mm
+from .lplb import part_lplb
+from .memory import part_memory
+from .portability import part_portability
+from .speed import part_speed
+from .step_claims import part_step_claims
+from .suite import part_suite
+
+#: the two commands of a run on one GPU (docs/gpu.md), each about 6 minutes: the caps of call 1
+#: add up to 340 s, those of call 2 to 375 s; within a call the parts run in this order, and the
+#: last of each (the suite, cut off counted from pytest's progress; the step claims, each run
+#: recorded as it ends) takes whatever the others left of the command's --budget-s
+CALLS = {"1": "a,f,h,b", "2": "c,e,d,g,i"}
+
+
+@dataclass(frozen=True)
+class Part:
+    key: str
+    title: str
+    run: Callable[[Record, Ctx], None]
+    cap_s: float  # on the GPU machine
+    cap_dry_s: float  # in the dry mode
+
+
+PARTS = [
+    Part("a", "environment", part_env, 30, 60),
+    Part("b", "the suite, cuda tests, conformance kit", part_suite, 270, 120),
+    Part("c", "verify: every schedule on the GPU", part_verify, 90, 120),
+    Part("d", "portability CPU <-> CUDA, bf16 vs float32", part_portability, 100, 180),
+    Part("e", "speed: tokens/s, MFU, vs transformers", part_speed, 100, 120),
+    Part("f", "grouped matmul vs dense", part_grouped_mm, 25, 60),
+    Part("g", "allocator peak vs memory model", part_memory, 25, 90),
+    Part("h", "LPLB Triton kernels", part_lplb, 15, 60),
+    Part("i", "step_vs_torch, balance_e2e, a core set per rank", part_step_claims, 60, 150),
+]
+BY_KEY = {p.key: p for p in PARTS}
