@@ -25,7 +25,7 @@ training or verification run builds it:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -117,12 +117,13 @@ class PipelineRuntime(PipelineExecutor):
         return sorted(layers, key=lambda layer: layer.index)
 
     @contextlib.contextmanager
-    def unchanged(self) -> Iterator[None]:
+    def unchanged(self) -> Iterator[Callable[[], None]]:
         """What runs inside (a step that is not training's: validation, a retried verification)
         leaves this rank as it found it: every buffer (the routers' biases, the step's expert
         counts), the RNG, and the attributes of the experts' clocks and of the balancer, its
         replica switch and LP planners (the figures a step leaves for the next). A step writes
-        gradients, never the parameters: they are not copied."""
+        gradients, never the parameters: they are not copied. The context yields ``keep``:
+        called inside, the state the block leaves is kept instead (a retried step that succeeded)."""
         tensors = [t for block in self.blocks.values() for t in block.buffers()]
         saved = [t.detach().clone() for t in tensors]
         objects = [layer.moe.clock for layer in self.moe_layers()]
@@ -130,16 +131,18 @@ class PipelineRuntime(PipelineExecutor):
             objects += [self.balancer, self.balancer.switch, *self.balancer.planners]
         attributes = [dict(vars(o)) for o in objects]
         rng = self.backend.get_rng_state()
+        kept: list[bool] = []
         try:
-            yield
+            yield lambda: kept.append(True)
         finally:
-            with torch.no_grad():
-                for t, old in zip(tensors, saved):
-                    t.copy_(old)
-            for o, attrs in zip(objects, attributes):
-                vars(o).clear()
-                vars(o).update(attrs)
-            self.backend.set_rng_state(rng)
+            if not kept:
+                with torch.no_grad():
+                    for t, old in zip(tensors, saved):
+                        t.copy_(old)
+                for o, attrs in zip(objects, attributes):
+                    vars(o).clear()
+                    vars(o).update(attrs)
+                self.backend.set_rng_state(rng)
 
 
 def model_end_step(rt: PipelineRuntime) -> dict[str, Any]:

@@ -287,15 +287,17 @@ def step_report(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.T
     """Run one step; return what :func:`compare` checks (picklable, for the launcher).
 
     float16 scales the loss as training does: from training's first scale, halved while the
-    gradients overflow (each try undone, :meth:`~portapipe.compose.PipelineRuntime.unchanged`);
+    gradients overflow (each overflowing try undone, :meth:`~portapipe.compose.PipelineRuntime.unchanged`);
     the gradients are reported divided by it (in float64, exactly)."""
     scaler = LossScaler(runtime.config.model.dtype == "float16")
     while True:
         runtime.grad_scale = scale = scaler.scale
-        with runtime.unchanged():
+        with runtime.unchanged() as keep:
             report = _one_step(runtime, data, scale)
-            finite = not scaler.enabled or everywhere(runtime.backend, _finite(report))
-        if finite or scaler.scale == 1.0:
+            done = not scaler.enabled or scaler.scale == 1.0 or everywhere(runtime.backend, _finite(report))
+            if done:
+                keep()  # the step that counts leaves its state, as training's would
+        if done:
             runtime.grad_scale = 1.0
             return report
         scaler.update(False)
