@@ -520,7 +520,8 @@ def _without_effect(c: Config) -> list[str]:
 def _key_of(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
     """An error's location as the key path the user wrote, and that key's type. pydantic names the
     alternative it tried after a union-typed key (``balancer.min_gain.float``,
-    ``balancer.min_gain.literal['auto']``): that part is no key and is dropped."""
+    ``balancer.min_gain.literal['auto']``, ``train.mtp_loss_weight.dict[int,float].a.[key]``): that
+    part, and what follows it inside the value, is no key and is dropped."""
     section: Any = Config
     annotation: Any = None
     path: list[Any] = []
@@ -535,7 +536,7 @@ def _key_of(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
         annotation = fields[part].annotation
         section = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
         if section is None and len(_members(annotation)) > 1 and rest and isinstance(rest[0], str):
-            rest.pop(0)
+            break  # the alternative's name, and what it found inside the value (a mapping's key): no key
     return tuple(path), annotation
 
 
