@@ -166,7 +166,8 @@ def where(backend):
     return {{"local_rank": int(os.environ["LOCAL_RANK"]), "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}}
 
 if __name__ == "__main__":
-    print(json.dumps(run_ranks(where, 2, pin_cores=True)[0]))
+    # one write per rank: two ranks share the pipe, and print's text and newline could interleave
+    os.write(1, (json.dumps(run_ranks(where, 2, pin_cores=True)[0]) + os.linesep).encode())
 """
 
 
