@@ -61,6 +61,35 @@ def test_weights_do_not_depend_on_the_split_or_the_expert_sharding() -> None:
     assert not torch.equal(other[name], whole[name])
 
 
+def test_weights_do_not_depend_on_the_threads_that_draw_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draws run side by side on the intra-op threads, each from its own generator: one
+    thread and four give the same weights, and the pool is used (a shared generator, or one
+    draw's target given another's values, would show)."""
+    import concurrent.futures
+
+    cfg = _cfg()
+    saved = torch.get_num_threads()
+    pools: list[int] = []
+    real = concurrent.futures.ThreadPoolExecutor
+
+    class Counted(real):  # type: ignore[misc, valid-type]
+        def __init__(self, workers: int) -> None:
+            pools.append(workers)
+            super().__init__(workers)
+
+    monkeypatch.setattr(concurrent.futures, "ThreadPoolExecutor", Counted)
+    try:
+        torch.set_num_threads(1)
+        one = _params(build_blocks(cfg, [0], 1, _ep(), seed=3))
+        assert pools == []
+        torch.set_num_threads(4)
+        four = _params(build_blocks(cfg, [0], 1, _ep(), seed=3))
+        assert pools == [4]
+    finally:
+        torch.set_num_threads(saved)
+    assert one.keys() == four.keys() and all(torch.equal(one[n], four[n]) for n in one)
+
+
 def test_float64_and_float32_build_and_run() -> None:
     for dtype in ("float64", "float32"):
         blocks = build_blocks(_cfg(dtype=dtype), [0], 1, _ep(), seed=1)
