@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# one reader of a program's final JSON for both drivers (this folder is on the path as the script's own)
+from gpu_check_parts.common import last_json
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: benchmark -> the arguments of the run its README row quotes; every script beside this one is
@@ -79,20 +82,6 @@ def machine() -> dict[str, Any]:
         "uncommitted_changes": None if status is None else bool(status),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
     }
-
-
-def last_json(text: str) -> Any:
-    """The last top-level JSON value a program printed (progress lines may come before it)."""
-    decoder = json.JSONDecoder()
-    starts = [i for i, ch in enumerate(text) if ch in "{[" and (i == 0 or text[i - 1] == "\n")]
-    for start in reversed(starts):
-        try:
-            value, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            continue
-        if not text[end:].strip():
-            return value
-    raise ValueError("printed no JSON at its end")
 
 
 def run_command(cmd: list[str], cwd: Path) -> tuple[dict[str, Any], Any]:

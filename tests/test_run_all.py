@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,10 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
-def run_all(monkeypatch):
-    spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def run_all(monkeypatch, bench_module):
+    module = bench_module("run_all")
     # A small schedule_speed run stands for the benchmarks; a bad argument for a failing entry.
     monkeypatch.setattr(module, "BENCHMARKS", {"schedule_speed": ["--pp", "4", "--microbatches", "8", "--repeat", "1"]})
     monkeypatch.setattr(module, "training_entries", lambda tmp: {"broken": [[sys.executable, "-c", "import sys; sys.exit('no such thing')"]]})
@@ -42,11 +39,9 @@ def test_entries_run_in_turn_and_the_file_records_each(run_all, tmp_path, capsys
     assert json.loads(capsys.readouterr().out) == {"out": str(out), "entries": 2, "failed": 1}
 
 
-def test_every_benchmark_script_is_an_entry() -> None:
+def test_every_benchmark_script_is_an_entry(bench_module) -> None:
     """A benchmark that run_all does not run has no figure in results.json to quote."""
-    spec = importlib.util.spec_from_file_location("run_all_entries", ROOT / "benchmarks" / "run_all.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_module("run_all")
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_")} - {"run_all"} - set(module.ELSEWHERE)
     assert set(module.ELSEWHERE) <= {p.stem for p in (ROOT / "benchmarks").glob("*.py")}, "ELSEWHERE names a script that is not there"
     assert scripts - set(module.BENCHMARKS) == set(), "benchmarks that run_all.py does not run"
