@@ -3,8 +3,8 @@
 One command, run from a checkout with PYTHONPATH (nothing installed), writes ``gpu_check.json``
 and a short table ``gpu_check.md`` into ``--out`` and prints the table last:
 
-    PYTHONPATH=$PWD python benchmarks/gpu_check.py --out gpu-check --parts a,b --budget-s 340
-    PYTHONPATH=$PWD python benchmarks/gpu_check.py --out gpu-check --parts c-i --budget-s 340
+    PYTHONPATH=$PWD python3 benchmarks/gpu_check.py --parts call1 --out gpu-check/1 --budget-s 350   # a, f, h, b
+    PYTHONPATH=$PWD python3 benchmarks/gpu_check.py --parts call2 --out gpu-check/2 --budget-s 380   # c, e, d, g, i
 
 Parts (docs/gpu.md says what each claims and the two-call split):
   a  environment: device, compute capability, memory, torch / CUDA / NCCL / Triton, NVSHMEM, `portapipe info`

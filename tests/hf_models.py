@@ -141,3 +141,18 @@ def transformers_mtp(folder: Path) -> tuple[Any, Any]:
     # its pattern of MTP keys names DeepSeek-V3's layer 61; this model's modules start at layer n
     main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{i}\..*" for i in range(n, n + main.config.num_mtp_layers)]
     return main, MtpModel.from_pretrained(main).to(torch.float64)
+
+
+def mtp_depth_logits(mtp: Any, depth: int, hidden: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Every row's logits of ``MtpModel``'s module ``depth`` on ``hidden`` (the previous depth's rows)
+    and the tokens each row embeds: one step of its drafting loop, made of the pieces every
+    transformers 5 release has (5.2x adds ``forward_layer`` for it; 5.17 lacks it, and ``forward``
+    without labels keeps only the last row)."""
+    embeds = mtp.embed_tokens(input_ids)
+    masks = mtp.create_masks_for_mtp_layer(depth, embeds, None, position_ids)
+    rope = mtp.rotary_emb(embeds, position_ids=position_ids)
+    # MtpLayer's positional order is one across releases (the cache argument's name is not)
+    out = mtp.layers[depth](embeds, hidden, rope, masks.get("attention_mask"), position_ids, None)
+    if mtp.use_shared_post_norm:
+        out = mtp.shared_post_norm(out)
+    return mtp._project_to_logits(out)

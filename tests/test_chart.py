@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
 import pytest
-from PIL import Image
+
+matplotlib = pytest.importorskip("matplotlib")  # the viz extra
+from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 
 from portapipe.cli import build_parser
 from portapipe.scheduling.comms import lower_comms

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--layers", "3", "--experts", "16", "--replicas", "24", "--gpus", "4", "--nodes", "2", "--groups", "4"]
 
@@ -50,6 +52,7 @@ def test_eplb_benchmark_times_every_policy_against_the_python_loop() -> None:
 
 
 def test_eplb_migration_benchmark_reports_policies_pareto_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")  # a chart needs the viz extra
     max_moved = "0.25"
     png = tmp_path / "pareto.png"
     out = run("eplb_migration.py", *SMALL, "--seeds", "2", "--drifts", "0.05", "0.1", "--repeats", "1",

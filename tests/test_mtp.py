@@ -32,7 +32,7 @@ from portapipe.scheduling.overlap import Tape, run
 from portapipe.scheduling.stage import logical_state
 from portapipe.verify import verify_many
 
-from .hf_models import model_section, mtp_folder, portapipe_blocks, tokens, transformers_mtp
+from .hf_models import model_section, mtp_depth_logits, mtp_folder, portapipe_blocks, tokens, transformers_mtp
 from .test_objective import SCHEDULES, check_exact, stage_step, verify_config
 
 
@@ -88,7 +88,7 @@ def test_the_modules_forward_equals_transformers_mtp_model(folder: Path) -> None
     with torch.no_grad():
         h0 = main(x, output_hidden_states=True).hidden_states[-1]
         position = torch.arange(1, seq)[None].expand(2, -1)
-        want = mtp._project_to_logits(mtp.forward_layer(0, h0[:, : seq - 1], position, None, input_ids=x[:, 1:]))
+        want = mtp_depth_logits(mtp, 0, h0[:, : seq - 1], x[:, 1:], position)
         ours = blocks[-1].mtp_layers()[0]
         hn = _main_hidden(blocks, x)
         z = run(ours.program(Tape(record=False), ours.mtp_input_part(hn, x[:, 1:], blocks[-1].embed)))

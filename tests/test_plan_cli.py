@@ -53,6 +53,7 @@ def test_bad_profile_and_loads_files(capsys: pytest.CaptureFixture[str], tmp_pat
 
 
 def test_plan_prints_the_table_writes_the_best_and_the_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")  # a chart needs the viz extra
     out, png = tmp_path / "best.yaml", tmp_path / "plan.png"
     assert main(["plan", EXAMPLE, "--devices", "4", "--memory", "64MiB", "--profile", "h800", "--out", str(out), "--plot", str(png), "--top", "3"]) == 0
     text = capsys.readouterr().out

@@ -43,6 +43,7 @@ def test_json_timeline_and_no_w_split(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_plot_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")  # a chart needs the viz extra
     target = tmp_path / "dualpipe.png"
     argv = ["simulate", "--schedule", "dualpipe", "--pp", "8", "--microbatches", "20", "--plot", str(target), "--json"]
     assert main(argv) == 0
@@ -81,6 +82,7 @@ def test_bad_arguments_exit_2(argv: list[str], message: str, capsys: pytest.Capt
     ],
 )
 def test_a_chart_that_cannot_be_written_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, said: str) -> None:
+    pytest.importorskip("matplotlib")  # a chart needs the viz extra
     (tmp_path / "a_folder.png").mkdir()
     path = name if name.startswith("/") else str(tmp_path / name)
     argv = ["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--plot", path]
