@@ -193,7 +193,21 @@ def _lr(x: Setup) -> list[str]:
     t = x.train
     out = _one(t.min_lr > t.lr, f"train.min_lr: {t.min_lr} > train.lr = {t.lr}")
     s = t.lr_schedule_steps
-    return out + _one(s is not None and s < t.warmup_steps, f"train.lr_schedule_steps: {s} < train.warmup_steps = {t.warmup_steps}")
+    out += _one(s is not None and s < t.warmup_steps, f"train.lr_schedule_steps: {s} < train.warmup_steps = {t.warmup_steps}")
+    if x.model is None:
+        return out
+    import torch
+
+    from .optim.precision import master_dtype
+
+    # AdamW's first step scales the update by lr / (1 - beta1) and the weights by 1 - lr x decay,
+    # each a number in the dtype of the weights it updates: one that dtype cannot hold fails a rank
+    dtype = master_dtype(x.model.dtype, t.master_dtype)
+    largest = torch.finfo(getattr(torch, dtype)).max
+    scalar = max(t.lr / (1.0 - t.betas[0]), abs(1.0 - t.lr * t.weight_decay))
+    below = min(largest * (1.0 - t.betas[0]), largest / t.weight_decay if t.weight_decay else largest)
+    return out + _one(scalar > largest, f"train.lr: {t.lr:g}: AdamW's first step multiplies by {scalar:.3g}, more than {dtype} "
+                      f"(the dtype of the weights it updates) holds ({largest:.3g}); give a learning rate below {below:.3g}")
 
 
 def _known_backend(x: Setup) -> list[str]:
@@ -321,7 +335,8 @@ RULES: tuple[Rule, ...] = (
     Rule("lplb-slots", "balancer", "LPLB moves tokens to a copy on a neighbouring EP rank of its topology", _lplb_slots),
     Rule("balancer-nodes", "balancer", "a balancer's nodes hold equal shares of the EP ranks", _balancer_nodes),
     Rule("eplb-shape", "balancer", "EPLB packs expert groups onto nodes; incremental and refined hold an expert at most once per rank", _eplb_shape),
-    Rule("lr-range", "train", "the schedule decays the learning rate from lr to min_lr, after the warm-up", _lr),
+    Rule("lr-range", "train", "the schedule decays the learning rate from lr to min_lr, after the warm-up; AdamW's first step "
+         "(lr / (1 - beta1), 1 - lr x weight_decay) fits the master dtype", _lr),
     Rule("known-backend", "backend", "backends are built in or registered as plug-ins", _known_backend),
     Rule("ep-transport", "backend", "each backend declares its expert transports (capabilities.ep_transports); every backend has all-to-all", _transport),
     Rule("model-dtype", "backend", "the model computes in a dtype the backend's matmul takes (capabilities.compute_dtypes)", _model_dtype),

@@ -13,6 +13,7 @@ import torch
 import portapipe.launch
 from portapipe.cli import main
 from portapipe.config import ConfigError, load_config
+from portapipe.optim.adamw import adamw_
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
 CORPUS = Path(__file__).resolve().parents[1] / "portapipe" / "data" / "shakespeare.txt.gz"
@@ -132,6 +133,31 @@ def test_the_config_accepts_exactly_the_optimizer_values_adamw_accepts() -> None
 def test_inf_and_nan_are_refused_at_load_naming_the_key(tmp_path, capsys, no_ranks, setting, key) -> None:
     code, lines = cli(capsys, *train(tmp_path, setting))
     assert code == 2 and lines == [f"portapipe: config error: {key}: Input should be a finite number"], lines
+
+
+def test_a_learning_rate_the_master_dtype_cannot_hold_exits_2_before_any_rank(tmp_path, capsys, no_ranks) -> None:
+    code, lines = cli(capsys, *train(tmp_path, "train.lr=1e39"))
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("portapipe: config error: train.lr: 1e+39: AdamW's first step multiplies by 1e+40, more than float32"), lines
+
+
+@pytest.mark.parametrize("lr, decay", [(3.3e37, 0.0), (3.5e37, 0.0), (1e36, 1e3), (1e36, 1e2), (1e300, 0.0)])
+def test_the_learning_rate_rule_refuses_exactly_what_adamw_cannot_step(lr, decay) -> None:
+    """AdamW's first step on float32 weights (the float32 model's master) fails, or leaves a weight
+    that is not finite (torch's in-place multiply rounds a scalar too large to inf, silently),
+    where the rule refuses, and only there."""
+    param, grad = torch.ones(4), torch.full((4,), 0.5)
+    try:
+        adamw_(param, grad, torch.zeros(4), torch.zeros(4), step=1, lr=lr, betas=(0.9, 0.95), weight_decay=decay, decayed=[(0, 4)])
+        steps = bool(torch.isfinite(param).all())
+    except RuntimeError:
+        steps = False
+    try:
+        load_config({"train": {"lr": lr, "min_lr": 0.0, "weight_decay": decay}})
+        accepted = True
+    except ConfigError as exc:
+        assert "train.lr" in str(exc)
+        accepted = False
+    assert accepted == steps, (lr, decay)
 
 
 def test_an_empty_data_file_exits_2_is_empty(tmp_path, capsys, no_ranks) -> None:
