@@ -350,6 +350,11 @@ class TrainConfig(_Section):
         description="model.dtype float16: this many steps in a row skipped for overflowing gradients stop the run as diverged "
         "(exit 3); the loss scale halves at each, from 2^16 to its floor 1 in 16",
     )
+    loss_scale_growth_interval: int = Field(
+        2000, ge=1,
+        description="model.dtype float16: this many applied steps in a row without an overflow double the loss scale "
+        "(torch.amp.GradScaler's default)",
+    )
     zero_stage: Literal[0, 1, 2] = Field(
         0,
         description="0: every replica holds the whole optimizer; 1: master weights and AdamW state sharded over the "
@@ -512,6 +517,9 @@ def _without_effect(c: Config) -> list[str]:
     if c.model.mtp_layers == 0 and c.train.mtp_loss_weight != _default(TrainConfig, "mtp_loss_weight"):
         out.append(f"train.mtp_loss_weight: {c.train.mtp_loss_weight} has no effect: model.mtp_layers is 0 (no multi-token "
                    "prediction); set model.mtp_layers, or remove it")
+    if c.model.dtype != "float16" and c.train.loss_scale_growth_interval != _default(TrainConfig, "loss_scale_growth_interval"):
+        out.append(f"train.loss_scale_growth_interval: {c.train.loss_scale_growth_interval} has no effect: only a float16 model "
+                   f"scales its loss (model.dtype is {c.model.dtype}); remove it")
     if c.model.init_from is not None and c.model.init_std != _default(ModelConfig, "init_std"):
         out.append(f"model.init_std: {c.model.init_std} has no effect: every weight is read from model.init_from; remove it")
     return out

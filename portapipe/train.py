@@ -199,7 +199,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
     tc, rank = config.train, groups.rank
     optimizer = make_sharded_optimizer(runtime, config, backend)
-    scaler = LossScaler(config.model.dtype == "float16")
+    scaler = LossScaler(config.model.dtype == "float16", growth_interval=tc.loss_scale_growth_interval)
     counted = counted_blocks(runtime.schedule, groups.pp_rank)
     data = TextData(config)
     balancer = runtime.balancer  # eplb / lplb on the running model (portapipe.balancing.runtime)

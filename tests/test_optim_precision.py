@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,23 +51,29 @@ def test_loss_scale_halves_on_overflow_and_doubles_after_clean_steps():
     assert off.scale == 1.0 and off.update(False) is False and off.overflows == 0
 
 
-@pytest.mark.multiproc
-def test_float16_overflows_skip_steps_lower_the_scale_and_training_goes_on(tmp_path: Path):
-    """A step overflows at the initial scale 2**16 (not a divergence: exit 0); it is skipped, halves the scale, and training goes on."""
+def _float16_run(folder: Path, **train: Any) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """12 float16 steps (pp 2, 1F1B): stderr, the metrics rows and the last checkpoint's manifest."""
     import subprocess
     import sys
 
     raw = {"backend": "cpu", "parallel": {"pp": 2, "ep": 1, "dp": 1}, "schedule": {"name": "1f1b", "microbatches": 2},
-           "model": {**MODEL, "dtype": "float16"}, "train": {"steps": 12, "micro_batch_size": 2, "lr": 1e-2, "warmup_steps": 0},
-           "data": {"val_fraction": 0.05}, "log": {"dir": str(tmp_path), "progress": False}}
-    (tmp_path / "c.json").write_text(json.dumps(raw))
+           "model": {**MODEL, "dtype": "float16"}, "train": {"steps": 12, "micro_batch_size": 2, "lr": 1e-2, "warmup_steps": 0, **train},
+           "data": {"val_fraction": 0.05}, "log": {"dir": str(folder), "progress": False}}
+    (folder / "c.json").write_text(json.dumps(raw))
     # its own process: the ranks' stderr is then this command's (a fork server kept from an earlier
     # test of this pytest process would write where that test's stderr went)
     proc = subprocess.run([sys.executable, "-c", "import sys; from portapipe.cli import main; sys.exit(main(sys.argv[1:]))",
-                           "train", str(tmp_path / "c.json")], capture_output=True, text=True, timeout=300)
+                           "train", str(folder / "c.json")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    err = proc.stderr
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    last = max((folder / "checkpoints").glob("step_*/manifest.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+    return proc.stderr, rows, json.loads(last.read_text())
+
+
+@pytest.mark.multiproc
+def test_float16_overflows_skip_steps_lower_the_scale_and_training_goes_on(tmp_path: Path):
+    """A step overflows at the initial scale 2**16 (not a divergence: exit 0); it is skipped, halves the scale, and training goes on."""
+    err, rows, manifest = _float16_run(tmp_path)
     overflow = [r for r in rows if r["kind"] == "overflow"]
     train = [r for r in rows if r["kind"] == "train"]
     summary = rows[-1]
@@ -77,5 +84,22 @@ def test_float16_overflows_skip_steps_lower_the_scale_and_training_goes_on(tmp_p
     assert err.count("gradients overflowed at loss scale") == len(overflow)
     assert train[-1]["loss"] < train[0]["loss"]
     # the checkpoint carries the scale, so a resumed run goes on where this one stopped
-    manifest = json.loads(next((tmp_path / "checkpoints").glob("step_*/manifest.json")).read_text())
     assert manifest["trainer"]["loss_scale"]["scale"] == 2.0**16 / 2 ** len(overflow)
+
+
+@pytest.mark.multiproc
+def test_the_growth_interval_key_sets_how_many_clean_steps_double_the_scale(tmp_path: Path):
+    """With train.loss_scale_growth_interval 2 the scale doubles every second clean step: every
+    overflow row's scale and the checkpoint's are the scaler's replayed over the run's own steps."""
+    _, rows, manifest = _float16_run(tmp_path, loss_scale_growth_interval=2)
+    steps = sorted((r["step"], r["kind"] == "train") for r in rows if r["kind"] in ("train", "overflow"))
+    assert [s for s, _ in steps] == list(range(1, 13))
+    replay, at_overflow = LossScaler(True, growth_interval=2), []
+    for _, applied in steps:
+        if not applied:
+            at_overflow.append(replay.scale)
+        replay.update(applied)
+    assert [r["loss_scale"] for r in rows if r["kind"] == "overflow"] == at_overflow
+    assert manifest["trainer"]["loss_scale"]["scale"] == replay.scale
+    # the key mattered: the default interval would not have grown the scale in 12 steps
+    assert replay.scale > 2.0**16 / 2 ** len(at_overflow)
