@@ -428,6 +428,10 @@ class LogConfig(_Section):
 class CheckpointConfig(_Section):
     dir: str | None = Field(None, description="default: <log.dir>/checkpoints")
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    at_end: bool = Field(
+        True, description="write one when the last step is done (false: a run whose end state is not needed, as a benchmark's, "
+        "skips it; a stop by SIGINT / SIGTERM still writes one)"
+    )
     resume: bool = Field(True, description="continue this log.dir's run from its newest complete checkpoint")
     keep: int = Field(2, ge=1, description="this run's newest checkpoints kept")
     load: str | None = Field(

@@ -317,7 +317,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 break
         if stopped is None and diverged is None and start < tc.steps:
             diverged = weights_broken(tc.steps)
-            if diverged is None:
+            if diverged is None and config.checkpoint.at_end:
                 ckpt.save_training(tc.steps, record())
         last_ckpt = ckpt.wait()
         failing = False

@@ -101,6 +101,8 @@ def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
         "diverged": diverging,
         "weights_inf": weights_inf,
         "val_nan": val_nan,
+        "no_end": raw(base / "no_end", steps=3, checkpoint__at_end=False),  # every 2: step 2's only
+        "none": raw(base / "none", steps=1, checkpoint__every=0, checkpoint__at_end=False),
     }
     return {name: train_rank(type(backend)(backend.options), config) for name, config in runs.items()}
 
@@ -359,6 +361,15 @@ def test_weights_that_stopped_being_finite_are_never_saved_and_a_non_finite_vali
     for name in ("weights_inf", "val_nan"):
         lines = [json.loads(line) for line in (one_rank["root"] / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["kind"] for r in lines[-2:]] == ["diverged", "summary"], name
+
+
+def test_checkpoint_at_end_false_skips_only_the_last_steps_checkpoint(one_rank):
+    """every 2 over 3 steps: step 2's checkpoint and no other, the summary names it; with every 0
+    nothing is written and the summary says so."""
+    no_end, none = one_rank["no_end"], one_rank["none"]
+    assert [e["step"] for e in list_checkpoints(one_rank["root"] / "no_end")] == [2]
+    assert no_end["checkpoint"].endswith("step_00000002") and no_end["final_loss"] is not None and len(train_rows(one_rank["root"] / "no_end")) == 3
+    assert none["checkpoint"] is None and list_checkpoints(one_rank["root"] / "none") == []
 
 
 def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
