@@ -120,6 +120,38 @@ def test_pytest_output_is_counted(bench_module) -> None:
     assert (cut["passed"], cut["failed"], cut["skipped"], cut["error"], cut["cut_off"]) == (6, 1, 1, 1, True)
 
 
+_FLAKY_TESTS = """
+import pathlib
+
+
+def test_fails_the_first_time():
+    seen = pathlib.Path(__file__).with_name("seen")
+    first = not seen.exists()
+    seen.write_text("1")
+    assert not first
+
+
+def test_always_fails():
+    assert False
+
+
+def test_passes():
+    pass
+"""
+
+
+def test_the_suites_failures_run_once_more_and_only_those_that_fail_again_stay_failures(bench_module, tmp_path: Path) -> None:
+    gc = bench_module("gpu_check_parts.suite")
+    (tmp_path / "test_some.py").write_text(_FLAKY_TESTS)
+    py = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
+    first = subprocess.run([*py, "test_some.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    failed = gc.pytest_counts(first.stdout)["failures"]
+    assert failed == ["test_some.py::test_fails_the_first_time", "test_some.py::test_always_fails"], first.stdout
+    again = gc.rerun_failures(py, failed, 120, dict(os.environ), tmp_path)
+    assert again["flaky"] == ["test_some.py::test_fails_the_first_time"] and again["still_failing"] == ["test_some.py::test_always_fails"]
+    assert again["rc"] == 1 and not again["timed_out"]
+
+
 def test_a_bad_part_or_budget_exits_2_and_a_spent_budget_runs_nothing(tmp_path: Path) -> None:
     proc = _run(["--parts", "x", "--out", str(tmp_path / "o")], timeout=120)
     assert proc.returncode == 2 and "--parts: 'x'" in proc.stderr and not (tmp_path / "o").exists()

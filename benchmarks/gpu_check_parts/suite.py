@@ -37,6 +37,23 @@ def pytest_counts(output: str) -> dict[str, Any]:
     return counts
 
 
+#: more failures than this are not a flake to tell apart: they are reported as they are
+RERUN_AT_MOST = 40
+
+
+def rerun_failures(py: list[str], failures: list[str], timeout_s: float, env: dict[str, str], cwd: Any) -> dict[str, Any]:
+    """The failed tests run once more, one process, no workers: those that pass are told apart as
+    flaky (a collision of the parallel run, a port, the load), those that fail again stay failures."""
+    res = run_cmd([*py, *failures], timeout_s, env, cwd=cwd)
+    again = pytest_counts(res["stdout"] + res["stderr"])
+    cut = res["timed_out"] or again.get("cut_off", False)
+    # a node id pytest reports again failed (or whose file errored) is still failing; without a summary, all are
+    still = failures if cut else [f for f in failures if any(f == g or f.startswith(g + "::") for g in again["failures"])]
+    return {"command": " ".join([*py[1:], f"<{len(failures)} failed tests>"]), "rc": res["rc"], "timed_out": res["timed_out"],
+            "s": res["s"], "flaky": [f for f in failures if f not in still], "still_failing": still,
+            "tail": tail(res["stdout"] + res["stderr"], 8)}
+
+
 def part_suite(rec: Record, ctx: Ctx) -> None:
     if CHECKOUT is None:
         rec.update(status="skipped", summary="needs a source checkout (tests/)")
@@ -69,11 +86,19 @@ def part_suite(rec: Record, ctx: Ctx) -> None:
         counts = pytest_counts(res["stdout"] + res["stderr"])
         rec.put(name, {"command": " ".join(cmd[1:]), "env": extra, "rc": res["rc"], "timed_out": res["timed_out"], "s": res["s"],
                        **counts, "tail": tail(res["stdout"] + res["stderr"], 8)})
+        failed = counts["failures"]
+        if name == "suite" and failed and not res["timed_out"] and len(failed) <= RERUN_AT_MOST:
+            say(f"  b: {len(failed)} failed; once more, one process")
+            again = rerun_failures(py, failed, ctx.left(), child_env(extra), CHECKOUT)
+            rec.put("suite_rerun", again)
+            bad += bool(again["still_failing"]) or res["rc"] not in (0, 1)
+            continue
         bad += res["rc"] not in (0, 5) or res["timed_out"]
     r = rec["results"]
     rec["summary"] = "; ".join(
         f"{n}: " + (", ".join(f"{r[n][k]} {k}" for k in ("passed", "failed", "error", "skipped", "collected") if r[n].get(k)) or f"rc {r[n]['rc']}")
         + (" (timed out)" if r[n]["timed_out"] else "")
+        + (f" ({len(r['suite_rerun']['flaky'])} passed when run again: flaky)" if n == "suite" and r.get("suite_rerun", {}).get("flaky") else "")
         for n in runs
     )
     rec["status"] = "failed" if bad else ("dry" if ctx.dry else "ok" if reason is None else "skipped")
