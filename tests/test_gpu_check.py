@@ -205,7 +205,9 @@ def test_the_last_part_takes_what_the_budget_leaves_and_its_tools_cache_under_ou
         return {"rc": 0, "timed_out": False, "s": 1.0, "stdout": "", "stderr": ""}
 
     monkeypatch.setattr(gc, "run_cmd", fake_run)
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    # the caller chose no place (a GPU check's part b runs this test with both set to its own)
+    for chosen in ("TRITON_CACHE_DIR", "HYPOTHESIS_STORAGE_DIRECTORY"):
+        monkeypatch.delenv(chosen, raising=False)
     monkeypatch.setattr(gc, "T0", __import__("time").time())
     gc.drive(["f", "h"], tmp_path, False, 300.0)
     assert seen["f"][0] == gc.BY_KEY["f"].cap_s
@@ -214,6 +216,8 @@ def test_the_last_part_takes_what_the_budget_leaves_and_its_tools_cache_under_ou
     assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path)) and env["HYPOTHESIS_STORAGE_DIRECTORY"].startswith(str(tmp_path))
     gc.drive(["f", "h"], tmp_path, False, 0.0)  # no budget: every part its own cap
     assert seen["h"][0] == gc.BY_KEY["h"].cap_s
+    monkeypatch.setenv("HYPOTHESIS_STORAGE_DIRECTORY", str(tmp_path / "mine"))  # a caller's choice stays
+    assert set(gc.caches(tmp_path)) == {"TRITON_CACHE_DIR"}
 
 
 def test_a_command_past_its_time_is_killed_with_the_processes_it_detached(bench_module, tmp_path: Path) -> None:
