@@ -10,7 +10,7 @@ import pytest
 
 def test_reports_each_lone_action_kind_per_latency(capsys: pytest.CaptureFixture[str], bench_module) -> None:
     small = ["--set", "model.hidden=32", "--set", "model.seq_len=16", "--set", "train.micro_batch_size=2"]
-    assert bench_module("lone_overlap").main(["--reps", "1", "--latency-us", "0,2000", *small]) == 0
+    assert bench_module("lone_overlap").main(["--reps", "7", "--latency-us", "0,2000", *small]) == 0
     report = json.loads(capsys.readouterr().out)
     assert list(report["latency"]) == ["0us", "2000us"]
     for figures in report["latency"].values():
@@ -18,7 +18,8 @@ def test_reports_each_lone_action_kind_per_latency(capsys: pytest.CaptureFixture
             assert 0.0 <= figures[f"{kind}_hidden_pct"] <= 100.0
         assert all(figures[f"{kind}_median_ms"] > 0 for kind in ("F", "B", "B+", "BW", "F&F"))
     # a B that starts its W's work computes through more of its exchanges than one that does
-    # not, and two forwards paired more than one alone
+    # not, and two forwards paired more than one alone (7 rounds: one round's share is at the
+    # mercy of a loaded machine's scheduler)
     slow = report["latency"]["2000us"]
     assert slow["B+_hidden_pct"] > slow["B_hidden_pct"]
     assert slow["F&F_hidden_pct"] > slow["F_hidden_pct"]
