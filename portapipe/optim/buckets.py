@@ -349,11 +349,8 @@ class GradBuckets:
         cached = bucket.norm_cache
         if cached is not None and len(cached[0]) == len(key) and all(a is b for a, b in zip(cached[0], key)):
             return cached[1]
-        mask = self._norm_mask(bucket, counted_block)
-        runs = None
-        if mask is not None:
-            edges = torch.diff(mask.to(torch.int8).cpu(), prepend=torch.zeros(1, dtype=torch.int8), append=torch.zeros(1, dtype=torch.int8))
-            runs = list(zip((edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()))
+        mask = self._owned_mask(bucket, bucket.shard) if counted_block else torch.zeros(bucket.shard_size, dtype=torch.bool)
+        runs = None if bool(mask.all()) else _runs(mask)
         bucket.norm_cache = (key, runs)
         return runs
 
@@ -365,30 +362,21 @@ class GradBuckets:
         cached = bucket.owned_cache
         if cached is not None and all(a is b for a, b in zip(cached[0], key)):
             return cached[1]
-        runs: list[tuple[int, int]] = []
-        for p, offset, owned in zip(bucket.params, bucket.offsets, key):
-            width = p[0].numel() if p.dim() else 1
-            rows = [(0, p.numel())] if owned is None else [(r * width, (r + 1) * width) for r in owned.nonzero().flatten().tolist()]
-            for a, b in rows:
-                if runs and runs[-1][1] == offset + a:
-                    runs[-1] = (runs[-1][0], offset + b)
-                else:
-                    runs.append((offset + a, offset + b))
+        runs = _runs(self._owned_mask(bucket, slice(0, bucket.numel)))
         bucket.owned_cache = (key, runs)
         return runs
 
-    def _norm_mask(self, bucket: Bucket, counted_block: bool) -> torch.Tensor | None:
-        mask = torch.zeros(bucket.shard_size, dtype=torch.bool, device=self.device)
-        if not counted_block:
-            return mask
-        for p, start, at, n in bucket.segments():
+    def _owned_mask(self, bucket: Bucket, span: slice) -> torch.Tensor:
+        """Over ``span`` of the bucket, on the CPU: the elements of rows that own their expert
+        (every element of a parameter without ``slot_owned``; padding none)."""
+        mask = torch.zeros(span.stop - span.start, dtype=torch.bool)
+        for p, start, at, n in bucket.segments(span):
             owned = owned_rows(p)
             if owned is None:
                 mask[at : at + n] = True
             else:
-                rows = owned.to(self.device).repeat_interleave(p[0].numel())
-                mask[at : at + n] = rows[start : start + n]
-        return None if bool(mask.all()) else mask
+                mask[at : at + n] = owned.cpu().repeat_interleave(p[0].numel())[start : start + n]
+        return mask
 
     def memory(self) -> int:
         """Bytes of gradient buffers held between steps (full buffers, or shards under zero 2)."""
@@ -399,6 +387,12 @@ class GradBuckets:
 
 
 _DONE = object()
+
+
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """The ``[start, end)`` runs of True in a 1-D boolean tensor."""
+    edges = torch.diff(mask.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8), append=torch.zeros(1, dtype=torch.int8))
+    return list(zip((edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()))
 
 
 def gather(backend: Any, bucket: Bucket, part: torch.Tensor) -> torch.Tensor:
