@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -228,6 +229,7 @@ def test_a_command_past_its_time_is_killed_with_the_processes_it_detached(bench_
               f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
     res = common.run_cmd([sys.executable, "-c", script], 3.0)
     assert res["timed_out"] and res["s"] < 60
+    assert res["rc"] == -signal.SIGKILL  # its status collected by the record, not swallowed by the kill
     grandchild = int(pid_file.read_text())
     assert not Path(f"/proc/{grandchild}").exists() or Path(f"/proc/{grandchild}/stat").read_text().split(")")[1].split()[0] == "Z"
 

@@ -94,7 +94,7 @@ def run_cmd(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None,
         below = descendants(proc.pid)  # before the kill: an orphan's parent is no longer its parent
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        kill([proc.pid, *below])
+        kill(below)  # the group kill took proc itself; communicate() collects its status
         out, err = proc.communicate()
         timed_out = True
     return {"cmd": " ".join(cmd), "rc": proc.returncode, "timed_out": timed_out, "s": round(time.perf_counter() - t0, 1),
