@@ -13,11 +13,12 @@ from .common import CHECKOUT, Ctx, Record, cli, cuda_reason, gpu_count, tail
 def part_env(rec: Record, ctx: Ctx) -> None:
     import torch
 
+    from portapipe import pinning
     from portapipe.backends.registry import backend_class
 
     env: dict[str, Any] = {
         "python": platform.python_version(), "platform": platform.platform(), "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores_usable": len(pinning.usable_cores()),  # affinity cut to the CPU quota, as part i's
         "torch": torch.__version__, "checkout": str(CHECKOUT) if CHECKOUT else None,
     }
     for mod in ("triton", "transformers", "xdist", "pydantic", "numpy", "scipy"):
