@@ -57,7 +57,7 @@ def _differ(a: Any, b: Any, at: str = "") -> list[str]:
 def _validate(backend: Any, raws: list[dict[str, Any]]) -> list[list[str]]:
     """On every rank, per config: one training step, then the validation; what it changed."""
     from portapipe.compose import PipelineRuntime
-    from portapipe.data import TextData, replica_of
+    from portapipe.data.batches import Batches, replica_of
     from portapipe.train import make_sharded_optimizer, validation_loss
 
     out = []
@@ -67,7 +67,7 @@ def _validate(backend: Any, raws: list[dict[str, Any]]) -> list[list[str]]:
         groups = be.parallel_groups(config.parallel.pp, config.parallel.dp, config.parallel.ep)
         runtime = PipelineRuntime(config, be, groups)
         optimizer = make_sharded_optimizer(runtime, config, be)
-        data = TextData(config)
+        data = Batches(config)
         replica, replicas = replica_of(groups)
         result = runtime.step(data.microbatches(0, replica, replicas, config.schedule.microbatches, 2, config.model.seq_len))
         with torch.no_grad():
@@ -77,7 +77,7 @@ def _validate(backend: Any, raws: list[dict[str, Any]]) -> list[list[str]]:
         runtime.step(data.microbatches(1, replica, replicas, config.schedule.microbatches, 2, config.model.seq_len))
         runtime.grads.zero_grad()  # a step's figures left for the next (clocks, the switch's cost), not yet taken
         before = state(runtime, be)
-        loss = validation_loss(runtime, data, config, groups)
+        loss, _ = validation_loss(runtime, data, config, groups)
         assert loss is not None and loss > 0
         out.append(_differ(before, state(runtime, be)))
     return out
