@@ -181,7 +181,7 @@ class Batches:
             at = which == d
             part = parts[d]
             offsets = (part.lo + starts[at])[:, None] + np.arange(span, dtype=np.int64)
-            windows[at] = part.source.tokens[offsets]
+            windows[at] = np.asarray(part.source.tokens)[offsets]  # a plain view: memmap's indexing costs more
             if flags is not None:
                 flags[at] = part.source.document_start(offsets) == offsets
             self._check_ids(part.source, windows[at], offsets)

@@ -27,14 +27,15 @@ class Blend:
         if w.ndim != 1 or not len(w) or not (w > 0).all() or not np.isfinite(w).all():
             raise ValueError(f"blend weights must be positive numbers, got {list(weights)}")
         self.weights = w / w.sum()
-        counts = np.zeros(len(w), dtype=np.int64)
-        pattern = np.empty(PERIOD, dtype=np.int64)
-        rank = np.empty(PERIOD, dtype=np.int64)
-        for s in range(PERIOD):
-            d = int(np.argmax(self.weights * (s + 1) - counts))
+        weights, counts = self.weights.tolist(), [0] * len(w)
+        pattern, rank = [0] * PERIOD, [0] * PERIOD
+        for s in range(PERIOD):  # plain floats: the same float64 arithmetic, without numpy's per-call cost
+            lag = [wd * (s + 1) - c for wd, c in zip(weights, counts)]
+            d = lag.index(max(lag))  # the first of equal lags: the lower index
             pattern[s], rank[s] = d, counts[d]
             counts[d] += 1
-        self.pattern, self.rank, self.per_period = pattern, rank, counts
+        self.pattern, self.rank = np.array(pattern, dtype=np.int64), np.array(rank, dtype=np.int64)
+        self.per_period = np.array(counts, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.weights)

@@ -15,6 +15,7 @@ time do not grow with the corpus, and any sample of any epoch is found in a few 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -29,11 +30,15 @@ def seed_of(*parts: object) -> int:
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a bijective scrambling of 64-bit words."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
+    """splitmix64's finaliser: a bijective scrambling of 64-bit words (arrays wrap silently)."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
     return x ^ (x >> np.uint64(31))
+
+
+@functools.lru_cache(maxsize=256)
+def _round_keys(key: int) -> list[np.uint64]:
+    return [np.uint64(seed_of(key, r)) for r in range(_ROUNDS)]
 
 
 def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
@@ -47,7 +52,7 @@ def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
         return np.zeros_like(index)
     half = max(1, ((n - 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half) - 1)
-    keys = [np.uint64(seed_of(key, r)) for r in range(_ROUNDS)]
+    keys = _round_keys(key)
 
     def rounds(x: np.ndarray) -> np.ndarray:
         left, right = x >> np.uint64(half), x & mask
@@ -75,5 +80,10 @@ def window_starts(k: np.ndarray, n_samples: int, seq_len: int, seed: int, source
     out = np.empty_like(k)
     for e in np.unique(epoch):
         at = epoch == e
-        out[at] = permute(i[at], n_samples, seed_of(seed, "epoch", source, int(e))) * seq_len
+        out[at] = permute(i[at], n_samples, _epoch_key(seed, source, int(e))) * seq_len
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _epoch_key(seed: int, source: object, epoch: int) -> int:
+    return seed_of(seed, "epoch", source, epoch)
