@@ -170,6 +170,11 @@ class MoE(nn.Module):
         return plan
 
 
+def _given(positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The parts' extra argument: the positions when the data has documents, else none (the parts' calls stay as they were)."""
+    return () if positions is None else (positions,)
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, ep: ExpertParallel, dtype: torch.dtype) -> None:
         super().__init__()
@@ -221,7 +226,7 @@ class Layer(nn.Module):
         """The attention part through ``tape``; its balance loss (when computed) recorded as a
         loss term of this stage (:meth:`~portapipe.scheduling.overlap.Tape.loss`).
         Returns :meth:`attention_part`'s first six elements."""
-        out = tape.part(self.attention_part, x, positions)
+        out = tape.part(self.attention_part, x, *_given(positions))
         if len(out) == 7:
             tape.loss(balance_term(self.index), out[6], self.balance_weight)
             out = out[:6]
@@ -272,7 +277,7 @@ class Layer(nn.Module):
     # --------------------------------------------------------------- program
     def program(self, tape: Any, x: torch.Tensor, positions: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]:
         if self.moe is None:
-            return tape.part(self.dense_part, x, positions)
+            return tape.part(self.dense_part, x, *_given(positions))
         routed = self.routed(tape, x, positions)
         return (yield from self.moe_program(tape, *routed))
 
