@@ -19,6 +19,7 @@ against the description, so files from different writes are refused too.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -35,7 +36,7 @@ DESCRIPTION = "dataset.json"
 TOKENS = "tokens.bin"
 DOCUMENTS = "documents.bin"
 INDEX_DTYPE = np.dtype("<i8")
-_CHUNK = 1 << 22  # index entries per step when checking the index
+_CHUNK = 1 << 20  # index entries per step when checking the index (8 MB at a time, whatever the corpus)
 
 
 def is_dataset(path: Path) -> bool:
@@ -79,10 +80,17 @@ def open_dataset(path: Path) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
             raise ValueError(f"{file} has {size} bytes, but {DESCRIPTION} says {want}; the files are from different writes (run portapipe tokenize again)")
     tokens = mapped(tokens_file, DTYPES[meta["dtype"]])
     starts = mapped(index_file, INDEX_DTYPE)
-    problem = index_problem(starts, meta["tokens"])
+    st = index_file.stat()
+    problem = _checked(str(index_file), st.st_size, st.st_mtime_ns, meta["tokens"])
     if problem:
         raise ValueError(f"{index_file}: {problem}")
     return meta, tokens, starts
+
+
+@functools.lru_cache(maxsize=16)
+def _checked(path: str, size: int, mtime_ns: int, total: int) -> str | None:
+    """:func:`index_problem` once per version of an index (the launch checks, then each rank opens)."""
+    return index_problem(mapped(Path(path), INDEX_DTYPE), total)
 
 
 def index_problem(starts: np.ndarray, total: int) -> str | None:

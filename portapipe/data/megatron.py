@@ -26,7 +26,7 @@ from .flat import mapped
 HEADER = b"MMIDIDX\x00\x00"
 _FIXED = len(HEADER) + 8 + 1 + 8 + 8  # header, version, dtype code, sequence count, document count
 DTYPE_CODES = {1: "u1", 2: "i1", 3: "<i2", 4: "<i4", 5: "<i8", 6: "<f8", 7: "<f4", 8: "<u2"}
-_CHUNK = 1 << 22  # index entries per step when checking the pointers
+_CHUNK = 1 << 20  # index entries per step when checking the pointers (a few MB at a time)
 
 
 def prefix_of(path: Path) -> Path | None:

@@ -13,7 +13,7 @@ Inputs (any mix, each given as a file, a folder or a glob):
 
 A folder holds inputs: every such file in it and below, in path order (a folder that is itself a
 saved dataset is one input). Nothing is read whole but a text file's one document: :func:`chunks`
-cuts each input into pieces of about :data:`CHUNK_BYTES` at line ends (parquet by row group, a
+cuts each input into pieces of about :data:`CHUNK_BYTES` (1 MiB) at line ends (parquet by row group, a
 saved dataset by :data:`HF_ROWS` rows), each of which a worker turns into tokens on its own. The
 cuts depend only on the inputs, so the output does not depend on how many workers there are.
 """
@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 
 from .folder import is_dataset
 
-CHUNK_BYTES = 1 << 22
+CHUNK_BYTES = 1 << 20  # small enough that a few MB keep several workers busy
 HF_ROWS = 4096  # rows of a saved Hugging Face dataset per chunk
 _BLOCK = 1 << 20
 GZIP_MAGIC, ZSTD_MAGIC = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
