@@ -95,6 +95,10 @@ def test_dispatch_bytes_and_scales_are_the_senders_quantization_bit_for_bit() ->
 
 
 def test_pack_round_trip_and_its_layout() -> None:
+    for n in (1, 0):  # one row: its weight a strided vector torch calls contiguous
+        rows = _rows(0, 1, n)
+        q, w = unpack(pack(rows[:, :H], rows[:, H]), H, torch.bfloat16)
+        assert torch.equal(w, rows[:, H]) and q.data.shape == (n, H)
     rows = _rows(0, 1, 5)
     packed = pack(rows[:, :H], rows[:, H])
     assert packed.dtype == torch.uint8 and packed.shape == (5, H + 4 * 2 + 2)

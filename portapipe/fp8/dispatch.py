@@ -59,7 +59,7 @@ def pack(rows: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     q = quantize_rows(rows)
     parts = [q.data.view(torch.uint8), q.scale.contiguous().view(torch.uint8)]
     if weights is not None:
-        parts.append(weights.reshape(-1, 1).contiguous().view(torch.uint8))
+        parts.append(weights.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8).view(-1, weights.element_size()))
     return torch.cat(parts, 1)
 
 

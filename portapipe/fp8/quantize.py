@@ -131,7 +131,8 @@ def block_scales_per_element(scale: torch.Tensor, r: int, c: int) -> torch.Tenso
     return scale.repeat_interleave(TILE, dim=-2).repeat_interleave(TILE, dim=-1)[..., :r, :c]
 
 
-def dequantize_blocks(q: Quantized) -> torch.Tensor:
-    """float32 values of :func:`quantize_blocks`'s result (exact)."""
+def dequantize_blocks(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of 128x128-block data in ``dtype``: exact in float32 for power-of-two scales, and
+    in float64 for any float32 scale (a published checkpoint's: 4 significant bits times 24)."""
     r, c = q.data.shape[-2:]
-    return q.data.float() * block_scales_per_element(q.scale, r, c)
+    return q.data.to(dtype) * block_scales_per_element(q.scale, r, c).to(dtype)
