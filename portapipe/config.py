@@ -375,6 +375,19 @@ class TrainConfig(_Section):
         description="alpha of DeepSeek-V3's complementary sequence-wise balance loss, added for every MoE layer "
         "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed",
     )
+    fp8: Literal["off", "deepseek"] = Field(
+        "off",
+        description="deepseek: DeepSeek-V3's FP8 recipe (model.dtype bfloat16, float32 master): the three GEMMs of every "
+        "attention projection, dense FFN and shared / routed expert Linear whose widths are multiples of 128 in E4M3 "
+        "(1x128 activation tiles, 128x128 weight blocks, power-of-two scales), the routed experts' rows dispatched in FP8; "
+        "the backend's FP8 matmul runs them (capabilities.fp8_matmul); see docs/fp8.md",
+    )
+
+    @field_validator("fp8", mode="before")
+    @classmethod
+    def _fp8_yaml_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as False.
+        return "off" if v is False else v
 
     @field_validator("mtp_loss_weight")
     @classmethod

@@ -385,6 +385,7 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
         "a2a_hidden_steady_pct": percent(stats.a2a_hidden_steady_frac),
         "a2a_hidden_edges_pct": percent(stats.a2a_hidden_edges_frac),
         "counts_a2a_hidden_pct": percent(stats.counts_a2a_hidden_frac),
+        "a2a_bytes": stats.a2a_bytes,
         "ep_wait_frac": stats.ep_wait_frac,
         "rank_balancedness": stats.rank_balancedness,
         "grad_sync_exposed_s": stats.grad_sync_exposed_s,
@@ -418,9 +419,11 @@ def check_before_launch(config: Config) -> None:
     """Everything that can be checked without ranks or folders; raises ConfigError listing each problem."""
     from .scheduling.executor import build_schedule
 
+    from .models.fp8_layers import fp8_problems
     from .models.hf_io import init_problems
 
     problems = list(data_problems(config)) + init_problems(config.model) + log_problems(config.log.tensorboard) + pin_problems(config)
+    problems += fp8_problems(config.model, config.train.fp8)
     try:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:
