@@ -264,7 +264,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             skipped = scaler.enabled and not scaler.update(finite)
             if not finite and not skipped:
                 # Same figures on every rank, so every rank stops here, before the optimizer applies it.
-                diverged = diverge({"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))})
+                diverged = diverge({"step": step + 1, "loss": float(result.loss), "grad_norm": float(stats.grad_norm)})  # null where not finite
                 break
             coef = 1.0 if skipped else clip_coefficient(stats.grad_norm, tc.grad_clip)
             if not skipped:

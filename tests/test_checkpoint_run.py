@@ -346,6 +346,10 @@ def test_a_non_finite_loss_stops_the_run_at_that_step_with_no_checkpoint_of_it(o
     lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, bad))
     assert [r["kind"] for r in lines[-2:]] == ["diverged", "summary"] and lines[-2]["step"] == bad
+    # numbers, null where not finite (as in the summary): never strings
+    for row in (lines[-2], summary["diverged"]):
+        assert set(row) >= {"step", "loss", "grad_norm"} and all(row[k] is None or isinstance(row[k], float) for k in ("loss", "grad_norm")), row
+        assert row["loss"] is None or row["grad_norm"] is None, row  # what stopped it
 
 
 @pytest.mark.multiproc
@@ -376,16 +380,19 @@ def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
     import portapipe.train
 
     def diverged(config: Any, wall_timeout_s: float = 0.0) -> dict[str, Any]:
-        return {"run_id": "r", "checkpoint": "c7", "val_loss": None, "diverged": {"step": 8, "loss": "nan", "grad_norm": "inf"}}
+        return {"run_id": "r", "checkpoint": "c7", "val_loss": None, "diverged": {"step": 8, "loss": 125851.18, "grad_norm": None}}
 
     monkeypatch.setattr(portapipe.train, "train", diverged)
     assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 3
     captured = capsys.readouterr()
     assert json.loads(captured.out)["diverged"]["step"] == 8
     assert captured.err.strip() == (
-        "portapipe: training stopped at step 8: loss nan, gradient norm inf; that step was not applied and no checkpoint was "
-        "written of it (last checkpoint: c7); lower train.lr or keep train.grad_clip on"
+        "portapipe: training stopped at step 8: loss 125851, gradient norm not finite; that step was not applied and no checkpoint was "
+        "written of it (last checkpoint: c7); lower train.lr"
     )
+    # the hint names grad_clip only where it is off
+    assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path, train__grad_clip=0.0))]) == 3
+    assert capsys.readouterr().err.strip().endswith("; lower train.lr or turn train.grad_clip on (it is 0: off)")
 
     def weights(config: Any, wall_timeout_s: float = 0.0) -> dict[str, Any]:
         return {"run_id": "r", "checkpoint": None, "val_loss": None, "diverged": {"step": 1, "reason": "the weights are not finite"}}
@@ -393,7 +400,7 @@ def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(portapipe.train, "train", weights)
     assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 3
     assert capsys.readouterr().err.strip() == (
-        "portapipe: training stopped at step 1: the weights are not finite (last checkpoint: none); lower train.lr or keep train.grad_clip on"
+        "portapipe: training stopped at step 1: the weights are not finite (last checkpoint: none); lower train.lr"
     )
 
 
