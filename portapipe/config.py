@@ -186,7 +186,9 @@ class ModelConfig(_Section):
     top_k: int = Field(2, ge=1)
     n_groups: int = Field(1, ge=1, description="expert groups for group-limited routing")
     topk_groups: int = Field(1, ge=1, description="groups a token may route to")
-    bias_update_speed: float = Field(1e-3, ge=0, description="aux-loss-free bias step per update")
+    bias_update_speed: float = Field(
+        1e-3, ge=0, le=1, description="aux-loss-free bias step per update; at most 1, the whole range of the sigmoid affinities "
+        "it is added to (a larger step decides the routing by the bias alone)")
     routed_scale: float = Field(1.0, gt=0, description="routed experts' weights are scaled by it (deepseek_v3: routed_scaling_factor)")
     seq_len: int = Field(64, ge=2)
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(

@@ -193,6 +193,7 @@ def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] |
 
 def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any) -> dict[str, Any]:
     from .checkpoint.io import Checkpointer
+    from .checkpoint.state import first_nonfinite
     from .metrics import ep_step_figures
     from .models.routing import force_routing
     from .pinning import gather_placement
@@ -240,11 +241,16 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         return record
 
     def weights_broken(at: int) -> dict[str, Any] | None:
-        """Before a checkpoint of step ``at`` (collective): the divergence when any rank's weights
-        or AdamW state stopped being finite, so that no checkpoint holds them."""
-        if everywhere(backend, optimizer.finite()):
+        """Before a checkpoint of step ``at`` (collective): the divergence when anything a
+        checkpoint saves stopped being finite on any rank (weights, router biases, AdamW state, a
+        balancer's loads), named, so that no checkpoint holds it."""
+        bad = first_nonfinite(runtime, optimizer, balancer)
+        if everywhere(backend, bad is None):
             return None
-        return diverge({"step": at, "reason": f"the weights are not finite after the update of step {at}; no checkpoint was written of them"})
+        names: list[Any] = [None] * groups.world_size
+        torch.distributed.all_gather_object(names, bad)
+        name = next(n for n in names if n is not None)
+        return diverge({"step": at, "reason": f"{name} is not finite after the update of step {at}; no checkpoint was written of it"})
 
     failing = True
     try:
@@ -264,7 +270,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             skipped = scaler.enabled and not scaler.update(finite)
             if not finite and not skipped:
                 # Same figures on every rank, so every rank stops here, before the optimizer applies it.
-                diverged = diverge({"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))})
+                diverged = diverge({"step": step + 1, "loss": float(result.loss), "grad_norm": float(stats.grad_norm)})  # null where not finite
                 break
             coef = 1.0 if skipped else clip_coefficient(stats.grad_norm, tc.grad_clip)
             if not skipped:

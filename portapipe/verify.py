@@ -747,6 +747,21 @@ def _terms_diff(ref: dict[str, float], ranks: list[dict[str, float]]) -> float:
     return worst
 
 
+def forced_routing_problems(config: Config) -> list[str]:
+    """A benchmark's routing (``bench``): verify would check the model's router, which such a run
+    does not use, and the forced choices follow the order of the router's calls (or a generator's
+    draws), which differs between the ranks and one process; refused, one line each."""
+    b = config.bench
+    out = []
+    if b.force_uniform_routing:
+        out.append("bench.force_uniform_routing: true routes every token round-robin, a benchmark's routing that verify does not check "
+                   "(it checks the model's router); verify the config with it false")
+    if b.router_skew_from is not None:
+        out.append(f"bench.router_skew_from: {b.router_skew_from} draws each token's experts from recorded loads, a benchmark's routing "
+                   "that verify does not check (it checks the model's router); verify the config without it")
+    return out
+
+
 def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision: str = "highest") -> list[VerifyReport]:
     """Verify several configs of one world size in one launch of ranks (start-up paid once).
 
@@ -765,6 +780,9 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision:
         raise ValueError(f"verify_many needs one backend per launch, got {sorted(backends)}")
     from .models.hf_io import init_problems
 
+    forced = [line for c in configs for line in forced_routing_problems(c)]
+    if forced:
+        raise ConfigError(forced)
     plans = [checked(c, precision) for c in configs]
     ranks_configs = [ranks for ranks, _, _ in plans]
     references = [in_dtype(c, "float64", backend="cpu") for c in configs]

@@ -189,6 +189,23 @@ def test_cli_config_errors_exit_2_before_ranks_start(tmp_path: Path, capsys: pyt
     assert "model.n_layers: 3" in capsys.readouterr().err
 
 
+def test_a_benchmarks_forced_routing_is_refused_in_one_line_before_ranks_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training applies bench.force_uniform_routing / router_skew_from; verify would check the
+    model's router instead and say ok for a routing the run does not do."""
+    import portapipe.verify
+
+    monkeypatch.setattr(portapipe.verify, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    path = _write(tmp_path, _config("1f1b", 2))
+    for setting, words in (("bench.force_uniform_routing=true", "bench.force_uniform_routing: true routes every token round-robin"),
+                           ("bench.router_skew_from=loads.txt", "bench.router_skew_from: loads.txt draws each token's experts")):
+        for precision in ("highest", "model"):
+            assert cli.main(["verify", path, "--set", setting, "--precision", precision]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and words in err[0] and "verify does not check" in err[0], err
+
+
 def test_cli_a_failing_rank_exits_1_with_its_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
