@@ -46,6 +46,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "mtp": ["--steps", "100"],  # the README's multi-token prediction section
     "lone_overlap": ["--reps", "20"],  # docs/executor.md's lone actions' hidden exchange time
     "balancer_collectives": ["--ep", "4", "--redundant", "1"],  # docs/balancers-in-training.md's replica sum and figure gather
+    "validation": ["--rounds", "5"],  # docs/training.md's forward-only validation
 }
 #: benchmark scripts whose figures come from another machine, with where they run instead
 ELSEWHERE: dict[str, str] = {

@@ -111,8 +111,9 @@ def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -
     left it; nothing is changed. It is the main next-token loss (the objective's other terms
     apart), so runs with and without multi-token prediction or the balance loss compare.
 
-    The runtime's step also computes gradients, moves the routers' load-balancing biases and
-    the balancer's and expert clocks' figures: all of it is undone after each batch
+    Each batch runs the schedule's forwards alone (:meth:`~portapipe.scheduling.executor.PipelineExecutor.evaluate`:
+    no backward, no gradients). What the forwards leave in the model (the routers' expert counts,
+    the balancer's and expert clocks' figures, the RNG) is undone after each batch
     (:meth:`~portapipe.compose.PipelineRuntime.unchanged`), so evaluating never changes training.
     """
     if data.n_bytes("val") < config.model.seq_len + 1:
@@ -124,8 +125,7 @@ def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -
             i, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len, split="val"
         )
         with runtime.unchanged():
-            losses.append(float(runtime.step(batches).loss))
-            runtime.grads.zero_grad()
+            losses.append(float(runtime.evaluate(batches).loss))
     return sum(losses) / len(losses)
 
 
