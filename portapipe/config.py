@@ -320,6 +320,24 @@ class MemoryConfig(_Section):
     recompute_layers: int | None = Field(None, ge=1, description="layers per stage recomputed (default all)")
 
 
+class LrPhase(_Section):
+    """One phase of ``train.lr_schedule`` (:mod:`portapipe.optim.lr_schedule`)."""
+
+    kind: Literal["warmup", "constant", "cosine", "linear"] = Field(
+        description="warmup: linear from 0; constant; cosine: a half cosine from where the phase before ended; linear: a straight line from there"
+    )
+    steps: int = Field(ge=1, description="optimizer steps the phase runs")
+    lr: float | None = Field(
+        None, ge=0, description="the learning rate the phase ends at [warmup: train.lr; constant: where the phase before ended; cosine, linear: required]"
+    )
+
+    @model_validator(mode="after")
+    def _needs_lr(self) -> "LrPhase":
+        if self.lr is None and self.kind in ("cosine", "linear"):
+            raise ValueError(f"a {self.kind} phase needs lr: the learning rate it ends at")
+        return self
+
+
 class TrainConfig(_Section):
     steps: int = Field(100, ge=1)
     micro_batch_size: int = Field(4, ge=1, description="sequences per micro-batch per data-parallel rank")
@@ -335,6 +353,12 @@ class TrainConfig(_Section):
         ge=1,
         description="step at which a cosine decay reaches min_lr, min_lr after it; unset: no decay (lr after the warm-up), "
         "so the schedule never depends on train.steps; a resumed or loaded run keeps its checkpoint's unless this is set",
+    )
+    lr_schedule: list[LrPhase] | None = Field(
+        None,
+        description="the learning rate as phases laid end to end, each {kind, steps, lr}, starting at lr (warmup, constant, "
+        "cosine, linear; portapipe.optim.lr_schedule); replaces warmup_steps, min_lr and lr_schedule_steps; after the last "
+        "phase its lr stays; a resumed or loaded run keeps its checkpoint's unless this or lr_schedule_steps is set",
     )
 
     master_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
@@ -375,6 +399,13 @@ class TrainConfig(_Section):
         description="alpha of DeepSeek-V3's complementary sequence-wise balance loss, added for every MoE layer "
         "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed",
     )
+
+    @field_validator("lr_schedule")
+    @classmethod
+    def _phases_given(cls, v: Any) -> Any:
+        if v is not None and not v:
+            raise ValueError("an empty schedule; give one phase at least, e.g. [{kind: constant, steps: 1}], or remove it")
+        return v
 
     @field_validator("mtp_loss_weight")
     @classmethod
@@ -524,6 +555,11 @@ def _without_effect(c: Config) -> list[str]:
     if c.model.dtype != "float16" and c.train.loss_scale_growth_interval != _default(TrainConfig, "loss_scale_growth_interval"):
         out.append(f"train.loss_scale_growth_interval: {c.train.loss_scale_growth_interval} has no effect: only a float16 model "
                    f"scales its loss (model.dtype is {c.model.dtype}); remove it")
+    if c.train.lr_schedule is not None:
+        for key in ("warmup_steps", "min_lr", "lr_schedule_steps"):
+            if getattr(c.train, key) != _default(TrainConfig, key):
+                out.append(f"train.{key}: {getattr(c.train, key)} has no effect: train.lr_schedule sets the schedule; "
+                           "remove it (or express it as a phase)")
     if c.model.init_from is not None and c.model.init_std != _default(ModelConfig, "init_std"):
         out.append(f"model.init_std: {c.model.init_std} has no effect: every weight is read from model.init_from; remove it")
     return out

@@ -190,10 +190,19 @@ def _architecture(x: Setup) -> list[str]:
 
 
 def _lr(x: Setup) -> list[str]:
+    from .optim import lr_schedule
+
     t = x.train
-    out = _one(t.min_lr > t.lr, f"train.min_lr: {t.min_lr} > train.lr = {t.lr}")
-    s = t.lr_schedule_steps
-    out += _one(s is not None and s < t.warmup_steps, f"train.lr_schedule_steps: {s} < train.warmup_steps = {t.warmup_steps}")
+    if t.lr_schedule is None:
+        out = _one(t.min_lr > t.lr, f"train.min_lr: {t.min_lr} > train.lr = {t.lr}")
+        s = t.lr_schedule_steps
+        out += _one(s is not None and s < t.warmup_steps, f"train.lr_schedule_steps: {s} < train.warmup_steps = {t.warmup_steps}")
+        key, lr = "train.lr", t.lr
+    else:
+        phases = lr_schedule.resolve(t.lr_schedule, t.lr)
+        out = lr_schedule.problems(phases)
+        lr = lr_schedule.peak(phases, t.lr)
+        key = "train.lr" if lr == t.lr else f"train.lr_schedule.{[p.lr for p in phases].index(lr)}.lr"
     if x.model is None:
         return out
     import torch
@@ -202,11 +211,12 @@ def _lr(x: Setup) -> list[str]:
 
     # AdamW's first step scales the update by lr / (1 - beta1) and the weights by 1 - lr x decay,
     # each a number in the dtype of the weights it updates: one that dtype cannot hold fails a rank
+    # (the schedule's largest learning rate: any step may be the first of a resumed run)
     dtype = master_dtype(x.model.dtype, t.master_dtype)
     largest = torch.finfo(getattr(torch, dtype)).max
-    scalar = max(t.lr / (1.0 - t.betas[0]), abs(1.0 - t.lr * t.weight_decay))
+    scalar = max(lr / (1.0 - t.betas[0]), abs(1.0 - lr * t.weight_decay))
     below = min(largest * (1.0 - t.betas[0]), largest / t.weight_decay if t.weight_decay else largest)
-    return out + _one(scalar > largest, f"train.lr: {t.lr:g}: AdamW's first step multiplies by {scalar:.3g}, more than {dtype} "
+    return out + _one(scalar > largest, f"{key}: {lr:g}: AdamW's first step multiplies by {scalar:.3g}, more than {dtype} "
                       f"(the dtype of the weights it updates) holds ({largest:.3g}); give a learning rate below {below:.3g}")
 
 

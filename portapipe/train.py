@@ -7,8 +7,8 @@ before any rank starts), then runs :func:`train_rank` on ``world_size`` ranks th
 leaves its gradient buckets holding the gradient of the global mean loss (DP / EP
 reduction and DualPipe's copy summing included); this loop adds AdamW over master weights,
 sharded over the replicas with ``train.zero_stage`` 1 / 2 (:mod:`portapipe.optim`), with a
-warm-up, then a constant learning rate or a cosine to ``train.lr_schedule_steps``
-(:func:`lr_at`), and clipping by the global gradient norm. With ``model.dtype: float16`` the
+warm-up, then a constant learning rate or a cosine to ``train.lr_schedule_steps``, or the
+phases of ``train.lr_schedule`` (:func:`lr_at`), and clipping by the global gradient norm. With ``model.dtype: float16`` the
 loss is scaled dynamically: a step whose gradients overflow is skipped and lowers the scale
 (one line on stderr, a ``overflow`` row in the metrics, the count in the summary).
 
@@ -53,24 +53,22 @@ VAL_BATCHES = 4  # validation steps' worth of micro-batches evaluated at the end
 
 
 # ----------------------------------------------------------------------------- learning rate
-def lr_at(step: int, train: TrainConfig, horizon: int | None) -> float:
-    """Learning rate of optimizer step ``step`` (0-based).
+def lr_at(step: int, train: TrainConfig, horizon: int | None, phases: list[dict[str, Any]] | None = None) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) (:mod:`portapipe.optim.lr_schedule`).
 
-    Linear warm-up over ``warmup_steps`` (step 0 gets lr/warmup_steps, step warmup-1 the full
-    lr). Then, with ``horizon`` None (``train.lr_schedule_steps`` unset), ``lr`` for good: the
-    schedule does not depend on ``train.steps``, so a run extended by a resume trains exactly as
-    one that was asked for all its steps at once. With a ``horizon``, a half cosine from ``lr`` at
-    the first step after warm-up to ``min_lr`` at step ``horizon`` (1-based), ``min_lr`` after it.
+    ``phases`` (``train.lr_schedule``'s, as dicts, or a checkpoint's) when the run has them; else
+    the default: a linear warm-up over ``warmup_steps`` (step 0 gets lr/warmup_steps, step
+    warmup-1 the full lr), then, with ``horizon`` None (``train.lr_schedule_steps`` unset), ``lr``
+    for good: the schedule does not depend on ``train.steps``, so a run extended by a resume
+    trains exactly as one that was asked for all its steps at once. With a ``horizon``, a half
+    cosine from ``lr`` at the first step after warm-up to ``min_lr`` at step ``horizon``
+    (1-based), ``min_lr`` after it.
     """
-    if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    if horizon is None:
-        return train.lr
-    decay_steps = horizon - train.warmup_steps
-    if decay_steps <= 1:
-        return train.lr if step < horizon else train.min_lr
-    progress = min(1.0, (step - train.warmup_steps) / (decay_steps - 1))
-    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1.0 + math.cos(math.pi * progress))
+    from .optim import lr_schedule
+
+    if phases is not None:
+        return lr_schedule.lr_at(step, lr_schedule.resolve(phases, train.lr), train.lr)
+    return lr_schedule.lr_at(step, lr_schedule.default_phases(train.lr, train.min_lr, train.warmup_steps, horizon), train.lr)
 
 
 # ------------------------------------------------------------------------------- optimizer
@@ -209,13 +207,14 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     runtime.check_copies()  # every copy of a shared weight (tied / MTP embedding) loaded equal
     progress = Progress(**trainer["progress"]) if trainer else Progress()
     scaler.load_state_dict(trainer.get("loss_scale", {}) if trainer else {})  # float16 resumes at its scale
-    start, horizon = progress.step, run.lr_schedule_steps
+    start, horizon, phases = progress.step, run.lr_schedule_steps, run.lr_schedule
     replica, replicas = replica_of(groups)
     force_routing(config.bench, config.model, {layer.index: layer.moe.router for layer in runtime.moe_layers()}, tc.seed)
 
     def record() -> dict[str, Any]:
         data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_bytes": data.n_bytes("train")}
-        return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "data": data_id, "loss_scale": scaler.state_dict()}
+        return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "lr_schedule": phases, "data": data_id,
+                "loss_scale": scaler.state_dict()}
 
     tb_run = run.run_id if config.log.tensorboard else None
     metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run) if rank == 0 else None
@@ -250,7 +249,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     try:
         for step in range(start, tc.steps):
             t0 = time.perf_counter()
-            optimizer.lr = lr_at(step, tc, horizon)
+            optimizer.lr = lr_at(step, tc, horizon, phases)
             lr = optimizer.lr
             batches = data.microbatches(step, replica, replicas, config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
             runtime.grad_scale = scale = scaler.scale
