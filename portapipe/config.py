@@ -446,6 +446,22 @@ class DataConfig(_Section):
     val_fraction: float = Field(0.05, ge=0, lt=1)
 
 
+class WandbConfig(_Section):
+    """``log.wandb``: the metrics as a Weights & Biases run (:mod:`portapipe.metrics_wandb`)."""
+
+    mode: Literal["off", "online", "offline"] = Field(
+        "off", description="off; online: to the W&B server (wandb login first); offline: into <log.dir>/wandb/, no network (wandb sync sends it later)"
+    )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as False
+
+    project: str = Field("portapipe", description="the W&B project")
+    entity: str | None = Field(None, description="the W&B user or team [wandb's default]")
+
+
 class LogConfig(_Section):
     dir: str = "runs/latest"
     every: int = Field(1, ge=1)
@@ -453,6 +469,9 @@ class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     tensorboard: bool = Field(
         False, description="also write the metrics as TensorBoard scalars in <dir>/tensorboard/<run id>/ (extra tensorboard)"
+    )
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig, description="also log the metrics to a Weights & Biases run named by the run id (extra wandb)"
     )
 
 

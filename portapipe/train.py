@@ -217,7 +217,14 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 "loss_scale": scaler.state_dict()}
 
     tb_run = run.run_id if config.log.tensorboard else None
-    metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run) if rank == 0 else None
+    metrics = None
+    if rank == 0:
+        sinks = []
+        if config.log.wandb.mode != "off":
+            from .metrics_wandb import WandbLog
+
+            sinks.append(WandbLog(Path(config.log.dir), run.run_id, config.log.wandb, config.to_dict()))
+        metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run, sinks)
     memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory()}), "step": start,
               "launch": gather_placement(config.launch.pin_cores)}
     if metrics is not None:
@@ -419,7 +426,10 @@ def check_before_launch(config: Config) -> None:
 
     from .models.hf_io import init_problems
 
-    problems = list(data_problems(config)) + init_problems(config.model) + log_problems(config.log.tensorboard) + pin_problems(config)
+    from .metrics_wandb import wandb_problems
+
+    problems = (list(data_problems(config)) + init_problems(config.model) + log_problems(config.log.tensorboard)
+                + wandb_problems(config.log.wandb) + pin_problems(config))
     try:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:
