@@ -45,7 +45,7 @@ from .scheduling.ir import Schedule
 def build_model(config: Config, blocks: Iterable[int], n_blocks: int, ep: ExpertParallel) -> dict[int, Block]:
     """The model blocks ``blocks`` of a model cut into ``n_blocks``, experts placed as ``ep`` says,
     computing the objective's extra terms the ``train`` section weighs."""
-    return build_blocks(config.model, list(blocks), n_blocks, ep, config.train.seed, Objective.from_train(config.train))
+    return build_blocks(config.model, list(blocks), n_blocks, ep, config.train.seed, Objective.from_train(config.train), config.stage_split())
 
 
 def loss_terms(config: Config) -> list[str]:
@@ -70,7 +70,7 @@ class PipelineRuntime(PipelineExecutor):
         if config.balancer.kind != "none":  # EPLB / LPLB: expert slots, routing, replica gradients
             from .balancing.runtime import ExpertBalancer, moe_layer_indices
 
-            layers = moe_layer_indices(config.model, s.blocks_of(groups.pp_rank), s.n_blocks)
+            layers = moe_layer_indices(config.model, s.blocks_of(groups.pp_rank), s.n_blocks, config.stage_split())
             self.ep.balancer = ExpertBalancer(config, backend, groups, layers)
         blocks = build_model(config, s.blocks_of(groups.pp_rank), s.n_blocks, self.ep)
         configure_memory(blocks, config.memory)  # zero-memory / recompute per layer

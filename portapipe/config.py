@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .config_text import ConfigError, apply_overrides, read_yaml  # ConfigError and apply_overrides re-exported
 from .model_rules import ARCH_DEFAULTS, ARCH_KEYS, model_problems, objective_problems
-from .setup import DUALPIPE_FAMILY, n_model_blocks  # noqa: F401  (re-exported)
+from .setup import DUALPIPE_FAMILY, n_model_blocks, split_of  # noqa: F401  (re-exported)
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 
@@ -150,6 +150,31 @@ class ParallelConfig(_Section):
     ep: int = Field(1, ge=1, description="expert-parallel ranks (experts sharded over them)")
     dp: int = Field(1, ge=1, description="data-parallel replicas")
     world_size: int | None = Field(None, ge=1, description="total ranks; must equal pp*ep*dp (default: that product)")
+    layers_per_stage: list[int] | dict[str, int] | None = Field(
+        None,
+        description="layers of each model block (stage: pp of them, 2*pp for dualpipev, pp*chunks for interleaved), adding up "
+        "to model.n_layers, the first and the last may hold none; or {first: n, last: m} (Megatron's "
+        "--decoder-first/last-pipeline-num-layers), the other blocks near-equal; default: near-equal blocks",
+    )
+
+    @field_validator("layers_per_stage", mode="before")
+    @classmethod
+    def _split_kinds(cls, v: Any) -> Any:
+        def count(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+        if v is None:
+            return v
+        if isinstance(v, dict):
+            unknown = [k for k in v if k not in ("first", "last")]
+            if unknown or not v:
+                raise ValueError(f"expected first and / or last as keys, got {unknown or 'none'}")
+            if not all(count(x) for x in v.values()):
+                raise ValueError("first and last take whole numbers of layers >= 0")
+            return v
+        if isinstance(v, list) and v and all(count(x) for x in v):
+            return v
+        raise ValueError("expected a list of whole numbers of layers >= 0, one per model block, or {first: n, last: m}")
 
 
 class ScheduleConfig(_Section):
@@ -533,6 +558,10 @@ class Config(_Section):
     def n_blocks(self) -> int:
         """Model blocks (contiguous layer slices) the schedule splits the model into."""
         return n_model_blocks(self.schedule.name, self.parallel.pp, self.schedule.chunks)
+
+    def stage_split(self) -> Any:
+        """``parallel.layers_per_stage`` in the form the model and the planner take (:data:`portapipe.setup.Split`)."""
+        return split_of(self.parallel.layers_per_stage)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -74,11 +74,16 @@ def _dualpipe_two_ranks(x: Setup) -> list[str]:
 
 
 def _layers_per_block(x: Setup) -> list[str]:
+    from .setup import split_problem
+
     blocks = x.n_blocks
-    return _one(
-        x.model.n_layers < blocks,
-        f"model.n_layers: {x.model.n_layers} < {blocks} model blocks that schedule {x.schedule} with pp={x.pp} needs (one layer each at least)",
-    )
+    if x.layers_per_stage is None:
+        return _one(
+            x.model.n_layers < blocks,
+            f"model.n_layers: {x.model.n_layers} < {blocks} model blocks that schedule {x.schedule} with pp={x.pp} needs (one layer each at least)",
+        )
+    problem = split_problem(x.model.n_layers, blocks, x.layers_per_stage)
+    return [f"{problem} ({x.schedule} with pp={x.pp}" + (f", chunks={x.chunks}" if x.schedule == "interleaved" else "") + ")"] if problem else []
 
 
 def _experts_over_ep(x: Setup) -> list[str]:
@@ -107,7 +112,7 @@ def _memory_needs_moe(x: Setup) -> list[str]:
 
 
 def _memory_layers_fit(x: Setup) -> list[str]:
-    per = x.layers_per_stage
+    per = x.max_stage_layers
     out = _one(x.recompute_layers is not None and x.recompute_layers > per, f"memory.recompute_layers: {x.recompute_layers} > {per} layers in the largest stage")
     return out + _one(
         x.zero_memory_layers is not None and x.zero_memory_layers > per, f"memory.zero_memory_layers: {x.zero_memory_layers} > {per} layers in the largest stage"
@@ -126,7 +131,7 @@ def _memory_layers_need_option(x: Setup) -> list[str]:
 
 
 def _zero_memory_not_all_recomputed(x: Setup) -> list[str]:
-    per = x.layers_per_stage
+    per = x.max_stage_layers
     return _one(
         _n_moe(x) > 0 and x.zero_memory != "off" and x.recompute != "none" and (x.recompute_layers or per) >= per,
         f"memory.zero_memory: {x.zero_memory} has no effect: memory.recompute: {x.recompute} recomputes every layer of each stage; "
@@ -333,7 +338,8 @@ RULES: tuple[Rule, ...] = (
     Rule("interleaved-rounds", "schedule", "interleaved 1F1B sends micro-batches through each chunk in rounds of pp; one chunk is plain 1F1B", _interleaved),
     Rule("one-microbatch-per-stage", "schedule", "1F1B and ZB1P keep every stage busy only with at least one micro-batch per stage", _one_per_stage),
     Rule("dualpipe-two-ranks", "schedule", "DualPipe needs a rank at each end", _dualpipe_two_ranks),
-    Rule("layers-per-block", "layout", "each model block (pp, 2*pp for DualPipeV, pp*chunks for interleaved) holds at least one layer", _layers_per_block),
+    Rule("layers-per-block", "layout", "each model block (pp, 2*pp for DualPipeV, pp*chunks for interleaved) holds at least one layer, "
+         "or parallel.layers_per_stage's count (the first and the last may hold none), all adding up to model.n_layers", _layers_per_block),
     Rule("experts-over-ep", "layout", "routed experts are sharded evenly over the EP ranks", _experts_over_ep),
     Rule("routing", "model", "top-k routing chooses among the experts of the allowed groups", _routing),
     Rule("architecture", "model", "each architecture has its own keys and shapes (heads, RoPE widths, its router's groups)", _architecture),
