@@ -166,3 +166,30 @@ def test_the_planners_memory_and_time_models_count_each_blocks_own_layers() -> N
 def test_split_problem_without_a_split_is_the_one_layer_per_block_rule() -> None:
     assert split_problem(3, 4, None) == "model.n_layers = 3 cannot be cut into 4 blocks of at least one layer"
     assert split_problem(4, 4, None) is None
+
+
+def test_the_planner_offers_a_lighter_last_block_where_it_holds_multi_token_prediction_and_prices_it() -> None:
+    from portapipe.plan.planner import enumerate_setups, lighter_last
+
+    c = load_config({"backend": "cpu", "model": {**MODEL, "n_layers": 8, "mtp_layers": 1},
+                     "parallel": {"pp": 2}, "schedule": {"name": "1f1b", "microbatches": 2}})
+    user = Setup.from_config(c)
+    (light,) = lighter_last(user)
+    assert light.layers_per_stage == (("last", 3),) and light.split == (5, 3)  # 8 layers: 4 + 4 evenly; the last pays for the module
+    assert lighter_last(Setup.from_config(load_config({"model": MODEL}))) == []  # no module: nothing to pay for
+    setups = list(enumerate_setups(user, 2))
+    assert any(x.layers_per_stage == (("last", 3),) and x.pp == 2 and x.schedule == "1f1b" for x in setups)
+    assert all(x.layers_per_stage in (None, (("last", 3),)) for x in setups if x.n_blocks == 2)
+    # the time model prices each block's own layers: the lighter last block's forward is cheaper
+    from portapipe.plan.planner import _Context, evaluate
+    from portapipe.plan.published import published
+
+    ctx = _Context(published("h800", user.shape), lambda ep: 1.0)
+    times = {}
+    for x in (user, light):
+        cand = evaluate(x, None, ctx, search_zero=False)
+        assert cand.kept, cand.problems
+        sched = ctx.schedule(x)[0]
+        last = next(a for a in sched.actions[1] if a.kind.value == "F")
+        times[x.layers_per_stage] = cand.model.action(last).wall
+    assert times[(("last", 3),)] < times[None]

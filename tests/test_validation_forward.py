@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from portapipe.config import config_from_dict, load_config
+from portapipe.config import load_config
 from portapipe.scheduling.comms import lower_comms
 from portapipe.scheduling.ir import Kind
 from portapipe.scheduling.schedules import build, forward_only, pair_forwards
@@ -57,16 +57,13 @@ def _raw(pp: int, ep: int, dp: int, name: str, m: int, **sections: Any) -> dict[
 
 def _evaluate(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per config, on every rank: a validation batch's training step and its evaluation."""
-    from portapipe.compose import PipelineRuntime
     from portapipe.data import TextData, replica_of
     from portapipe.train import validation_loss
 
+    from .test_validation_state import runtimes
+
     out = []
-    for raw in raws:
-        config = config_from_dict(raw)
-        be = type(backend)(backend.options)
-        groups = be.parallel_groups(config.parallel.pp, config.parallel.dp, config.parallel.ep)
-        runtime = PipelineRuntime(config, be, groups)
+    for config, _, groups, runtime in runtimes(backend, raws):
         data = TextData(config)
         replica, replicas = replica_of(groups)
         batches = data.microbatches(0, replica, replicas, config.schedule.microbatches, 2, config.model.seq_len, split="val")
