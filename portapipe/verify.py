@@ -539,10 +539,10 @@ def recipe_step(config: Config, by_position: bool = False, scale: float = 1.0, r
             if replay is not None:
                 replay.source = (r // p.ep, r % p.ep)
             buckets.start()
-            data = [(x.to(device), y.to(device)) for x, y in microbatches(config, r)]
+            data = [tuple(t.to(device) for t in mb) for mb in microbatches(config, r)]
             losses[r], terms[r] = [0.0] * m, [{}] * m
             for i in order(range(m)):
-                losses[r][i], terms[r][i] = _tape_step(blocks, *data[i], seed)
+                losses[r][i], terms[r][i] = _tape_step(blocks, *data[i][:2], seed, *data[i][2:])
             buckets.finish()
             full = buckets.full_grads()
             grads: dict[str, list[torch.Tensor]] = {}
@@ -573,14 +573,18 @@ def _no_copies(*_: Any) -> torch.Tensor:
     raise RuntimeError("the one-process step sums its copies itself")
 
 
-def _tape_step(blocks: dict[int, Any], inputs: torch.Tensor, targets: torch.Tensor, seed: float) -> tuple[float, dict[str, float]]:
+def _tape_step(
+    blocks: dict[int, Any], inputs: torch.Tensor, targets: torch.Tensor, seed: float, positions: torch.Tensor | None = None
+) -> tuple[float, dict[str, float]]:
     """One micro-batch through every block as the ranks run a stage (recording tapes, part-wise
-    backward, seeded with ``seed`` as the executor seeds the loss); its loss and loss terms."""
+    backward, seeded with ``seed`` as the executor seeds the loss); its loss and loss terms.
+    ``positions``: the documents of the micro-batch, given to every block as the executor gives them."""
     n_blocks = len(blocks)
     tapes, h = [], inputs
+    given = {} if positions is None else {"positions": positions}
     for b in range(n_blocks):
         tape = Tape(input_grad=b > 0, loss_seed=seed)
-        h = run(blocks[b].program(tape, h, targets if b == n_blocks - 1 else None))
+        h = run(blocks[b].program(tape, h, targets if b == n_blocks - 1 else None, **given))
         tapes.append((tape, h))
     loss = float(h.detach())
     grad: torch.Tensor | None = torch.full_like(h, seed)

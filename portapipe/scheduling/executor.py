@@ -253,7 +253,7 @@ class PipelineExecutor:
         return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, losses=losses, loss_terms=terms, **extra)
 
     @torch.no_grad()
-    def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+    def evaluate(self, microbatches: list[tuple[torch.Tensor, ...]]) -> StepResult:
         """The step's forwards alone: each (replica, micro-batch) loss and the loss terms, as
         :meth:`step` reports them, with no backward, no gradient and no end-of-step work (what
         a forward leaves in the stages, such as a router's counts, stays: see the composer's
@@ -265,7 +265,7 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         run_.execute()
         losses, terms = self._gather_losses(run_.losses, run_.terms)
-        tokens = sum(int(t.numel()) for _, t in microbatches) * len(losses)
+        tokens = sum(int(mb[1].numel()) for mb in microbatches) * len(losses)
         return StepResult(loss=mean_loss(losses), tokens=tokens, timings={"step_s": time.perf_counter() - t0}, losses=losses, loss_terms=terms)
 
     # ------------------------------------------------------------ copies
