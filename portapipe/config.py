@@ -374,17 +374,31 @@ class TrainConfig(_Section):
     seq_aux_loss_weight: float = Field(
         0.0,
         ge=0,
+        le=1e4,
         description="alpha of DeepSeek-V3's complementary sequence-wise balance loss, added for every MoE layer "
-        "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed",
+        "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed; at most 1e4",
     )
+
+    @field_validator("mtp_loss_weight", mode="before")
+    @classmethod
+    def _mtp_weight_typed(cls, v: Any) -> Any:
+        # before pydantic's union, whose lax mode would take "0.3", true and {"0": "0.3"}, and whose
+        # message for .nan or {0.5: 0.3} would not say what is wrong
+        if isinstance(v, dict):
+            if v and all(w is None for w in v.values()) and all(isinstance(k, float) for k in v):
+                raise ValueError(
+                    f"read as {v}: YAML 1.1 reads step:weight without a space as one base-60 number; "
+                    "write a space after each colon, e.g. {0: 0.3, 10: 0.1}")
+            for step, w in v.items():
+                if isinstance(step, bool) or not isinstance(step, int):
+                    raise ValueError(f"step {step!r} is not a whole number >= 0; the schedule is {{step: weight}}, e.g. {{0: 0.3, 10: 0.1}}")
+                _loss_weight(w, f"the weight of step {step}")
+            return v
+        return _loss_weight(v, "the weight")
 
     @field_validator("mtp_loss_weight")
     @classmethod
     def _mtp_weight_in_range(cls, v: Any) -> Any:
-        weights = v.values() if isinstance(v, dict) else [v]
-        bad = [w for w in weights if not (w >= 0 and w == w and w != float("inf"))]
-        if bad:
-            raise ValueError(f"weight {bad[0]} is not a finite number >= 0")
         if isinstance(v, dict):
             if not v:
                 raise ValueError("an empty schedule; give a weight for step 0 at least, e.g. {0: 0.3}")
@@ -400,6 +414,21 @@ class TrainConfig(_Section):
         if bad:
             raise ValueError(f"{', '.join(bad)} is outside [0, 1), as AdamW requires")
         return v
+
+
+#: the largest weight a loss term may have: 1e4 times the main loss's (DeepSeek-V3's are 0.3 and 1e-4); the
+#: weight scales the term's gradient seed in the model's dtype, where 1e308 cannot be held at all
+MAX_LOSS_WEIGHT = 1e4
+
+
+def _loss_weight(w: Any, what: str) -> float:
+    """A loss term's weight as the config gives it: a finite number in [0, MAX_LOSS_WEIGHT], never a
+    string or a boolean (YAML's quotes and true would otherwise be read as numbers)."""
+    if isinstance(w, bool) or not isinstance(w, (int, float)):
+        raise ValueError(f"{what} {w!r} is not a number; write it unquoted, e.g. 0.3")
+    if not (0 <= w <= MAX_LOSS_WEIGHT):  # nan fails both
+        raise ValueError(f"{what} {w!r} is not a finite number >= 0 and <= {MAX_LOSS_WEIGHT:g}")
+    return float(w)
 
 
 class DataConfig(_Section):
