@@ -47,8 +47,11 @@ def _run(args: argparse.Namespace) -> int:
         args.overrides = [*args.overrides, f"train.steps={args.steps}"]
     config = load_checked_config(args)
     if launching_rank() == 0:  # under torchrun / mpirun rank 0 speaks for the job
-        for note in user_notes(config):
-            print(f"portapipe: note: {note}", file=sys.stderr, flush=True)
+        from ..models.fp8_layers import fp8_note
+
+        for note in [*user_notes(config), fp8_note(config.model, config.train.fp8)]:
+            if note:
+                print(f"portapipe: note: {note}", file=sys.stderr, flush=True)
     try:
         summary = train(config)
     except LaunchError as err:
