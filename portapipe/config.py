@@ -211,7 +211,9 @@ class ModelConfig(_Section):
     top_k: int = Field(2, ge=1)
     n_groups: int = Field(1, ge=1, description="expert groups for group-limited routing")
     topk_groups: int = Field(1, ge=1, description="groups a token may route to")
-    bias_update_speed: float = Field(1e-3, ge=0, description="aux-loss-free bias step per update")
+    bias_update_speed: float = Field(
+        1e-3, ge=0, le=1, description="aux-loss-free bias step per update; at most 1, the whole range of the sigmoid affinities "
+        "it is added to (a larger step decides the routing by the bias alone)")
     routed_scale: float = Field(1.0, gt=0, description="routed experts' weights are scaled by it (deepseek_v3: routed_scaling_factor)")
     seq_len: int = Field(64, ge=2)
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
@@ -424,6 +426,19 @@ class TrainConfig(_Section):
         description="alpha of DeepSeek-V3's complementary sequence-wise balance loss, added for every MoE layer "
         "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed",
     )
+    fp8: Literal["off", "deepseek"] = Field(
+        "off",
+        description="deepseek: DeepSeek-V3's FP8 recipe (model.dtype bfloat16, float32 master): the three GEMMs of every "
+        "attention projection, dense FFN and shared / routed expert Linear whose widths are multiples of 128 in E4M3 "
+        "(1x128 activation tiles, 128x128 weight blocks, power-of-two scales), the routed experts' rows dispatched in FP8; "
+        "the backend's FP8 matmul runs them (capabilities.fp8_matmul); see docs/fp8.md",
+    )
+
+    @field_validator("fp8", mode="before")
+    @classmethod
+    def _fp8_yaml_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as False.
+        return "off" if v is False else v
 
     @field_validator("lr_schedule", mode="before")
     @classmethod

@@ -83,6 +83,8 @@ class StepStats:
     a2a_hidden_edges_frac: float | None = None
     #: over the exchanges of row counts that precede the rows' (not in the three above)
     counts_a2a_hidden_frac: float | None = None
+    #: bytes the expert exchanges (dispatch, combine and their backwards) sent, summed over ranks
+    a2a_bytes: float = 0.0
 
 
 @dataclass
@@ -226,7 +228,7 @@ def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any, ep: tuple
     """
     keys = (
         "step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s", "grad_sync_exposed_s",
-        "edge_a2a_total_s", "edge_a2a_wait_s", "counts_a2a_total_s", "counts_a2a_wait_s",
+        "edge_a2a_total_s", "edge_a2a_wait_s", "counts_a2a_total_s", "counts_a2a_wait_s", "a2a_bytes",
     )
     local = torch.tensor([grad_sq_owned, *(timing(result, k) for k in keys), *ep], dtype=torch.float64)
     world = torch.distributed.get_world_size()
@@ -252,4 +254,5 @@ def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any, ep: tuple
         rank_balancedness=float(table[:, balanced].sum()) / n_layers if n_layers > 0 else None,
         a2a_hidden_edges_frac=hidden("edge_"),
         counts_a2a_hidden_frac=hidden("counts_"),
+        a2a_bytes=float(table[:, col["a2a_bytes"]].sum()),
     )

@@ -261,6 +261,14 @@ def _transport(x: Setup) -> list[str]:
     return [problems[0]] if problems and all(problems) else []
 
 
+def _fp8_matmul(x: Setup) -> list[str]:
+    """``train.fp8`` needs a backend that declares an FP8 matmul (for ``auto``: any it could pick)."""
+    if x.train is None or x.train.fp8 == "off":
+        return []
+    problems = [caps.fp8_problem(name) for name, caps in _declared(x)]
+    return [problems[0]] if problems and all(problems) else []
+
+
 def _model_dtype(x: Setup) -> list[str]:
     if x.backend == "auto":
         return []
@@ -355,6 +363,7 @@ RULES: tuple[Rule, ...] = (
          "(lr / (1 - beta1), 1 - lr x weight_decay) fits the master dtype", _lr),
     Rule("known-backend", "backend", "backends are built in or registered as plug-ins", _known_backend),
     Rule("ep-transport", "backend", "each backend declares its expert transports (capabilities.ep_transports); every backend has all-to-all", _transport),
+    Rule("fp8-matmul", "backend", "train.fp8 runs its GEMMs through the backend's FP8 matmul (capabilities.fp8_matmul: blockwise or emulated)", _fp8_matmul),
     Rule("model-dtype", "backend", "the model computes in a dtype the backend's matmul takes (capabilities.compute_dtypes)", _model_dtype),
     Rule("reduce-dtype", "backend", "the replicas' gradients are summed in a dtype the backend's collectives reduce (capabilities.reduce_dtypes)", _reduce_dtype),
     Rule("overlap-needs-pairs", "schedule", "the F&B overlap hides one micro-batch's all-to-all behind another's compute; 1F1B and ZB1P run no pairs", _overlap_needs_pairs, "note"),

@@ -191,6 +191,7 @@ def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] |
 
 def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any) -> dict[str, Any]:
     from .checkpoint.io import Checkpointer
+    from .checkpoint.state import first_nonfinite
     from .metrics import ep_step_figures
     from .models.routing import force_routing
     from .pinning import gather_placement
@@ -246,11 +247,16 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         return record
 
     def weights_broken(at: int) -> dict[str, Any] | None:
-        """Before a checkpoint of step ``at`` (collective): the divergence when any rank's weights
-        or AdamW state stopped being finite, so that no checkpoint holds them."""
-        if everywhere(backend, optimizer.finite()):
+        """Before a checkpoint of step ``at`` (collective): the divergence when anything a
+        checkpoint saves stopped being finite on any rank (weights, router biases, AdamW state, a
+        balancer's loads), named, so that no checkpoint holds it."""
+        bad = first_nonfinite(runtime, optimizer, balancer)
+        if everywhere(backend, bad is None):
             return None
-        return diverge({"step": at, "reason": f"the weights are not finite after the update of step {at}; no checkpoint was written of them"})
+        names: list[Any] = [None] * groups.world_size
+        torch.distributed.all_gather_object(names, bad)
+        name = next(n for n in names if n is not None)
+        return diverge({"step": at, "reason": f"{name} is not finite after the update of step {at}; no checkpoint was written of it"})
 
     failing = True
     try:
@@ -270,7 +276,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             skipped = scaler.enabled and not scaler.update(finite)
             if not finite and not skipped:
                 # Same figures on every rank, so every rank stops here, before the optimizer applies it.
-                diverged = diverge({"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))})
+                diverged = diverge({"step": step + 1, "loss": float(result.loss), "grad_norm": float(stats.grad_norm)})  # null where not finite
                 break
             coef = 1.0 if skipped else clip_coefficient(stats.grad_norm, tc.grad_clip)
             if not skipped:
@@ -391,6 +397,7 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
         "a2a_hidden_steady_pct": percent(stats.a2a_hidden_steady_frac),
         "a2a_hidden_edges_pct": percent(stats.a2a_hidden_edges_frac),
         "counts_a2a_hidden_pct": percent(stats.counts_a2a_hidden_frac),
+        "a2a_bytes": stats.a2a_bytes,
         "ep_wait_frac": stats.ep_wait_frac,
         "rank_balancedness": stats.rank_balancedness,
         "grad_sync_exposed_s": stats.grad_sync_exposed_s,
@@ -424,12 +431,13 @@ def check_before_launch(config: Config) -> None:
     """Everything that can be checked without ranks or folders; raises ConfigError listing each problem."""
     from .scheduling.executor import build_schedule
 
-    from .models.hf_io import init_problems
-
     from .metrics_wandb import wandb_problems
+    from .models.fp8_layers import fp8_problems
+    from .models.hf_io import init_problems
 
     problems = (list(data_problems(config)) + init_problems(config.model) + log_problems(config.log.tensorboard)
                 + wandb_problems(config.log.wandb) + pin_problems(config))
+    problems += fp8_problems(config.model, config.train.fp8)
     try:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:

@@ -77,7 +77,8 @@ class StepResult:
     pairs (the steady phase), ``edge_a2a_*`` for the rest: lone F, B and BW actions (warm-up,
     cool-down, and every action of 1F1B and ZB1P) and F&F pairs (``schedule.pair_forwards``);
     ``counts_a2a_*`` the same for the small exchanges of row counts that precede the rows'
-    (a router's, given as the executor's ``counts_stats``; zeros and None without them); on a
+    (a router's, given as the executor's ``counts_stats``; zeros and None without them);
+    ``a2a_bytes`` the bytes this rank's expert exchanges sent to the other ranks; on a
     step run with the executor's ``time_exchanges`` off the totals and hidden shares are None (only the waits were taken);
     ``peak_activations`` the most micro-batches whose activations were held at once. The
     expert fields come from the model's ``end_step`` hook (None / empty without one):
@@ -388,6 +389,7 @@ def a2a_timings(step: A2AStats, fb: A2AStats, counts: A2AStats) -> dict[str, flo
         out[f"{prefix}a2a_total_s"] = st.total_s if step.timed else None
         out[f"{prefix}a2a_wait_s"] = st.wait_s
         out[f"{prefix}a2a_hidden_frac"] = st.hidden_frac if step.timed else None
+    out["a2a_bytes"] = float(step.sent_bytes)
     return out
 
 
