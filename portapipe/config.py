@@ -441,6 +441,13 @@ class TrainConfig(_Section):
         # YAML 1.1 reads a bare `off` as False.
         return "off" if v is False else v
 
+    @field_validator("lr_schedule", mode="before")
+    @classmethod
+    def _phases_listed(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, list):
+            raise ValueError("expected a list of phases, each {kind, steps, lr}")
+        return v
+
     @field_validator("lr_schedule")
     @classmethod
     def _phases_given(cls, v: Any) -> Any:
@@ -540,8 +547,18 @@ class LogConfig(_Section):
         False, description="also write the metrics as TensorBoard scalars in <dir>/tensorboard/<run id>/ (extra tensorboard)"
     )
     wandb: WandbConfig = Field(
-        default_factory=WandbConfig, description="also log the metrics to a Weights & Biases run named by the run id (extra wandb)"
+        default_factory=WandbConfig, description="also log the metrics to a Weights & Biases run named by the run id (extra wandb); "
+        "a mode alone (offline) stands for {mode: offline}",
     )
+
+    @field_validator("wandb", mode="before")
+    @classmethod
+    def _wandb_mode_alone(cls, v: Any) -> Any:
+        if v is False or v in ("off", "online", "offline"):
+            return {"mode": "off" if v is False else v}
+        if not isinstance(v, (dict, WandbConfig)):
+            raise ValueError("expected a mode (off, online or offline) or {mode, project, entity}")
+        return v
 
 
 class CheckpointConfig(_Section):
