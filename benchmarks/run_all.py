@@ -47,6 +47,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "fp8": ["--steps", "300"],  # the README's precision section: FP8 against bfloat16
     "lone_overlap": ["--reps", "20"],  # docs/executor.md's lone actions' hidden exchange time
     "balancer_collectives": ["--ep", "4", "--redundant", "1"],  # docs/balancers-in-training.md's replica sum and figure gather
+    "validation": ["--rounds", "5"],  # docs/training.md's forward-only validation
 }
 #: benchmark scripts whose figures come from another machine, with where they run instead
 ELSEWHERE: dict[str, str] = {

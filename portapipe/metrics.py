@@ -20,10 +20,13 @@ class MetricsLog:
     Resuming from step ``resume_step`` drops the lines of later steps that an interrupted run
     left and the summaries of earlier launches, and keeps every other line (each kind: train,
     overflow, memory, balancer figures...), so the file reads as one run. ``tensorboard_run`` (a
-    run id): the same figures also go to TensorBoard under that run name (:mod:`portapipe.metrics_tb`).
+    run id): the same figures also go to TensorBoard under that run name (:mod:`portapipe.metrics_tb`);
+    ``sinks``: other writers (``write(record)``, ``close()``) each line goes to after it is written
+    (a W&B run, :mod:`portapipe.metrics_wandb`).
     """
 
-    def __init__(self, directory: Path, resume_step: int | None, tensorboard_run: str | None = None) -> None:
+    def __init__(self, directory: Path, resume_step: int | None, tensorboard_run: str | None = None, sinks: list[Any] | None = None) -> None:
+        self._sinks = list(sinks or [])
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / METRICS_FILE
         kept: list[str] = []
@@ -49,11 +52,15 @@ class MetricsLog:
         self._file.flush()
         if self._tb is not None:
             self._tb.write(record)
+        for sink in self._sinks:
+            sink.write(record)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 @dataclass

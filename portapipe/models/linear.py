@@ -24,7 +24,7 @@ from ..backends.base import Backend
 from ..fp8 import gemm
 from ..fp8.quantize import Quantized, dequantize_rows, quantize_rows
 from ..fp8.saved import keep, restore
-from ..scheduling.wgrad import defer_weight_grad
+from ..scheduling.wgrad import accumulate_weight_grad, defer_weight_grad
 
 
 def merge_heads(o: torch.Tensor) -> torch.Tensor:
@@ -74,8 +74,10 @@ class GroupedLinearFunction(torch.autograd.Function):
     each source rank's rows for an expert in a group of their own (see
     :mod:`portapipe.models.expert_parallel`). Each tile is one grouped matmul over the weight as
     it is, so no tiled copy of the weights is ever made (at EP n one would hold n - 1 times the
-    rank's expert weights); a group meets the same rows and weight as in one call, and the weight
-    gradient adds the tiles' in tile order. Forward, input gradient and weight gradient are all
+    rank's expert weights); a group meets the same rows and weight as in one call. Each tile's
+    weight gradient is accumulated on its own (into the master-dtype accumulator where there is
+    one), in tile order: summing the tiles first would round their sum in the model's dtype,
+    a rounding that one process, which accumulates each source's micro-batch apart, does not have. Forward, input gradient and weight gradient are all
     grouped matmuls of the backend, so a device kernel (fused CUDA grouped GEMM,
     npu_grouped_matmul) serves all three.
     """
@@ -98,15 +100,15 @@ class GroupedLinearFunction(torch.autograd.Function):
             grad_x = _rows_by_tile(backend, grad_out, weight.transpose(1, 2), offs, tiles)
         grad_w = None
         if ctx.needs_input_grad[1]:
-
-            def weight_grad() -> torch.Tensor:
-                total = None
-                for rows, tile_offs in _tile_spans(offs, tiles, weight.shape[0], x.shape[0]):
-                    g = backend.grouped_mm(x[rows].t(), grad_out[rows], tile_offs)
-                    total = g if total is None else total.add_(g)
-                return torch.zeros_like(weight) if total is None else total
-
-            grad_w = defer_weight_grad(ctx.param, weight_grad)
+            spans = _tile_spans(offs, tiles, weight.shape[0], x.shape[0])
+            if not spans:
+                grad_w = defer_weight_grad(ctx.param, lambda: torch.zeros_like(weight))
+            elif len(spans) == 1:
+                rows, tile_offs = spans[0]
+                grad_w = defer_weight_grad(ctx.param, lambda: backend.grouped_mm(x[rows].t(), grad_out[rows], tile_offs))
+            else:  # each source's tile reaches the accumulator on its own, as its micro-batch does in one process
+                for rows, tile_offs in spans:
+                    accumulate_weight_grad(ctx.param, lambda rows=rows, offs=tile_offs: backend.grouped_mm(x[rows].t(), grad_out[rows], offs))
         return grad_x, grad_w, None, None, None
 
 

@@ -401,13 +401,15 @@ class Block(nn.Module):
     tied head the last block's logits use its embedding's weight; no head weight of its own exists.
     """
 
-    def __init__(self, cfg: ModelConfig, block: int, n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, block: int, n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None, split: Any = None
+    ) -> None:
         super().__init__()
         self.objective = Objective() if objective is None else objective
         dtype = DTYPES[cfg.dtype]
         self.block, self.n_blocks = block, n_blocks
         self.is_last = block == n_blocks - 1
-        self.first, self.last = layer_range(cfg.n_layers, n_blocks, block)
+        self.first, self.last = layer_range(cfg.n_layers, n_blocks, block, split)  # split: parallel.layers_per_stage
         shares_embed = uses_embedding_last(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=dtype) if block == 0 or (self.is_last and shares_embed) else None
         if self.embed is not None and shares_embed and n_blocks > 1:
@@ -540,11 +542,12 @@ def init_parameters(block: Block, cfg: ModelConfig, seed: int) -> None:
 
 
 def build_blocks(
-    cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None
+    cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None, split: Any = None
 ) -> dict[int, Block]:
     """This rank's model blocks, seeded; with ``model.init_from``, holding that folder's weights.
-    ``objective``: the weights of the objective's extra terms (none by default)."""
-    built = {b: Block(cfg, b, n_blocks, ep, seed, objective) for b in blocks}
+    ``objective``: the weights of the objective's extra terms (none by default); ``split``: the
+    layers of each block (``parallel.layers_per_stage``, :func:`~portapipe.setup.stage_layers`)."""
+    built = {b: Block(cfg, b, n_blocks, ep, seed, objective, split) for b in blocks}
     if cfg.init_from is not None and built and not next(built[blocks[0]].parameters()).is_meta:
         from .hf_folder import load_hf_weights
 

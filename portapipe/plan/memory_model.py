@@ -108,7 +108,8 @@ def static_memory(setup: Any, schedule: Schedule, rank: int) -> RankMemory:
     train, model = getattr(setup, "train", None), getattr(setup, "model", None)
     master = _master_bytes(model.dtype if model is not None else "float32", train.master_dtype if train is not None else "auto")
     return _static(s, tuple(schedule.blocks_of(rank)), schedule.n_blocks, s.n_experts // setup.ep + redundant,
-                   s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep)
+                   s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep,
+                   getattr(setup, "layers_per_stage", None))
 
 
 def _master_bytes(model_dtype: str, setting: str) -> int:
@@ -119,7 +120,7 @@ def _master_bytes(model_dtype: str, setting: str) -> int:
 
 @functools.lru_cache(maxsize=8192)
 def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, slots: int, em: int = 4, zero: int = 0,
-            dp: int = 1, ep: int = 1) -> RankMemory:
+            dp: int = 1, ep: int = 1, split: Any = None) -> RankMemory:
     """Gradients accumulate in the master dtype (``em`` bytes); zero_stage 1 shards the master
     weights and AdamW's moments, 2 the gradients too, over dp x ep (shared) or dp (experts).
     The parameters are the master weights when the model computes in the master dtype (no copy)."""
@@ -128,10 +129,10 @@ def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, 
     mem = RankMemory()
     elements = experts = 0
     for b in blocks:
-        c = _block_params(s, b, n_blocks, local_slots)
+        c = _block_params(s, b, n_blocks, local_slots, split)
         elements += c.elements
         experts += c.expert_elements
-        first, last = layer_range(s.n_layers, n_blocks, b)
+        first, last = layer_range(s.n_layers, n_blocks, b, split)
         mtp = mtp_layer_indices(s) if b == n_blocks - 1 else range(0)
         mem.buffers += sum(layer_buffer_bytes(s, i, slots) for i in [*range(first, last), *mtp])
     sharded = (elements - experts) / (dp * ep) + experts / dp  # this rank's ranges of its buckets
