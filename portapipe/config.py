@@ -342,6 +342,11 @@ class TrainConfig(_Section):
         description="dtype of the master weights, the gradient accumulation and AdamW's state; auto: float32 when "
         "model.dtype is bfloat16 or float16, else model.dtype",
     )
+    moments_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype AdamW's two moments are stored in (Megatron-Core's exp_avg_dtype / exp_avg_sq_dtype; DeepSeek-V3: "
+        "bfloat16); the update is computed in the more precise of it and the master dtype; auto: the master dtype",
+    )
     grad_reduce_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
         "auto", description="dtype gradients are summed over the data-parallel replicas in; auto: the master dtype"
     )

@@ -101,9 +101,11 @@ def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
     from .models.moe import DTYPES
     from .optim.sharded import ShardedAdamW
 
-    t = config.train
-    return ShardedAdamW(runtime.grads, model_dtype=DTYPES[config.model.dtype], zero_stage=t.zero_stage, betas=t.betas,
-                        weight_decay=t.weight_decay, backend=backend)
+    from .optim.precision import moments_dtype
+
+    t, m = config.train, config.model
+    return ShardedAdamW(runtime.grads, model_dtype=DTYPES[m.dtype], zero_stage=t.zero_stage, betas=t.betas,
+                        weight_decay=t.weight_decay, backend=backend, moments_dtype=DTYPES[moments_dtype(m.dtype, t.master_dtype, t.moments_dtype)])
 
 
 def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -> float | None:

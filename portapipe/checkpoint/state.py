@@ -10,6 +10,8 @@ What a rank contributes to a checkpoint (a nested dict that DCP flattens to dott
   stage (a checkpoint without them: the parameters are the master weights);
 - ``optim.<name>.{exp_avg, exp_avg_sq, step}``: AdamW's state under the same names, whole
   (a sharded optimizer's ranges are gathered first), so any ``zero_stage`` and dp size reads it;
+  the moments in the dtype they are kept in (``train.moments_dtype``), read in whatever dtype
+  the resuming run keeps them;
 - ``balancer.<layer>.{phy2log, log2phy, loads, planned}``: the expert placement in force (and whether it came from loads), the window of
   recorded per-expert loads, per MoE layer (global index);
 - ``rng.<device type>``: rank 0's generator states;
@@ -148,7 +150,7 @@ def targets(runtime: Any, optimizer: Any, rng_kinds: list[str], meta: Mapping[st
         for key, t, _ in logical_slices([(n, p)]):
             if key in optim:
                 continue
-            entry = {kind: want(f"optim.{key}.{kind}", t.shape, optimizer.master_dtype) for kind in MOMENTS}
+            entry = {kind: want(f"optim.{key}.{kind}", t.shape, optimizer.moments_dtype) for kind in MOMENTS}
             entry["step"] = want(f"optim.{key}.step", ())
             optim[key] = entry  # type: ignore[assignment]
     if problems:
@@ -210,7 +212,7 @@ def _restore_optimizer(optimizer: Any, params: list[tuple[str, nn.Parameter]], o
             continue
         entry = {}
         for kind, values in by_kind.items():
-            buf = torch.zeros(p.shape, dtype=optimizer.master_dtype)
+            buf = torch.zeros(p.shape, dtype=optimizer.master_dtype if kind == "master" else optimizer.moments_dtype)
             load_logical_state([(n, _shaped_like(buf, p))], values)
             entry[kind] = buf.to(p.device)
         steps |= {float(optim[key]["step"]) for key, _, _ in logical_slices([(n, p)])}

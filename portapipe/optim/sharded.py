@@ -1,13 +1,15 @@
 """AdamW over gradient buckets: master weights, ZeRO shards, the step and the parameters' update.
 
 :class:`ShardedAdamW` keeps, per bucket of :class:`~.buckets.GradBuckets`, AdamW's two moments
-and the master weights in the master dtype: the whole bucket with ``zero_stage`` 0, this rank's
+(in ``train.moments_dtype``) and the master weights (in the master dtype): the whole bucket with ``zero_stage`` 0, this rank's
 equal range of it with 1 and 2 (Megatron-Core's distributed optimizer: a shared parameter's
 bucket splits over the dp x ep replicas, an expert's over dp). A step updates what the rank
 holds from its range of the reduced gradient, then the parameters are refreshed: copied (cast to
 the model dtype) from the master, or, sharded, all-gathered from every rank's updated range.
 When the model computes in the master dtype the parameters are the master weights (no copy
-kept: a rank steps its range of them in place).
+kept: a rank steps its range of them in place). Moments stored in another dtype than the master
+weights are widened to the more precise of the two for the update, piece by piece
+(:func:`~.adamw.adamw_`).
 
 The global gradient norm is summed from every rank's range (:meth:`ShardedAdamW.local_sq_norm`),
 so it equals the unsharded norm whatever the stage.
@@ -30,12 +32,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class _State:
     """What the optimizer holds for one bucket (full length, or this rank's range)."""
 
-    def __init__(self, bucket: Bucket, span: slice, master: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, bucket: Bucket, span: slice, master: torch.Tensor | None, moments: torch.dtype, device: torch.device) -> None:
         n = span.stop - span.start
         self.span = span
         self.master = master
-        self.exp_avg = torch.zeros(n, dtype=dtype, device=device)
-        self.exp_avg_sq = torch.zeros(n, dtype=dtype, device=device)
+        self.exp_avg = torch.zeros(n, dtype=moments, device=device)
+        self.exp_avg_sq = torch.zeros(n, dtype=moments, device=device)
         # weight decay on matrices only: their (start, end) within the span
         self.decayed = []
         for p, o in zip(bucket.params, bucket.offsets):
@@ -63,7 +65,8 @@ class ShardedAdamW:
     """AdamW with master weights over a rank's gradient buckets (see the module docstring).
 
     ``lr`` is the learning rate the next :meth:`step` uses (the training loop sets it);
-    ``steps`` the updates applied so far.
+    ``steps`` the updates applied so far. ``moments_dtype``: the moments' dtype (default: the
+    master dtype).
     """
 
     def __init__(
@@ -75,9 +78,15 @@ class ShardedAdamW:
         betas: tuple[float, float],
         weight_decay: float,
         backend: Any,
+        moments_dtype: torch.dtype | None = None,
     ) -> None:
+        from .precision import update_dtype
+
         self.grads, self.backend = grads, backend
         self.model_dtype, self.master_dtype = model_dtype, grads.master_dtype
+        self.moments_dtype = self.master_dtype if moments_dtype is None else moments_dtype
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        self.compute_dtype = getattr(torch, update_dtype(name(self.master_dtype), name(self.moments_dtype)))
         self.zero_stage = zero_stage
         self.betas, self.weight_decay = betas, weight_decay
         self.lr = 0.0
@@ -93,7 +102,7 @@ class ShardedAdamW:
                 for p, view in zip(bucket.params, bucket.views(full)):
                     view.copy_(p.detach())
                 master = full[span].clone() if zero_stage > 0 else full
-            self.states.append(_State(bucket, span, master, self.master_dtype, grads.device))
+            self.states.append(_State(bucket, span, master, self.moments_dtype, grads.device))
 
     # ------------------------------------------------------------------ step
     def local_sq_norm(self, counted_blocks: set[int]) -> torch.Tensor:
@@ -113,7 +122,7 @@ class ShardedAdamW:
         """One AdamW update at ``self.lr`` from the reduced gradients times ``grad_coef`` (clipping,
         loss-scale removal), then the parameters refreshed (collective under zero_stage 1 / 2)."""
         self.steps += 1
-        hp = {"step": self.steps, "lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay}
+        hp = {"step": self.steps, "lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay, "compute": self.compute_dtype}
         for bucket, st in zip(self.grads.buckets, self.states):
             g = self.grads.grad_shard(bucket) if self.zero_stage > 0 else bucket.grad
             if grad_coef != 1.0:

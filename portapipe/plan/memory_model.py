@@ -106,23 +106,29 @@ def static_memory(setup: Any, schedule: Schedule, rank: int) -> RankMemory:
     bal = getattr(setup, "balancer", None)
     redundant = bal.redundant if bal is not None and bal.kind != "none" else 0
     train, model = getattr(setup, "train", None), getattr(setup, "model", None)
-    master = _master_bytes(model.dtype if model is not None else "float32", train.master_dtype if train is not None else "auto")
+    master, moments = _optimizer_bytes(model.dtype if model is not None else "float32", train)
     return _static(s, tuple(schedule.blocks_of(rank)), schedule.n_blocks, s.n_experts // setup.ep + redundant,
-                   s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep)
+                   s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep, moments)
 
 
-def _master_bytes(model_dtype: str, setting: str) -> int:
-    from ..optim.precision import master_dtype
+def _optimizer_bytes(model_dtype: str, train: Any) -> tuple[int, int]:
+    """Bytes of one master weight and of one AdamW moment (``train.master_dtype``, ``train.moments_dtype``)."""
+    from ..model_shape import ELEMENT_BYTES
+    from ..optim.precision import master_dtype, moments_dtype
 
-    return {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[master_dtype(model_dtype, setting)]
+    master_setting = train.master_dtype if train is not None else "auto"
+    moments_setting = getattr(train, "moments_dtype", "auto") if train is not None else "auto"
+    return (ELEMENT_BYTES[master_dtype(model_dtype, master_setting)],
+            ELEMENT_BYTES[moments_dtype(model_dtype, master_setting, moments_setting)])
 
 
 @functools.lru_cache(maxsize=8192)
 def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, slots: int, em: int = 4, zero: int = 0,
-            dp: int = 1, ep: int = 1) -> RankMemory:
-    """Gradients accumulate in the master dtype (``em`` bytes); zero_stage 1 shards the master
-    weights and AdamW's moments, 2 the gradients too, over dp x ep (shared) or dp (experts).
-    The parameters are the master weights when the model computes in the master dtype (no copy)."""
+            dp: int = 1, ep: int = 1, emo: int | None = None) -> RankMemory:
+    """Gradients accumulate in the master dtype (``em`` bytes), AdamW's moments take ``emo`` bytes
+    each (default ``em``); zero_stage 1 shards the master weights and the moments, 2 the gradients
+    too, over dp x ep (shared) or dp (experts). The parameters are the master weights when the
+    model computes in the master dtype (no copy)."""
     from ..setup import layer_range
 
     mem = RankMemory()
@@ -138,7 +144,7 @@ def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, 
     mem.params = float(elements * s.e)
     mem.grads = float((sharded if zero == 2 else elements) * em)
     kept = sharded if zero >= 1 else elements
-    mem.optimizer = float(2 * kept * em)  # exp_avg, exp_avg_sq
+    mem.optimizer = float(2 * kept * (em if emo is None else emo))  # exp_avg, exp_avg_sq
     mem.master = float(kept * em) if em != s.e else 0.0
     return mem
 
