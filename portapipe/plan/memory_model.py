@@ -3,8 +3,8 @@
 Static, per pipeline rank: the parameters of every block the rank holds (DualPipe: two blocks,
 each also held by another rank; routed experts: ``n_experts / ep`` plus the balancer's redundant
 slots), their gradients (accumulated in the master dtype), the master weights (when kept apart
-from the parameters: another dtype, or ``zero_stage`` 1 / 2), AdamW's two moments (in the master
-dtype; this rank's ranges under ``zero_stage`` 1 / 2, and the gradients' too under 2), the
+from the parameters: another dtype, or ``zero_stage`` 1 / 2), AdamW's two moments (in
+``train.moments_dtype``; this rank's ranges under ``zero_stage`` 1 / 2, and the gradients' too under 2), the
 model's buffers.
 
 In flight: each rank's lowered action list is walked in order, and each compute action through
@@ -106,18 +106,19 @@ def static_memory(setup: Any, schedule: Schedule, rank: int) -> RankMemory:
     bal = getattr(setup, "balancer", None)
     redundant = bal.redundant if bal is not None and bal.kind != "none" else 0
     train, model = getattr(setup, "train", None), getattr(setup, "model", None)
-    master, moments = _optimizer_bytes(model.dtype if model is not None else "float32", train)
+    master, moments = _optimizer_bytes(model.dtype if model is not None else "float32", train, getattr(setup, "moments_dtype", None))
     return _static(s, tuple(schedule.blocks_of(rank)), schedule.n_blocks, s.n_experts // setup.ep + redundant,
                    s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep, moments)
 
 
-def _optimizer_bytes(model_dtype: str, train: Any) -> tuple[int, int]:
-    """Bytes of one master weight and of one AdamW moment (``train.master_dtype``, ``train.moments_dtype``)."""
+def _optimizer_bytes(model_dtype: str, train: Any, moments: str | None = None) -> tuple[int, int]:
+    """Bytes of one master weight and of one AdamW moment (``train.master_dtype``; ``moments``, a
+    setup's choice, else ``train.moments_dtype``)."""
     from ..model_shape import ELEMENT_BYTES
     from ..optim.precision import master_dtype, moments_dtype
 
     master_setting = train.master_dtype if train is not None else "auto"
-    moments_setting = getattr(train, "moments_dtype", "auto") if train is not None else "auto"
+    moments_setting = moments or (getattr(train, "moments_dtype", "auto") if train is not None else "auto")
     return (ELEMENT_BYTES[master_dtype(model_dtype, master_setting)],
             ELEMENT_BYTES[moments_dtype(model_dtype, master_setting, moments_setting)])
 
