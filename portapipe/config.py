@@ -365,6 +365,12 @@ class TrainConfig(_Section):
         description="0: every replica holds the whole optimizer; 1: master weights and AdamW state sharded over the "
         "replicas, updated parameters all-gathered; 2: gradients also reduce-scattered into the shards",
     )
+    ema_decay: float | None = Field(
+        None, gt=0, lt=1,
+        description="keep an exponential moving average of the weights in host memory (float32, sharded like the master "
+        "weights), updated after each step on a background thread: ema = decay x ema + (1 - decay) x weights; saved in "
+        "checkpoints, exported with portapipe export --ema, validated beside the weights (val_loss_ema); none: not kept",
+    )
     grad_bucket_mb: float = Field(25.0, gt=0, description="size of one gradient bucket (MB of master-dtype gradients)")
     overlap_grad_sync: bool = Field(
         True, description="reduce a block's gradient buckets as soon as its last backward of the step ran (false: all after the schedule)"

@@ -201,6 +201,10 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
     tc, rank = config.train, groups.rank
     optimizer = make_sharded_optimizer(runtime, config, backend)
+    if tc.ema_decay is not None:  # before the restore: a checkpoint's EMA is loaded into it
+        from .optim.ema import HostEMA
+
+        optimizer.ema = HostEMA(optimizer, tc.ema_decay, backend)
     scaler = LossScaler(config.model.dtype == "float16", growth_interval=tc.loss_scale_growth_interval)
     counted = counted_blocks(runtime.schedule, groups.pp_rank)
     data = TextData(config)
@@ -221,11 +225,14 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
     tb_run = run.run_id if config.log.tensorboard else None
     metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run) if rank == 0 else None
-    memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory()}), "step": start,
+    host_ema = optimizer.ema.host_bytes() if optimizer.ema is not None else 0
+    memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory(),
+                                        "ema_host": host_ema}), "step": start,
               "launch": gather_placement(config.launch.pin_cores)}
     if metrics is not None:
         metrics.write(memory)
-        say_stderr("memory per rank (largest): " + ", ".join(f"{k} {memory[k] / 2**20:.2f} MiB" for k in ("params", "grads", "master", "optimizer")))
+        shown = ("params", "grads", "master", "optimizer") + (("ema_host",) if optimizer.ema is not None else ())
+        say_stderr("memory per rank (largest): " + ", ".join(f"{k} {memory[k] / 2**20:.2f} MiB" for k in shown))
         placed = memory["launch"]
         if placed["pinned"]:
             each = zip(placed["cores_by_rank"], placed["threads_by_rank"])
@@ -272,6 +279,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             if not skipped:
                 with torch.no_grad():
                     optimizer.step(coef / scale)
+                if optimizer.ema is not None:
+                    optimizer.ema.update()  # the weights copied out, folded in while the next step runs
             runtime.grads.zero_grad()
             # loads recorded; every balancer.interval steps maybe a new placement, weights migrated
             balance = balancer.after_step(step, result, optimizer) if balancer is not None else None
@@ -327,8 +336,16 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         ckpt.close(failing=failing)
         if bar is not None:
             bar.close()
+        if optimizer.ema is not None and failing:
+            optimizer.ema.close()
 
     val_loss = validation_loss(runtime, data, config, groups) if stopped is None and diverged is None else None
+    val_loss_ema = None
+    if optimizer.ema is not None:
+        if val_loss is not None:
+            with optimizer.ema.swapped_in(list(runtime.parameters())):
+                val_loss_ema = validation_loss(runtime, data, config, groups)
+        optimizer.ema.close()
     if val_loss is not None and not math.isfinite(val_loss):  # the same on every rank
         diverged = diverge({"step": progress.step, "reason": f"the validation loss is {val_loss!r}"})
     tail = progress.losses[-5:]
@@ -345,6 +362,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         "final_loss": progress.losses[-1] if progress.losses else None,
         "final_loss_avg5": sum(tail) / len(tail) if tail else None,
         "val_loss": val_loss,
+        **({"val_loss_ema": val_loss_ema} if optimizer.ema is not None else {}),
         "tokens": progress.tokens,
         "train_s": progress.train_s,
         "tokens_per_s": progress.tokens / progress.train_s if progress.train_s else None,

@@ -307,6 +307,8 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
         say(line)
     if (line := moments_line(config, manifest)) is not None:
         say(line)
+    if config.train.ema_decay is not None and manifest.get("config", {}).get("train", {}).get("ema_decay") is None:
+        say(f"ema: the checkpoint holds no EMA of the weights (train.ema_decay was not set); it starts from the weights of step {plan.step}")
     if manifest["layout"].get("balancer", "none") != "none" and config.balancer.kind != "none" and not plan.placement_fits:
         say(
             "balancer: the checkpoint's expert placement was made for another balancer layout; experts load by id into "

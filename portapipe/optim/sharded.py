@@ -93,6 +93,8 @@ class ShardedAdamW:
         self.steps = 0
         #: a separate copy of the weights in the master dtype (else the parameters are it)
         self.has_master = self.master_dtype != model_dtype
+        #: the host EMA of the weights (:class:`~.ema.HostEMA`, ``train.ema_decay``), or None
+        self.ema: Any = None
         self.states: list[_State] = []
         for bucket in grads.buckets:
             span = bucket.shard if zero_stage > 0 else slice(0, bucket.numel)
@@ -146,17 +148,25 @@ class ShardedAdamW:
 
     def _refresh(self) -> None:
         """The parameters from the master weights: copied, or all-gathered from the shards."""
+        if self.zero_stage == 0 and not self.has_master:
+            return
+        self.refresh(lambda st: st.master)
+
+    def refresh(self, source: Any) -> None:
+        """The parameters from ``source(state)`` (this rank's range of a bucket's weights, or None:
+        the parameters' own; any dtype and device): copied, or all-gathered from the shards under
+        zero_stage 1 / 2 (collective)."""
         if self.zero_stage == 0:
-            if not self.has_master:
-                return
             for bucket, st in zip(self.grads.buckets, self.states):
-                for p, view in zip(bucket.params, bucket.views(st.master)):
-                    p.detach().copy_(view)
+                if (weights := source(st)) is not None:
+                    for p, view in zip(bucket.params, bucket.views(weights)):
+                        p.detach().copy_(view)
             return
         pending = []
         for bucket, st in zip(self.grads.buckets, self.states):
             full = torch.empty(bucket.numel, dtype=self.model_dtype, device=self.grads.device)
-            mine = st.master.to(self.model_dtype) if st.master is not None else self._own_range(bucket, st)
+            weights = source(st)
+            mine = weights.to(self.grads.device, self.model_dtype) if weights is not None else self._own_range(bucket, st)
             if bucket.group_size == 1:
                 full.copy_(mine)
                 pending.append((bucket, full, None))
@@ -193,29 +203,40 @@ class ShardedAdamW:
 
     def full_state(self) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
         """Every parameter's whole moments (and master weights, when kept), shaped like it
-        (collective under zero_stage 1 / 2: every rank's ranges are gathered)."""
+        (collective under zero_stage 1 / 2: every rank's ranges are gathered); the host EMA's too,
+        once its fold in flight is done."""
+        if self.ema is not None:
+            self.ema.wait()
         for bucket, st in zip(self.grads.buckets, self.states):
-            kinds = list(MOMENTS) + (["master"] if st.master is not None else [])
-            full = {kind: self._whole(bucket, getattr(st, kind)) for kind in kinds}
+            full = {kind: self._whole(bucket, getattr(st, kind)) for kind in self._kinds(st)}
             for i, p in enumerate(bucket.params):
                 yield p, {kind: bucket.views(t)[i] for kind, t in full.items()}
 
+    def _kinds(self, st: _State) -> list[str]:
+        """What this rank holds per bucket: the moments, the master weights when kept apart, the
+        host EMA of the weights when one is kept (``ema``, set by :class:`~.ema.HostEMA`)."""
+        return list(MOMENTS) + (["master"] if st.master is not None else []) + (["ema"] if getattr(st, "ema", None) is not None else [])
+
     def _whole(self, bucket: Bucket, part: torch.Tensor) -> torch.Tensor:
-        return part if self.zero_stage == 0 else gather(self.backend, bucket, part)
+        if self.zero_stage == 0:
+            return part
+        if part.device != self.grads.device:  # the host EMA: gathered through the device, one bucket at a time
+            return gather(self.backend, bucket, part.to(self.grads.device)).to(part.device)
+        return gather(self.backend, bucket, part)
 
     def load_full_state(self, loaded: dict[nn.Parameter, dict[str, torch.Tensor]], steps: int) -> None:
-        """Put whole per-parameter tensors (as :meth:`full_state` gives; ``master`` optional: the
-        parameters stand for it) into what this rank holds."""
+        """Put whole per-parameter tensors (as :meth:`full_state` gives; ``master`` and ``ema``
+        optional: the parameters stand for them) into what this rank holds."""
         self.steps = steps
         for bucket, st in zip(self.grads.buckets, self.states):
-            kinds = list(MOMENTS) + (["master"] if st.master is not None else [])
-            for kind in kinds:
+            for kind in self._kinds(st):
                 target = getattr(st, kind)
                 for p, o in zip(bucket.params, bucket.offsets):
                     entry = loaded.get(p)
                     if entry is None:
                         continue
-                    src = entry.get(kind, p.detach() if kind == "master" else None)
+                    fallback = {"master": p.detach(), "ema": entry.get("master", p.detach())}  # a checkpoint without them
+                    src = entry.get(kind, fallback.get(kind))
                     if src is None:
                         continue
                     a, b = max(st.span.start, o), min(st.span.stop, o + p.numel())
