@@ -15,7 +15,10 @@ Three parts, each a series of ``portapipe train`` runs (gloo ranks, temporary fo
 - moments: AdamW's moments in float32 against bfloat16 (``train.moments_dtype``, DeepSeek-V3's
   recipe), same seed and data, ``--moments-steps`` steps at lr 3e-4 (cosine to the end), in
   float32 compute and in bfloat16 compute with float32 master weights: the validation losses and
-  their ratio, the optimizer bytes per rank (the memory record), the median step time.
+  their ratio, the optimizer bytes per rank (the memory record), the median step time;
+- ema: the host EMA of the weights (``train.ema_decay``) on and off, taking turns ``--ema-rounds``
+  times, ``--ema-steps`` steps each: the median iteration time (step, optimizer, the EMA's copy
+  out) and its ratio, the host bytes per rank and the validation losses of the weights and the EMA.
 
 Prints one JSON object; ``--png`` draws the loss curves.
 
@@ -128,6 +131,22 @@ def moments(steps: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def ema(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
+    iters: dict[str, list[float]] = {"off": [], "on": []}
+    out: dict[str, Any] = {}
+    for r in range(rounds):
+        for name, sets in (("off", []), ("on", ["train.ema_decay=0.99"])):
+            summary, rows = _train([f"train.steps={steps}", "train.lr=3e-4", *sets], tmp / f"ema-{name}-{r}")
+            iters[name] += [row["iter_s"] for row in rows if row["kind"] == "train"][1:]  # the first step pays one-time costs
+            record = next(row for row in rows if row["kind"] == "memory")
+            out[name] = {"val_loss": summary["val_loss"], "val_loss_ema": summary.get("val_loss_ema"), "ema_host_bytes_per_rank": record.get("ema_host", 0)}
+    for name in iters:
+        out[name]["median_iter_s"] = statistics.median(iters[name])
+    out["iter_on_vs_off"] = out["on"]["median_iter_s"] / out["off"]["median_iter_s"]
+    print(f"ema: iteration {out['iter_on_vs_off']:.3f}x", file=sys.stderr)
+    return out
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -151,14 +170,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="training steps of each precision run")
     ap.add_argument("--overlap-steps", type=int, default=30)
     ap.add_argument("--moments-steps", type=int, default=300, help="training steps of each moments-dtype run")
+    ap.add_argument("--ema-steps", type=int, default=40, help="training steps of each EMA on / off run")
+    ap.add_argument("--ema-rounds", type=int, default=3, help="EMA on / off runs taking turns")
     ap.add_argument("--png", type=Path, default=None)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: precision, memory, overlap, moments")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: precision, memory, overlap, moments, ema")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     result: dict[str, Any] = {"machine": {"processor": platform.processor(), "torch": torch.__version__}, "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         for part, run in (("overlap", lambda: overlap(args.overlap_steps, Path(tmp))), ("memory", lambda: memory(Path(tmp))),
-                          ("precision", lambda: precision(args.steps, Path(tmp))), ("moments", lambda: moments(args.moments_steps, Path(tmp)))):
+                          ("precision", lambda: precision(args.steps, Path(tmp))), ("moments", lambda: moments(args.moments_steps, Path(tmp))),
+                          ("ema", lambda: ema(args.ema_steps, args.ema_rounds, Path(tmp)))):
             if part not in skip:
                 result[part] = run()
                 print(json.dumps({part: result[part]}), file=sys.stderr, flush=True)  # a long run's parts as they finish

@@ -77,18 +77,19 @@ def fullest_line(c: Candidate) -> str | None:
 
 
 def table(result: PlanResult, top: int) -> str:
-    head = f"{'#':>3}  {'schedule':<14} {'pp x ep x dp':<12} {'m x b':<8} {'memory':<24} {'step s':>9} {'tokens/s':>10} {'peak':>11} {'bubble s':>9} {'a2a exp s':>9}"
-    lines = [head, "-" * len(head)]
     shown = result.ranked[:top]
     if result.user.kept and result.user not in shown and result.user.time is not None:
         shown = shown + [result.user]
+    w = max([24] + [len(c.setup.memory_label()) for c in shown])  # the memory option's column fits its longest
+    head = f"{'#':>3}  {'schedule':<14} {'pp x ep x dp':<12} {'m x b':<8} {'memory':<{w}} {'step s':>9} {'tokens/s':>10} {'peak':>11} {'bubble s':>9} {'a2a exp s':>9}"
+    lines = [head, "-" * len(head)]
     for c in shown:
         r = row(c)
         rank = result.ranked.index(c) + 1 if c in result.ranked else "-"
         mark = " <- your config" if c is result.user else ""
         lines.append(
             f"{rank:>3}  {r['schedule']:<14} {r['layout']:<12} {str(r['microbatches']) + 'x' + str(r['micro_batch_size']):<8} "
-            f"{r['memory_option']:<24} {r['step_s']:>9.4g} {r['tokens_per_s']:>10.4g} {gib(r['peak_bytes']):>11} "
+            f"{r['memory_option']:<{w}} {r['step_s']:>9.4g} {r['tokens_per_s']:>10.4g} {gib(r['peak_bytes']):>11} "
             f"{r['bubble_s']:>9.3g} {r['a2a_exposed_s']:>9.3g}{mark}"
         )
     return "\n".join(lines)
