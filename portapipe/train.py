@@ -92,8 +92,9 @@ def counted_blocks(schedule: Any, pp_rank: int) -> set[int]:
 
 
 def param_bytes(runtime: Any) -> int:
-    """Bytes of this rank's parameters (both DualPipe copies of a block count: both are held)."""
-    return sum(p.numel() * p.element_size() for p in runtime.parameters())
+    """Bytes of this rank's parameters (both DualPipe copies of a block count: both are held; a
+    weight two of its blocks hold as one tensor counts once)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in runtime.parameters()}.values())
 
 
 def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:

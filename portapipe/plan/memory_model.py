@@ -141,6 +141,8 @@ def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, 
         first, last = layer_range(s.n_layers, n_blocks, b)
         mtp = mtp_layer_indices(s) if b == n_blocks - 1 else range(0)
         mem.buffers += sum(layer_buffer_bytes(s, i, slots) for i in [*range(first, last), *mtp])
+    if n_blocks > 1 and 0 in blocks and n_blocks - 1 in blocks and (s.tie_word_embeddings or s.mtp_layers):
+        elements -= s.vocab_size * s.hidden  # the first and last blocks on one rank hold one embedding, not a copy each
     sharded = (elements - experts) / (dp * ep) + experts / dp  # this rank's ranges of its buckets
     mem.params = float(elements * s.e)
     mem.grads = float((sharded if zero == 2 else elements) * em)
