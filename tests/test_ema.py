@@ -123,3 +123,13 @@ def test_a_decay_outside_zero_and_one_is_refused():
         with pytest.raises(ConfigError) as err:
             load_config({"train": {"ema_decay": bad}})
         assert len(err.value.problems) == 1 and err.value.problems[0].startswith("train.ema_decay:"), err.value.problems
+
+
+@pytest.mark.multiproc
+def test_a_resume_without_the_ema_says_it_drops_it(run, tmp_path, capsys):
+    again = copy_run(run["dir"], tmp_path / "again", drop_after=3)
+    code, lines, summary = train(capsys, retarget(run["config"], again), "--set", "train.ema_decay=null")
+    assert code == 0 and summary is not None and "val_loss_ema" not in summary, lines
+    assert "portapipe: ema: the checkpoint holds an EMA of the weights that this run does not keep (train.ema_decay is not set); " \
+        "its checkpoints will hold none" in lines, lines
+    assert _saved(step_dir(again, STEPS), "ema") == {}

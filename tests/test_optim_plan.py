@@ -75,4 +75,13 @@ def test_allowed_bfloat16_moments_are_chosen_only_where_the_users_do_not_fit():
     assert allowed.config_of(c).train.moments_dtype == "bfloat16" and "bf16 moments" in row(c)["memory_option"]
     f = fullest(c)
     assert f["moments"] * 2 == static_memory(c.setup.replace(moments_dtype="auto"), build_schedule(allowed.config_of(c)), int(f["rank"])).optimizer
-    assert sum(v for k, v in f.items() if k not in ("rank", "total")) == f["total"]
+    assert sum(v for k, v in f.items() if k not in ("rank", "total", "ema_host")) == f["total"] and f["ema_host"] == 0
+
+
+def test_the_host_ema_counts_in_host_memory_not_the_devices():
+    base, ema = _static("model.dtype=bfloat16"), _static("model.dtype=bfloat16", "train.ema_decay=0.999")
+    n = base.params / 2  # elements on pipeline rank 0
+    assert ema.ema_host == (4 + 4) * n and base.ema_host == 0  # float32 average + float32 staging of the master weights
+    assert ema.static == base.static  # none of the device's
+    z1 = _static("model.dtype=bfloat16", "train.ema_decay=0.999", "train.zero_stage=1")
+    assert z1.ema_host == ema.ema_host / 2  # sharded like the master weights (dp 2)

@@ -307,8 +307,11 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
         say(line)
     if (line := moments_line(config, manifest)) is not None:
         say(line)
-    if config.train.ema_decay is not None and manifest.get("config", {}).get("train", {}).get("ema_decay") is None:
+    had_ema = manifest.get("config", {}).get("train", {}).get("ema_decay") is not None
+    if config.train.ema_decay is not None and not had_ema:
         say(f"ema: the checkpoint holds no EMA of the weights (train.ema_decay was not set); it starts from the weights of step {plan.step}")
+    elif config.train.ema_decay is None and had_ema:
+        say("ema: the checkpoint holds an EMA of the weights that this run does not keep (train.ema_decay is not set); its checkpoints will hold none")
     if manifest["layout"].get("balancer", "none") != "none" and config.balancer.kind != "none" and not plan.placement_fits:
         say(
             "balancer: the checkpoint's expert placement was made for another balancer layout; experts load by id into "

@@ -5,7 +5,8 @@ each also held by another rank; routed experts: ``n_experts / ep`` plus the bala
 slots), their gradients (accumulated in the master dtype), the master weights (when kept apart
 from the parameters: another dtype, or ``zero_stage`` 1 / 2), AdamW's two moments (in
 ``train.moments_dtype``; this rank's ranges under ``zero_stage`` 1 / 2, and the gradients' too under 2), the
-model's buffers.
+model's buffers. The host EMA of the weights (``train.ema_decay``) is counted apart, in host
+memory (``ema_host``): it takes nothing of the device's.
 
 In flight: each rank's lowered action list is walked in order, and each compute action through
 its stage program (:mod:`.programs`), part by part; an F&B interleaves its two programs as the
@@ -62,6 +63,7 @@ class RankMemory:
     master: float = 0.0
     optimizer: float = 0.0
     buffers: float = 0.0
+    ema_host: float = 0.0  # host memory, not the device's: the EMA of the weights and its staging copy (train.ema_decay)
     saved_peak: float = 0.0  # activations saved for backward (the accounting's figure)
     held_peak: float = 0.0  # everything the schedule keeps in flight, at its peak
     post: float = 0.0  # transient after the schedule (reductions, optimizer)
@@ -78,6 +80,7 @@ class RankMemory:
     def to_dict(self) -> dict[str, Any]:
         return {
             "params": self.params, "grads": self.grads, "master": self.master, "optimizer": self.optimizer, "buffers": self.buffers,
+            "ema_host": self.ema_host,
             "saved_peak": self.saved_peak, "held_peak": self.held_peak, "post": self.post, "total": self.total,
             "microbatches_peak": self.microbatches_peak,
         }
@@ -107,8 +110,9 @@ def static_memory(setup: Any, schedule: Schedule, rank: int) -> RankMemory:
     redundant = bal.redundant if bal is not None and bal.kind != "none" else 0
     train, model = getattr(setup, "train", None), getattr(setup, "model", None)
     master, moments = _optimizer_bytes(model.dtype if model is not None else "float32", train, getattr(setup, "moments_dtype", None))
+    ema = train is not None and getattr(train, "ema_decay", None) is not None
     return _static(s, tuple(schedule.blocks_of(rank)), schedule.n_blocks, s.n_experts // setup.ep + redundant,
-                   s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep, moments)
+                   s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep, moments, ema)
 
 
 def _optimizer_bytes(model_dtype: str, train: Any, moments: str | None = None) -> tuple[int, int]:
@@ -125,7 +129,7 @@ def _optimizer_bytes(model_dtype: str, train: Any, moments: str | None = None) -
 
 @functools.lru_cache(maxsize=8192)
 def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, slots: int, em: int = 4, zero: int = 0,
-            dp: int = 1, ep: int = 1, emo: int | None = None) -> RankMemory:
+            dp: int = 1, ep: int = 1, emo: int | None = None, ema: bool = False) -> RankMemory:
     """Gradients accumulate in the master dtype (``em`` bytes), AdamW's moments take ``emo`` bytes
     each (default ``em``); zero_stage 1 shards the master weights and the moments, 2 the gradients
     too, over dp x ep (shared) or dp (experts). The parameters are the master weights when the
@@ -149,6 +153,8 @@ def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, 
     kept = sharded if zero >= 1 else elements
     mem.optimizer = float(2 * kept * (em if emo is None else emo))  # exp_avg, exp_avg_sq
     mem.master = float(kept * em) if em != s.e else 0.0
+    if ema:  # float32, over the master weights' ranges, and its staging copy of them (optim.ema.HostEMA)
+        mem.ema_host = float(kept * (4 + em))
     return mem
 
 

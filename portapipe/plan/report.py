@@ -53,7 +53,8 @@ def fullest(c: Candidate) -> dict[str, float] | None:
     """The fullest pipeline rank's bytes, piece by piece: parameters, gradients, master weights,
     AdamW's moments, buffers, activations (what autograd saves at the step's peak, and what the
     schedule holds besides: exchange buffers, part outputs, sent tensors, deferred weight
-    gradients), the transient after the schedule when it is the larger, and the total."""
+    gradients), the transient after the schedule when it is the larger, and the total; apart,
+    the host memory of the EMA of the weights (``ema_host``, none of the device's)."""
     m = c.memory
     if m is None or not m.ranks:
         return None
@@ -61,7 +62,7 @@ def fullest(c: Candidate) -> dict[str, float] | None:
     after = max(0.0, r.post - r.held_peak)
     return {"rank": float(m.ranks.index(r)), "params": r.params, "grads": r.grads, "master": r.master, "moments": r.optimizer,
             "buffers": r.buffers, "activations_saved": r.saved_peak, "activations_held_besides": r.held_peak - r.saved_peak,
-            "after_schedule_extra": after, "total": r.total}
+            "after_schedule_extra": after, "total": r.total, "ema_host": r.ema_host}
 
 
 def fullest_line(c: Candidate) -> str | None:
@@ -73,7 +74,8 @@ def fullest_line(c: Candidate) -> str | None:
              ("activations_saved", "activations saved"), ("activations_held_besides", "held besides"),
              ("after_schedule_extra", "after the schedule"))
     parts = ", ".join(f"{label} {gib(f[key])}" for key, label in names if f[key] > 0)
-    return f"pipeline rank {int(f['rank'])}: {parts} = {gib(f['total'])}"
+    host = f"; in host memory the EMA of the weights {gib(f['ema_host'])}" if f["ema_host"] else ""
+    return f"pipeline rank {int(f['rank'])}: {parts} = {gib(f['total'])}{host}"
 
 
 def table(result: PlanResult, top: int) -> str:
