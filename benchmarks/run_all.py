@@ -44,8 +44,10 @@ BENCHMARKS: dict[str, list[str]] = {
     "balance_e2e": ["--steps", "12", "--warmup", "3"],  # docs/balancers-in-training.md's end-to-end table
     "expert_tiles": [],  # docs/executor.md's grouped-matmul layouts
     "mtp": ["--steps", "100"],  # the README's multi-token prediction section
+    "fp8": ["--steps", "300"],  # the README's precision section: FP8 against bfloat16
     "lone_overlap": ["--reps", "20"],  # docs/executor.md's lone actions' hidden exchange time
     "balancer_collectives": ["--ep", "4", "--redundant", "1"],  # docs/balancers-in-training.md's replica sum and figure gather
+    "validation": ["--rounds", "5"],  # docs/training.md's forward-only validation
 }
 #: benchmark scripts whose figures come from another machine, with where they run instead
 ELSEWHERE: dict[str, str] = {

@@ -34,6 +34,7 @@ from .backends.base import Backend, ParallelGroups
 from .config import Config
 from .memory.policy import configure as configure_memory
 from .models.expert_parallel import ExpertParallel
+from .models.fp8_layers import enable_fp8
 from .models.moe import DTYPES, Block, Layer, build_blocks, tie_copies
 from .models.objective import Objective, balance_terms, mtp_terms
 from .optim.buckets import GradBuckets
@@ -44,8 +45,14 @@ from .scheduling.ir import Schedule
 
 def build_model(config: Config, blocks: Iterable[int], n_blocks: int, ep: ExpertParallel) -> dict[int, Block]:
     """The model blocks ``blocks`` of a model cut into ``n_blocks``, experts placed as ``ep`` says,
-    computing the objective's extra terms the ``train`` section weighs."""
-    return build_blocks(config.model, list(blocks), n_blocks, ep, config.train.seed, Objective.from_train(config.train))
+    computing the objective's extra terms the ``train`` section weighs; under ``train.fp8`` its
+    eligible Linears in FP8 through ``ep``'s backend."""
+    built = build_blocks(
+        config.model, list(blocks), n_blocks, ep, config.train.seed, Objective.from_train(config.train), config.stage_split()
+    )
+    if config.train.fp8 != "off":
+        enable_fp8(built, ep.backend)
+    return built
 
 
 def loss_terms(config: Config) -> list[str]:
@@ -70,7 +77,7 @@ class PipelineRuntime(PipelineExecutor):
         if config.balancer.kind != "none":  # EPLB / LPLB: expert slots, routing, replica gradients
             from .balancing.runtime import ExpertBalancer, moe_layer_indices
 
-            layers = moe_layer_indices(config.model, s.blocks_of(groups.pp_rank), s.n_blocks)
+            layers = moe_layer_indices(config.model, s.blocks_of(groups.pp_rank), s.n_blocks, config.stage_split())
             self.ep.balancer = ExpertBalancer(config, backend, groups, layers)
         blocks = build_model(config, s.blocks_of(groups.pp_rank), s.n_blocks, self.ep)
         configure_memory(blocks, config.memory)  # zero-memory / recompute per layer

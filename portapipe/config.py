@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .config_text import ConfigError, apply_overrides, read_yaml  # ConfigError and apply_overrides re-exported
 from .model_rules import ARCH_DEFAULTS, ARCH_KEYS, model_problems, objective_problems
-from .setup import DUALPIPE_FAMILY, n_model_blocks  # noqa: F401  (re-exported)
+from .setup import DUALPIPE_FAMILY, n_model_blocks, split_of  # noqa: F401  (re-exported)
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 
@@ -150,6 +150,31 @@ class ParallelConfig(_Section):
     ep: int = Field(1, ge=1, description="expert-parallel ranks (experts sharded over them)")
     dp: int = Field(1, ge=1, description="data-parallel replicas")
     world_size: int | None = Field(None, ge=1, description="total ranks; must equal pp*ep*dp (default: that product)")
+    layers_per_stage: list[int] | dict[str, int] | None = Field(
+        None,
+        description="layers of each model block (stage: pp of them, 2*pp for dualpipev, pp*chunks for interleaved), adding up "
+        "to model.n_layers, the first and the last may hold none; or {first: n, last: m} (Megatron's "
+        "--decoder-first/last-pipeline-num-layers), the other blocks near-equal; default: near-equal blocks",
+    )
+
+    @field_validator("layers_per_stage", mode="before")
+    @classmethod
+    def _split_kinds(cls, v: Any) -> Any:
+        def count(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+        if v is None:
+            return v
+        if isinstance(v, dict):
+            unknown = [k for k in v if k not in ("first", "last")]
+            if unknown or not v:
+                raise ValueError(f"expected first and / or last as keys, got {unknown or 'none'}")
+            if not all(count(x) for x in v.values()):
+                raise ValueError("first and last take whole numbers of layers >= 0")
+            return v
+        if isinstance(v, list) and v and all(count(x) for x in v):
+            return v
+        raise ValueError("expected a list of whole numbers of layers >= 0, one per model block, or {first: n, last: m}")
 
 
 class ScheduleConfig(_Section):
@@ -186,7 +211,9 @@ class ModelConfig(_Section):
     top_k: int = Field(2, ge=1)
     n_groups: int = Field(1, ge=1, description="expert groups for group-limited routing")
     topk_groups: int = Field(1, ge=1, description="groups a token may route to")
-    bias_update_speed: float = Field(1e-3, ge=0, description="aux-loss-free bias step per update")
+    bias_update_speed: float = Field(
+        1e-3, ge=0, le=1, description="aux-loss-free bias step per update; at most 1, the whole range of the sigmoid affinities "
+        "it is added to (a larger step decides the routing by the bias alone)")
     routed_scale: float = Field(1.0, gt=0, description="routed experts' weights are scaled by it (deepseek_v3: routed_scaling_factor)")
     seq_len: int = Field(64, ge=2)
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = Field(
@@ -320,6 +347,24 @@ class MemoryConfig(_Section):
     recompute_layers: int | None = Field(None, ge=1, description="layers per stage recomputed (default all)")
 
 
+class LrPhase(_Section):
+    """One phase of ``train.lr_schedule`` (:mod:`portapipe.optim.lr_schedule`)."""
+
+    kind: Literal["warmup", "constant", "cosine", "linear"] = Field(
+        description="warmup: linear from 0; constant; cosine: a half cosine from where the phase before ended; linear: a straight line from there"
+    )
+    steps: int = Field(ge=1, description="optimizer steps the phase runs")
+    lr: float | None = Field(
+        None, ge=0, description="the learning rate the phase ends at [warmup: train.lr; constant: where the phase before ended; cosine, linear: required]"
+    )
+
+    @model_validator(mode="after")
+    def _needs_lr(self) -> "LrPhase":
+        if self.lr is None and self.kind in ("cosine", "linear"):
+            raise ValueError(f"a {self.kind} phase needs lr: the learning rate it ends at")
+        return self
+
+
 class TrainConfig(_Section):
     steps: int = Field(100, ge=1)
     micro_batch_size: int = Field(4, ge=1, description="sequences per micro-batch per data-parallel rank")
@@ -335,6 +380,12 @@ class TrainConfig(_Section):
         ge=1,
         description="step at which a cosine decay reaches min_lr, min_lr after it; unset: no decay (lr after the warm-up), "
         "so the schedule never depends on train.steps; a resumed or loaded run keeps its checkpoint's unless this is set",
+    )
+    lr_schedule: list[LrPhase] | None = Field(
+        None,
+        description="the learning rate as phases laid end to end, each {kind, steps, lr}, starting at lr (warmup, constant, "
+        "cosine, linear; portapipe.optim.lr_schedule); replaces warmup_steps, min_lr and lr_schedule_steps; after the last "
+        "phase its lr stays; a resumed or loaded run keeps its checkpoint's unless this or lr_schedule_steps is set",
     )
 
     master_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
@@ -386,6 +437,26 @@ class TrainConfig(_Section):
         description="alpha of DeepSeek-V3's complementary sequence-wise balance loss, added for every MoE layer "
         "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed",
     )
+    fp8: Literal["off", "deepseek"] = Field(
+        "off",
+        description="deepseek: DeepSeek-V3's FP8 recipe (model.dtype bfloat16, float32 master): the three GEMMs of every "
+        "attention projection, dense FFN and shared / routed expert Linear whose widths are multiples of 128 in E4M3 "
+        "(1x128 activation tiles, 128x128 weight blocks, power-of-two scales), the routed experts' rows dispatched in FP8; "
+        "the backend's FP8 matmul runs them (capabilities.fp8_matmul); see docs/fp8.md",
+    )
+
+    @field_validator("fp8", mode="before")
+    @classmethod
+    def _fp8_yaml_off(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as False.
+        return "off" if v is False else v
+
+    @field_validator("lr_schedule")
+    @classmethod
+    def _phases_given(cls, v: Any) -> Any:
+        if v is not None and not v:
+            raise ValueError("an empty schedule; give one phase at least, e.g. [{kind: constant, steps: 1}], or remove it")
+        return v
 
     @field_validator("mtp_loss_weight")
     @classmethod
@@ -426,6 +497,22 @@ class DataConfig(_Section):
     val_fraction: float = Field(0.05, ge=0, lt=1)
 
 
+class WandbConfig(_Section):
+    """``log.wandb``: the metrics as a Weights & Biases run (:mod:`portapipe.metrics_wandb`)."""
+
+    mode: Literal["off", "online", "offline"] = Field(
+        "off", description="off; online: to the W&B server (wandb login first); offline: into <log.dir>/wandb/, no network (wandb sync sends it later)"
+    )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML 1.1 reads a bare `off` as False
+
+    project: str = Field("portapipe", description="the W&B project")
+    entity: str | None = Field(None, description="the W&B user or team [wandb's default]")
+
+
 class LogConfig(_Section):
     dir: str = "runs/latest"
     every: int = Field(1, ge=1)
@@ -433,6 +520,9 @@ class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     tensorboard: bool = Field(
         False, description="also write the metrics as TensorBoard scalars in <dir>/tensorboard/<run id>/ (extra tensorboard)"
+    )
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig, description="also log the metrics to a Weights & Biases run named by the run id (extra wandb)"
     )
 
 
@@ -495,6 +585,10 @@ class Config(_Section):
         """Model blocks (contiguous layer slices) the schedule splits the model into."""
         return n_model_blocks(self.schedule.name, self.parallel.pp, self.schedule.chunks)
 
+    def stage_split(self) -> Any:
+        """``parallel.layers_per_stage`` in the form the model and the planner take (:data:`portapipe.setup.Split`)."""
+        return split_of(self.parallel.layers_per_stage)
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
@@ -535,6 +629,11 @@ def _without_effect(c: Config) -> list[str]:
     if c.model.dtype != "float16" and c.train.loss_scale_growth_interval != _default(TrainConfig, "loss_scale_growth_interval"):
         out.append(f"train.loss_scale_growth_interval: {c.train.loss_scale_growth_interval} has no effect: only a float16 model "
                    f"scales its loss (model.dtype is {c.model.dtype}); remove it")
+    if c.train.lr_schedule is not None:
+        for key in ("warmup_steps", "min_lr", "lr_schedule_steps"):
+            if getattr(c.train, key) != _default(TrainConfig, key):
+                out.append(f"train.{key}: {getattr(c.train, key)} has no effect: train.lr_schedule sets the schedule; "
+                           "remove it (or express it as a phase)")
     if c.model.init_from is not None and c.model.init_std != _default(ModelConfig, "init_std"):
         out.append(f"model.init_std: {c.model.init_std} has no effect: every weight is read from model.init_from; remove it")
     return out

@@ -8,7 +8,9 @@ back in rank order.
 
 Bounded failure: a rank that raises, dies or stalls ends every rank and is named in one line
 (:class:`LaunchError`, its traceback attached); every collective has a timeout and every rank a
-wall-clock watchdog, so nothing hangs; a launcher that dies takes its ranks with it.
+wall-clock watchdog, so nothing hangs; a launcher that dies takes its ranks with it. A local job
+whose ranks failed while their process groups connected (gloo's full mesh: "Connection closed by
+peer") is started again, at most :data:`CONNECT_RETRIES` times, with a line saying so.
 """
 
 from __future__ import annotations
@@ -153,6 +155,23 @@ _PEER_GONE = (
 )
 
 
+#: torch's functions that make a process group and connect its ranks (gloo: a full mesh of pairs)
+_CONNECTING = frozenset({"init_process_group", "new_group", "_new_group_with_tag", "_new_process_group_helper"})
+#: times a local job whose ranks failed while connecting is started again
+CONNECT_RETRIES = 2
+
+
+def failed_connecting(exc: BaseException) -> bool:
+    """True for a communication failure raised while torch made a process group and connected
+    its ranks (read from the traceback): no rank's own work had begun."""
+    if not is_comm_error(exc):
+        return False
+    return any(
+        frame.f_code.co_name in _CONNECTING and frame.f_code.co_filename.endswith("distributed_c10d.py")
+        for frame, _ in traceback.walk_tb(exc.__traceback__)
+    )
+
+
 def is_comm_error(exc: BaseException) -> bool:
     """True for a communication failure, the kind a rank sees when a peer died or stalled."""
     if isinstance(exc, torch.distributed.DistError):
@@ -204,7 +223,7 @@ def _rank_main(
             # errors). Record which kind this is, and when, before this rank's connections close.
             line = error_line(exc)
             comm = is_comm_error(exc)
-            write_record(job_dir, rank, line, traceback.format_exc(), comm=comm)
+            write_record(job_dir, rank, line, traceback.format_exc(), comm=comm, connecting=failed_connecting(exc))
         raise
     finally:
         faulthandler.cancel_dump_traceback_later()
@@ -244,7 +263,9 @@ def run_ranks(
     in bfloat16 (False for a float32 / float64 run, where capping oneDNN is not worth a line).
     ``pin_cores`` (``launch.pin_cores``: True, "auto" or False): each of this machine's ranks bound
     to cores of its own, with one intra-op thread per core instead of ``threads``; True with more
-    ranks here than usable cores raises ConfigError before any rank starts.
+    ranks here than usable cores raises ConfigError before any rank starts. A local job whose ranks
+    failed while their process groups connected is started again (at most ``CONNECT_RETRIES``
+    times, one line on stderr each): ``fn`` must make its groups before work it cannot repeat.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -258,8 +279,19 @@ def run_ranks(
         return [_rank_main(fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args, cores)]
     cap_cpu_isa(say=low_precision)
     body_args = (fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args, cores)
-    job = LocalJob(_rank_main, body_args, world_size, threads, stall_timeout_s, stop_grace_s, wall_timeout_s, pg_timeout_s, start_method)
-    return job.run()
+    retries = 0
+    while True:
+        job = LocalJob(_rank_main, body_args, world_size, threads, stall_timeout_s, stop_grace_s, wall_timeout_s, pg_timeout_s, start_method)
+        try:
+            return job.run()
+        except LaunchError as err:
+            if not err.connecting:
+                raise
+            if retries == CONNECT_RETRIES:
+                raise LaunchError(f"{err} (the ranks failed to connect {retries + 1} times)", err.rank, err.traceback) from None
+            retries += 1
+            print(f"portapipe: {' '.join(str(err).split())}, while the ranks connected; starting them again "
+                  f"(retry {retries} of {CONNECT_RETRIES})", file=sys.stderr, flush=True)
 
 
 def refuse_unlaunchable(backend: str, backend_options: dict[str, Any] | None, local_ranks: int) -> None:

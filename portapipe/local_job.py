@@ -49,14 +49,19 @@ _PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.launch", "porta
 class LaunchError(RuntimeError):
     """The job failed: ``str()`` is one line naming the rank and the cause; ``traceback`` the details.
 
-    ``stop_signal`` is set when the job was ended by SIGINT / SIGTERM rather than by a fault.
+    ``stop_signal`` is set when the job was ended by SIGINT / SIGTERM rather than by a fault;
+    ``connecting`` when every rank that failed did so while its process groups connected (no
+    rank's work had begun), so the job may be started again.
     """
 
-    def __init__(self, message: str, rank: int | None = None, traceback: str = "", stop_signal: int | None = None) -> None:
+    def __init__(
+        self, message: str, rank: int | None = None, traceback: str = "", stop_signal: int | None = None, connecting: bool = False
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.traceback = traceback
         self.stop_signal = stop_signal
+        self.connecting = connecting
 
 
 def signal_name(signum: int) -> str:
@@ -119,9 +124,10 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def write_record(job_dir: str, rank: int, error: str, traceback_text: str, comm: bool) -> None:
-    """Record why this rank failed, stamped to the nanosecond before its connections close."""
-    record = {"rank": rank, "time_ns": time.time_ns(), "error": error, "traceback": traceback_text, "comm": comm}
+def write_record(job_dir: str, rank: int, error: str, traceback_text: str, comm: bool, connecting: bool = False) -> None:
+    """Record why this rank failed, stamped to the nanosecond before its connections close;
+    ``connecting``: it failed while a process group connected its ranks."""
+    record = {"rank": rank, "time_ns": time.time_ns(), "error": error, "traceback": traceback_text, "comm": comm, "connecting": connecting}
     with open(Path(job_dir) / f"rank{rank}.error.json", "w") as f:
         json.dump(record, f)
 
@@ -405,7 +411,8 @@ def choose_cause(
     A rank's own error (an exception that is not a communication error) comes first, then a rank
     that ended without a Python error (a signal, a crash, its watchdog), then a rank whose
     heartbeat stopped, then the communication errors that peers of a vanished or stalled rank
-    see. Within a kind, the earliest.
+    see. Within a kind, the earliest. The cause is ``connecting`` when every recorded failure
+    happened while a process group connected its ranks (and no rank died or stalled).
     """
     own = sorted((r["time_ns"], rank) for rank, r in records.items() if not r.get("comm"))
     comm = sorted((r["time_ns"], rank) for rank, r in records.items() if r.get("comm"))
@@ -431,7 +438,8 @@ def choose_cause(
     else:
         return LaunchError("the ranks ended without a result or an error")
     rec = records[rank]
-    return LaunchError(f"rank {rank} failed: {rec['error']}", rank=rank, traceback=rec["traceback"])
+    connecting = all(r.get("connecting") for r in records.values())
+    return LaunchError(f"rank {rank} failed: {rec['error']}", rank=rank, traceback=rec["traceback"], connecting=connecting)
 
 
 def _process_state(pid: int | None) -> str | None:

@@ -20,10 +20,13 @@ class MetricsLog:
     Resuming from step ``resume_step`` drops the lines of later steps that an interrupted run
     left and the summaries of earlier launches, and keeps every other line (each kind: train,
     overflow, memory, balancer figures...), so the file reads as one run. ``tensorboard_run`` (a
-    run id): the same figures also go to TensorBoard under that run name (:mod:`portapipe.metrics_tb`).
+    run id): the same figures also go to TensorBoard under that run name (:mod:`portapipe.metrics_tb`);
+    ``sinks``: other writers (``write(record)``, ``close()``) each line goes to after it is written
+    (a W&B run, :mod:`portapipe.metrics_wandb`).
     """
 
-    def __init__(self, directory: Path, resume_step: int | None, tensorboard_run: str | None = None) -> None:
+    def __init__(self, directory: Path, resume_step: int | None, tensorboard_run: str | None = None, sinks: list[Any] | None = None) -> None:
+        self._sinks = list(sinks or [])
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / METRICS_FILE
         kept: list[str] = []
@@ -49,11 +52,15 @@ class MetricsLog:
         self._file.flush()
         if self._tb is not None:
             self._tb.write(record)
+        for sink in self._sinks:
+            sink.write(record)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
 
 
 @dataclass
@@ -76,6 +83,8 @@ class StepStats:
     a2a_hidden_edges_frac: float | None = None
     #: over the exchanges of row counts that precede the rows' (not in the three above)
     counts_a2a_hidden_frac: float | None = None
+    #: bytes the expert exchanges (dispatch, combine and their backwards) sent, summed over ranks
+    a2a_bytes: float = 0.0
 
 
 @dataclass
@@ -219,7 +228,7 @@ def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any, ep: tuple
     """
     keys = (
         "step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s", "grad_sync_exposed_s",
-        "edge_a2a_total_s", "edge_a2a_wait_s", "counts_a2a_total_s", "counts_a2a_wait_s",
+        "edge_a2a_total_s", "edge_a2a_wait_s", "counts_a2a_total_s", "counts_a2a_wait_s", "a2a_bytes",
     )
     local = torch.tensor([grad_sq_owned, *(timing(result, k) for k in keys), *ep], dtype=torch.float64)
     world = torch.distributed.get_world_size()
@@ -245,4 +254,5 @@ def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any, ep: tuple
         rank_balancedness=float(table[:, balanced].sum()) / n_layers if n_layers > 0 else None,
         a2a_hidden_edges_frac=hidden("edge_"),
         counts_a2a_hidden_frac=hidden("counts_"),
+        a2a_bytes=float(table[:, col["a2a_bytes"]].sum()),
     )

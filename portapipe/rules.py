@@ -74,11 +74,16 @@ def _dualpipe_two_ranks(x: Setup) -> list[str]:
 
 
 def _layers_per_block(x: Setup) -> list[str]:
+    from .setup import split_problem
+
     blocks = x.n_blocks
-    return _one(
-        x.model.n_layers < blocks,
-        f"model.n_layers: {x.model.n_layers} < {blocks} model blocks that schedule {x.schedule} with pp={x.pp} needs (one layer each at least)",
-    )
+    if x.layers_per_stage is None:
+        return _one(
+            x.model.n_layers < blocks,
+            f"model.n_layers: {x.model.n_layers} < {blocks} model blocks that schedule {x.schedule} with pp={x.pp} needs (one layer each at least)",
+        )
+    problem = split_problem(x.model.n_layers, blocks, x.layers_per_stage)
+    return [f"{problem} ({x.schedule} with pp={x.pp}" + (f", chunks={x.chunks}" if x.schedule == "interleaved" else "") + ")"] if problem else []
 
 
 def _experts_over_ep(x: Setup) -> list[str]:
@@ -107,7 +112,7 @@ def _memory_needs_moe(x: Setup) -> list[str]:
 
 
 def _memory_layers_fit(x: Setup) -> list[str]:
-    per = x.layers_per_stage
+    per = x.max_stage_layers
     out = _one(x.recompute_layers is not None and x.recompute_layers > per, f"memory.recompute_layers: {x.recompute_layers} > {per} layers in the largest stage")
     return out + _one(
         x.zero_memory_layers is not None and x.zero_memory_layers > per, f"memory.zero_memory_layers: {x.zero_memory_layers} > {per} layers in the largest stage"
@@ -126,7 +131,7 @@ def _memory_layers_need_option(x: Setup) -> list[str]:
 
 
 def _zero_memory_not_all_recomputed(x: Setup) -> list[str]:
-    per = x.layers_per_stage
+    per = x.max_stage_layers
     return _one(
         _n_moe(x) > 0 and x.zero_memory != "off" and x.recompute != "none" and (x.recompute_layers or per) >= per,
         f"memory.zero_memory: {x.zero_memory} has no effect: memory.recompute: {x.recompute} recomputes every layer of each stage; "
@@ -190,10 +195,19 @@ def _architecture(x: Setup) -> list[str]:
 
 
 def _lr(x: Setup) -> list[str]:
+    from .optim import lr_schedule
+
     t = x.train
-    out = _one(t.min_lr > t.lr, f"train.min_lr: {t.min_lr} > train.lr = {t.lr}")
-    s = t.lr_schedule_steps
-    out += _one(s is not None and s < t.warmup_steps, f"train.lr_schedule_steps: {s} < train.warmup_steps = {t.warmup_steps}")
+    if t.lr_schedule is None:
+        out = _one(t.min_lr > t.lr, f"train.min_lr: {t.min_lr} > train.lr = {t.lr}")
+        s = t.lr_schedule_steps
+        out += _one(s is not None and s < t.warmup_steps, f"train.lr_schedule_steps: {s} < train.warmup_steps = {t.warmup_steps}")
+        key, lr = "train.lr", t.lr
+    else:
+        phases = lr_schedule.resolve(t.lr_schedule, t.lr)
+        out = lr_schedule.problems(phases)
+        lr = lr_schedule.peak(phases, t.lr)
+        key = "train.lr" if lr == t.lr else f"train.lr_schedule.{[p.lr for p in phases].index(lr)}.lr"
     if x.model is None:
         return out
     import torch
@@ -202,11 +216,12 @@ def _lr(x: Setup) -> list[str]:
 
     # AdamW's first step scales the update by lr / (1 - beta1) and the weights by 1 - lr x decay,
     # each a number in the dtype of the weights it updates: one that dtype cannot hold fails a rank
+    # (the schedule's largest learning rate: any step may be the first of a resumed run)
     dtype = master_dtype(x.model.dtype, t.master_dtype)
     largest = torch.finfo(getattr(torch, dtype)).max
-    scalar = max(t.lr / (1.0 - t.betas[0]), abs(1.0 - t.lr * t.weight_decay))
+    scalar = max(lr / (1.0 - t.betas[0]), abs(1.0 - lr * t.weight_decay))
     below = min(largest * (1.0 - t.betas[0]), largest / t.weight_decay if t.weight_decay else largest)
-    return out + _one(scalar > largest, f"train.lr: {t.lr:g}: AdamW's first step multiplies by {scalar:.3g}, more than {dtype} "
+    return out + _one(scalar > largest, f"{key}: {lr:g}: AdamW's first step multiplies by {scalar:.3g}, more than {dtype} "
                       f"(the dtype of the weights it updates) holds ({largest:.3g}); give a learning rate below {below:.3g}")
 
 
@@ -243,6 +258,14 @@ def _transport(x: Setup) -> list[str]:
     t = x.backend_options.get("ep_transport", "alltoall")
     problems = [caps.transport_problem(name, t) for name, caps in _declared(x)]
     # auto: refused only when no backend offers the transport (the device is not known yet)
+    return [problems[0]] if problems and all(problems) else []
+
+
+def _fp8_matmul(x: Setup) -> list[str]:
+    """``train.fp8`` needs a backend that declares an FP8 matmul (for ``auto``: any it could pick)."""
+    if x.train is None or x.train.fp8 == "off":
+        return []
+    problems = [caps.fp8_problem(name) for name, caps in _declared(x)]
     return [problems[0]] if problems and all(problems) else []
 
 
@@ -331,7 +354,8 @@ RULES: tuple[Rule, ...] = (
     Rule("interleaved-rounds", "schedule", "interleaved 1F1B sends micro-batches through each chunk in rounds of pp; one chunk is plain 1F1B", _interleaved),
     Rule("one-microbatch-per-stage", "schedule", "1F1B and ZB1P keep every stage busy only with at least one micro-batch per stage", _one_per_stage),
     Rule("dualpipe-two-ranks", "schedule", "DualPipe needs a rank at each end", _dualpipe_two_ranks),
-    Rule("layers-per-block", "layout", "each model block (pp, 2*pp for DualPipeV, pp*chunks for interleaved) holds at least one layer", _layers_per_block),
+    Rule("layers-per-block", "layout", "each model block (pp, 2*pp for DualPipeV, pp*chunks for interleaved) holds at least one layer, "
+         "or parallel.layers_per_stage's count (the first and the last may hold none), all adding up to model.n_layers", _layers_per_block),
     Rule("experts-over-ep", "layout", "routed experts are sharded evenly over the EP ranks", _experts_over_ep),
     Rule("routing", "model", "top-k routing chooses among the experts of the allowed groups", _routing),
     Rule("architecture", "model", "each architecture has its own keys and shapes (heads, RoPE widths, its router's groups)", _architecture),
@@ -347,6 +371,7 @@ RULES: tuple[Rule, ...] = (
          "(lr / (1 - beta1), 1 - lr x weight_decay) fits the master dtype", _lr),
     Rule("known-backend", "backend", "backends are built in or registered as plug-ins", _known_backend),
     Rule("ep-transport", "backend", "each backend declares its expert transports (capabilities.ep_transports); every backend has all-to-all", _transport),
+    Rule("fp8-matmul", "backend", "train.fp8 runs its GEMMs through the backend's FP8 matmul (capabilities.fp8_matmul: blockwise or emulated)", _fp8_matmul),
     Rule("model-dtype", "backend", "the model computes in a dtype the backend's matmul takes (capabilities.compute_dtypes)", _model_dtype),
     Rule("reduce-dtype", "backend", "the replicas' gradients are summed in a dtype the backend's collectives reduce (capabilities.reduce_dtypes)", _reduce_dtype),
     Rule("overlap-needs-pairs", "schedule", "the F&B overlap hides one micro-batch's all-to-all behind another's compute; 1F1B and ZB1P run no pairs", _overlap_needs_pairs, "note"),

@@ -27,20 +27,80 @@ def n_model_blocks(schedule: str, pp: int, chunks: int) -> int:
     return pp
 
 
-def layer_range(n_layers: int, n_blocks: int, block: int) -> tuple[int, int]:
-    """Layers of ``block`` when ``n_layers`` are cut into ``n_blocks`` contiguous, near-equal slices."""
-    if n_layers < n_blocks:
-        raise ValueError(f"model.n_layers = {n_layers} cannot be cut into {n_blocks} blocks of at least one layer")
-    return block * n_layers // n_blocks, (block + 1) * n_layers // n_blocks
+#: ``parallel.layers_per_stage``: None (even), a tuple of counts (one per model block), or
+#: ``(("first", n), ("last", m))`` items (Megatron's first / last stage counts, the rest even)
+Split = Any
 
 
-def paired_blocks(pair_forwards: bool, overlap: bool, ep: int, model: Any, n_blocks: int) -> list[int]:
+def split_problem(n_layers: int, n_blocks: int, split: Split) -> str | None:
+    """Why ``split`` cannot cut ``n_layers`` into ``n_blocks`` (one line naming the key), or None.
+    The first block (it holds the embedding) and the last (the head) may hold no layer; a block
+    between them with none would only pass activations on."""
+    key = "parallel.layers_per_stage"
+    if split is None:
+        if n_layers < n_blocks:
+            return f"model.n_layers = {n_layers} cannot be cut into {n_blocks} blocks of at least one layer"
+        return None
+    if isinstance(split, tuple) and split and isinstance(split[0], tuple):
+        ends = dict(split)
+        first, last = ends.get("first"), ends.get("last")
+        fixed = (first or 0) + (last or 0)
+        middle = n_blocks - (first is not None) - (last is not None)
+        if n_blocks == 1 and first is not None and last is not None:
+            return f"{key}: first and last name one stage twice (there is one model block); give a list of one entry"
+        if fixed > n_layers or middle > n_layers - fixed or (middle == 0 and fixed != n_layers):
+            rest = n_layers - fixed
+            given = ", ".join(f"{k} {v}" for k, v in (("first", first), ("last", last)) if v is not None)
+            return (f"{key}: {given} leave{'s' * (given.count(',') == 0)} {rest} of model.n_layers = {n_layers} layers for the other "
+                    f"{middle} of {n_blocks} model blocks, which need at least one each" + (" and all of them" if middle == 0 else ""))
+        return None
+    if len(split) != n_blocks:
+        return f"{key}: {list(split)} has {len(split)} entries; the schedule cuts the model into {n_blocks} model blocks, one entry each"
+    if sum(split) != n_layers:
+        return f"{key}: {list(split)} adds up to {sum(split)}, not model.n_layers = {n_layers}"
+    empty = [b for b in range(1, n_blocks - 1) if split[b] == 0]
+    if empty:
+        return (f"{key}: {list(split)} leaves model block {empty[0]} without a layer; only the first (the embedding) and the "
+                "last (the head) may hold none")
+    if n_blocks == 1 and split[0] == 0:
+        return f"{key}: {list(split)} leaves the model without a layer"
+    return None
+
+
+def stage_layers(n_layers: int, n_blocks: int, split: Split = None) -> tuple[int, ...]:
+    """Layers of each model block: ``split`` (``parallel.layers_per_stage``) resolved, or near-equal
+    contiguous slices. ValueError (:func:`split_problem`'s line) when it does not add up."""
+    problem = split_problem(n_layers, n_blocks, split)
+    if problem:
+        raise ValueError(problem)
+    if split is None:
+        return tuple((b + 1) * n_layers // n_blocks - b * n_layers // n_blocks for b in range(n_blocks))
+    if split and isinstance(split[0], tuple):
+        ends = dict(split)
+        first, last = ends.get("first"), ends.get("last")
+        lo = 0 if first is None else 1
+        hi = n_blocks if last is None else n_blocks - 1
+        rest = stage_layers(n_layers - (first or 0) - (last or 0), hi - lo) if hi > lo else ()
+        return ((first,) if first is not None else ()) + rest + ((last,) if last is not None else ())
+    return tuple(split)
+
+
+def layer_range(n_layers: int, n_blocks: int, block: int, split: Split = None) -> tuple[int, int]:
+    """Layers ``[first, last)`` of ``block`` when ``n_layers`` are cut into ``n_blocks`` contiguous
+    slices: near-equal, or as ``split`` says (:func:`stage_layers`)."""
+    counts = stage_layers(n_layers, n_blocks, split)
+    first = sum(counts[:block])
+    return first, first + counts[block]
+
+
+def paired_blocks(pair_forwards: bool, overlap: bool, ep: int, model: Any, n_blocks: int, split: Split = None) -> list[int]:
     """The blocks whose consecutive lone forwards run as F&F pairs (``schedule.pair_forwards``):
     those holding an MoE layer (the first ``model.n_dense`` layers are dense), whose exchanges
     a pair can hide, when there are exchanges (ep > 1) and pairs overlap (``schedule.overlap``)."""
-    if not (pair_forwards and overlap) or ep <= 1 or model is None or model.n_layers < n_blocks:
+    if not (pair_forwards and overlap) or ep <= 1 or model is None or split_problem(model.n_layers, n_blocks, split):
         return []
-    return [b for b in range(n_blocks) if layer_range(model.n_layers, n_blocks, b)[1] > model.n_dense]
+    ranges = [layer_range(model.n_layers, n_blocks, b, split) for b in range(n_blocks)]
+    return [b for b, (lo, hi) in enumerate(ranges) if hi > max(lo, model.n_dense)]
 
 
 @dataclass(frozen=True)
@@ -63,6 +123,7 @@ class Setup:
     zero_stage: int = 0
     #: ``train.moments_dtype`` (a plan may choose bfloat16 where the user allows it: ``--allow moments_dtype``)
     moments_dtype: str = "auto"
+    layers_per_stage: Split = None  # see Split
     # sections a plan keeps as they are (compared by identity: shared by every candidate)
     model: Any = field(default=None, compare=False, repr=False)
     balancer: Any = field(default=None, compare=False, repr=False)
@@ -83,7 +144,7 @@ class Setup:
             micro_batch_size=c.train.micro_batch_size, zero_memory=mem.zero_memory, zero_memory_layers=mem.zero_memory_layers,
             recompute=mem.recompute, recompute_layers=mem.recompute_layers, overlap=s.overlap, w_split=s.w_split,
             pair_forwards=s.pair_forwards, world_size=p.world_size, zero_stage=c.train.zero_stage, moments_dtype=c.train.moments_dtype, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
-            backend_options=c.backend_options,
+            backend_options=c.backend_options, layers_per_stage=split_of(p.layers_per_stage),
         )
 
     def replace(self, **changes: Any) -> Setup:
@@ -102,11 +163,18 @@ class Setup:
     @property
     def paired_blocks(self) -> list[int]:
         """See :func:`paired_blocks`."""
-        return paired_blocks(self.pair_forwards, self.overlap, self.ep, self.model, self.n_blocks)
+        return paired_blocks(self.pair_forwards, self.overlap, self.ep, self.model, self.n_blocks, self.layers_per_stage)
 
     @property
-    def layers_per_stage(self) -> int:
-        return -(-self.model.n_layers // self.n_blocks)
+    def split(self) -> tuple[int, ...]:
+        """Layers of each model block (:func:`stage_layers`); ValueError when they do not add up."""
+        return stage_layers(self.model.n_layers, self.n_blocks, self.layers_per_stage)
+
+    @property
+    def max_stage_layers(self) -> int:
+        """Layers of the largest model block (the even split's when the split does not add up)."""
+        bad = split_problem(self.model.n_layers, self.n_blocks, self.layers_per_stage)
+        return -(-self.model.n_layers // self.n_blocks) if bad else max(self.split)
 
     @property
     def replicas(self) -> int:
@@ -143,4 +211,24 @@ class Setup:
             "train.micro_batch_size": self.micro_batch_size, "train.zero_stage": self.zero_stage, "train.moments_dtype": self.moments_dtype,
             "memory.zero_memory": self.zero_memory, "memory.zero_memory_layers": self.zero_memory_layers,
             "memory.recompute": self.recompute, "memory.recompute_layers": self.recompute_layers,
+            "parallel.layers_per_stage": split_value(self.layers_per_stage),
         }
+
+
+def split_of(value: Any) -> Split:
+    """``parallel.layers_per_stage`` as a config holds it (a list, a mapping of first / last, or
+    None) in the hashable form a Setup holds."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return tuple(sorted((k, int(v)) for k, v in value.items()))
+    return tuple(int(v) for v in value)
+
+
+def split_value(split: Split) -> Any:
+    """A Setup's split as a config writes it (see :func:`split_of`)."""
+    if split is None:
+        return None
+    if split and isinstance(split[0], tuple):
+        return dict(split)
+    return list(split)

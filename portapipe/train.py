@@ -7,8 +7,8 @@ before any rank starts), then runs :func:`train_rank` on ``world_size`` ranks th
 leaves its gradient buckets holding the gradient of the global mean loss (DP / EP
 reduction and DualPipe's copy summing included); this loop adds AdamW over master weights,
 sharded over the replicas with ``train.zero_stage`` 1 / 2 (:mod:`portapipe.optim`), with a
-warm-up, then a constant learning rate or a cosine to ``train.lr_schedule_steps``
-(:func:`lr_at`), and clipping by the global gradient norm. With ``model.dtype: float16`` the
+warm-up, then a constant learning rate or a cosine to ``train.lr_schedule_steps``, or the
+phases of ``train.lr_schedule`` (:func:`lr_at`), and clipping by the global gradient norm. With ``model.dtype: float16`` the
 loss is scaled dynamically: a step whose gradients overflow is skipped and lowers the scale
 (one line on stderr, a ``overflow`` row in the metrics, the count in the summary).
 
@@ -53,24 +53,22 @@ VAL_BATCHES = 4  # validation steps' worth of micro-batches evaluated at the end
 
 
 # ----------------------------------------------------------------------------- learning rate
-def lr_at(step: int, train: TrainConfig, horizon: int | None) -> float:
-    """Learning rate of optimizer step ``step`` (0-based).
+def lr_at(step: int, train: TrainConfig, horizon: int | None, phases: list[dict[str, Any]] | None = None) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) (:mod:`portapipe.optim.lr_schedule`).
 
-    Linear warm-up over ``warmup_steps`` (step 0 gets lr/warmup_steps, step warmup-1 the full
-    lr). Then, with ``horizon`` None (``train.lr_schedule_steps`` unset), ``lr`` for good: the
-    schedule does not depend on ``train.steps``, so a run extended by a resume trains exactly as
-    one that was asked for all its steps at once. With a ``horizon``, a half cosine from ``lr`` at
-    the first step after warm-up to ``min_lr`` at step ``horizon`` (1-based), ``min_lr`` after it.
+    ``phases`` (``train.lr_schedule``'s, as dicts, or a checkpoint's) when the run has them; else
+    the default: a linear warm-up over ``warmup_steps`` (step 0 gets lr/warmup_steps, step
+    warmup-1 the full lr), then, with ``horizon`` None (``train.lr_schedule_steps`` unset), ``lr``
+    for good: the schedule does not depend on ``train.steps``, so a run extended by a resume
+    trains exactly as one that was asked for all its steps at once. With a ``horizon``, a half
+    cosine from ``lr`` at the first step after warm-up to ``min_lr`` at step ``horizon``
+    (1-based), ``min_lr`` after it.
     """
-    if step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    if horizon is None:
-        return train.lr
-    decay_steps = horizon - train.warmup_steps
-    if decay_steps <= 1:
-        return train.lr if step < horizon else train.min_lr
-    progress = min(1.0, (step - train.warmup_steps) / (decay_steps - 1))
-    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1.0 + math.cos(math.pi * progress))
+    from .optim import lr_schedule
+
+    if phases is not None:
+        return lr_schedule.lr_at(step, lr_schedule.resolve(phases, train.lr), train.lr)
+    return lr_schedule.lr_at(step, lr_schedule.default_phases(train.lr, train.min_lr, train.warmup_steps, horizon), train.lr)
 
 
 # ------------------------------------------------------------------------------- optimizer
@@ -114,8 +112,9 @@ def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -
     left it; nothing is changed. It is the main next-token loss (the objective's other terms
     apart), so runs with and without multi-token prediction or the balance loss compare.
 
-    The runtime's step also computes gradients, moves the routers' load-balancing biases and
-    the balancer's and expert clocks' figures: all of it is undone after each batch
+    Each batch runs the schedule's forwards alone (:meth:`~portapipe.scheduling.executor.PipelineExecutor.evaluate`:
+    no backward, no gradients). What the forwards leave in the model (the routers' expert counts,
+    the balancer's and expert clocks' figures, the RNG) is undone after each batch
     (:meth:`~portapipe.compose.PipelineRuntime.unchanged`), so evaluating never changes training.
     """
     if data.n_bytes("val") < config.model.seq_len + 1:
@@ -127,8 +126,7 @@ def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -
             i, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len, split="val"
         )
         with runtime.unchanged():
-            losses.append(float(runtime.step(batches).loss))
-            runtime.grads.zero_grad()
+            losses.append(float(runtime.evaluate(batches).loss))
     return sum(losses) / len(losses)
 
 
@@ -196,6 +194,7 @@ def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] |
 
 def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any) -> dict[str, Any]:
     from .checkpoint.io import Checkpointer
+    from .checkpoint.state import first_nonfinite
     from .metrics import ep_step_figures
     from .models.routing import force_routing
     from .pinning import gather_placement
@@ -216,16 +215,24 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     runtime.check_copies()  # every copy of a shared weight (tied / MTP embedding) loaded equal
     progress = Progress(**trainer["progress"]) if trainer else Progress()
     scaler.load_state_dict(trainer.get("loss_scale", {}) if trainer else {})  # float16 resumes at its scale
-    start, horizon = progress.step, run.lr_schedule_steps
+    start, horizon, phases = progress.step, run.lr_schedule_steps, run.lr_schedule
     replica, replicas = replica_of(groups)
     force_routing(config.bench, config.model, {layer.index: layer.moe.router for layer in runtime.moe_layers()}, tc.seed)
 
     def record() -> dict[str, Any]:
         data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_bytes": data.n_bytes("train")}
-        return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "data": data_id, "loss_scale": scaler.state_dict()}
+        return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "lr_schedule": phases, "data": data_id,
+                "loss_scale": scaler.state_dict()}
 
     tb_run = run.run_id if config.log.tensorboard else None
-    metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run) if rank == 0 else None
+    metrics = None
+    if rank == 0:
+        sinks = []
+        if config.log.wandb.mode != "off":
+            from .metrics_wandb import WandbLog
+
+            sinks.append(WandbLog(Path(config.log.dir), run.run_id, config.log.wandb, config.to_dict()))
+        metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run, sinks)
     host_ema = optimizer.ema.host_bytes() if optimizer.ema is not None else 0
     memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory(),
                                         "ema_host": host_ema}), "step": start,
@@ -250,17 +257,22 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         return record
 
     def weights_broken(at: int) -> dict[str, Any] | None:
-        """Before a checkpoint of step ``at`` (collective): the divergence when any rank's weights
-        or AdamW state stopped being finite, so that no checkpoint holds them."""
-        if everywhere(backend, optimizer.finite()):
+        """Before a checkpoint of step ``at`` (collective): the divergence when anything a
+        checkpoint saves stopped being finite on any rank (weights, router biases, AdamW state, a
+        balancer's loads), named, so that no checkpoint holds it."""
+        bad = first_nonfinite(runtime, optimizer, balancer)
+        if everywhere(backend, bad is None):
             return None
-        return diverge({"step": at, "reason": f"the weights are not finite after the update of step {at}; no checkpoint was written of them"})
+        names: list[Any] = [None] * groups.world_size
+        torch.distributed.all_gather_object(names, bad)
+        name = next(n for n in names if n is not None)
+        return diverge({"step": at, "reason": f"{name} is not finite after the update of step {at}; no checkpoint was written of it"})
 
     failing = True
     try:
         for step in range(start, tc.steps):
             t0 = time.perf_counter()
-            optimizer.lr = lr_at(step, tc, horizon)
+            optimizer.lr = lr_at(step, tc, horizon, phases)
             lr = optimizer.lr
             batches = data.microbatches(step, replica, replicas, config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
             runtime.grad_scale = scale = scaler.scale
@@ -274,7 +286,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             skipped = scaler.enabled and not scaler.update(finite)
             if not finite and not skipped:
                 # Same figures on every rank, so every rank stops here, before the optimizer applies it.
-                diverged = diverge({"step": step + 1, "loss": repr(float(result.loss)), "grad_norm": repr(float(stats.grad_norm))})
+                diverged = diverge({"step": step + 1, "loss": float(result.loss), "grad_norm": float(stats.grad_norm)})  # null where not finite
                 break
             coef = 1.0 if skipped else clip_coefficient(stats.grad_norm, tc.grad_clip)
             if not skipped:
@@ -406,6 +418,7 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
         "a2a_hidden_steady_pct": percent(stats.a2a_hidden_steady_frac),
         "a2a_hidden_edges_pct": percent(stats.a2a_hidden_edges_frac),
         "counts_a2a_hidden_pct": percent(stats.counts_a2a_hidden_frac),
+        "a2a_bytes": stats.a2a_bytes,
         "ep_wait_frac": stats.ep_wait_frac,
         "rank_balancedness": stats.rank_balancedness,
         "grad_sync_exposed_s": stats.grad_sync_exposed_s,
@@ -439,9 +452,13 @@ def check_before_launch(config: Config) -> None:
     """Everything that can be checked without ranks or folders; raises ConfigError listing each problem."""
     from .scheduling.executor import build_schedule
 
+    from .metrics_wandb import wandb_problems
+    from .models.fp8_layers import fp8_problems
     from .models.hf_io import init_problems
 
-    problems = list(data_problems(config)) + init_problems(config.model) + log_problems(config.log.tensorboard) + pin_problems(config)
+    problems = (list(data_problems(config)) + init_problems(config.model) + log_problems(config.log.tensorboard)
+                + wandb_problems(config.log.wandb) + pin_problems(config))
+    problems += fp8_problems(config.model, config.train.fp8)
     try:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:

@@ -10,11 +10,17 @@ this changes are named in the result (``changed``).
 
 ``precision="model"`` (``portapipe verify --precision model``) checks the run's own dtypes
 instead: ``model.dtype`` (bfloat16, float16), the master dtype the gradients accumulate in, the
-reduction's dtype and float16's loss scaling, against the float64 reference within a tolerance
-derived the same way from each dtype's unit roundoff (:func:`rounding_tolerance`). Routing is
-forced by position on both sides there: a top-k choice is discontinuous, and near-ties that a
-low-precision forward breaks otherwise than float64 would send tokens to other experts, which no
-rounding tolerance bounds (the exact check above covers the routing).
+reduction's dtype and float16's loss scaling. A tolerance derived from rounding against float64
+would have to allow what bfloat16 does to a whole step (tens of percent): a pipeline bug hides in
+that. So the pipelined step is held to the one-process step *in the same dtypes and rounding
+points* (:func:`recipe_step`): each micro-batch's arithmetic is the same on both sides, and
+where the sums of micro-batches, replicas and copies run in another order the check measures
+what that order moves (the same step with those sums reversed: the noise floor) and allows
+:data:`NOISE_FACTOR` times it (:func:`measured_tolerance`). The distance from the float64 step
+is printed beside it. Routing is forced by position on both sides: the float64 step would break
+near-ties otherwise than bfloat16 (a token sent to another expert, which no rounding bounds), and
+a balancer's routes, the same for every micro-batch then, are replayed in one process; the exact
+check above covers the routing.
 
 The pipelined step runs on ``pp x dp x ep`` ranks (:func:`portapipe.launch.run_ranks`) with
 the configured schedule, overlap and W split; the reference builds the whole model in this
@@ -59,7 +65,7 @@ from .metrics import everywhere
 from .models.expert_parallel import ExpertParallel
 from .models.routing import ForcedRouting
 from .optim.precision import LossScaler, master_dtype, reduce_dtype
-from .models.moe import tie_copies
+from .models.moe import DTYPES, tie_copies
 from .scheduling.executor import build_schedule, mean_loss
 from .scheduling.overlap import Tape, run
 from .scheduling.stage import is_expert
@@ -73,6 +79,9 @@ FLOAT32_UNIT_ROUNDOFF = UNIT_ROUNDOFF["float32"]
 FLOAT32_SAFETY = 4.0
 #: what ``portapipe verify --precision`` takes: the highest the backend computes in, or the config's own dtypes
 PRECISIONS = ("highest", "model")
+#: the low-precision check allows this many times its measured noise floor (:func:`measured_tolerance`): the
+#: pipelined step sums in other orders than the one-process step, as the reversed one does, by about as much
+NOISE_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -84,9 +93,17 @@ class Tolerance:
     grad: float
     bias: float
     basis: str = ""  # how the figures were derived
+    #: judged against the one-process step under the same recipe, loss and grad from its noise floor
+    #: (:func:`measured_tolerance`); before the step ran, loss and grad are not known yet (0)
+    measured: bool = False
+    #: the noise floor measured (loss, gradients), relative
+    floor: tuple[float, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"loss": self.loss, "grad": self.grad, "bias": self.bias, "basis": self.basis}
+        out: dict[str, Any] = {"loss": self.loss, "grad": self.grad, "bias": self.bias, "basis": self.basis}
+        if self.floor is not None:
+            out["floor"] = {"loss": self.floor[0], "grad": self.floor[1]}
+        return out
 
 
 EXACT = Tolerance("float64", 0.0, GRAD_TOLERANCE, 0.0, "float64 on both sides: the loss bit for bit, gradients to summation order")
@@ -100,9 +117,10 @@ def rounding_tolerance(config: Config) -> Tolerance:
     errors of the stages a value passes through add up. The longest sums of one forward are over
     the hidden width, the dense and expert FFN widths, the sequence (attention) and the vocabulary
     (log-softmax); a weight gradient sums over a micro-batch's tokens. A forward passes
-    n_layers + 1 stages (the head included), a gradient twice as many (forward, then backward).
+    n_layers + mtp_layers + 1 stages (the head included; the deepest multi-token prediction passes
+    every layer, then each prediction module's), a gradient twice as many (forward, then backward).
     So, with u_c the unit roundoff of ``model.dtype``: loss ``FLOAT32_SAFETY * u_c * sqrt(k) *
-    (n_layers + 1)`` relative, gradients twice that. Gradients then accumulate over the
+    (n_layers + mtp_layers + 1)`` relative, gradients twice that. Gradients then accumulate over the
     micro-batches in the master dtype (never coarser than u_c: inside that budget) and are summed
     over the R = dp x ep replicas in ``train.grad_reduce_dtype`` (u_r): R casts and R - 1 additions,
     about sqrt(2R) u_r, ``FLOAT32_SAFETY`` times, added. float16's loss scale is a power of two:
@@ -111,15 +129,15 @@ def rounding_tolerance(config: Config) -> Tolerance:
     """
     m, t, p = config.model, config.train, config.parallel
     k = max(m.hidden, m.ffn_hidden, m.moe_hidden, m.seq_len, m.vocab_size, t.micro_batch_size * m.seq_len)
-    depth = m.n_layers + 1
+    depth = m.n_layers + m.mtp_layers + 1  # the deepest prediction passes every layer, then each module's
     u = UNIT_ROUNDOFF[m.dtype]
     loss = FLOAT32_SAFETY * u * math.sqrt(k) * depth
     grad = 2 * loss
     replicas = p.dp * p.ep
     reduced, master = reduce_dtype(m.dtype, t.master_dtype, t.grad_reduce_dtype), master_dtype(m.dtype, t.master_dtype)
     basis = (
-        f"{m.dtype} on the device (u = {_power(u)}) against float64 on the CPU: loss {FLOAT32_SAFETY:g} u sqrt(k) (n_layers + 1) "
-        f"relative with k = {k} (the longest sum), n_layers + 1 = {depth}; gradients twice that (forward and backward)"
+        f"{m.dtype} on the device (u = {_power(u)}) against float64 on the CPU: loss {FLOAT32_SAFETY:g} u sqrt(k) (n_layers + mtp_layers + 1) "
+        f"relative with k = {k} (the longest sum), n_layers + mtp_layers + 1 = {depth}; gradients twice that (forward and backward)"
     )
     if replicas > 1:
         u_r = UNIT_ROUNDOFF[reduced]
@@ -164,22 +182,16 @@ def checked(config: Config, precision: str = "highest") -> tuple[Config, Toleran
 
     ``highest``: :func:`precision_for`'s dtype throughout, so that the check can be exact (a
     float32 ``train.grad_reduce_dtype`` under a float64 check could not be, a float32 master dtype
-    under float64 would be refused); ``model``: the config as it is. Raises ConfigError where the
-    derived gradient tolerance is 1 or more: rounding alone could then explain any gradient, a
-    zero one included, and the check could not fail.
+    under float64 would be refused); ``model``: the config as it is, judged against the
+    one-process step in the same dtypes (a ``measured`` tolerance: :func:`measured_tolerance`).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
     if precision == "model":
         if set(dtypes(config).values()) == {"float64"}:
             return config, EXACT, {}
-        tolerance = rounding_tolerance(config)
-        if tolerance.grad >= 1.0:
-            raise ConfigError([
-                f"verify --precision model: the gradient tolerance derived for model.dtype {config.model.dtype} is {tolerance.grad:.3g} "
-                f"relative ({tolerance.basis}), so no gradient could fail it; check this model with --precision highest, "
-                "or a smaller one (model.hidden, ffn_hidden, seq_len, vocab_size, train.micro_batch_size) in its dtype"])
-        return config, tolerance, {}
+        derived = rounding_tolerance(config)
+        return config, Tolerance(derived.precision, 0.0, 0.0, derived.bias, "measured after the step", measured=True), {}
     tolerance = precision_for(config)
     ranks = in_dtype(config, tolerance.precision)
     was, now = dtypes(config), dtypes(ranks)
@@ -214,14 +226,21 @@ class VerifyReport:
     loss_terms_diff: float = 0.0
     #: the reference's loss terms (name -> mean)
     ref_loss_terms: dict[str, float] = field(default_factory=dict)
+    #: a measured tolerance's check: the distances from the float64 reference (absolute loss, relative gradients)
+    float64_loss_diff: float | None = None
+    float64_grad_diff: float | None = None
 
     def summary(self) -> dict[str, Any]:
         """The ``portapipe verify`` JSON: schedule, pp, ep, dp, microbatches, loss_diff,
         max_rel_grad_diff, ok, precision, the dtype keys changed to check in it, float16's loss
         scale (null otherwise) and the tolerance it was judged by; with loss terms (balance loss,
-        multi-token prediction), their names and ``loss_terms_diff``."""
+        multi-token prediction), their names and ``loss_terms_diff``; checked against the one-process
+        step in the same dtypes (``--precision model``), the distances from the float64 one
+        (``float64``: loss_diff, max_rel_grad_diff)."""
         keys = ("schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok", "precision", "changed", "loss_scale")
         out = {**{k: getattr(self, k) for k in keys}, "tolerance": self.tolerance.as_dict()}
+        if self.float64_loss_diff is not None:
+            out["float64"] = {"loss_diff": self.float64_loss_diff, "max_rel_grad_diff": self.float64_grad_diff}
         if self.ref_loss_terms:
             out.update(loss_terms=sorted(self.ref_loss_terms), loss_terms_diff=self.loss_terms_diff)
         return out
@@ -279,8 +298,33 @@ def route_by_position(config: Config, moe_layers: list[Any]) -> None:
 
 
 def _rank_step(backend: Any, raws: list[dict[str, Any]], by_position: bool = False) -> list[dict[str, Any]]:
-    """On every rank: for each config, build the runtime, run one step, return its gradients."""
-    return [step_report(*runtime_for(backend, raw, by_position)) for raw in raws]
+    """On every rank: for each config, build the runtime, run one step, return its gradients
+    (routed by position: with the balancer's routes, :func:`record_routes`)."""
+    out = []
+    for raw in raws:
+        runtime, data = runtime_for(backend, raw, by_position)
+        routes = record_routes(runtime) if by_position and runtime.balancer is not None else None
+        report = step_report(runtime, data)
+        if routes is not None:
+            report["routes"] = {layer: calls[0] if all(torch.equal(calls[0], c) for c in calls) else None for layer, calls in routes.items()}
+        out.append(report)
+    return out
+
+
+def record_routes(runtime: PipelineRuntime) -> dict[int, list[torch.Tensor]]:
+    """Records the physical slot of every routed entry the balancer gives, by MoE layer, one
+    tensor per call (routed by position, every micro-batch of a rank routes alike: the one-process
+    step replays them, :class:`RouteReplay`)."""
+    calls: dict[int, list[torch.Tensor]] = {}
+    route = runtime.balancer.route
+
+    def recording(layer: int, idx: torch.Tensor) -> torch.Tensor:
+        slots = route(layer, idx)
+        calls.setdefault(layer, []).append(slots.detach().cpu().clone())
+        return slots
+
+    runtime.balancer.route = recording
+    return calls
 
 
 def step_report(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
@@ -318,6 +362,7 @@ def _one_step(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.Ten
     return {
         "loss_scale": scale if runtime.config.model.dtype == "float16" else None,
         "ep_rank": runtime.groups.ep_rank,
+        "dp_rank": runtime.groups.dp_rank,
         "loss": result.loss,
         "grads": {n: unscaled(grads[q]) for n, q in params.items()},
         "experts": sorted(n for n, q in params.items() if is_expert(q)),
@@ -385,17 +430,201 @@ def reference_step(config: Config, by_position: bool = False) -> tuple[float, di
                 term_row.append({name: float(t) for name, t in tape.terms.items()})
             losses.append(row)
             terms.append(term_row)
-    names = sorted({name for row in terms for mb in row for name in mb})
-    term_means = {name: mean_loss([[mb[name] for mb in row] for row in terms]) for name in names}
-    grads, biases = {}, {}
+    grads = {}
     for b in range(n_blocks):
         for name, q in blocks[b].named_parameters():
             grads[name] = q.grad if q.grad is not None else torch.zeros_like(q)
+    return mean_loss(losses), grads, _updated_biases(blocks), _term_means(terms)
+
+
+# ------------------------------------------------------ the one-process step under the run's recipe
+class RouteReplay:
+    """The balancer's stand-in in the one-process step: each MoE layer holds every physical slot
+    of the EP group (``slots[layer]``: their logical experts, rank by rank), and the micro-batches
+    of the replica ``source`` ((dp rank, EP rank)) go to the slots its rank sent them to
+    (``routes[source][layer]``, recorded there: :func:`record_routes`). So each slot meets the
+    rows it met on the ranks, and a replicated expert's gradient is its slots' partial sums, as
+    there."""
+
+    def __init__(self, slots: dict[int, list[int]], routes: dict[tuple[int, int], dict[int, torch.Tensor]]) -> None:
+        self.slots, self.routes = slots, routes
+        self.num_slots = len(next(iter(slots.values())))
+        self.source = next(iter(routes))
+
+    def experts_on(self, layer: int) -> list[int]:
+        return self.slots[layer]
+
+    def route(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        slots = self.routes[self.source][layer]
+        if slots.shape != idx.shape:
+            raise ValueError(f"layer {layer}: {tuple(idx.shape)} routed entries, {tuple(slots.shape)} recorded on the ranks")
+        return slots.to(idx.device)
+
+
+def route_replay(config: Config, rank_results: list[dict[str, Any]]) -> RouteReplay | None:
+    """The ranks' balancer placement and routes for the one-process step (None without a balancer).
+    ValueError where a rank routed one layer's micro-batches differently (nothing to replay)."""
+    if not any("routes" in r for r in rank_results):
+        return None
+    slots: dict[int, dict[int, list[int]]] = {}  # layer -> EP rank -> its slots' logical experts
+    routes: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+    for r in rank_results:
+        for layer, recorded in r.get("routes", {}).items():
+            if recorded is None:
+                raise ValueError(f"the balancer routed layer {layer}'s micro-batches differently on one rank: "
+                                 "the one-process step cannot replay them (routing by position should route each alike)")
+            routes.setdefault((r["dp_rank"], r["ep_rank"]), {})[layer] = recorded
+            slots.setdefault(layer, {})[r["ep_rank"]] = r["expert_ids"][f"layers.{layer}.moe.experts.gate_up"]
+    return RouteReplay({layer: [e for rank in sorted(by) for e in by[rank]] for layer, by in slots.items()}, routes)
+
+
+def _one_rank_groups() -> Any:
+    from .backends.base import ParallelGroups
+
+    return ParallelGroups(0, 1, 1, 1, 1, 0, 0, 0, dp_ranks=[0], replica_ranks=[0])
+
+
+def recipe_step(config: Config, by_position: bool = False, scale: float = 1.0, reverse: bool = False,
+                replay: RouteReplay | None = None) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
+    """The step in one process under the ranks' own recipe: ``config``'s dtypes and the pipeline's
+    rounding points, as :func:`reference_step` returns it.
+
+    Each block's program runs through a recording tape and its backward part by part, as a rank
+    runs a stage (a weight used by several parts gets each part's gradient apart); gradients
+    accumulate in the master dtype as the ranks' buckets do (the same :class:`~portapipe.optim.buckets.GradBuckets`),
+    one replica at a time; the copies of a weight several blocks share stay apart and are summed
+    in the master dtype; a replicated expert's slots (``replay``) are summed as the balancer does;
+    an expert's gradient is then summed over the EP replicas in the master dtype and everything
+    over the replicas in ``train.grad_reduce_dtype``. ``scale``: float16's loss scale (divided
+    out in float64). What may still differ from the ranks is the order of those sums: ``reverse``
+    runs the replicas, micro-batches, copies and slots in the reverse order (the noise floor).
+    It runs on device 0 of ``config.backend`` (the ranks' kind: their kernels' rounding), on one
+    thread on the CPU as a rank does.
+    """
+    from .backends.registry import backend_class, resolve_name
+    from .optim.buckets import GradBuckets
+
+    p, m_cfg, t = config.parallel, config.model, config.train
+    n_blocks = config.n_blocks()
+    m = config.schedule.microbatches
+    order = (lambda xs: list(xs)[::-1]) if reverse else list
+    seed = scale / (m * p.dp * p.ep)
+    backend = backend_class(resolve_name(config.backend))(config.backend_options)
+    ep = ExpertParallel(backend)
+    ep.balancer = replay
+    blocks = build_model(config, range(n_blocks), n_blocks, ep)
+    device = backend.device(0)  # the ranks' kind of device: their kernels, their rounding
+    for block in blocks.values():
+        block.to(device)
+    if by_position:
+        route_by_position(config, [layer for b in range(n_blocks) for layer in blocks[b].moe_layers()])
+    master = DTYPES[master_dtype(m_cfg.dtype, t.master_dtype)]
+    reduced = DTYPES[reduce_dtype(m_cfg.dtype, t.master_dtype, t.grad_reduce_dtype)]
+    buckets = GradBuckets(blocks, _one_rank_groups(), backend, master_dtype=master, reduce_dtype=reduced, zero_stage=0,
+                          bucket_mb=t.grad_bucket_mb, overlap=False, copy_sum=_no_copies)
+    params = [(b, name, q) for b in range(n_blocks) for name, q in blocks[b].named_parameters()]
+    per_replica: dict[int, dict[str, list[torch.Tensor]]] = {}
+    losses: dict[int, list[float]] = {}
+    terms: dict[int, list[dict[str, float]]] = {}
+    with _threads(1):  # as on the ranks
+        for r in order(range(p.dp * p.ep)):
+            if replay is not None:
+                replay.source = (r // p.ep, r % p.ep)
+            buckets.start()
+            data = [(x.to(device), y.to(device)) for x, y in microbatches(config, r)]
+            losses[r], terms[r] = [0.0] * m, [{}] * m
+            for i in order(range(m)):
+                losses[r][i], terms[r][i] = _tape_step(blocks, *data[i], seed)
+            buckets.finish()
+            full = buckets.full_grads()
+            grads: dict[str, list[torch.Tensor]] = {}
+            for _, name, q in params:  # every copy of a shared weight, block by block
+                grads.setdefault(name, []).append(full[q].detach().cpu().clone())
+            per_replica[r] = grads
+    out = {}
+    for _, name, q in params:
+        if name in out:
+            continue
+        copies = {r: _sum(order(g[name])) for r, g in per_replica.items()}
+        if is_expert(q):  # summed over the EP replicas in the master dtype, its slots as the balancer does, then over DP
+            by_dp = [_sum(order(copies[d * p.ep + e] for e in range(p.ep))) for d in range(p.dp)]
+            if replay is not None:
+                by_dp = [_slot_sums(g, replay.slots[_layer_of(name)], p.ep, order) for g in by_dp]
+            out[name] = _sum(order(g.to(reduced) for g in by_dp)).to(master)
+        else:
+            out[name] = _sum(order(copies[r].to(reduced) for r in range(p.dp * p.ep))).to(master)
+    grads_out = {name: g if scale == 1.0 else g.to(torch.float64) / scale for name, g in out.items()}
+    rows = [losses[r] for r in range(p.dp * p.ep)]
+    term_rows = [terms[r] for r in range(p.dp * p.ep)]
+    if reverse:
+        rows, term_rows = [row[::-1] for row in rows[::-1]], [row[::-1] for row in term_rows[::-1]]
+    return mean_loss(rows), grads_out, _updated_biases(blocks), _term_means(term_rows)
+
+
+def _no_copies(*_: Any) -> torch.Tensor:
+    raise RuntimeError("the one-process step sums its copies itself")
+
+
+def _tape_step(blocks: dict[int, Any], inputs: torch.Tensor, targets: torch.Tensor, seed: float) -> tuple[float, dict[str, float]]:
+    """One micro-batch through every block as the ranks run a stage (recording tapes, part-wise
+    backward, seeded with ``seed`` as the executor seeds the loss); its loss and loss terms."""
+    n_blocks = len(blocks)
+    tapes, h = [], inputs
+    for b in range(n_blocks):
+        tape = Tape(input_grad=b > 0, loss_seed=seed)
+        h = run(blocks[b].program(tape, h, targets if b == n_blocks - 1 else None))
+        tapes.append((tape, h))
+    loss = float(h.detach())
+    grad: torch.Tensor | None = torch.full_like(h, seed)
+    recorded = {name: float(v) for tape, _ in tapes for name, v in tape.terms.items()}
+    for tape, out in reversed(tapes):
+        grad = run(tape.backward(out, grad))
+    return loss, recorded
+
+
+def _sum(tensors: Any) -> torch.Tensor:
+    """The tensors added left to right (in their dtype)."""
+    total = None
+    for x in tensors:
+        total = x.clone() if total is None else total + x
+    return total
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[1])  # layers.{index}.moe.experts.{gate_up,down}
+
+
+def _slot_sums(grad: torch.Tensor, slots: list[int], ep: int, order: Any) -> torch.Tensor:
+    """Each logical expert's gradient from its slots' (``grad[slot]``, ``slots``: the slots' logical
+    experts, ``ep`` ranks' in turn): a rank's own slots added in slot order, then the ranks'
+    parts in ascending rank order (:mod:`portapipe.balancing.replica_sum`); one row per logical expert."""
+    per = len(slots) // ep
+    out = grad.new_zeros((max(slots) + 1, *grad.shape[1:]))
+    for e in range(out.shape[0]):
+        parts = []
+        for rank in order(range(ep)):
+            mine = [s for s in order(range(rank * per, (rank + 1) * per)) if slots[s] == e]
+            if mine:
+                parts.append(_sum(grad[s] for s in mine))
+        out[e] = _sum(parts)
+    return out
+
+
+def _updated_biases(blocks: dict[int, Any]) -> dict[str, torch.Tensor]:
+    """Every router's bias after its step on the loads the blocks counted."""
+    biases = {}
+    for b in range(len(blocks)):
         for layer in blocks[b].moe_layers():
             layer.moe.router.update_bias(layer.moe.step_counts)
             if (bias := _bias(layer)) is not None:
-                biases[f"{layer.index}"] = bias.clone()
-    return mean_loss(losses), grads, biases, term_means
+                biases[f"{layer.index}"] = bias.detach().cpu().clone()
+    return biases
+
+
+def _term_means(terms: list[list[dict[str, float]]]) -> dict[str, float]:
+    """Each loss term's mean over (replica, micro-batch), summed as the ranks sum it."""
+    names = sorted({name for row in terms for mb in row for name in mb})
+    return {name: mean_loss([[mb[name] for mb in row] for row in terms]) for name in names}
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -406,16 +635,13 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den
 
 
-def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Tolerance = EXACT, changed: dict[str, str] | None = None,
-            by_position: bool = False) -> VerifyReport:
-    """Every rank's loss, gradients and router biases against the single-process reference
-    (``config`` in float64, routed by position where the ranks were), judged by ``tolerance``
-    (exact for a float64 step); ``changed``: the dtype keys the ranks ran otherwise than asked."""
-    ref_loss, ref_grads, ref_biases, ref_terms = reference_step(config, by_position)
-    p = config.parallel
-    per = config.model.n_experts // p.ep
+def _distances(ref: tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]], rank_results: list[dict[str, Any]],
+               per: int) -> tuple[float, float, str, float, float]:
+    """Every rank against one reference step (:func:`reference_step`'s tuple): the largest absolute
+    loss difference, the largest relative gradient difference and its parameter, the largest bias
+    difference, the largest relative loss-term difference. ``per``: experts per EP rank."""
+    ref_loss, ref_grads, ref_biases, ref_terms = ref
     worst, worst_name, bias_diff = 0.0, "", 0.0
-    losses = [r["loss"] for r in rank_results]
     for r in rank_results:
         for name, g in r["grads"].items():
             want = ref_grads[name]
@@ -428,8 +654,59 @@ def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Toler
                 worst, worst_name = d, name
         for layer, bias in r["biases"].items():
             bias_diff = max(bias_diff, float((bias - ref_biases[layer]).abs().max()))
-    loss_diff = max(abs(x - ref_loss) for x in losses)
-    terms_diff = _terms_diff(ref_terms, [r.get("loss_terms", {}) for r in rank_results])
+    loss_diff = max(abs(r["loss"] - ref_loss) for r in rank_results)
+    return loss_diff, worst, worst_name, bias_diff, _terms_diff(ref_terms, [r.get("loss_terms", {}) for r in rank_results])
+
+
+def measured_tolerance(config: Config, bias: float, same: tuple[Any, ...], other: tuple[Any, ...]) -> Tolerance:
+    """The low-precision check's tolerance: :data:`NOISE_FACTOR` times the noise floor, the
+    distance between two one-process steps under the run's recipe that differ only in the order
+    of their sums (``same`` and ``other``: :func:`recipe_step` forwards and reversed), each figure
+    at least one rounding of its sum (the loss's mean in float64; the gradients' accumulation in
+    the master dtype, or the reduction's dtype where replicas are summed in a coarser one): an
+    order that happens to round alike in both must not make the check exact."""
+    m, t, p = config.model, config.train, config.parallel
+    loss_floor = max(abs(other[0] - same[0]) / abs(same[0]) if same[0] else abs(other[0]), _terms_diff(same[3], [other[3]]))
+    grad_floor = max((_rel(other[1][name], g) for name, g in same[1].items()), default=0.0)
+    acc = master_dtype(m.dtype, t.master_dtype)
+    if p.dp * p.ep > 1:
+        acc = max(acc, reduce_dtype(m.dtype, t.master_dtype, t.grad_reduce_dtype), key=lambda d: UNIT_ROUNDOFF[d])
+    least_loss, least_grad = UNIT_ROUNDOFF["float64"], UNIT_ROUNDOFF[acc]
+    basis = (
+        f"{m.dtype} on both sides, against the one-process step with the same dtypes and rounding points: {NOISE_FACTOR:g} x the noise floor, "
+        f"the distance of that step from itself with its replicas, micro-batches, copies and replicas' slots summed in the reverse order "
+        f"(loss {loss_floor:.3g} relative, gradients {grad_floor:.3g}), each at least one rounding of its sum "
+        f"(the loss's float64 mean {_power(least_loss)}, the gradients' {acc} accumulation {_power(least_grad)})"
+    )
+    return Tolerance(m.dtype, NOISE_FACTOR * max(loss_floor, least_loss), NOISE_FACTOR * max(grad_floor, least_grad), bias, basis,
+                     measured=True, floor=(loss_floor, grad_floor))
+
+
+def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Tolerance = EXACT, changed: dict[str, str] | None = None,
+            by_position: bool = False, recipe: Config | None = None) -> VerifyReport:
+    """Every rank's loss, gradients and router biases against the single-process reference
+    (``config`` in float64, routed by position where the ranks were), judged by ``tolerance``
+    (exact for a float64 step); ``changed``: the dtype keys the ranks ran otherwise than asked.
+
+    A ``measured`` tolerance (``--precision model``) judges them against the one-process step
+    under ``recipe`` (the config the ranks ran: :func:`recipe_step`) by :func:`measured_tolerance`
+    instead; the distances from the float64 reference are then reported beside (``float64_*``)."""
+    p = config.parallel
+    per = config.model.n_experts // p.ep
+    ref = reference_step(config, by_position)
+    loss_diff, worst, worst_name, bias_diff, terms_diff = _distances(ref, rank_results, per)
+    float64_diffs: tuple[float, float] | None = None
+    if tolerance.measured:
+        if recipe is None:
+            raise ValueError("a measured tolerance compares with the one-process step under the ranks' recipe: pass recipe")
+        float64_diffs = (loss_diff, worst)
+        scale = rank_results[0].get("loss_scale") or 1.0
+        ref = recipe_step(recipe, by_position, scale, replay=route_replay(recipe, rank_results))
+        other = recipe_step(recipe, by_position, scale, reverse=True, replay=route_replay(recipe, rank_results))
+        tolerance = measured_tolerance(recipe, tolerance.bias, ref, other)
+        loss_diff, worst, worst_name, bias_diff, terms_diff = _distances(ref, rank_results, per)
+    ref_loss = ref[0]
+    losses = [r["loss"] for r in rank_results]
     ok = loss_diff <= tolerance.loss * abs(ref_loss) and worst <= tolerance.grad and bias_diff <= tolerance.bias and terms_diff <= tolerance.loss
     return VerifyReport(
         schedule=config.schedule.name,
@@ -452,7 +729,9 @@ def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Toler
         worst_param=worst_name,
         timings=[r["timings"] for r in rank_results],
         loss_terms_diff=terms_diff,
-        ref_loss_terms=ref_terms,
+        ref_loss_terms=ref[3],
+        float64_loss_diff=None if float64_diffs is None else float64_diffs[0],
+        float64_grad_diff=None if float64_diffs is None else float64_diffs[1],
     )
 
 
@@ -468,12 +747,28 @@ def _terms_diff(ref: dict[str, float], ranks: list[dict[str, float]]) -> float:
     return worst
 
 
+def forced_routing_problems(config: Config) -> list[str]:
+    """A benchmark's routing (``bench``): verify would check the model's router, which such a run
+    does not use, and the forced choices follow the order of the router's calls (or a generator's
+    draws), which differs between the ranks and one process; refused, one line each."""
+    b = config.bench
+    out = []
+    if b.force_uniform_routing:
+        out.append("bench.force_uniform_routing: true routes every token round-robin, a benchmark's routing that verify does not check "
+                   "(it checks the model's router); verify the config with it false")
+    if b.router_skew_from is not None:
+        out.append(f"bench.router_skew_from: {b.router_skew_from} draws each token's experts from recorded loads, a benchmark's routing "
+                   "that verify does not check (it checks the model's router); verify the config without it")
+    return out
+
+
 def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision: str = "highest") -> list[VerifyReport]:
     """Verify several configs of one world size in one launch of ranks (start-up paid once).
 
     ``precision`` highest: the ranks run in float64 where the backend declares float64 compute
     and communication, else in float32; model: in each config's own dtypes (:func:`checked`).
-    The reference always runs in float64 on the CPU.
+    The float64 reference runs on the CPU; model's one-process step in the same dtypes
+    (:func:`recipe_step`) on the backend's device.
     """
     if not configs:
         return []
@@ -485,6 +780,9 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision:
         raise ValueError(f"verify_many needs one backend per launch, got {sorted(backends)}")
     from .models.hf_io import init_problems
 
+    forced = [line for c in configs for line in forced_routing_problems(c)]
+    if forced:
+        raise ConfigError(forced)
     plans = [checked(c, precision) for c in configs]
     ranks_configs = [ranks for ranks, _, _ in plans]
     references = [in_dtype(c, "float64", backend="cpu") for c in configs]
@@ -494,10 +792,18 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision:
         problems = init_problems(c.model)  # weights to start from that do not fit
         if problems:
             raise ConfigError(problems)
+    steps = run_steps(ranks_configs, by_position, wall_timeout_s)
+    return [compare(ref, ranks, tol, changed, by_position, recipe) for ref, ranks, (recipe, tol, changed) in zip(references, steps, plans)]
+
+
+def run_steps(configs: list[Config], by_position: bool = False, wall_timeout_s: float = 600.0) -> list[list[dict[str, Any]]]:
+    """One pipelined step of each config (one world size and backend) in one launch of ranks:
+    per config, every rank's :func:`step_report` in rank order (with ``by_position``, routed by
+    position, with the balancer's routes)."""
     per_rank = run_ranks(
         _rank_step,
         configs[0].world_size,
-        [c.to_dict() for c in ranks_configs],
+        [c.to_dict() for c in configs],
         by_position,
         backend=configs[0].backend,
         backend_options=configs[0].backend_options,
@@ -505,8 +811,7 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision:
         stall_timeout_s=configs[0].launch.stall_timeout_s,
         stop_grace_s=configs[0].launch.stop_grace_s,
     )
-    return [compare(ref, [ranks[i] for ranks in per_rank], tol, changed, by_position)
-            for i, (ref, (_, tol, changed)) in enumerate(zip(references, plans))]
+    return [[ranks[i] for ranks in per_rank] for i in range(len(configs))]
 
 
 def verify(config: Config, precision: str = "highest") -> dict[str, Any]:

@@ -107,6 +107,38 @@ def raise_at_start(backend: Backend, bad_rank: int) -> None:
     backend.barrier()
 
 
+#: what gloo raises when a peer closes a pair of the full mesh while connecting
+CLOSED_BY_PEER = "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40013"
+
+
+class _ClosedByPeer:
+    """Stands in for torch's ProcessGroupGloo: its connect fails as a closed pair does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(CLOSED_BY_PEER)
+
+
+def connect_failing(backend: Backend, folder: str, failures: int, after_groups: bool = False) -> int:
+    """Rank 1's process groups fail to connect in the job's first ``failures`` launches (counted in
+    ``folder``): its new groups' gloo connect raises (``after_groups``: the same error raised by
+    plain code once the groups are made, not while connecting). Returns the launch's number."""
+    from pathlib import Path
+
+    import torch.distributed.distributed_c10d as c10d
+
+    launch = 0
+    if dist.get_rank() == 1:
+        launch = len(list(Path(folder).glob("launch-*")))
+        (Path(folder) / f"launch-{launch}").touch()
+        if launch < failures and not after_groups:
+            c10d.ProcessGroupGloo = _ClosedByPeer  # this rank's process only
+    backend.parallel_groups(1, 1, dist.get_world_size())
+    if dist.get_rank() == 1 and launch < failures and after_groups:
+        raise RuntimeError(CLOSED_BY_PEER)
+    backend.barrier()
+    return launch
+
+
 def hang_forever(backend: Backend) -> None:
     while True:
         time.sleep(0.1)

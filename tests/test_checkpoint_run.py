@@ -85,7 +85,9 @@ def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
     # one that leaves weights of 3e4, finite, on which the validation's forward overflows
     weights_inf = raw(base / "weights_inf", steps=1, train__lr=1e5, train__warmup_steps=0, train__grad_clip=0.0, data__val_fraction=0.05)
     val_nan = raw(base / "val_nan", steps=1, train__lr=3e4, train__warmup_steps=0, train__grad_clip=0.0, data__val_fraction=0.05)
-    for c in (weights_inf, val_nan):
+    # the same update before a periodic checkpoint (step 1 of 2): checked there too
+    weights_inf_every = raw(base / "weights_inf_every", steps=2, train__lr=1e5, train__warmup_steps=0, train__grad_clip=0.0, checkpoint__every=1)
+    for c in (weights_inf, val_nan, weights_inf_every):
         c["model"]["dtype"] = "float16"
     runs = {
         "first": raw(base / "first"),  # a finished run: 4 steps, checkpoints at 2 and 4
@@ -100,6 +102,7 @@ def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
         "short_40": raw(base / "short", steps=40, **once),
         "diverged": diverging,
         "weights_inf": weights_inf,
+        "weights_inf_every": weights_inf_every,
         "val_nan": val_nan,
         "no_end": raw(base / "no_end", steps=3, checkpoint__at_end=False),  # every 2: step 2's only
         "none": raw(base / "none", steps=1, checkpoint__every=0, checkpoint__at_end=False),
@@ -346,21 +349,62 @@ def test_a_non_finite_loss_stops_the_run_at_that_step_with_no_checkpoint_of_it(o
     lines = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if r["kind"] == "train"] == list(range(1, bad))
     assert [r["kind"] for r in lines[-2:]] == ["diverged", "summary"] and lines[-2]["step"] == bad
+    # numbers, null where not finite (as in the summary): never strings
+    for row in (lines[-2], summary["diverged"]):
+        assert set(row) >= {"step", "loss", "grad_norm"} and all(row[k] is None or isinstance(row[k], float) for k in ("loss", "grad_norm")), row
+        assert row["loss"] is None or row["grad_norm"] is None, row  # what stopped it
 
 
 @pytest.mark.multiproc
 def test_weights_that_stopped_being_finite_are_never_saved_and_a_non_finite_validation_loss_is_a_divergence(one_rank):
     """No run ends with a nan / inf model or a null validation loss and exit 0: the last update's
     weights are checked before every checkpoint, the validation loss after it."""
-    inf = one_rank["weights_inf"]
-    assert inf["diverged"] == {"step": 1, "reason": "the weights are not finite after the update of step 1; no checkpoint was written of them"}
-    assert inf["checkpoint"] is None and inf["val_loss"] is None and list_checkpoints(one_rank["root"] / "weights_inf") == []
+    for name in ("weights_inf", "weights_inf_every"):  # at the end, and before a periodic checkpoint
+        inf = one_rank[name]
+        assert inf["diverged"]["step"] == 1, (name, inf)
+        assert inf["diverged"]["reason"].endswith(" is not finite after the update of step 1; no checkpoint was written of it"), inf
+        assert inf["checkpoint"] is None and inf["val_loss"] is None and list_checkpoints(one_rank["root"] / name) == [], name
     nan = one_rank["val_nan"]
     assert nan["diverged"]["step"] == 1 and nan["diverged"]["reason"] in ("the validation loss is nan", "the validation loss is inf")
     assert nan["val_loss"] is None and nan["checkpoint"] is not None  # its weights are finite: saved
     for name in ("weights_inf", "val_nan"):
         lines = [json.loads(line) for line in (one_rank["root"] / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["kind"] for r in lines[-2:]] == ["diverged", "summary"], name
+
+
+def test_what_a_checkpoint_saves_is_checked_finite_buffers_and_balancer_loads_too() -> None:
+    """A router bias that became inf (a huge bias_update_speed) or a balancer's recorded loads
+    are named as a weight would be: a checkpoint would save them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from torch import nn
+
+    from portapipe.checkpoint.state import first_nonfinite
+
+    block = nn.Module()
+    block.w = nn.Parameter(torch.ones(2))
+    block.router = nn.Module()
+    block.router.register_buffer("bias", torch.zeros(3))
+    runtime = SimpleNamespace(blocks={0: block})
+    finite = SimpleNamespace(finite=lambda: True)
+    loads = {"kind": "eplb", "loads": {"steps": torch.ones(2, 1, 4)}, "phy2log": torch.zeros(1, 4, dtype=torch.int64)}
+    balancer = SimpleNamespace(state_dict=lambda: loads)
+    assert first_nonfinite(runtime, finite, balancer) is None
+    block.router.bias[1] = float("inf")
+    assert first_nonfinite(runtime, finite, balancer) == "router.bias"
+    block.router.bias.zero_()
+    loads["loads"]["steps"][0, 0, 2] = float("nan")
+    assert first_nonfinite(runtime, finite, balancer) == "the balancer's loads.steps"
+    assert first_nonfinite(runtime, SimpleNamespace(finite=lambda: False), None) == "the master weights or AdamW state"
+
+
+def test_bias_update_speed_is_refused_above_one(tmp_path, capsys):
+    """3e38 made every bias inf after a step (exit 0, the checkpoint holding them): refused at load."""
+    assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path)), "--set", "model.bias_update_speed=3e38"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.bias_update_speed: 3e+38" in err[0] and "less than or equal to 1" in err[0], err
 
 
 def test_checkpoint_at_end_false_skips_only_the_last_steps_checkpoint(one_rank):
@@ -376,16 +420,19 @@ def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
     import portapipe.train
 
     def diverged(config: Any, wall_timeout_s: float = 0.0) -> dict[str, Any]:
-        return {"run_id": "r", "checkpoint": "c7", "val_loss": None, "diverged": {"step": 8, "loss": "nan", "grad_norm": "inf"}}
+        return {"run_id": "r", "checkpoint": "c7", "val_loss": None, "diverged": {"step": 8, "loss": 125851.18, "grad_norm": None}}
 
     monkeypatch.setattr(portapipe.train, "train", diverged)
     assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 3
     captured = capsys.readouterr()
     assert json.loads(captured.out)["diverged"]["step"] == 8
     assert captured.err.strip() == (
-        "portapipe: training stopped at step 8: loss nan, gradient norm inf; that step was not applied and no checkpoint was "
-        "written of it (last checkpoint: c7); lower train.lr or keep train.grad_clip on"
+        "portapipe: training stopped at step 8: loss 125851, gradient norm not finite; that step was not applied and no checkpoint was "
+        "written of it (last checkpoint: c7); lower train.lr"
     )
+    # the hint names grad_clip only where it is off
+    assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path, train__grad_clip=0.0))]) == 3
+    assert capsys.readouterr().err.strip().endswith("; lower train.lr or turn train.grad_clip on (it is 0: off)")
 
     def weights(config: Any, wall_timeout_s: float = 0.0) -> dict[str, Any]:
         return {"run_id": "r", "checkpoint": None, "val_loss": None, "diverged": {"step": 1, "reason": "the weights are not finite"}}
@@ -393,7 +440,7 @@ def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(portapipe.train, "train", weights)
     assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 3
     assert capsys.readouterr().err.strip() == (
-        "portapipe: training stopped at step 1: the weights are not finite (last checkpoint: none); lower train.lr or keep train.grad_clip on"
+        "portapipe: training stopped at step 1: the weights are not finite (last checkpoint: none); lower train.lr"
     )
 
 

@@ -151,12 +151,20 @@ def test_a_missing_or_damaged_shard_and_an_unreadable_dtype_are_named(tmp_path: 
     (line,) = _problems(cut)
     assert line.startswith(f"model.init_from: {cut / shards[1]} is not a readable safetensors file"), line
 
-    def fp8(t: dict[str, torch.Tensor]) -> None:
-        t["model.layers.1.mlp.experts.0.up_proj.weight"] = t["model.layers.1.mlp.experts.0.up_proj.weight"].to(torch.float8_e4m3fn)
+    def as_dtype(dtype: torch.dtype) -> Any:
+        def edit(t: dict[str, torch.Tensor]) -> None:
+            t["model.layers.1.mlp.experts.0.up_proj.weight"] = t["model.layers.1.mlp.experts.0.up_proj.weight"].to(dtype)
+        return edit
 
     folder = save(transformers_model("qwen3_moe", seed=14), tmp_path / "whole")
-    assert _problems(_copy(folder, tmp_path / "fp8", edit_tensors=fp8)) == [
-        "model.init_from: model.layers.1.mlp.experts.0.up_proj.weight is stored as F8_E4M3; portapipe reads F64, F32, BF16, F16"
+    assert _problems(_copy(folder, tmp_path / "int8", edit_tensors=as_dtype(torch.int8))) == [
+        "model.init_from: model.layers.1.mlp.experts.0.up_proj.weight is stored as I8; portapipe reads F64, F32, BF16, F16, F8_E4M3"
+    ]
+    # E4M3 is read with its block scales (DeepSeek-V3's published layout, tests/test_fp8_hf.py): without them, named
+    fp8 = _copy(folder, tmp_path / "fp8", edit_tensors=as_dtype(torch.float8_e4m3fn))
+    assert _problems(fp8) == [
+        f"model.init_from: {fp8}: model.layers.1.mlp.experts.0.up_proj.weight is stored as F8_E4M3 without its "
+        "model.layers.1.mlp.experts.0.up_proj.weight_scale_inv (one float32 scale per 128x128 block)"
     ]
 
 

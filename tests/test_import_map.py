@@ -110,3 +110,18 @@ def test_the_backends_import_nothing_above_them() -> None:
 
 def test_the_rule_sees_an_arrow_up() -> None:
     assert _above({"portapipe.backends.x": {"portapipe.launch", "portapipe.backends.base"}}, "portapipe.backends.x", "portapipe.backends") == ["portapipe.launch"]
+
+
+def test_fp8_matmuls_are_called_in_the_backends_only() -> None:
+    """torch's FP8 matmuls (``_scaled_mm``, ``scaled_mm`` and their grouped forms) are a backend's
+    business: the recipe and the models reach them through ``Backend.fp8_mm`` / ``fp8_grouped_mm``."""
+    names = {"_scaled_mm", "scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm", "scaled_grouped_mm", "_scaled_grouped_mm_v2"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.is_relative_to(PACKAGE / "backends"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in names or isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert found == []
+    assert any("_scaled_mm" in p.read_text() for p in (PACKAGE / "backends").glob("*.py"))  # the rule looks where they are

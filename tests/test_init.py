@@ -31,6 +31,14 @@ def test_the_package_ships_examples_configs_as_links() -> None:
     assert "configs/*.yaml" in (ROOT / "pyproject.toml").read_text()  # package data, so wheels carry them
 
 
+def test_each_starter_logs_to_a_folder_of_its_own() -> None:
+    """A GPU run started from the folder where `make train` ran must not resume the finished CPU
+    run (and train nothing): every starter's log.dir is its own."""
+    dirs = {name: load_config(EXAMPLES / f"{name}.yaml").log.dir for name in NAMES}
+    assert len(set(dirs.values())) == len(NAMES), dirs
+    assert all(d == f"runs/{name}" for name, d in dirs.items()), dirs
+
+
 # ids name the files: a bare "cuda"/"npu" id would read as a device marker to tests/conftest.py.
 @pytest.mark.parametrize("name", NAMES, ids=[f"{n}.yaml" for n in NAMES])
 def test_init_writes_the_example_and_says_what_next(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

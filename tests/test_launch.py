@@ -83,3 +83,39 @@ def test_rank_threads_share_this_machines_cores_over_this_machines_ranks(
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(pinning, "usable_cores", lambda: list(range(16)))  # the cores this process may use
     assert rank_threads(world) == threads
+
+
+# ------------------------------------------------------------------ a rendezvous that fails to connect
+@pytest.mark.multiproc
+def test_a_job_whose_ranks_fail_to_connect_is_started_again_with_a_line_saying_so(tmp_path, capfd) -> None:
+    """gloo's full-mesh connect failing ("Connection closed by peer") in a new group of rank 1,
+    the first launch: the launcher starts the job again, says so in one line, and returns the
+    second launch's results."""
+    results = run_ranks(dist_checks.connect_failing, 2, str(tmp_path), 1)
+    assert results[1] == 1  # rank 1's second launch
+    err = capfd.readouterr().err.splitlines()
+    retry = [line for line in err if "starting them again" in line]
+    assert retry == [f"portapipe: rank 1 failed: RuntimeError: {dist_checks.CLOSED_BY_PEER}, while the ranks connected; "
+                     "starting them again (retry 1 of 2)"], err
+
+
+@pytest.mark.multiproc
+def test_a_job_that_keeps_failing_to_connect_stops_after_the_bounded_retries(tmp_path, capfd) -> None:
+    from portapipe.launch import CONNECT_RETRIES
+
+    with pytest.raises(LaunchError) as info:
+        run_ranks(dist_checks.connect_failing, 2, str(tmp_path), 100)
+    assert len(list(tmp_path.glob("launch-*"))) == CONNECT_RETRIES + 1
+    assert str(info.value) == f"rank 1 failed: RuntimeError: {dist_checks.CLOSED_BY_PEER} (the ranks failed to connect 3 times)"
+    assert sum("starting them again" in line for line in capfd.readouterr().err.splitlines()) == CONNECT_RETRIES
+
+
+@pytest.mark.multiproc
+def test_the_same_error_once_the_groups_are_made_is_not_retried(tmp_path, capfd) -> None:
+    """Only a failure while connecting is started again: the same message from a rank at work
+    (a peer gone mid-run) ends the job at once."""
+    with pytest.raises(LaunchError) as info:
+        run_ranks(dist_checks.connect_failing, 2, str(tmp_path), 1, True)
+    assert info.value.rank == 1 and not info.value.connecting
+    assert len(list(tmp_path.glob("launch-*"))) == 1
+    assert "starting them again" not in capfd.readouterr().err

@@ -132,6 +132,38 @@ def test_tiled_grouped_linear_uses_weight_of_group_mod_g_and_sums_tile_gradients
     torch.testing.assert_close(wa.grad, wb.grad, rtol=1e-14, atol=0)
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_each_tiles_weight_gradient_reaches_a_wider_accumulator_on_its_own(defer: bool) -> None:
+    """bfloat16 weights accumulating in float32 (a main_grad, as the gradient buckets give them):
+    every tile's bfloat16 weight gradient is added to it apart, as one process adds each source's
+    micro-batch; a sum of the tiles rounded to bfloat16 first would differ."""
+    from portapipe.scheduling.wgrad import accumulate_grad
+
+    backend = CPUBackend()
+    counts = [5, 7, 6, 3, 4, 8]  # 3 tiles (sources) x 2 experts
+    offs = torch.tensor(counts).cumsum(0)
+    x, w, g = (_rand(33, 16, seed=80).bfloat16(), _rand(2, 16, 8, seed=81).bfloat16(), _rand(33, 8, seed=82).bfloat16())
+    wa = w.clone().requires_grad_()
+    wa.main_grad = torch.zeros(2, 16, 8)  # float32
+    def into_main(p: torch.Tensor) -> None:  # what the buckets' hook does with autograd's accumulation
+        if p.grad is not None:
+            accumulate_grad(p, p.grad)
+            p.grad = None
+
+    wa.register_post_accumulate_grad_hook(into_main)
+    y = grouped_linear(x, wa, offs, backend, tiles=[12, 9, 12])
+    queue = WeightGradQueue()
+    with deferring(queue if defer else None):
+        y.backward(g)
+    queue.run()
+    parts = [backend.grouped_mm(x[a:b].t(), g[a:b], torch.tensor(counts[2 * t : 2 * t + 2]).cumsum(0)) for t, (a, b) in enumerate([(0, 12), (12, 21), (21, 33)])]
+    want = torch.zeros(2, 16, 8)
+    for part in parts:
+        want += part
+    assert wa.grad is None and torch.equal(wa.main_grad, want)
+    assert not torch.equal(wa.main_grad, (parts[0] + parts[1] + parts[2]).float())  # the tiles summed in bfloat16 first
+
+
 class _WatchedBackend(CPUBackend):
     """Records the weight operand of every grouped matmul."""
 

@@ -54,18 +54,24 @@ def _differ(a: Any, b: Any, at: str = "") -> list[str]:
     return [] if a == b else [f"{at}: {a!r} -> {b!r}"]
 
 
-def _validate(backend: Any, raws: list[dict[str, Any]]) -> list[list[str]]:
-    """On every rank, per config: one training step, then the validation; what it changed."""
+def runtimes(backend: Any, raws: list[dict[str, Any]]) -> Any:
+    """Per config, on this rank: (config, backend, groups, runtime), each on a backend of its own."""
     from portapipe.compose import PipelineRuntime
-    from portapipe.data import TextData, replica_of
-    from portapipe.train import make_sharded_optimizer, validation_loss
 
-    out = []
     for raw in raws:
         config = config_from_dict(raw)
         be = type(backend)(backend.options)
         groups = be.parallel_groups(config.parallel.pp, config.parallel.dp, config.parallel.ep)
-        runtime = PipelineRuntime(config, be, groups)
+        yield config, be, groups, PipelineRuntime(config, be, groups)
+
+
+def _validate(backend: Any, raws: list[dict[str, Any]]) -> list[list[str]]:
+    """On every rank, per config: one training step, then the validation; what it changed."""
+    from portapipe.data import TextData, replica_of
+    from portapipe.train import make_sharded_optimizer, validation_loss
+
+    out = []
+    for config, be, groups, runtime in runtimes(backend, raws):
         optimizer = make_sharded_optimizer(runtime, config, be)
         data = TextData(config)
         replica, replicas = replica_of(groups)

@@ -29,8 +29,10 @@ from portapipe.verify import (
     float64,
     in_dtype,
     precision_for,
+    recipe_step,
     reference,
     rounding_tolerance,
+    run_steps,
     verify_many,
 )
 
@@ -138,7 +140,10 @@ def test_the_float32_tolerance_is_derived_from_rounding_and_depth() -> None:
     assert tol.loss == pytest.approx(4 * u * 32**0.5 * 5) and tol.grad == 2 * tol.loss
     deeper = float32_tolerance(load_config({**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "n_layers": 8}}))
     assert deeper.loss == pytest.approx(tol.loss * 9 / 5)  # grows with depth
-    assert "k = 32" in tol.basis and "n_layers + 1 = 5" in tol.basis
+    assert "k = 32" in tol.basis and "n_layers + mtp_layers + 1 = 5" in tol.basis
+    # each multi-token prediction module is one more layer on the deepest prediction's path
+    mtp = float32_tolerance(load_config({**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "mtp_layers": 2}}))
+    assert mtp.loss == pytest.approx(tol.loss * 7 / 5) and mtp.grad == 2 * mtp.loss and "n_layers + mtp_layers + 1 = 7" in mtp.basis
 
 
 def test_a_float32_step_meets_its_tolerance_against_the_float64_reference_and_a_wrong_one_fails() -> None:
@@ -182,6 +187,23 @@ def test_cli_config_errors_exit_2_before_ranks_start(tmp_path: Path, capsys: pyt
     assert "schedule.microbatches: 3 < 2*pp = 4" in capsys.readouterr().err
     assert cli.main(["verify", path, "--set", "model.n_layers=3"]) == 2
     assert "model.n_layers: 3" in capsys.readouterr().err
+
+
+def test_a_benchmarks_forced_routing_is_refused_in_one_line_before_ranks_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training applies bench.force_uniform_routing / router_skew_from; verify would check the
+    model's router instead and say ok for a routing the run does not do."""
+    import portapipe.verify
+
+    monkeypatch.setattr(portapipe.verify, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    path = _write(tmp_path, _config("1f1b", 2))
+    for setting, words in (("bench.force_uniform_routing=true", "bench.force_uniform_routing: true routes every token round-robin"),
+                           ("bench.router_skew_from=loads.txt", "bench.router_skew_from: loads.txt draws each token's experts")):
+        for precision in ("highest", "model"):
+            assert cli.main(["verify", path, "--set", setting, "--precision", precision]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and words in err[0] and "verify does not check" in err[0], err
 
 
 def test_cli_a_failing_rank_exits_1_with_its_traceback(
@@ -241,8 +263,10 @@ def test_the_highest_precision_names_every_dtype_key_it_changes_and_the_model_pr
     assert changed == {"model.dtype": "bfloat16 -> float64", "train.master_dtype": "float32 -> float64", "train.grad_reduce_dtype": "float32 -> float64"}
     reduced = _with(_config("1f1b", 1, dp=2), model__dtype="float64", train__grad_reduce_dtype="float32")
     assert checked(reduced)[2] == {"train.grad_reduce_dtype": "float32 -> float64"}  # no exact check passes a float32 sum
-    assert checked(bf16, "model") == (bf16, rounding_tolerance(bf16), {})
-    assert checked(reduced, "model")[1] == rounding_tolerance(reduced)
+    model = checked(bf16, "model")
+    assert model[0] is bf16 and model[2] == {} and model[1].measured and model[1].precision == "bfloat16"
+    assert model[1].bias == rounding_tolerance(bf16).bias
+    assert checked(reduced, "model")[1].measured
     assert checked(_with(_config("1f1b", 2), model__dtype="float64"), "model")[1] is EXACT
     with pytest.raises(ValueError, match="precision: 'exact' is not one of highest, model"):
         checked(bf16, "exact")
@@ -276,41 +300,110 @@ def test_a_float32_reduction_of_a_float32_model_is_checked_exactly_in_float64_an
     assert highest.ok and highest.precision == "float64" and highest.max_rel_grad_diff <= 1e-12
     assert highest.changed["train.grad_reduce_dtype"] == "float32 -> float64"
     own = verify_many([cfg], precision="model")[0]
-    assert own.ok and own.precision == "float32" and own.changed == {} and own.tolerance == rounding_tolerance(cfg)
-    assert 0 < own.max_rel_grad_diff < own.tolerance.grad / 10, own.summary()
+    assert own.ok and own.precision == "float32" and own.changed == {} and own.tolerance.measured, own.summary()
+    assert own.loss_diff == 0.0 and own.max_rel_grad_diff <= own.tolerance.grad, own.summary()
+    # the float64 distance beside it: float32's rounding, well inside what float32's derivation allows
+    assert 0 < own.float64_grad_diff < rounding_tolerance(cfg).grad / 10, own.summary()
 
 
 @pytest.mark.multiproc
-def test_the_model_precision_checks_bfloat16_and_float16_with_master_weights_and_loss_scaling() -> None:
-    """bfloat16 and float16 (float32 master weights) against the float64 reference: within the
-    derived tolerance, not exact; float16 at training's loss scale 2^16, or lower where the step
-    overflows (init_std 0.5: two halvings), its gradients divided by it."""
+def test_the_model_precision_checks_bfloat16_and_float16_against_the_one_process_step_in_the_same_dtypes() -> None:
+    """bfloat16 and float16 (float32 master weights), float16 at training's loss scale 2^16 or
+    lower where the step overflows (init_std 0.5: two halvings), a bfloat16 reduction under ZeRO 2:
+    the loss bit for bit and the gradients within their measured tolerance of the one-process step
+    in the same dtypes; the float64 distance beside it is low precision's own (not zero), with the
+    loss scale divided out (2^16 x the loss would be off by 2^16)."""
     configs = [
         _with(_config("1f1b", 2), model__dtype="bfloat16"),
         _with(_config("dualpipev", 2), model__dtype="float16"),
         _with(_config("1f1b", 2), model__dtype="float16", model__init_std=0.5),
         _with(_config("1f1b", 1, dp=2), model__dtype="bfloat16", train__grad_reduce_dtype="bfloat16", train__zero_stage=2),
+        _with(_config("dualpipe", 2, mtp_layers=2, tie_word_embeddings=True), model__dtype="bfloat16"),
     ]
     reports = verify_many(configs, precision="model")
     for cfg, r in zip(configs, reports):
-        assert r.ok and r.precision == cfg.model.dtype and r.changed == {} and r.tolerance == rounding_tolerance(cfg), r.summary()
-        assert r.loss_diff > 0 and r.max_rel_grad_diff > 0
-    assert [r.loss_scale for r in reports] == [None, 2.0**16, 2.0**14, None]
-    # the loss scale divided out: gradients of 2^16 x the loss would be off by 2^16
-    assert all(r.max_rel_grad_diff < 0.1 for r in reports[1:3])
+        assert r.ok and r.precision == cfg.model.dtype and r.changed == {} and r.tolerance.measured, r.summary()
+        assert r.loss_diff == 0.0 and r.loss_terms_diff == 0.0 and r.max_rel_grad_diff <= r.tolerance.grad, r.summary()
+        assert 0 < r.float64_grad_diff < 0.1 and r.float64_loss_diff > 0, r.summary()
+    assert [r.loss_scale for r in reports] == [None, 2.0**16, 2.0**14, None, None]
+    # at least one rounding of the sums: the bfloat16 reduction's over the two replicas (whose order cannot
+    # matter: the floor is 0), the others' float32 accumulation
+    assert reports[3].tolerance.floor[1] == 0.0 and reports[3].tolerance.grad == 4 * 2.0**-8
+    assert all(r.tolerance.grad < 1e-6 for r in reports[:3])
+    out = reports[0].summary()
+    assert list(out)[-1] == "float64" and set(out["float64"]) == {"loss_diff", "max_rel_grad_diff"}
+    assert set(out["tolerance"]["floor"]) == {"loss", "grad"} and "noise floor" in out["tolerance"]["basis"]
 
 
-def test_the_model_precision_refuses_a_check_whose_derived_tolerance_no_gradient_could_fail(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """vocab 512 (k = 512): bfloat16's gradient tolerance 8 u sqrt(k) (n_layers + 1) = 3.5 would
-    pass a zero gradient; float16's (0.44) is a check."""
-    import portapipe.verify
+@pytest.mark.multiproc
+def test_the_model_precision_is_tight_with_expert_tiles_and_with_a_balancers_replicas() -> None:
+    """Four EP ranks (each expert's rows from three other ranks: tiles whose weight gradients
+    reach the accumulator one by one, as one process's micro-batches do) and EPLB / LPLB replicas
+    (a replicated expert's rows split between its slots: the one-process step replays the ranks'
+    routes, so each slot's partial gradient rounds as there) in bfloat16: within float32's rounding
+    of the one-process step, where bfloat16's rounding of a sum of tiles or of a whole expert's
+    rows would show as 2e-3."""
+    four = dict(n_experts=8)
+    configs = [
+        _with(_config("1f1b", 1, ep=4, **four), model__dtype="bfloat16", schedule__microbatches=3),
+        _with(_config("1f1b", 1, ep=4, **four), model__dtype="bfloat16", schedule__microbatches=3, balancer__kind="eplb", balancer__redundant=2),
+        _with(_config("dualpipev", 2, ep=2), model__dtype="bfloat16", balancer__kind="lplb", balancer__redundant=1, balancer__topology="ring"),
+    ]
+    for r in verify_many(configs, precision="model"):
+        assert r.ok and r.loss_diff == 0.0 and r.max_rel_grad_diff < 1e-6 and r.tolerance.grad < 1e-6, r.summary()
 
-    monkeypatch.setattr(portapipe.verify, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
-    big = _with(_config("1f1b", 2), model__vocab_size=512)
-    assert rounding_tolerance(_with(big, model__dtype="float16")).grad < 1 <= rounding_tolerance(_with(big, model__dtype="bfloat16")).grad
-    assert cli.main(["verify", _write(tmp_path, _with(big, model__dtype="bfloat16")), "--precision", "model"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "verify --precision model: the gradient tolerance derived for model.dtype bfloat16 is 3.54 relative" in err[0]
-    assert "no gradient could fail it; check this model with --precision highest" in err[0]
+
+def _recipe_ranks(cfg: Config) -> list[dict[str, Any]]:
+    """One rank's report of a one-rank step: the one-process step in the same dtypes itself."""
+    loss, grads, biases, terms = recipe_step(cfg)
+    return [{"ep_rank": 0, "dp_rank": 0, "loss": loss, "grads": grads, "experts": [], "biases": biases, "timings": {}, "loss_terms": terms}]
+
+
+def test_the_measured_tolerance_judges_the_loss_and_the_gradients_each_on_their_own() -> None:
+    """vocab 512: bfloat16's derived tolerance (8 u sqrt(k) (n_layers + 1) = 3.5) could not fail a
+    zero gradient; the measured one is float32's accumulation (nothing reorders on one rank), so an
+    expert's gradient 0.97 times what it should be fails, and so does a loss off by ten times its
+    own tolerance while every gradient is exact (half of it passes)."""
+    cfg = _with(_config("1f1b", 1, vocab_size=512), model__dtype="bfloat16")
+    assert rounding_tolerance(cfg).grad > 1
+    ranks_cfg, tol, _ = checked(cfg, "model")
+    ranks = _recipe_ranks(ranks_cfg)
+    good = compare(float64(cfg), ranks, tol, {}, False, ranks_cfg)
+    assert good.ok and good.loss_diff == 0.0 and good.max_rel_grad_diff == 0.0 and good.tolerance.measured, good.summary()
+    assert good.tolerance.grad == 4 * 2.0**-24 and good.tolerance.loss == 4 * 2.0**-53
+    assert good.float64_grad_diff > 1e-3  # bfloat16's own rounding, beside it
+    for factor, ok in ((0.5, True), (10.0, False)):
+        off = good.ref_loss * (1 + factor * good.tolerance.loss)
+        got = compare(float64(cfg), [{**ranks[0], "loss": off}], tol, {}, False, ranks_cfg)
+        assert got.ok is ok and got.max_rel_grad_diff == 0.0, (factor, got.loss_diff)
+    name = "layers.2.moe.experts.down"
+    scaled = ranks[0]["grads"][name].clone()
+    scaled[1] *= 0.97
+    bad = compare(float64(cfg), [{**ranks[0], "grads": {**ranks[0]["grads"], name: scaled}}], tol, {}, False, ranks_cfg)
+    assert not bad.ok and bad.worst_param == name and bad.loss_diff == 0.0
+    assert bad.float64_grad_diff < rounding_tolerance(cfg).grad  # the float64 distance alone could not see it
+
+
+def _one_expert_scaled(report: dict[str, Any], factor: float) -> dict[str, Any]:
+    """A rank's report as a pipeline that scales one expert's gradient by ``factor`` gives it."""
+    grads = dict(report["grads"])
+    name = next(n for n in report["experts"] if n.endswith("experts.down"))
+    grads[name] = grads[name].clone()
+    grads[name][0] *= factor
+    return {**report, "grads": grads}
+
+
+@pytest.mark.multiproc
+def test_the_model_precision_fails_a_pipeline_whose_expert_gradient_is_a_little_off() -> None:
+    """A pipelined step whose expert gradient is 0.97 (bfloat16) or 0.995 (float16) of its value
+    on one rank is not ok, while the unchanged step is; the old float64 tolerances would have
+    passed both (bfloat16's 0.88, float16's 0.11 relative)."""
+    configs = [_with(_config("dualpipev", 2, ep=2), model__dtype=dtype) for dtype in ("bfloat16", "float16")]
+    plans = [checked(c, "model") for c in configs]
+    steps = run_steps([ranks for ranks, _, _ in plans], by_position=True)
+    for cfg, (ranks_cfg, tol, _), ranks, factor in zip(configs, plans, steps, (0.97, 0.995)):
+        good = compare(float64(cfg), ranks, tol, {}, True, ranks_cfg)
+        assert good.ok, good.summary()
+        bad = compare(float64(cfg), [_one_expert_scaled(ranks[0], factor), *ranks[1:]], tol, {}, True, ranks_cfg)
+        assert not bad.ok and bad.worst_param.endswith("experts.down") and bad.loss_diff == 0.0, bad.summary()
+        assert bad.float64_grad_diff < rounding_tolerance(cfg).grad, bad.summary()

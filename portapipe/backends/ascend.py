@@ -76,6 +76,7 @@ class AscendBackend(Backend):
         move_dtypes=("float64", "float32", "bfloat16", "float16"),
         fused_grouped_mm_dtypes=tuple(str(d).removeprefix("torch.") for d in NPU_GMM_DTYPES),
         grouped_mm_max_groups=NPU_GMM_MAX_GROUPS,
+        fp8_matmul="emulated",  # Atlas A2 / A3 have no FP8 matmul (int8 / int4 only)
         streams=True,
         memory_stats=True,
         timer="events",

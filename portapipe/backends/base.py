@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .capabilities import Capabilities
+from .fp8_mm import fp8_grouped_mm_emulated, fp8_mm_emulated
 from .grouped_mm import grouped_mm_reference
 
 #: the reductions the interface's ``all_reduce`` and ``reduce_scatter_tensor`` take as ``op``
@@ -378,6 +379,31 @@ class Backend(ABC):
         (the weight gradient). Uses the fused kernel where the dtype allows, else a loop.
         """
         return grouped_mm_reference(a, b, offs)
+
+    def fp8_mm(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``a @ b`` of E4M3 operands with DeepSeek-style scales (1x128 tiles of ``a``; 128x128
+        blocks or 128x1 tiles of ``b``), rounded to ``out_dtype``: the reference semantics of
+        :mod:`portapipe.backends.fp8_mm`, computed where the operands are, or on the host where
+        this backend does not compute in float64 (the exact block sums need it)."""
+        if a.device.type == "cpu" or "float64" in self.capabilities.compute_dtypes:
+            return fp8_mm_emulated(a, a_scale, b, b_scale, out_dtype)
+        return fp8_mm_emulated(a.cpu(), a_scale.cpu(), b.cpu(), b_scale.cpu(), out_dtype).to(a.device)
+
+    def fp8_path(self) -> str:
+        """Which FP8 matmul :meth:`fp8_mm` runs here (``portapipe info``): the declaration, and
+        where the emulation runs."""
+        kind = self.capabilities.fp8_matmul
+        if kind == "emulated" and "float64" not in self.capabilities.compute_dtypes:
+            return "emulated on the host (the device computes no float64, which the exact block sums need)"
+        return kind
+
+    def fp8_grouped_mm(
+        self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The grouped forms of :meth:`fp8_mm` (2d x 3d: rows by ``offs``; 2d x 2d: the weight
+        gradient, grouped along the contracted rows; see :mod:`portapipe.backends.fp8_mm`): one
+        :meth:`fp8_mm` per group, so a device's dense kernel serves the experts too."""
+        return fp8_grouped_mm_emulated(a, a_scale, b, b_scale, offs, out_dtype, mm=self.fp8_mm)
 
     # ------------------------------------------------------------------- memory
     def memory_allocated(self) -> int | None:

@@ -18,6 +18,8 @@ from typing import Any
 DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
 #: the transport every backend offers for expert dispatch / combine
 ALLTOALL = "alltoall"
+#: how a backend may run the FP8 matmul (``Capabilities.fp8_matmul``)
+FP8_MATMUL_KINDS = ("blockwise", "emulated", "none")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class Capabilities:
     ``matches_cpu_float64``: float64 results here are the CPU's bit for bit (the same kernels),
     so a float64 pipelined step is verified exactly against the CPU reference; a device with float64
     kernels of its own is verified in float32 against it, within a tolerance (portapipe verify).
+    ``fp8_matmul``: how the backend runs the FP8 matmul of ``train.fp8`` (``fp8_mm`` /
+    ``fp8_grouped_mm``): ``blockwise`` (a device kernel with DeepSeek-style 1x128 / 128x128
+    scaling where the device and torch have it, else the emulation), ``emulated`` (the reference
+    semantics, :mod:`portapipe.backends.fp8_mm`), ``none`` (``train.fp8`` is refused).
     ``streams``: communication runs on its own stream beside compute (False: no-op streams,
     overlap comes from async work handles). ``memory_stats``: an allocator reports
     allocated / peak bytes. ``timer``: ``events`` (device time) or ``wall`` (host clock).
@@ -49,6 +55,7 @@ class Capabilities:
     reduce_scatter: bool = True
     all_gather_into_tensor: bool = True
     matches_cpu_float64: bool = False
+    fp8_matmul: str = "none"
     streams: bool = False
     memory_stats: bool = False
     timer: str = "wall"
@@ -72,6 +79,8 @@ class Capabilities:
             out.append(f"capabilities.fused_grouped_mm_dtypes: {', '.join(extra)} not in compute_dtypes")
         if self.grouped_mm_max_groups is not None and self.grouped_mm_max_groups < 1:
             out.append(f"capabilities.grouped_mm_max_groups: {self.grouped_mm_max_groups} < 1")
+        if self.fp8_matmul not in FP8_MATMUL_KINDS:
+            out.append(f"capabilities.fp8_matmul: {self.fp8_matmul!r} is not one of {', '.join(FP8_MATMUL_KINDS)}")
         if self.timer not in ("events", "wall"):
             out.append(f"capabilities.timer: {self.timer!r} is not one of events, wall")
         return out
@@ -94,6 +103,13 @@ class Capabilities:
             f"backend_options.ep_transport: {transport!r} is not a transport of backend {backend!r} "
             f"(its transports: {', '.join(self.ep_transports)}); use {ALLTOALL}, which every backend has"
         )
+
+    def fp8_problem(self, backend: str) -> str | None:
+        """The message for ``train.fp8`` on a backend without an FP8 matmul, or None."""
+        if self.fp8_matmul != "none":
+            return None
+        return (f"train.fp8: backend {backend!r} declares no FP8 matmul (capabilities.fp8_matmul: none); "
+                "use a backend that has one (cpu and npu emulate it, cuda runs it blockwise), or train.fp8: off")
 
     def dtype_problem(self, backend: str, dtype: str) -> str | None:
         """The message for a model dtype this backend does not compute in, or None."""

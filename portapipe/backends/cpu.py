@@ -41,6 +41,7 @@ class CPUBackend(Backend):
         move_dtypes=("float64", "float32", "bfloat16", "float16"),
         fused_grouped_mm_dtypes=tuple(str(d).removeprefix("torch.") for d in CPU_GROUPED_MM_DTYPES),
         matches_cpu_float64=True,  # it is the CPU: verify's float64 claim is exact
+        fp8_matmul="emulated",  # no FP8 matmul in torch's CPU kernels for DeepSeek's blockwise scaling
         streams=False,  # torch.cpu.Stream is a working no-op; gloo's async handles overlap instead
         memory_stats=False,  # no allocator figures; max_memory_allocated is the process's peak RSS
         timer="wall",

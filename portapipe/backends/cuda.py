@@ -31,6 +31,8 @@ from .grouped_mm import (
     zero_rows_past_end,
 )
 from .nvshmem import NVSHMEM_MIN_TORCH, NvshmemTransport, nvshmem_api_missing
+from .scaled_mm import blockwise_mm
+from .scaled_mm import probe as probe_blockwise
 from .staged_p2p import HostStagedP2P, HostStaging
 
 #: Default size of each NVSHMEM staging buffer (input and output, per group and dtype).
@@ -115,6 +117,9 @@ class CUDABackend(Backend):
         move_dtypes=("float64", "float32", "bfloat16", "float16"),
         ep_transports=("alltoall", "nvshmem"),
         fused_grouped_mm_dtypes=("bfloat16",),
+        # torch._scaled_mm with DeepSeek-style scaling where the GPU and torch run it (a one-time
+        # probe per process and device decides), else the emulation on the GPU in float64
+        fp8_matmul="blockwise",
         streams=True,
         memory_stats=True,
         timer="events",
@@ -122,6 +127,9 @@ class CUDABackend(Backend):
         # for bit, so verify runs float32 on the device against float64 on the CPU (its tolerance)
         matches_cpu_float64=False,
     )
+
+    #: the blockwise probe's answer per device index: None (it serves) or why not (see fp8_path)
+    _fp8_probed: dict[int, str | None] = {}
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
@@ -314,6 +322,26 @@ class CUDABackend(Backend):
             return zero_empty_groups(out, offs)
         return out
 
+    def fp8_blockwise_problem(self) -> str | None:
+        """Why torch's blockwise ``_scaled_mm`` does not serve this GPU (one line), or None when it
+        does: decided once per process and device by its presence and a probe against the emulation
+        (:func:`~portapipe.backends.scaled_mm.probe`), never by a version number."""
+        index = self._index()
+        if index not in self._fp8_probed:
+            self._fp8_probed[index] = probe_blockwise(getattr(torch, "_scaled_mm", None), self.device())
+        return self._fp8_probed[index]
+
+    def fp8_path(self) -> str:
+        """Which FP8 matmul runs here: ``blockwise`` (torch._scaled_mm) or ``emulated: <why>``."""
+        problem = self.fp8_blockwise_problem()
+        return "blockwise" if problem is None else f"emulated: {problem}"
+
+    def fp8_mm(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        # the routed experts come here one expert at a time (fp8_grouped_mm): torch has no blockwise grouped op
+        if a.device.type != self.device_type or self.fp8_blockwise_problem() is not None:  # host tensors: the emulation
+            return super().fp8_mm(a, a_scale, b, b_scale, out_dtype)
+        return blockwise_mm(torch._scaled_mm, a, a_scale, b, b_scale, out_dtype)
+
     # ------------------------------------------------------------------- memory
     def memory_allocated(self) -> int | None:
         return int(torch.cuda.memory_allocated(self.device()))
@@ -358,4 +386,5 @@ class CUDABackend(Backend):
             out["memory_bytes"] = int(props.total_memory)
             out["multiprocessors"] = int(props.multi_processor_count)
             out["nvshmem"] = self.nvshmem_unavailable_reason() or "available"
+            out["fp8_matmul_path"] = self.fp8_path()
         return out

@@ -106,6 +106,14 @@ def get_backend(name: str = "auto", options: dict[str, Any] | None = None) -> Ba
     return backend_class(check_available(name))(options)
 
 
+def _fp8_path(cls: type[Backend]) -> str:
+    """The FP8 matmul that would run here (cuda: whether torch's blockwise kernel serves this GPU)."""
+    try:
+        return cls().fp8_path()
+    except Exception as exc:  # a plug-in that needs options to be made
+        return f"{cls.capabilities.fp8_matmul} (not probed: {type(exc).__name__}: {exc})"
+
+
 def info() -> dict[str, Any]:
     """What ``portapipe info`` reports about backends."""
     out: dict[str, Any] = {}
@@ -119,7 +127,9 @@ def info() -> dict[str, Any]:
                 "dist_backend": cls.dist_backend,
                 "capabilities": cls.capabilities.as_dict(),
             }
-            if not out[name]["available"]:
+            if out[name]["available"]:
+                out[name]["fp8_matmul_path"] = _fp8_path(cls)
+            else:
                 out[name]["missing"] = cls.unavailable_reason()
         except Exception as exc:  # a broken plug-in must not break `info`
             out[name] = {"available": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -55,13 +55,14 @@ log = logging.getLogger("portapipe.balancing")
 EXPERT_PARAMS = ("gate_up", "down")
 
 
-def moe_layer_indices(model: Any, blocks: list[int], n_blocks: int) -> list[int]:
-    """Global indices of the MoE layers in ``blocks`` (sorted): the rows of ``StepResult.expert_counts``."""
+def moe_layer_indices(model: Any, blocks: list[int], n_blocks: int, split: Any = None) -> list[int]:
+    """Global indices of the MoE layers in ``blocks`` (sorted): the rows of ``StepResult.expert_counts``;
+    ``split``: ``parallel.layers_per_stage`` (:func:`~portapipe.setup.stage_layers`)."""
     from ..setup import layer_range
 
     out = []
     for b in blocks:
-        first, last = layer_range(model.n_layers, n_blocks, b)
+        first, last = layer_range(model.n_layers, n_blocks, b, split)
         out += [i for i in range(first, last) if i >= model.n_dense]
         if b == n_blocks - 1:  # the multi-token prediction modules' layers (always MoE)
             out += [model.n_layers + k for k in range(model.mtp_layers)]

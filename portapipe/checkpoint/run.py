@@ -57,6 +57,7 @@ class RunPlan:
     source: str | None = None  # the checkpoint started from
     step: int = 0  # its step
     lr_schedule_steps: int | None = None  # where the cosine ends; None: no decay
+    lr_schedule: list[dict[str, Any]] | None = None  # the phases in force (train.lr_schedule's, or the checkpoint's); None: the default
     placement_fits: bool = False  # its expert placement applies to this balancer as it is
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,10 +145,14 @@ def _model_line(config: Config, theirs: dict[str, Any], path: Path, key: str) ->
     return f"{shown}; {path} was written for another model and {key} needs the same one"
 
 
-def lr_line(config: Config, horizon: int | None, origin: str, step: int | None) -> str:
+def lr_line(config: Config, horizon: int | None, origin: str, step: int | None, phases: list[dict[str, Any]] | None = None) -> str:
     """The one line saying what the LR schedule is (after a resume from ``step``, or of a new run)."""
+    from ..optim import lr_schedule
+
     t = config.train
     when = "LR schedule" if step is None else f"LR schedule after step {step}"
+    if phases is not None:
+        return f"{when}: {lr_schedule.describe(lr_schedule.resolve(phases, t.lr), t.lr)} ({origin})"
     warm = f"warm-up {t.warmup_steps} step{'s' * (t.warmup_steps != 1)} to {t.lr:g}, then" if t.warmup_steps else f"{t.lr:g} from the start,"
     if horizon is None:
         return f"{when}: {warm} constant, no decay ({origin})"
@@ -284,7 +289,12 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
         files.write_json(log_dir / RUN_FILE, {"run_id": run_id, "source": parent})
 
     asked = config.train.lr_schedule_steps
-    plan = RunPlan(run_id=run_id, root=str(root), mode=mode, lr_schedule_steps=asked)
+    phases = None  # written out with every lr filled in, so a checkpoint's phases mean the same under another train.lr
+    if config.train.lr_schedule is not None:
+        from ..optim import lr_schedule
+
+        phases = [ph.to_dict() for ph in lr_schedule.resolve(config.train.lr_schedule, config.train.lr)]
+    plan = RunPlan(run_id=run_id, root=str(root), mode=mode, lr_schedule_steps=asked, lr_schedule=phases)
     if source is None:
         if asked is not None and asked < config.train.steps:  # a horizon left behind when train.steps grew
             say(lr_line(config, asked, "train.lr_schedule_steps", None))
@@ -292,8 +302,13 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
     manifest = source.manifest or {}
     plan.source, plan.step = str(source.path), int(manifest["step"])
     plan.placement_fits = placement_fits(config, manifest)
-    if asked is not None:
+    if phases is not None:
+        origin = "train.lr_schedule"
+    elif asked is not None:
         origin = "train.lr_schedule_steps"
+    elif manifest["trainer"].get("lr_schedule") is not None:  # the checkpoint's phases
+        plan.lr_schedule = manifest["trainer"]["lr_schedule"]
+        origin = "kept from the checkpoint; train.lr_schedule or train.lr_schedule_steps changes it"
     else:  # the checkpoint's: None (no decay) or the horizon it was trained towards
         plan.lr_schedule_steps = manifest["trainer"].get("lr_schedule_steps")
         change = "changes it" if plan.lr_schedule_steps is not None else "sets a cosine decay"
@@ -317,7 +332,7 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
             "balancer: the checkpoint's expert placement was made for another balancer layout; experts load by id into "
             f"{config.balancer.kind}'s initial placement, the recorded loads carry over"
         )
-    say(lr_line(config, plan.lr_schedule_steps, origin, plan.step))
+    say(lr_line(config, plan.lr_schedule_steps, origin, plan.step, plan.lr_schedule))
     then, now = manifest["trainer"].get("data", {}).get("train_bytes"), _train_bytes(config)
     if then is not None and then != now:
         say(f"data: the checkpoint was trained on {then} bytes of training text, this run has {now}: the batches differ from an uninterrupted run")

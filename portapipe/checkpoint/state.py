@@ -90,6 +90,30 @@ def capture(runtime: Any, optimizer: Any, balancer: Any, rng: dict[str, torch.Te
     return state
 
 
+def first_nonfinite(runtime: Any, optimizer: Any, balancer: Any) -> str | None:
+    """The first of this rank's tensors a checkpoint would save that is not finite (local): a
+    parameter or persistent buffer (a router's bias) by its logical name, the master weights or
+    AdamW state, a balancer's recorded loads; None when all are finite."""
+    for name, t in named_state(runtime):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    if not optimizer.finite():
+        return "the master weights or AdamW state"
+    if balancer is not None:
+        for key, t in _tensors(balancer.state_dict()):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return f"the balancer's {key}"
+    return None
+
+
+def _tensors(tree: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(tree, torch.Tensor):
+        return [(prefix, tree)]
+    if isinstance(tree, Mapping):
+        return [item for k, v in tree.items() for item in _tensors(v, f"{prefix}.{k}" if prefix else str(k))]
+    return []
+
+
 def balancer_state(balancer: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Per MoE layer: the placement in force (``log2phy`` trimmed to that layer's replica count, so
     every rank holding the layer writes the same tensor) and the recorded loads, oldest step first."""

@@ -22,6 +22,7 @@ CHECKOUT_ONLY = {
     "lplb": "its peer is scipy's HiGHS, which only the test extra installs",
     "plan_accuracy": "it plans examples/plan/deepseek_v3.yaml of the checkout",
     "mtp": "it trains examples/deepseek_v3.yaml of the checkout on tokens made with its examples/tokenizer",
+    "fp8": "it trains examples/deepseek_v3.yaml of the checkout on tokens made with its examples/tokenizer",
     "run_all": "it writes the checkout's benchmarks/results.json from every benchmark and the README's examples",
 }
 

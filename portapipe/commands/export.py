@@ -5,7 +5,8 @@ Reads the checkpoint's logical model state (``--ema``: its parameters the host E
 weights, ``train.ema_decay``) and its config
 (:func:`portapipe.checkpoint.load_model_state`) and writes OUT with config.json and
 safetensors (sharded with an index past ``--max-shard-size``), which transformers'
-``from_pretrained`` loads (model.arch deepseek_v3 or qwen3_moe). A damaged checkpoint passed over
+``from_pretrained`` loads (model.arch deepseek_v3 or qwen3_moe); with ``--fp8`` the Linear weights
+in DeepSeek-V3's published FP8 layout. A damaged checkpoint passed over
 in a run folder is named in one line on stderr. Prints one JSON line (the checkpoint and step
 exported among its keys). Exit 0
 on success, 2 for input that cannot be exported (said before anything is written).
@@ -52,13 +53,13 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"{ckpt}: {exc}")
     config = config_from_dict(raw)  # a ConfigError exits 2 through the CLI
     try:
-        out = export_hf(state, config.model, args.out, max_shard_bytes=args.max_shard_size)
+        out = export_hf(state, config.model, args.out, max_shard_bytes=args.max_shard_size, fp8=args.fp8)
     except ValueError as exc:
         return _fail(str(exc))
     files = sorted(p.name for p in out.iterdir())
     print(json.dumps({
         "format": args.format, "arch": config.model.arch, "checkpoint": str(entry.path), "step": entry.step,
-        "out": str(out), "tensors": len(state), "files": files, "ema": args.ema,
+        "out": str(out), "tensors": len(state), "files": files, "ema": args.ema, "fp8": args.fp8,
     }))
     return 0
 
@@ -75,4 +76,6 @@ def register(sub: Any) -> None:
     p.add_argument("--format", choices=["hf"], default="hf", help="output format [hf]")
     p.add_argument("--ema", action="store_true", help="the EMA of the weights (train.ema_decay) instead of the weights")
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE", help="largest safetensors file [5GB]")
+    p.add_argument("--fp8", action="store_true", help="the attention, FFN and expert weights in FP8 as DeepSeek-V3 publishes them: "
+                   "E4M3 with a float32 weight_scale_inv per 128x128 block, quantization_config in config.json")
     p.set_defaults(func=run)

@@ -47,8 +47,11 @@ def _run(args: argparse.Namespace) -> int:
         args.overrides = [*args.overrides, f"train.steps={args.steps}"]
     config = load_checked_config(args)
     if launching_rank() == 0:  # under torchrun / mpirun rank 0 speaks for the job
-        for note in user_notes(config):
-            print(f"portapipe: note: {note}", file=sys.stderr, flush=True)
+        from ..models.fp8_layers import fp8_note
+
+        for note in [*user_notes(config), fp8_note(config.model, config.train.fp8)]:
+            if note:
+                print(f"portapipe: note: {note}", file=sys.stderr, flush=True)
     try:
         summary = train(config)
     except LaunchError as err:
@@ -66,16 +69,21 @@ def _run(args: argparse.Namespace) -> int:
     if "diverged" in summary:
         d = summary["diverged"]
         if speaks:
-            what = d.get("reason") or (f"loss {d['loss']}, gradient norm {d['grad_norm']}; that step was not applied and no checkpoint "
-                                       "was written of it")
+            what = d.get("reason") or (f"loss {_figure(d['loss'])}, gradient norm {_figure(d['grad_norm'])}; that step was not "
+                                       "applied and no checkpoint was written of it")
+            hint = "lower train.lr" if config.train.grad_clip > 0 else "lower train.lr or turn train.grad_clip on (it is 0: off)"
             print(
-                f"portapipe: training stopped at step {d['step']}: {what} (last checkpoint: {summary['checkpoint'] or 'none'}); "
-                "lower train.lr or keep train.grad_clip on",
+                f"portapipe: training stopped at step {d['step']}: {what} (last checkpoint: {summary['checkpoint'] or 'none'}); {hint}",
                 file=sys.stderr,
                 flush=True,
             )
         return DIVERGED
     return 0
+
+
+def _figure(x: float | None) -> str:
+    """A diverged row's loss or gradient norm: the number, or null (JSON's for a value that is not finite)."""
+    return "not finite" if x is None else f"{x:g}"
 
 
 def register(sub: Any) -> None:

@@ -2,16 +2,17 @@
 
 Runs one step pipelined on pp x dp x ep ranks and the same step in one process, and prints
 one JSON line {schedule, pp, ep, dp, microbatches, loss_diff, max_rel_grad_diff, ok,
-precision, changed, loss_scale, tolerance}. ``--precision highest`` (the default): where the
+precision, changed, loss_scale, tolerance} (with ``--precision model``, float64 last). ``--precision highest`` (the default): where the
 backend declares float64 compute and communication both run in float64 and must agree exactly
 (loss bit for bit, gradients to 1e-12); elsewhere (Ascend) the pipelined step runs in float32 on
 the device against a float64 reference on the CPU, within the tolerance printed (derived from
 float32 rounding and the model's depth). The master weights and the gradients' reduction run in
 that dtype too; each dtype key changed for it is listed in ``changed`` and named on stderr.
 ``--precision model`` checks the config's own dtypes instead (bfloat16 / float16, the master
-dtype, the reduction's dtype, float16's loss scaling) against the float64 reference, within a
-tolerance derived the same way from each dtype's rounding, with routing forced by position on
-both sides. Exit 0 when ok, 1 when the numbers differ or a rank failed (its traceback on stderr),
+dtype, the reduction's dtype, float16's loss scaling) against the one-process step in the same
+dtypes and rounding points, within 4 times the noise floor it measures (the same step with its
+sums in the reverse order), routing forced by position on both sides; the distance from the
+float64 step is printed beside it (``float64``). Exit 0 when ok, 1 when the numbers differ or a rank failed (its traceback on stderr),
 2 for a config that cannot run (reported before any rank starts).
 """
 

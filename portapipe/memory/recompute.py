@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..models.expert_parallel import ExpertParallel, with_weights
-from ..scheduling.exchange import Pending, free_storage, issue
+from ..scheduling.exchange import Pending, Wire, encoded, free_storage
 from ..scheduling.overlap import Custom, Program, Tape
 from ..scheduling.wgrad import WeightGradQueue
 from .zero_memory import dispatch_rows
@@ -58,8 +58,8 @@ class _Forward(Tape):
         with torch.no_grad():
             return fn(*args)
 
-    def all_to_all(self, ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending:
-        return issue(ep, x, out_splits, in_splits)
+    def all_to_all(self, ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int], wire: Wire | None = None) -> Pending:
+        return encoded(ep, x, out_splits, in_splits, wire)[0]
 
 
 class _Replay(Tape):

@@ -21,7 +21,9 @@ instead of keeping it:
   shared expert.
 
 The recomputed tensors are made by the same operations on the same values, so gradients are
-identical to ``off``, bit for bit.
+identical to ``off``, bit for bit. Under ``train.fp8`` the received rows are FP8 values with their
+scales (:class:`~portapipe.fp8.dispatch.Fp8Rows`): both are dropped, and the re-dispatch sends the
+rows through the layer's ``refetch_wire`` (the same quantizer: the same bytes arrive again).
 
 The model calls this module at three points of an MoE layer (see
 :meth:`portapipe.models.moe.Layer.moe_program`): :meth:`ExpertRefetch.dropping` around the
@@ -39,9 +41,9 @@ from typing import Any
 
 import torch
 
+from ..fp8.quantize import Quantized
 from ..models.expert_parallel import DispatchPlan, ExpertParallel
-from ..scheduling.exchange import A2AStats, Pending, free_storage
-from ..scheduling.exchange import issue as issue_exchange
+from ..scheduling.exchange import A2AStats, Pending, Wire, encoded, free_storage
 from . import accounting
 
 
@@ -67,7 +69,7 @@ class ZeroMemory:
 
     def begin(self, layer: Any, tokens: torch.Tensor, send: torch.Tensor, plan: DispatchPlan) -> ExpertRefetch:
         """State for one micro-batch's pass through ``layer`` (after its attention part)."""
-        return ExpertRefetch(self, layer.moe.ep, tokens.detach(), send, plan, layer.top_k)
+        return ExpertRefetch(self, layer.moe.ep, tokens.detach(), send, plan, layer.top_k, layer.moe.refetch_wire)
 
 
 class _Dropped:
@@ -88,30 +90,36 @@ class ExpertRefetch:
     """One micro-batch of one zero-memory layer: drops the experts' inputs, fetches them back."""
 
     def __init__(
-        self, config: ZeroMemory, ep: ExpertParallel, tokens: torch.Tensor, send: torch.Tensor, plan: DispatchPlan, top_k: int
+        self, config: ZeroMemory, ep: ExpertParallel, tokens: torch.Tensor, send: torch.Tensor, plan: DispatchPlan, top_k: int,
+        wire: Wire | None = None,
     ) -> None:
-        self.config, self.ep, self.tokens, self.plan, self.top_k = config, ep, tokens, plan, top_k
+        self.config, self.ep, self.tokens, self.plan, self.top_k, self.wire = config, ep, tokens, plan, top_k, wire
         self._send: torch.Tensor | None = send
         self._remakes: dict[Any, Callable[[], torch.Tensor]] = {}
         self._pending: Pending | None = None
-        self._inputs: torch.Tensor | None = None
+        self._inputs: Any = None
 
     # ----------------------------------------------------------------- forward
     @contextlib.contextmanager
-    def dropping(self, inputs: torch.Tensor, local: bool = False) -> Iterator[None]:
+    def dropping(self, inputs: torch.Tensor | Quantized, local: bool = False) -> Iterator[None]:
         """Run the experts' MLP on ``inputs`` without keeping it.
 
-        ``inputs``: the received rows, or with ``local`` the rows this rank routed to itself
-        (remade by a gather from the tokens, no exchange). Tensors saved for
-        backward that share ``inputs``' storage (and, at level1, the activation's output) are
-        replaced by recipes; everything else is saved as usual (and counted by an active
-        :class:`~portapipe.memory.accounting.SavedActivations`).
+        ``inputs``: the received rows (under FP8 their values and scales), or with ``local`` the
+        rows this rank routed to itself (remade by a gather from the tokens, no exchange).
+        Tensors saved for backward that share ``inputs``' storage (and, at level1, the
+        activation's output) are replaced by recipes; everything else is saved as usual (and
+        counted by an active :class:`~portapipe.memory.accounting.SavedActivations`).
         """
-        self._watch(inputs, self.local_rows if local else self.expert_inputs)
+        if isinstance(inputs, Quantized):
+            self._watch(inputs.data, lambda: self.expert_inputs().data)
+            self._watch(inputs.scale, lambda: self.expert_inputs().scale)
+        else:
+            self._watch(inputs, self.local_rows if local else self.expert_inputs)
         with self.recipes():
             yield
         # Nothing reads these buffers again: index_select's backward needs only the index.
-        free_storage(inputs)
+        for t in (inputs.data, inputs.scale) if isinstance(inputs, Quantized) else (inputs,):
+            free_storage(t)
         if not local and self._send is not None:  # sent: the dispatch is over
             free_storage(self._send)
             self._send = None
@@ -164,14 +172,15 @@ class ExpertRefetch:
         if self._pending is None and self._inputs is None and self.ep.size > 1:
             plan = self.plan
             rows = dispatch_rows(self.tokens, plan, self.top_k, slice(None, plan.n_remote))
-            self._pending = issue_exchange(self.ep, rows, plan.remote_recv_splits, plan.remote_send_splits, stats=self.config.stats)
+            self._pending, _ = encoded(self.ep, rows, plan.remote_recv_splits, plan.remote_send_splits, self.wire, stats=self.config.stats)
 
-    def expert_inputs(self) -> torch.Tensor:
-        """The received rows again."""
+    def expert_inputs(self) -> Any:
+        """The received rows again (under FP8: their values and scales, :class:`~portapipe.fp8.quantize.Quantized`)."""
         if self._inputs is None:
             self.issue()
             assert self._pending is not None
-            self._inputs = self._pending.wait()
+            got = self._pending.wait()
+            self._inputs = got if self.wire is None else got.rows
             self._pending = None
         return self._inputs
 

@@ -100,11 +100,13 @@ def source(key: str) -> Source:
 
 def ignored(name: str, m: ModelConfig) -> bool:
     """Hugging Face tensors a portapipe model ``m`` does not hold: multi-token-prediction layers
-    past its own (``num_hidden_layers + model.mtp_layers``), stored RoPE frequencies (recomputed)
-    and the copies :func:`stored_copies` names (checked equal to their originals on load)."""
+    past its own (``num_hidden_layers + model.mtp_layers``), stored RoPE frequencies (recomputed),
+    FP8 weights' block scales (read with their weights) and the copies :func:`stored_copies`
+    names (checked equal to their originals on load)."""
     layer = re.match(r"model\.layers\.(\d+)\.", name)
     past = layer is not None and int(layer.group(1)) >= m.n_layers + m.mtp_layers
-    return past or name.endswith("rotary_emb.inv_freq") or name in stored_copies(m)
+    # an FP8 weight's scales are read with it (portapipe.models.hf_folder.Folder.read)
+    return past or name.endswith(("rotary_emb.inv_freq", SCALE_SUFFIX)) or name in stored_copies(m)
 
 
 def stored_copies(m: ModelConfig) -> dict[str, str]:
@@ -135,6 +137,36 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "qwen3_moe": {"rms_norm_eps": 1e-6, "norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 1},
 }  # fmt: skip
+
+
+#: a config.json's quantization_config of DeepSeek-V3's published FP8 weights (``*.weight`` in E4M3 with
+#: ``*.weight_scale_inv``, one float32 dequantization scale per 128x128 block, ceil-divided at the edges)
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_blocks(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """The quantization_config of ``hf`` when it is DeepSeek's FP8 one (activations are quantized
+    dynamically whatever the weights' file says), else None."""
+    q = hf.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    ok = q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") == "e4m3" and list(q.get("weight_block_size") or []) == [128, 128]
+    return q if ok else None
+
+
+def fp8_weight(key: str) -> bool:
+    """Whether the logical tensor ``key`` is one of the Linear weights the published FP8 layout
+    stores in E4M3: the attention projections, the dense FFN, the shared and the routed experts
+    (not the embedding, the head, the norms, the router, nor a prediction module's eh_proj)."""
+    m = _LAYER.fullmatch(key)
+    if m is None:
+        return False
+    rest = m.group(2)
+    if _EXPERT.fullmatch(rest) or rest in ("ffn.gate_up.weight", "ffn.down.weight", "moe.shared.gate_up.weight", "moe.shared.down.weight"):
+        return True
+    parts = rest.split(".")
+    return len(parts) == 3 and parts[0] == "attn" and parts[2] == "weight" and not parts[1].endswith("norm")
 
 
 def rope_of(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -169,8 +201,10 @@ def model_keys(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             bad.append(f"{key} = {g[key]!r} (portapipe supports {ok!r})")
     if g.get("attention_dropout") not in (None, 0, 0.0):
         bad.append(f"attention_dropout = {g['attention_dropout']!r} (portapipe trains without dropout; set 0.0 in config.json to train without it)")
-    if g.get("quantization_config"):
-        bad.append("quantization_config is set (quantized weights, e.g. fp8, must be converted to bf16 / float32 first)")
+    quant = g.get("quantization_config")
+    if quant and fp8_blocks(g) is None:
+        bad.append(f"quantization_config = {quant!r} (portapipe reads DeepSeek-V3's FP8 weights: quant_method fp8, fmt e4m3, "
+                   "weight_block_size [128, 128]; other quantized weights must be converted to bf16 / float32 first)")
     theta, scaling = rope_of(g)
     partial = g.get("partial_rotary_factor", (g.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):

@@ -22,12 +22,14 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..fp8.quantize import Quantized, dequantize_blocks
 from ..scheduling.stage import load_logical_state, logical_slices
-from .hf import source
+from .hf import SCALE_SUFFIX, source
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+#: an E4M3 weight is read with its ``*_scale_inv`` (DeepSeek-V3's published FP8 layout) and dequantized
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
 SAFETENSORS_DTYPE = {v: k for k, v in DTYPES.items()}
 
 
@@ -75,12 +77,34 @@ class Folder:
         return out
 
     def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The tensors; an E4M3 one dequantized exactly (in float64) by its 128x128 block scales."""
         out = {}
         for f, group in _by_file(self.files, names).items():
             handle = _open(f)
             for n in group:
                 out[n] = handle.get_tensor(n)
+        for n, t in out.items():
+            if t.dtype == torch.float8_e4m3fn:
+                out[n] = self._dequantized(n, t)
         return out
+
+    def fp8_problem(self, name: str, shape: tuple[int, ...]) -> str | None:
+        """What keeps the E4M3 tensor ``name`` of ``shape`` from being read (its scales), or None."""
+        scale = name + SCALE_SUFFIX
+        if scale not in self.files:
+            return f"{name} is stored as F8_E4M3 without its {scale} (one float32 scale per 128x128 block)"
+        want = tuple(-(-d // 128) for d in shape)
+        got, dtype = self.header([scale])[scale]
+        if got != want or dtype != "F32":
+            return f"{scale} is {dtype} {list(got)}; the E4M3 {name} {list(shape)} needs F32 {list(want)} (one per 128x128 block, ceil-divided)"
+        return None
+
+    def _dequantized(self, name: str, data: torch.Tensor) -> torch.Tensor:
+        problem = self.fp8_problem(name, tuple(data.shape))
+        if problem:
+            raise ValueError(f"model.init_from: {self.path}: {problem}")
+        scale = self.read([name + SCALE_SUFFIX])[name + SCALE_SUFFIX]
+        return dequantize_blocks(Quantized(data, scale), torch.float64)
 
 
 def safetensors_lib() -> Any:

@@ -22,7 +22,8 @@ import torch
 
 from ..config import ModelConfig
 from ..scheduling.stage import logical_slices
-from .hf import HF_ARCHS, config_problems, hf_config, ignored, source, stored_copies, written_copies
+from ..fp8.quantize import quantize_blocks
+from .hf import FP8_QUANTIZATION, HF_ARCHS, SCALE_SUFFIX, config_problems, fp8_weight, hf_config, ignored, source, stored_copies, written_copies
 from .hf_folder import DTYPES, INDEX, SINGLE, Folder, safetensors_lib
 
 
@@ -75,6 +76,8 @@ def init_problems(m: ModelConfig) -> list[str]:
             out.append(f"model.init_from: {n} has shape {list(shape)}, the model needs {list(want[n])}")
         if dtype not in DTYPES:
             out.append(f"model.init_from: {n} is stored as {dtype}; portapipe reads {', '.join(DTYPES)}")
+        elif dtype == "F8_E4M3" and (problem := folder.fp8_problem(n, shape)):
+            out.append(f"model.init_from: {folder.path}: {problem}")
     if not out:
         out += copy_problems(folder, m)
     return out[:20]
@@ -104,7 +107,9 @@ def source_config(m: ModelConfig) -> dict[str, Any] | None:
         return None
 
 
-def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
+def export_hf(
+    state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: str | Path, max_shard_bytes: int = 5 * 2**30, fp8: bool = False
+) -> Path:
     """Write the logical ``state`` of a ``config`` model as a Hugging Face folder at ``out_dir``.
 
     ``state`` holds every logical tensor (experts one by one, under ``expert_key`` names, the
@@ -113,6 +118,11 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
     numbered shards of at most ``max_shard_bytes`` with model.safetensors.index.json. The folder
     is written beside ``out_dir`` and renamed into place; ``out_dir`` must not exist or be empty.
     config.json keeps ``SOURCE_KEYS`` of the ``model.init_from`` folder when it is still there.
+    ``fp8``: DeepSeek-V3's published FP8 layout (what inference engines read): the attention, FFN
+    and expert Linear weights as E4M3 ``*.weight`` with float32 ``*.weight_scale_inv``, one per
+    128x128 block (ceil-divided at the edges), quantized by the recipe's quantizer (power-of-two
+    scales; a float64 weight from its float32 value), and config.json's ``quantization_config``;
+    weights that are E4M3 values times such scales come back bit for bit.
     """
     save_file = safetensors_lib().torch.save_file
     if config.arch not in HF_ARCHS:
@@ -129,7 +139,12 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
         raise ValueError("the state does not fit the model config: " + "; ".join(parts))
     tensors: dict[str, torch.Tensor] = {}
     for key in sorted(want):
-        tensors.update(source(key).split(state[key].detach().cpu()))
+        parts = source(key).split(state[key].detach().cpu())
+        if fp8 and fp8_weight(key):
+            for name, t in list(parts.items()):
+                q = quantize_blocks(t.float() if t.dtype == torch.float64 else t)
+                parts[name], parts[name + SCALE_SUFFIX] = q.data.contiguous(), q.scale.contiguous()
+        tensors.update(parts)
     for copy, original in written_copies(config).items():
         tensors[copy] = tensors[original].clone()
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -155,7 +170,10 @@ def export_hf(state: Mapping[str, torch.Tensor], config: ModelConfig, out_dir: s
                 weight_map.update({n: fname for n in shard})
                 total += sum(t.numel() * t.element_size() for t in shard.values())
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        (tmp / "config.json").write_text(json.dumps(hf_config(config, source_config(config)), indent=1))
+        hf = hf_config(config, source_config(config))
+        if fp8:
+            hf["quantization_config"] = dict(FP8_QUANTIZATION)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=1))
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)

@@ -47,6 +47,7 @@ from torch import nn
 
 from ..backends.base import Backend
 from ..config import ModelConfig
+from ..fp8.dispatch import Fp8Rows, split_received
 from ..scheduling.exchange import free_storage
 from ..scheduling.stage import expert_ids, is_expert, mark_expert, mark_shared, shared_blocks
 from ..setup import layer_range
@@ -115,6 +116,8 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(n_local, cfg.hidden, 2 * cfg.moe_hidden, dtype=dtype))
         self.down = nn.Parameter(torch.empty(n_local, cfg.moe_hidden, cfg.hidden, dtype=dtype))
         self.logical = list(range(first, first + n_local)) if logical is None else logical
+        #: the GEMMs in FP8 (set by portapipe.models.fp8_layers.enable_fp8)
+        self.fp8 = False
 
     @property
     def logical(self) -> list[int]:
@@ -127,14 +130,21 @@ class Experts(nn.Module):
             mark_expert(p, ids)  # sharded over EP, reduced over DP only
 
     def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: Sequence[int] = (), zm: Any = None
+        self, x: torch.Tensor, weights: torch.Tensor | Fp8Rows, offs: torch.Tensor, backend: Backend, tiles: Sequence[int] = (), zm: Any = None
     ) -> torch.Tensor:
         """Rows ``x`` grouped by ``offs`` into tiles (``tiles``: rows per tile) of local-expert
-        groups (tile-major), each output row scaled by its router weight ``weights[row]``."""
-        gu = grouped_linear(x, self.gate_up, offs, backend, tiles)
+        groups (tile-major), each output row scaled by its router weight ``weights[row]``.
+        ``weights`` may be the rows of an FP8 dispatch (:class:`~portapipe.fp8.dispatch.Fp8Rows`,
+        ``x`` their stand-in): the up projection takes their FP8 values as they arrived."""
+        rows = None
+        if isinstance(weights, Fp8Rows):
+            rows = weights.rows
+            x, weights = split_received(x, weights)
+        # the recipe (portapipe.fp8): every row's input and output gradient as FP8 values, as they travel
+        gu = grouped_linear(x, self.gate_up, offs, backend, tiles, self.fp8, rows, fp8_input=True)
         # zm: zero-memory (portapipe.memory.zero_memory) may recompute the activation in backward.
         act = swiglu(gu, self.width, weights) if zm is None else zm.activation(swiglu, gu, self.width, weights)
-        return grouped_linear(act.contiguous(), self.down, offs, backend, tiles)
+        return grouped_linear(act.contiguous(), self.down, offs, backend, tiles, self.fp8, fp8_grad=True)
 
 
 class MoE(nn.Module):
@@ -144,6 +154,11 @@ class MoE(nn.Module):
         self.index = index
         self.n_experts = cfg.n_experts
         self.router = ARCHITECTURES[cfg.arch].router(cfg, dtype)
+        #: how the dispatch and the combine travel (:class:`~portapipe.scheduling.exchange.Wire`; None:
+        #: as they are; FP8 under train.fp8, set by portapipe.models.fp8_layers.enable_fp8)
+        self.dispatch_wire: Any = None
+        self.combine_wire: Any = None
+        self.refetch_wire: Any = None  # zero-memory's re-dispatch of the rows alone
         self.shared = DenseFFN(cfg.hidden, cfg.moe_hidden * cfg.n_shared, dtype) if cfg.n_shared > 0 else None
         if ep.balancer is None:
             first, _ = ep.expert_range(cfg.n_experts)
@@ -227,10 +242,11 @@ class Layer(nn.Module):
         return out
 
     def experts_part(
-        self, rows: torch.Tensor, weights: torch.Tensor | None, plan: DispatchPlan, zm: Any = None, local: bool = False
+        self, rows: torch.Tensor, weights: torch.Tensor | Fp8Rows | None, plan: DispatchPlan, zm: Any = None, local: bool = False
     ) -> torch.Tensor:
         """Rows through the grouped expert MLP, each scaled by its router weight (``weights``,
-        or None: the rows' last column, as a dispatch delivers them).
+        or None: the rows' last column, as a dispatch delivers them; or an FP8 dispatch's rows,
+        ``rows`` their stand-in).
 
         ``local``: the rows this rank routed to itself (one group per local expert), else the
         received ones (grouped by source rank, then expert). Each (source, expert) block is a
@@ -244,7 +260,7 @@ class Layer(nn.Module):
             rows, weights = split_weights(received)
             free_storage(received)  # copied out; the split's backward needs only the sizes
         offs, tiles = (plan.local_offs, ()) if local else (plan.remote_offs, plan.remote_tile_rows)
-        keep = contextlib.nullcontext() if zm is None else zm.dropping(rows, local)
+        keep = contextlib.nullcontext() if zm is None else zm.dropping(weights.rows if isinstance(weights, Fp8Rows) else rows, local)
         with keep:
             return moe.clock.run(moe.experts, rows, weights, offs, moe.ep.backend, tiles, zm)
 
@@ -302,7 +318,7 @@ class Layer(nn.Module):
         if zm is not None:  # zero-memory's re-dispatch needs no gradient: the backward may start it early
             tape.ahead(zm.issue)
         # the rows with their router weights (one exchange; its reverse brings both gradients)
-        dispatch = tape.all_to_all(moe.ep, send, plan.remote_recv_splits, plan.remote_send_splits)
+        dispatch = tape.all_to_all(moe.ep, send, plan.remote_recv_splits, plan.remote_send_splits, moe.dispatch_wire)
         yield dispatch
         # The shared expert and the rows this rank routed to itself need nothing from other
         # ranks: the shared expert computes while the rows travel, the local rows' experts
@@ -310,8 +326,9 @@ class Layer(nn.Module):
         # micro-batch's parts run at each yield first). Their backwards hide the combine's
         # reverse exchange.
         shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
-        out = tape.part(self.experts_part, dispatch.wait(), None, plan, zm)
-        combine = tape.all_to_all(moe.ep, out, plan.remote_send_splits, plan.remote_recv_splits)
+        got = dispatch.wait()
+        out = tape.part(self.experts_part, *((got.standin, got) if isinstance(got, Fp8Rows) else (got, None)), plan, zm)
+        combine = tape.all_to_all(moe.ep, out, plan.remote_send_splits, plan.remote_recv_splits, moe.combine_wire)
         yield combine
         mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)
         return tape.part(last, h, shared, combine.wait(), mine, plan)
@@ -384,13 +401,15 @@ class Block(nn.Module):
     tied head the last block's logits use its embedding's weight; no head weight of its own exists.
     """
 
-    def __init__(self, cfg: ModelConfig, block: int, n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, block: int, n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None, split: Any = None
+    ) -> None:
         super().__init__()
         self.objective = Objective() if objective is None else objective
         dtype = DTYPES[cfg.dtype]
         self.block, self.n_blocks = block, n_blocks
         self.is_last = block == n_blocks - 1
-        self.first, self.last = layer_range(cfg.n_layers, n_blocks, block)
+        self.first, self.last = layer_range(cfg.n_layers, n_blocks, block, split)  # split: parallel.layers_per_stage
         shares_embed = uses_embedding_last(cfg)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden, dtype=dtype) if block == 0 or (self.is_last and shares_embed) else None
         if self.embed is not None and shares_embed and n_blocks > 1:
@@ -527,11 +546,12 @@ def init_parameters(block: Block, cfg: ModelConfig, seed: int) -> None:
 
 
 def build_blocks(
-    cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None
+    cfg: ModelConfig, blocks: list[int], n_blocks: int, ep: ExpertParallel, seed: int, objective: Objective | None = None, split: Any = None
 ) -> dict[int, Block]:
     """This rank's model blocks, seeded; with ``model.init_from``, holding that folder's weights.
-    ``objective``: the weights of the objective's extra terms (none by default)."""
-    built = {b: Block(cfg, b, n_blocks, ep, seed, objective) for b in blocks}
+    ``objective``: the weights of the objective's extra terms (none by default); ``split``: the
+    layers of each block (``parallel.layers_per_stage``, :func:`~portapipe.setup.stage_layers`)."""
+    built = {b: Block(cfg, b, n_blocks, ep, seed, objective, split) for b in blocks}
     if cfg.init_from is not None and built and not next(built[blocks[0]].parameters()).is_meta:
         from .hf_folder import load_hf_weights
 

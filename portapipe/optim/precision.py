@@ -94,7 +94,8 @@ def _master_holds(master: str, model: str) -> bool:
 
 def precision_problems(config: Any) -> list[str]:
     """Config lines that cannot train: a master dtype less precise than the compute dtype or one
-    that cannot hold AdamW's state (float16), an EPLB or LPLB migration under a sharded optimizer
+    that cannot hold AdamW's state (float16), FP8 without bfloat16 compute and float32 master
+    weights, an EPLB or LPLB migration under a sharded optimizer
     (it moves whole expert rows of optimizer state, which zero_stage 1 / 2 splits over the
     data-parallel replicas)."""
     m, t, b = config.model, config.train, config.balancer
@@ -115,6 +116,12 @@ def precision_problems(config: Any) -> list[str]:
         out.append(
             f"train.moments_dtype: float16 cannot hold AdamW's squared gradients (below {FLOAT16_TINY:.1e} they round to zero, "
             f"as does eps {EPS:g}, and the update divides by zero); use auto, bfloat16 (the range of float32), float32 or float64"
+        )
+    if t.fp8 != "off" and (m.dtype != "bfloat16" or master != "float32"):
+        key, value = ("model.dtype", m.dtype) if m.dtype != "bfloat16" else ("train.master_dtype", t.master_dtype)
+        out.append(
+            f"{key}: {value}; train.fp8: {t.fp8} trains in bfloat16 against float32 master weights (DeepSeek-V3's recipe): "
+            "set model.dtype: bfloat16 and train.master_dtype: auto (or float32), or train.fp8: off"
         )
     if t.zero_stage > 0 and b.kind in ("eplb", "lplb") and b.interval <= t.steps:
         out.append(

@@ -28,9 +28,11 @@ as the wall time of the least disturbed repetition.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,26 +47,49 @@ from .measure_comm import communication
 from .measure_crowding import busy, crowding_ratio
 from .measure_lag import exchange_lag
 from .measure_parts import MEMORY, saved_bytes, time_parts
-from .profile import FORMAT, Linear, Profile
+from .profile import FORMAT, Linear, Profile, ProfileError
 from .shape import Shape
 
 
-def _optimizer(dtype: torch.dtype, reps: int) -> tuple[Linear, float]:
-    """AdamW's update: per parameter element (one large tensor at two sizes), and what each
-    further tensor adds (the same elements in many tensors: the update runs tensor by tensor)."""
+def _adamw_step(dtype: torch.dtype, sizes: list[int]) -> Callable[[], None]:
+    """One AdamW update over tensors of ``sizes`` elements (warmed up once)."""
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()
+    return opt.step
 
-    def step_time(sizes: list[int]) -> float:
-        params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        opt.step()
-        return cpu_time(opt.step, reps)
 
-    one, many = 1 << 18, 64
-    pts = [(n, step_time([n])) for n in (one, 1 << 20)]
-    per_tensor = max(0.0, (step_time([one // many] * many) - pts[0][1]) / (many - 1))
-    return Linear.fit(pts), per_tensor
+def _least_in_turns(fns: list[Callable[[], None]], rounds: int) -> list[float]:
+    """Each of ``fns``' least processor time over ``rounds`` rounds that take them in turn: a busy
+    machine (other processes thrashing the caches and memory bandwidth) only ever adds time, and
+    taking them in turn keeps a drift of the machine's speed out of their differences."""
+    least = [math.inf] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            least[i] = min(least[i], cpu_time(fn, 1))
+    return least
+
+
+def _optimizer(dtype: torch.dtype, reps: int, many: int = 256, elements: int = 64) -> tuple[Linear, float]:
+    """AdamW's update per parameter element (one tensor at two sizes) and what each further tensor
+    adds: ``many`` tensors of ``elements`` each against one tensor of the same elements. At 64
+    elements a tensor the element work is a few percent of the per-tensor work, so the difference
+    is the per-tensor cost many times over, far above a busy machine's noise (the same elements in
+    64 large tensors gave a difference of a tenth of the step, which noise took to zero one
+    profile in three). Neither may come out zero: both are work that takes time."""
+    small, large = 1 << 18, 1 << 20
+    sizes = ([small], [large], [elements] * many, [elements * many])
+    t_small, t_large, t_split, t_whole = _least_in_turns([_adamw_step(dtype, n) for n in sizes], max(reps, 5))
+    per_element, per_tensor = Linear.fit([(small, t_small), (large, t_large)]), (t_split - t_whole) / (many - 1)
+    if not (per_element.per_unit > 0 and per_tensor > 0):
+        raise ProfileError(
+            f"profile: AdamW took {t_small:.3g} s / {t_large:.3g} s over {small} / {large} elements and {t_split:.3g} s over "
+            f"{many} tensors against {t_whole:.3g} s over one of the same elements: this thread's processor clock cannot "
+            "resolve its costs on this machine; profile again"
+        )
+    return per_element, per_tensor
 
 
 # ------------------------------------------------------------------------------ rank body

@@ -112,7 +112,8 @@ def static_memory(setup: Any, schedule: Schedule, rank: int) -> RankMemory:
     master, moments = _optimizer_bytes(model.dtype if model is not None else "float32", train, getattr(setup, "moments_dtype", None))
     ema = train is not None and getattr(train, "ema_decay", None) is not None
     return _static(s, tuple(schedule.blocks_of(rank)), schedule.n_blocks, s.n_experts // setup.ep + redundant,
-                   s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep, moments, ema)
+                   s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep,
+                   getattr(setup, "layers_per_stage", None), moments, ema)
 
 
 def _optimizer_bytes(model_dtype: str, train: Any, moments: str | None = None) -> tuple[int, int]:
@@ -129,7 +130,7 @@ def _optimizer_bytes(model_dtype: str, train: Any, moments: str | None = None) -
 
 @functools.lru_cache(maxsize=8192)
 def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, slots: int, em: int = 4, zero: int = 0,
-            dp: int = 1, ep: int = 1, emo: int | None = None, ema: bool = False) -> RankMemory:
+            dp: int = 1, ep: int = 1, split: Any = None, emo: int | None = None, ema: bool = False) -> RankMemory:
     """Gradients accumulate in the master dtype (``em`` bytes), AdamW's moments take ``emo`` bytes
     each (default ``em``); zero_stage 1 shards the master weights and the moments, 2 the gradients
     too, over dp x ep (shared) or dp (experts). The parameters are the master weights when the
@@ -139,10 +140,10 @@ def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, 
     mem = RankMemory()
     elements = experts = 0
     for b in blocks:
-        c = _block_params(s, b, n_blocks, local_slots)
+        c = _block_params(s, b, n_blocks, local_slots, split)
         elements += c.elements
         experts += c.expert_elements
-        first, last = layer_range(s.n_layers, n_blocks, b)
+        first, last = layer_range(s.n_layers, n_blocks, b, split)
         mtp = mtp_layer_indices(s) if b == n_blocks - 1 else range(0)
         mem.buffers += sum(layer_buffer_bytes(s, i, slots) for i in [*range(first, last), *mtp])
     if n_blocks > 1 and 0 in blocks and n_blocks - 1 in blocks and (s.tie_word_embeddings or s.mtp_layers):

@@ -31,7 +31,7 @@ from .memory_model import MemoryModel, MemoryReport, static_memory
 from .profile import Profile
 from .programs import Programs, StageSpec, stage_specs
 from ..rules import broken
-from ..setup import Setup
+from ..setup import Setup, split_problem, stage_layers
 from .time_model import TimeModel, TimeReport, early_bs
 
 PLANNED = ("layout", "schedule", "memory", "balancer")  # rule scopes a candidate can break
@@ -134,16 +134,31 @@ def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
                 for v in chunks if name == "interleaved" else (2,):  # the default: other schedules refuse another value
                     for mb in microbatch_counts(share, _least_microbatches(name, pp), user.microbatches):
                         for opt in options:
-                            x = user.replace(
+                            even = user.replace(
                                 pp=pp, ep=ep, dp=dp, world_size=None, schedule=name, chunks=v, microbatches=mb,
                                 micro_batch_size=share // mb, zero_memory=opt.get("zero_memory", "off"),
                                 zero_memory_layers=None, recompute=opt.get("recompute", "none"),
-                                recompute_layers=opt.get("recompute_layers"), pair_forwards=False,
+                                recompute_layers=opt.get("recompute_layers"), pair_forwards=False, layers_per_stage=None,
                             )
-                            yield x
-                            paired = x.replace(pair_forwards=True)
-                            if paired.paired_blocks:  # F&F pairs change something: both are candidates
-                                yield paired
+                            for x in (even, *lighter_last(even)):
+                                yield x
+                                paired = x.replace(pair_forwards=True)
+                                if paired.paired_blocks:  # F&F pairs change something: both are candidates
+                                    yield paired
+
+
+def lighter_last(x: Setup) -> list[Setup]:
+    """``x`` with its last model block lighter by the multi-token prediction modules it holds
+    (each an MoE layer and a head): ``parallel.layers_per_stage: {last: n}`` with n the even
+    split's smallest block less the modules, the other blocks near-equal; none without modules
+    or where that does not split."""
+    m = x.model
+    if not m.mtp_layers or m.n_layers < x.n_blocks:
+        return []
+    split = (("last", max(0, m.n_layers // x.n_blocks - m.mtp_layers)),)
+    if split_problem(m.n_layers, x.n_blocks, split) or stage_layers(m.n_layers, x.n_blocks, split) == stage_layers(m.n_layers, x.n_blocks):
+        return []
+    return [x.replace(layers_per_stage=split)]
 
 
 class _Context:
@@ -165,7 +180,7 @@ class _Context:
 
     def specs(self, x: Setup, sched: Schedule) -> list[StageSpec]:
         """Each virtual stage's layers and memory options (placement and option decide them)."""
-        key = (x.schedule, x.pp, x.chunks, x.zero_memory, x.zero_memory_layers, x.recompute, x.recompute_layers)
+        key = (x.schedule, x.pp, x.chunks, x.zero_memory, x.zero_memory_layers, x.recompute, x.recompute_layers, x.layers_per_stage)
         if key not in self._specs:
             self._specs[key] = stage_specs(x, sched)
         return self._specs[key]
@@ -207,7 +222,7 @@ class _Context:
         return self._programs[key]
 
     def time_model(self, x: Setup, sched: Schedule, lists: list[list[Any]]) -> TimeModel:
-        key = (x.micro_batch_size, x.ep, x.overlap)
+        key = (x.micro_batch_size, x.ep, x.overlap, x.layers_per_stage)  # an action's time depends on its block's layers
         cache = self._times.setdefault(key, {})
         if id(sched) not in self._early:  # (the schedules are kept: their ids stay theirs)
             self._early[id(sched)] = early_bs(sched)

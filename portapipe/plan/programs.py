@@ -379,7 +379,7 @@ def stage_specs(setup: Any, schedule: Any) -> list[StageSpec]:
     for v in range(schedule.n_stages):
         b = schedule.stage_block[v]
         if b not in specs:
-            first, last = layer_range(m.n_layers, n_blocks, b)
+            first, last = layer_range(m.n_layers, n_blocks, b, getattr(setup, "layers_per_stage", None))
             # the last block's multi-token prediction modules after its layers (memory options as
             # portapipe.memory.policy.configure gives them: counted after the block's layers)
             layers = tuple(range(first, last)) + (tuple(range(m.n_layers, m.n_layers + m.mtp_layers)) if b == n_blocks - 1 else ())

@@ -411,12 +411,12 @@ def _block_count(setup: Any, s: Shape, block: int, n_blocks: int) -> Any:
     """Parameters of model block ``block`` of ``n_blocks`` on one EP rank of ``setup``."""
     bal = getattr(setup, "balancer", None)
     redundant = bal.redundant if bal is not None and bal.kind != "none" else 0
-    return _block_params(s, block, n_blocks, s.n_experts // setup.ep + redundant)
+    return _block_params(s, block, n_blocks, s.n_experts // setup.ep + redundant, getattr(setup, "layers_per_stage", None))
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_params(s: Shape, block: int, n_blocks: int, local_slots: int) -> Any:
+def _block_params(s: Shape, block: int, n_blocks: int, local_slots: int, split: Any = None) -> Any:
     from ..setup import layer_range
 
-    first, last = layer_range(s.n_layers, n_blocks, block)
+    first, last = layer_range(s.n_layers, n_blocks, block, split)
     return block_params(s, range(first, last), block == 0, block == n_blocks - 1, local_slots)

@@ -12,6 +12,11 @@ rows, and the :class:`A2AStats` the executor reports. Three ways to run an excha
 - :class:`AllToAll`: an autograd function (forward and backward each one blocking exchange,
   the backward with the splits swapped) for code that runs one plain autograd graph.
 
+A :class:`Wire` changes how rows travel without changing what the stages compute with: each
+direction may send an encoding of its rows (FP8 rows with their scales, :mod:`portapipe.fp8.dispatch`)
+and decode what arrives; a forward whose rows travel encoded gives autograd a stand-in of the
+rows' shape and dtype (:func:`standin`) through which their gradient comes back.
+
 Each asynchronous exchange's total time (issue to completion, taken from the work's future)
 and the time the caller spent blocked in ``wait`` are added to a :class:`A2AStats`. Taking the
 completion time costs something on every exchange (a callback on the communication thread,
@@ -22,9 +27,9 @@ stats are ``timed``; untimed, only the blocked time is added, and the total is n
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -37,16 +42,18 @@ class A2AStats:
 
     ``timed`` False: exchanges issued meanwhile add only their blocked time (``wait_s``) and
     ``count``; their completion is not taken, so ``total_s`` and ``hidden_frac`` say nothing.
+    ``sent_bytes``: what this rank sent to the others (an FP8 dispatch's encoded rows as they travel).
     """
 
     total_s: float = 0.0
     wait_s: float = 0.0
     count: int = 0
     timed: bool = True
+    sent_bytes: int = 0
 
     def reset(self) -> None:
         self.total_s = self.wait_s = 0.0
-        self.count = 0
+        self.count = self.sent_bytes = 0
 
     @property
     def hidden_frac(self) -> float:
@@ -74,11 +81,39 @@ class ExchangeGroup:
         return self._comm_stream
 
 
-class Pending:
-    """An exchange in flight; ``wait()`` returns the received rows (timing the block)."""
+class Wire(Protocol):
+    """How an exchange's rows travel when not as they are. ``forward`` / ``backward``: whether
+    that direction's rows are encoded; ``encode`` / ``decode`` the forward's (``decode`` gets the
+    stand-in that autograd routes the rows' gradient through, :func:`standin`, and returns what
+    the receiver computes with), ``encode_grad`` / ``decode_grad`` the backward's (a gradient
+    decoded back to a tensor of ``like``'s dtype and the received rows' count)."""
 
-    def __init__(self, output: torch.Tensor, work: Any, stats: A2AStats | None) -> None:
+    forward: bool
+    backward: bool
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, received: torch.Tensor, standin: torch.Tensor) -> Any: ...
+
+    def encode_grad(self, g: torch.Tensor) -> torch.Tensor: ...
+
+    def decode_grad(self, received: torch.Tensor, like: torch.Tensor) -> torch.Tensor: ...
+
+
+def standin(rows: int, like: torch.Tensor) -> torch.Tensor:
+    """``rows`` rows shaped and typed like ``like``'s that hold no data (a zero broadcast): what
+    autograd sees of rows that travelled encoded, and routes their gradient through."""
+    return like.new_zeros(()).expand(rows, *like.shape[1:])
+
+
+class Pending:
+    """An exchange in flight; ``wait()`` returns the received rows (timing the block), or with
+    ``decode``, ``decode(rows)`` (made once)."""
+
+    def __init__(self, output: torch.Tensor, work: Any, stats: A2AStats | None, decode: Callable[[torch.Tensor], Any] | None = None) -> None:
         self.output = output
+        self._decode = decode
+        self._decoded: Any = None
         self._work = work
         self._stats = stats
         self._issued = time.perf_counter()
@@ -102,7 +137,14 @@ class Pending:
         completed = getattr(self._work, "is_completed", None)  # a backend's work may not tell
         return bool(completed()) if completed is not None else False
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> Any:
+        if self._decode is not None:
+            if self._decoded is None:
+                self._decoded = self._decode(self._rows())
+            return self._decoded
+        return self._rows()
+
+    def _rows(self) -> torch.Tensor:
         if not self._waited:
             t0 = time.perf_counter()
             self._work.wait()
@@ -132,8 +174,10 @@ def exchange(
     in_splits: Sequence[int],
     async_op: bool = True,
     stats: A2AStats | None = None,
+    decode: Callable[[torch.Tensor], Any] | None = None,
 ) -> Pending:
-    """Send ``in_splits[j]`` rows of ``x`` to rank j of ``group``; receive ``out_splits[j]`` rows from each.
+    """Send ``in_splits[j]`` rows of ``x`` to rank j of ``group``; receive ``out_splits[j]`` rows from each
+    (``wait()`` gives ``decode(rows)`` with ``decode``).
 
     An asynchronous exchange's time goes to ``stats`` (default: the group's).
     """
@@ -141,35 +185,70 @@ def exchange(
     out = x.new_empty((int(sum(out_splits)),) + tuple(x.shape[1:]))
     if group.size == 1:
         out.copy_(x)
-        return Pending(out, None, None)
+        return Pending(out, None, None, decode)
+    rows = int(sum(in_splits)) - int(in_splits[group.rank])  # this rank's own rows never leave it
+    (group.stats if stats is None else stats).sent_bytes += rows * (x[:1].numel() * x.element_size())
     work = group.backend.expert_all_to_all(out, x, list(out_splits), list(in_splits), group=group.group, async_op=async_op)
     if not async_op:
-        return Pending(out, None, None)
-    return Pending(out, work, group.stats if stats is None else stats)
+        return Pending(out, None, None, decode)
+    return Pending(out, work, group.stats if stats is None else stats, decode)
 
 
 def issue(
-    group: ExchangeGroup, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], stats: A2AStats | None = None
+    group: ExchangeGroup, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], stats: A2AStats | None = None,
+    decode: Callable[[torch.Tensor], Any] | None = None,
 ) -> Pending:
     """Start an asynchronous :func:`exchange` on the communication stream (after the compute
     stream's work so far, so it sends what was computed)."""
     backend = group.backend
     if not backend.capabilities.streams:  # declared no-op streams: nothing to order
-        return exchange(group, x, out_splits, in_splits, async_op=True, stats=stats)
+        return exchange(group, x, out_splits, in_splits, async_op=True, stats=stats, decode=decode)
     comm = group.comm_stream()
     comm.wait_stream(backend.compute_stream())
     with backend.stream(comm):
-        return exchange(group, x, out_splits, in_splits, async_op=True, stats=stats)
+        return exchange(group, x, out_splits, in_splits, async_op=True, stats=stats, decode=decode)
+
+
+def encoded(group: ExchangeGroup, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], wire: Wire | None,
+            stats: A2AStats | None = None) -> tuple[Pending, torch.Tensor | None]:
+    """:func:`issue` of ``x``'s forward rows through ``wire`` (None, or a wire that leaves the
+    forward as it is: plain). Returns the exchange and, when the rows travel encoded, the stand-in
+    that autograd routes their gradient through (what ``wait()``'s decoded rows hold)."""
+    if wire is None or not wire.forward:
+        return issue(group, x, out_splits, in_splits, stats), None
+    rows = standin(int(sum(out_splits)), x)
+    return issue(group, wire.encode(x.detach()), out_splits, in_splits, stats, lambda got: wire.decode(got, rows)), rows
+
+
+def encoded_grad(group: ExchangeGroup, g: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], wire: Wire | None,
+                 like: torch.Tensor) -> Pending:
+    """:func:`issue` of a backward's gradient ``g`` through ``wire``; ``wait()`` gives a tensor of
+    ``like``'s dtype (the rows the forward sent) either way."""
+    if wire is None or not wire.backward:
+        return issue(group, g, out_splits, in_splits)
+    return issue(group, wire.encode_grad(g.detach()), out_splits, in_splits, decode=lambda got: wire.decode_grad(got, like))
 
 
 class AllToAll(torch.autograd.Function):
-    """Blocking, differentiable exchange: the backward sends gradients back along the same rows."""
+    """Blocking, differentiable exchange: the backward sends gradients back along the same rows.
+
+    With a ``wire`` the rows (and the gradients) travel as it encodes them; the forward then
+    returns (the stand-in autograd routes the gradient through, what the receiver computes with)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ExchangeGroup, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
-        return exchange(group, x, out_splits, in_splits, async_op=False).wait()
+    def forward(ctx: Any, x: torch.Tensor, group: ExchangeGroup, out_splits: list[int], in_splits: list[int], wire: Wire | None = None) -> Any:
+        ctx.group, ctx.out_splits, ctx.in_splits, ctx.wire, ctx.like = group, out_splits, in_splits, wire, x.detach()
+        if wire is None or not wire.forward:
+            return exchange(group, x, out_splits, in_splits, async_op=False).wait()
+        rows = standin(int(sum(out_splits)), x)
+        return rows, exchange(group, wire.encode(x.detach()), out_splits, in_splits, async_op=False, decode=lambda got: wire.decode(got, rows)).wait()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return exchange(ctx.group, grad, ctx.in_splits, ctx.out_splits, async_op=False).wait(), None, None, None
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        wire = ctx.wire
+        if wire is None or not wire.backward:
+            back = exchange(ctx.group, grad, ctx.in_splits, ctx.out_splits, async_op=False).wait()
+        else:
+            back = exchange(ctx.group, wire.encode_grad(grad), ctx.in_splits, ctx.out_splits, async_op=False,
+                            decode=lambda got: wire.decode_grad(got, ctx.like)).wait()
+        return back, None, None, None, None

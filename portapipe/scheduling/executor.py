@@ -11,6 +11,9 @@ parallel groups; :meth:`~PipelineExecutor.step` runs one training step's actions
   (its gradient comes back alike), so a receive is posted before its sender has computed.
   gloo tags are unique per (direction, sending stage, micro-batch), so messages can never
   pair up wrongly.
+- :meth:`~PipelineExecutor.evaluate` runs the forwards alone (:func:`.schedules.forward_only`:
+  each rank's forwards in the schedule's order), as plain calls without gradients: a validation
+  loss costs no backward and keeps no activations.
 - ``F`` runs the stage's forward program on a :class:`~portapipe.scheduling.overlap.Tape`;
   ``B`` its part-wise backward with weight gradients queued (:mod:`.wgrad`) for the matching
   ``W``; ``BW`` the backward with weight gradients at once; ``FB`` the two programs (an F&B
@@ -51,7 +54,9 @@ from torch import nn
 from ..backends.base import Backend, ParallelGroups
 from .exchange import A2AStats
 from .ir import Action, Kind, Schedule
+from .comms import lower_comms
 from .runnable import build_schedule, check_stages, make_schedule, placed
+from .schedules import forward_only
 from .stage import Boundary, Stage, shared_blocks
 from .step_run import StepRun
 from .wgrad import early_weight_grads
@@ -72,7 +77,8 @@ class StepResult:
     pairs (the steady phase), ``edge_a2a_*`` for the rest: lone F, B and BW actions (warm-up,
     cool-down, and every action of 1F1B and ZB1P) and F&F pairs (``schedule.pair_forwards``);
     ``counts_a2a_*`` the same for the small exchanges of row counts that precede the rows'
-    (a router's, given as the executor's ``counts_stats``; zeros and None without them); on a
+    (a router's, given as the executor's ``counts_stats``; zeros and None without them);
+    ``a2a_bytes`` the bytes this rank's expert exchanges sent to the other ranks; on a
     step run with the executor's ``time_exchanges`` off the totals and hidden shares are None (only the waits were taken);
     ``peak_activations`` the most micro-batches whose activations were held at once. The
     expert fields come from the model's ``end_step`` hook (None / empty without one):
@@ -192,6 +198,14 @@ class PipelineExecutor:
         self._copy_calls: dict[int, int] = {}
         self.grads_final = last_backward(self.actions, s.stage_block)
         self.early_weight_grads = early_weight_grads(self.actions, s.stage_block)
+        self._eval_actions: list[Action] | None = None
+
+    @property
+    def eval_actions(self) -> list[Action]:
+        """This rank's forwards alone, with their sends and receives (made on first use)."""
+        if self._eval_actions is None:
+            self._eval_actions = lower_comms(forward_only(self.schedule)).actions[self.groups.pp_rank]
+        return self._eval_actions
 
     # ------------------------------------------------------------- parameters
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -237,6 +251,22 @@ class PipelineExecutor:
             "grad_sync_s": self.grad_sync.sync_s,
         }
         return StepResult(loss=mean_loss(losses), tokens=tokens, timings=timings, losses=losses, loss_terms=terms, **extra)
+
+    @torch.no_grad()
+    def evaluate(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """The step's forwards alone: each (replica, micro-batch) loss and the loss terms, as
+        :meth:`step` reports them, with no backward, no gradient and no end-of-step work (what
+        a forward leaves in the stages, such as a router's counts, stays: see the composer's
+        ``unchanged``). ``timings`` holds ``step_s`` only."""
+        s = self.schedule
+        if len(microbatches) != s.n_microbatches:
+            raise ValueError(f"evaluate() got {len(microbatches)} micro-batches; schedule {s.name} runs {s.n_microbatches}")
+        run_ = StepRun(self, microbatches, forward_only=True)
+        t0 = time.perf_counter()
+        run_.execute()
+        losses, terms = self._gather_losses(run_.losses, run_.terms)
+        tokens = sum(int(t.numel()) for _, t in microbatches) * len(losses)
+        return StepResult(loss=mean_loss(losses), tokens=tokens, timings={"step_s": time.perf_counter() - t0}, losses=losses, loss_terms=terms)
 
     # ------------------------------------------------------------ copies
     def copy_holders(self, block: int, param: torch.Tensor | None = None) -> tuple[tuple[int, int], ...]:
@@ -368,6 +398,7 @@ def a2a_timings(step: A2AStats, fb: A2AStats, counts: A2AStats) -> dict[str, flo
         out[f"{prefix}a2a_total_s"] = st.total_s if step.timed else None
         out[f"{prefix}a2a_wait_s"] = st.wait_s
         out[f"{prefix}a2a_hidden_frac"] = st.hidden_frac if step.timed else None
+    out["a2a_bytes"] = float(step.sent_bytes)
     return out
 
 

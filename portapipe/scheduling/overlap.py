@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from .drive import Done, Program, discard_second, interleaved, run, run_pair  # run, run_pair, Program: re-exported
-from .exchange import AllToAll, ExchangeGroup, Pending, issue
+from .exchange import AllToAll, ExchangeGroup, Pending, Wire, encoded, encoded_grad
 from .observe import NO_NOTE, OBSERVER, PartNote, observing  # observing: re-exported
 from .wgrad import WeightGradQueue, deferring, split_backward
 
@@ -74,9 +74,10 @@ class _Part:
 class _Exchange:
     group: ExchangeGroup
     source: torch.Tensor
-    output: torch.Tensor
+    output: torch.Tensor  # the received rows, or their stand-in when they travelled encoded
     out_splits: list[int]
     in_splits: list[int]
+    wire: Wire | None = None
 
 
 @dataclass
@@ -165,16 +166,24 @@ class Tape:
         self._steps.append(_Part(leaves, outputs, plain, note))
         return out
 
-    def all_to_all(self, group: ExchangeGroup, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> Pending | Done:
-        """Issue an exchange of ``x`` over ``group``; the caller yields the result, then ``wait()``s on it."""
+    def all_to_all(
+        self, group: ExchangeGroup, x: torch.Tensor, out_splits: list[int], in_splits: list[int], wire: Wire | None = None
+    ) -> Pending | Done:
+        """Issue an exchange of ``x`` over ``group``; the caller yields the result, then ``wait()``s on it.
+
+        ``wire``: the rows and / or their gradients travel encoded (:class:`~.exchange.Wire`);
+        ``wait()`` then gives what the wire decodes, and rows that travelled encoded reach the
+        receiver's parts through the stand-in the decoded value holds."""
         if not self.record:
-            return Done(AllToAll.apply(x, group, list(out_splits), list(in_splits)))
+            out = AllToAll.apply(x, group, list(out_splits), list(in_splits), wire)
+            return Done(out[1] if isinstance(out, tuple) else out)
         if x.requires_grad:
             self._check_known(x, "tape.all_to_all rows")
-        pending = issue(group, x, out_splits, in_splits)
-        pending.output.requires_grad_(True)
-        self._known.add(id(pending.output))
-        self._steps.append(_Exchange(group, x, pending.output, list(out_splits), list(in_splits)))
+        pending, rows = encoded(group, x, out_splits, in_splits, wire)
+        output = pending.output if rows is None else rows
+        output.requires_grad_(True)
+        self._known.add(id(output))
+        self._steps.append(_Exchange(group, x, output, list(out_splits), list(in_splits), wire))
         return pending
 
     def ahead(self, fn: Callable[[], None]) -> None:
@@ -302,8 +311,8 @@ class Tape:
                 step = steps[j]
                 g = self._pop_grad(step.output)
                 if g is None:  # the exchange must still happen: the peers take part in it
-                    g = torch.zeros_like(step.output)
-                pending = issue(step.group, g, step.in_splits, step.out_splits)
+                    g = torch.zeros(step.output.shape, dtype=step.output.dtype, device=step.output.device)
+                pending = encoded_grad(step.group, g, step.in_splits, step.out_splits, step.wire, step.source)
                 flow.start(j)
                 in_flight.append((j, pending))
                 yield pending

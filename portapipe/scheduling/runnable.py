@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping
 
 from ..backends.base import ParallelGroups
 from ..config import Config, ConfigError
-from ..setup import paired_blocks
+from ..setup import paired_blocks, split_problem
 from . import comms, schedules, validate
 from .ir import Schedule
 from .stage import Stage
@@ -43,7 +43,7 @@ def make_schedule(
 def build_schedule(config: Config) -> Schedule:
     """The lowered schedule a config asks for; ConfigError (before any rank starts) if it cannot run."""
     s, p = config.schedule, config.parallel
-    pairs = paired_blocks(s.pair_forwards, s.overlap, p.ep, config.model, config.n_blocks())
+    pairs = paired_blocks(s.pair_forwards, s.overlap, p.ep, config.model, config.n_blocks(), config.stage_split())
     try:
         schedule = make_schedule(s.name, p.pp, s.microbatches, s.chunks, s.w_split, pairs)
     except ValueError as exc:
@@ -52,10 +52,9 @@ def build_schedule(config: Config) -> Schedule:
     n_blocks = config.n_blocks()
     if schedule.n_blocks != n_blocks:
         problems.append(f"schedule: {s.name} places {schedule.n_blocks} model blocks but the config expects {n_blocks}")
-    if config.model.n_layers < schedule.n_blocks:
-        problems.append(
-            f"model.n_layers: {config.model.n_layers} layers cannot be cut into the {schedule.n_blocks} blocks of {s.name} with pp={p.pp}"
-        )
+    problem = split_problem(config.model.n_layers, schedule.n_blocks, config.stage_split())
+    if problem:
+        problems.append(f"{problem} ({s.name} with pp={p.pp})")
     if problems:
         raise ConfigError(problems)
     return schedule

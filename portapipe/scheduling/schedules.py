@@ -380,3 +380,22 @@ def without_w_split(schedule: Schedule) -> Schedule:
                 out.append(full(a))
         actions.append(out)
     return schedule.with_actions(actions, w_split=False)
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forwards alone, in each rank's order: an evaluation's action list (an F&B
+    pair keeps its forward, an F&F pair stays a pair; communication actions are dropped, for
+    :func:`~.comms.lower_comms` to derive again). Every forward keeps the order and the inputs
+    it had, and taking actions away from lists that run to the end never makes one wait for
+    something that is not produced: the forwards run wherever the schedule does."""
+    actions = []
+    for acts in schedule.actions:
+        out = []
+        for a in acts:
+            if a.kind is Kind.FB:
+                assert a.pair is not None
+                out.append(a if a.ff_pair else a.pair[0])
+            elif a.kind is F:
+                out.append(a)
+        actions.append(out)
+    return schedule.with_actions(actions, forward_only=True)

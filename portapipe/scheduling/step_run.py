@@ -1,6 +1,8 @@
 """One step of one rank's action list (:class:`StepRun`, driven by
 :meth:`~portapipe.scheduling.executor.PipelineExecutor.step`): posted receives and sends,
-the forward and backward programs of each action, saved tapes and queued weight gradients."""
+the forward and backward programs of each action, saved tapes and queued weight gradients.
+An evaluation (:meth:`~portapipe.scheduling.executor.PipelineExecutor.evaluate`) runs the
+forwards alone, each as plain calls that record nothing for a backward."""
 
 from __future__ import annotations
 
@@ -24,11 +26,15 @@ class StepRun:
     """The state of one step on one rank: posted receives, saved tapes, queued weight gradients.
 
     ``rt``: the rank's :class:`~portapipe.scheduling.executor.PipelineExecutor` (not imported:
-    the executor imports this module)."""
+    the executor imports this module). ``forward_only``: run ``rt.eval_actions`` (forwards
+    alone, :func:`~.schedules.forward_only`) on tapes that record nothing; call it without
+    gradients (``torch.no_grad``)."""
 
-    def __init__(self, rt: Any, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, rt: Any, microbatches: list[tuple[torch.Tensor, torch.Tensor]], forward_only: bool = False) -> None:
         self.rt = rt
         self.s = rt.schedule
+        self.forward_only = forward_only
+        self.actions: list[Action] = rt.eval_actions if forward_only else rt.actions
         self.mbs = [(x.to(rt.device), y.to(rt.device)) for x, y in microbatches]
         self.scale = rt.grad_scale / (self.s.n_microbatches * rt.groups.dp * rt.groups.ep)
         self.recvs: dict[tuple[Kind, int, int], tuple[Any, torch.Tensor]] = {}
@@ -45,7 +51,7 @@ class StepRun:
 
     # ------------------------------------------------------------------ loop
     def execute(self) -> None:
-        acts = self.rt.actions
+        acts = self.actions
         i = 0
         while i < len(acts):
             if acts[i].kind.is_comm:
@@ -56,7 +62,7 @@ class StepRun:
                 i = j
                 continue
             self._compute(acts[i])
-            sync = self.rt.grad_sync
+            sync = None if self.forward_only else self.rt.grad_sync
             if sync is not None:
                 for block in self.rt.grads_final.get(i, ()):
                     sync.block_done(block)
@@ -108,12 +114,14 @@ class StepRun:
         inputs, targets = self.mbs[m]
         first = s.is_first(v)
         x = inputs if first else self._take(Kind.RECV_F, v, m)
-        tape = Tape(input_grad=not first, loss_seed=self.scale)
+        # an evaluation's tape records nothing: the stage runs as plain calls
+        tape = Tape(record=not self.forward_only, input_grad=not first, loss_seed=self.scale)
         out = yield from block.program(tape, x, targets if s.is_last(v) else None)
         if tape.terms:
             self.terms.setdefault(m, {}).update(tape.terms)
-        self.tapes[(v, m)] = (tape, out)
-        self.peak_activations = max(self.peak_activations, len(self.tapes))
+        if not self.forward_only:
+            self.tapes[(v, m)] = (tape, out)
+            self.peak_activations = max(self.peak_activations, len(self.tapes))
         if s.is_last(v):
             self.losses[m] = out.detach()
             return

@@ -136,6 +136,17 @@ def defer_weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor])
     return None
 
 
+def accumulate_weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor]) -> None:
+    """For an autograd function's backward that returns no gradient for ``weight`` (None): the
+    part ``compute()`` gives accumulated on its own, now or queued as :func:`defer_weight_grad`
+    queues (several parts each reach the accumulator in ``weight``'s dtype once, unsummed)."""
+    queue = _ACTIVE.get()
+    if queue is None:
+        accumulate_grad(weight, compute())
+    else:
+        queue.put(lambda: accumulate_grad(weight, compute()))
+
+
 # ----------------------------------------------------------------------- ordinary torch code
 def _node(t: torch.Tensor) -> Node | None:
     """The graph node gradients of ``t`` flow into: its grad_fn, or a leaf's accumulator."""

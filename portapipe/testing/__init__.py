@@ -28,7 +28,9 @@ import torch.distributed as dist
 
 from ..backends.base import REDUCE_OPS, Backend, EventTimer
 from ..backends.capabilities import Capabilities
+from ..backends.fp8_mm import fp8_grouped_mm_emulated, fp8_mm_emulated
 from ..backends.grouped_mm import grouped_mm_reference
+from ..backends.scaled_mm import KIT_CALC_DIFF, KIT_SQNR_DB, calc_diff, probe_operands, sqnr_db
 from ..launch import run_ranks
 from ..optim.precision import unit_roundoff
 from ..verify import FLOAT32_SAFETY
@@ -154,6 +156,42 @@ def _grouped_mm_limit(be: Backend, device: torch.device) -> None:
             _grouped_mm_case(be, device, "float32", groups)
 
 
+def _fp8_close(line: str, what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    _require(line, tuple(got.shape) == tuple(want.shape) and got.dtype == dtype,
+             f"{what}: {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {dtype}")
+    s, d = sqnr_db(got.cpu(), want), calc_diff(got.cpu(), want)
+    _require(line, s >= KIT_SQNR_DB and d < KIT_CALC_DIFF,
+             f"{what}: SQNR {s:.1f} dB and calc_diff {d:.2e} against the emulation; want >= {KIT_SQNR_DB:g} dB and < {KIT_CALC_DIFF:g}")
+
+
+def _fp8_matmul(be: Backend, device: torch.device) -> None:
+    """The FP8 matmul against the emulation (the reference semantics), where one is declared: 1x128 x
+    128x128 with ceil(K/128) = 3, 1x128 x 128x1 over a token count no multiple of 128, and the
+    grouped forms (an empty group and rows past the last one included)."""
+    if be.capabilities.fp8_matmul == "none":
+        return
+    line = "fp8-matmul-matches-emulation"
+    a, sa, b, sb = probe_operands(device, m=40, seed=1)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = fp8_mm_emulated(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), dtype)
+        _fp8_close(line, f"fp8_mm 1x128 x 128x128 to {dtype}", be.fp8_mm(a, sa, b, sb, dtype), want, dtype)
+    g = torch.Generator().manual_seed(2)
+    cols = (torch.randn(200, 256, generator=g) * 4).to(torch.float8_e4m3fn).to(device)
+    scol = torch.exp2(torch.randint(-3, 3, (2, 256), generator=g).float()).to(device)
+    at = (torch.randn(128, 200, generator=g) * 4).to(torch.float8_e4m3fn).to(device)
+    sat = torch.exp2(torch.randint(-3, 3, (128, 2), generator=g).float()).to(device)
+    want = fp8_mm_emulated(at.cpu(), sat.cpu(), cols.cpu(), scol.cpu(), torch.float32)
+    _fp8_close(line, "fp8_mm 1x128 x 128x1 over 200 rows", be.fp8_mm(at, sat, cols, scol, torch.float32), want, torch.float32)
+    w = (torch.randn(3, 384, 256, generator=g) * 4).to(torch.float8_e4m3fn).to(device)
+    sw = torch.exp2(torch.randint(-3, 3, (3, 3, 2), generator=g).float()).to(device)
+    offs = torch.tensor([10, 10, 30], device=device)
+    want = fp8_grouped_mm_emulated(a.cpu(), sa.cpu(), w.cpu(), sw.cpu(), offs.cpu(), torch.bfloat16)
+    _fp8_close(line, "fp8_grouped_mm 2d x 3d", be.fp8_grouped_mm(a, sa, w, sw, offs, torch.bfloat16), want, torch.bfloat16)
+    toffs = torch.tensor([100, 100, 200], device=device)  # tiles restart at each group: 1 + 0 + 1 of them
+    want = fp8_grouped_mm_emulated(at.cpu(), sat.cpu(), cols.cpu(), scol.cpu(), toffs.cpu(), torch.float32)
+    _fp8_close(line, "fp8_grouped_mm 2d x 2d", be.fp8_grouped_mm(at, sat, cols, scol, toffs, torch.float32), want, torch.float32)
+
+
 def _memory(be: Backend, device: torch.device) -> None:
     line = "memory-figures"
     now, peak = be.memory_allocated(), be.max_memory_allocated()
@@ -202,6 +240,7 @@ LOCAL: tuple[Contract, ...] = (
     Contract("timer", "timers measure a finite, non-negative time, by events where declared", _timer),
     Contract("grouped-mm-matches-reference", "grouped matmul, forward and both gradients, equals the loop reference in every compute dtype", _grouped_mm),
     Contract("grouped-mm-group-limit", "at and past the declared group limit the result still equals the reference", _grouped_mm_limit),
+    Contract("fp8-matmul-matches-emulation", "the FP8 matmul (dense and grouped) within 40 dB SQNR and 1e-4 calc_diff of the emulation, where declared", _fp8_matmul),
     Contract("memory-figures", "allocator figures where declared, None where not", _memory),
     Contract("rng-state", "the RNG state saved and restored replays the same draws", _rng),
     Contract("options-refused", "unknown options and transports are refused, naming the key", _options),
@@ -244,6 +283,21 @@ def _all_to_all(be: Backend, device: torch.device, dtype: str) -> None:
         out = torch.empty(sum(outs), 3, dtype=_dtype(dtype), device=device)
         call(out, inp, outs, ins, async_op=True).wait()
         _require("all-to-all-uneven", out.cpu().tolist() == want, f"{dtype} {name}: rank {rank} received {out.cpu().tolist()}, want {want}")
+
+
+def _byte_rows(be: Backend, device: torch.device, dtype: str) -> None:
+    """The FP8 dispatch's rows are bytes: all-to-all and the expert transport move uint8 rows unchanged."""
+    if be.capabilities.fp8_matmul == "none":
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ins = [rank + j + 1 for j in range(world)]
+    outs = [j + rank + 1 for j in range(world)]
+    inp = torch.tensor([[(7 * rank + 3 * j + i + b) % 256 for b in range(37)] for j in range(world) for i in range(ins[j])], dtype=torch.uint8, device=device)
+    want = [[(7 * j + 3 * rank + i + b) % 256 for b in range(37)] for j in range(world) for i in range(outs[j])]
+    for name, call in (("all_to_all_single", be.all_to_all_single), ("expert_all_to_all", be.expert_all_to_all)):
+        out = torch.empty(sum(outs), 37, dtype=torch.uint8, device=device)
+        call(out, inp, outs, ins, async_op=True).wait()
+        _require("all-to-all-bytes", out.cpu().tolist() == want, f"uint8 {name}: rank {rank} received other bytes than were sent")
 
 
 def _reduced(op: str, world: int) -> list[float]:
@@ -304,6 +358,7 @@ def _shards(be: Backend, device: torch.device, dtype: str) -> None:
 RANK_LINES: tuple[tuple[str, str, Callable[..., None], str], ...] = (
     ("p2p-batched", "batched send / receive around a ring, in every move dtype", _p2p, "move_dtypes"),
     ("all-to-all-uneven", "all-to-all and the expert transport with uneven splits, async, in every move dtype", _all_to_all, "move_dtypes"),
+    ("all-to-all-bytes", "all-to-all and the expert transport of uint8 rows (an FP8 dispatch's), where an FP8 matmul is declared", _byte_rows, "fp8_once"),
     ("reductions", "all-reduce (async) by every op of the interface (sum, product, min, max) in every reduce dtype", _reductions, "reduce_dtypes"),
     ("gather-and-broadcast", "all-gather and broadcast in every move dtype", _moves, "move_dtypes"),
     ("reduce-scatter-all-gather", "reduce-scatter (by every op) and all-gather into one tensor, where declared", _shards, "move_dtypes"),
@@ -317,7 +372,7 @@ def rank_contracts(be: Backend) -> dict[str, str | None]:
     for line, _, check, family in RANK_LINES:
         out[line] = None
         try:
-            for dtype in getattr(be.capabilities, family):
+            for dtype in ("uint8",) if family == "fp8_once" else getattr(be.capabilities, family):
                 check(be, device, dtype)
         except ContractFailure as exc:
             out[line] = str(exc)
