@@ -393,6 +393,11 @@ class TrainConfig(_Section):
         description="dtype of the master weights, the gradient accumulation and AdamW's state; auto: float32 when "
         "model.dtype is bfloat16 or float16, else model.dtype",
     )
+    moments_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype AdamW's two moments are stored in (Megatron-Core's exp_avg_dtype / exp_avg_sq_dtype; DeepSeek-V3: "
+        "bfloat16); the update is computed in the more precise of it and the master dtype; auto: the master dtype",
+    )
     grad_reduce_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
         "auto", description="dtype gradients are summed over the data-parallel replicas in; auto: the master dtype"
     )
@@ -410,6 +415,12 @@ class TrainConfig(_Section):
         0,
         description="0: every replica holds the whole optimizer; 1: master weights and AdamW state sharded over the "
         "replicas, updated parameters all-gathered; 2: gradients also reduce-scattered into the shards",
+    )
+    ema_decay: float | None = Field(
+        None, gt=0, lt=1,
+        description="keep an exponential moving average of the weights in host memory (float32, sharded like the master "
+        "weights), updated after each step on a background thread: ema = decay x ema + (1 - decay) x weights; saved in "
+        "checkpoints, exported with portapipe export --ema, validated beside the weights (val_loss_ema); none: not kept",
     )
     grad_bucket_mb: float = Field(25.0, gt=0, description="size of one gradient bucket (MB of master-dtype gradients)")
     overlap_grad_sync: bool = Field(
