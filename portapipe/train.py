@@ -44,7 +44,9 @@ from . import lifeline, stop
 from .checkpoint.files import atomic_write
 from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run, say_stderr
 from .config import Config, ConfigError, TrainConfig, config_from_dict
-from .data import TextData, data_problems, global_batch_size, replica_of
+from .data import identity
+from .data.batches import Batches, global_batch_size, replica_of
+from .data.corpus import data_problems
 from .metrics import Figures, MetricsLog, Progress, StepStats, everywhere, gather_step_stats, memory_record, percent, strict
 from .metrics_tb import log_problems
 from .optim.precision import LossScaler
@@ -107,27 +109,32 @@ def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
                         weight_decay=t.weight_decay, backend=backend, moments_dtype=DTYPES[moments_dtype(m.dtype, t.master_dtype, t.moments_dtype)])
 
 
-def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -> float | None:
-    """Mean loss over ``VAL_BATCHES`` steps of validation data, each on the model as training
-    left it; nothing is changed. It is the main next-token loss (the objective's other terms
-    apart), so runs with and without multi-token prediction or the balance loss compare.
+def validation_loss(runtime: Any, data: Batches, config: Config, groups: Any) -> tuple[float | None, dict[str, float]]:
+    """(mean loss over the validation sources, weighted as they are, each source's loss): each
+    source's over ``VAL_BATCHES`` steps of its own validation data, on the model as training left
+    it; nothing is changed. It is the main next-token loss (the objective's other terms apart), so
+    runs with and without multi-token prediction or the balance loss compare.
 
     Each batch runs the schedule's forwards alone (:meth:`~portapipe.scheduling.executor.PipelineExecutor.evaluate`:
     no backward, no gradients). What the forwards leave in the model (the routers' expert counts,
     the balancer's and expert clocks' figures, the RNG) is undone after each batch
     (:meth:`~portapipe.compose.PipelineRuntime.unchanged`), so evaluating never changes training.
     """
-    if data.n_bytes("val") < config.model.seq_len + 1:
-        return None
-    losses = []
+    parts = data.parts("val")
+    if not parts or any(p.tokens < config.model.seq_len + 1 for p in parts):
+        return None, {}
     replica, replicas = replica_of(groups)
-    for i in range(VAL_BATCHES):
-        batches = data.microbatches(
-            i, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len, split="val"
-        )
-        with runtime.unchanged():
-            losses.append(float(runtime.evaluate(batches).loss))
-    return sum(losses) / len(losses)
+    by_source: dict[str, float] = {}
+    for source, (part, name) in enumerate(zip(parts, data.names["val"])):
+        losses = []
+        for i in range(VAL_BATCHES):
+            batches = data.microbatches(i, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size,
+                                        config.model.seq_len, split="val", source=source)
+            with runtime.unchanged():
+                losses.append(float(runtime.evaluate(batches).loss))
+        by_source[name] = sum(losses) / len(losses)
+    total = sum(p.weight for p in parts)
+    return sum(p.weight / total * loss for p, loss in zip(parts, by_source.values())), by_source
 
 
 class BalancerHook:
@@ -207,7 +214,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         optimizer.ema = HostEMA(optimizer, tc.ema_decay, backend)
     scaler = LossScaler(config.model.dtype == "float16", growth_interval=tc.loss_scale_growth_interval)
     counted = counted_blocks(runtime.schedule, groups.pp_rank)
-    data = TextData(config)
+    data = Batches(config)
+    data_record = identity.record(data.corpus)  # the sources' identity, read once (a few blocks of each file)
     balancer = runtime.balancer  # eplb / lplb on the running model (portapipe.balancing.runtime)
     hook = BalancerHook(config, balancer, groups) if config.balancer.kind == "eplb" else None
     ckpt = Checkpointer(run, config, backend, rank, groups.world_size, runtime, optimizer, balancer)
@@ -220,7 +228,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     force_routing(config.bench, config.model, {layer.index: layer.moe.router for layer in runtime.moe_layers()}, tc.seed)
 
     def record() -> dict[str, Any]:
-        data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_bytes": data.n_bytes("train")}
+        data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_tokens": data.n_tokens("train"), **data_record}
         return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "lr_schedule": phases, "data": data_id,
                 "loss_scale": scaler.state_dict()}
 
@@ -317,6 +325,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 if step > start:  # the first step of a process pays one-time costs
                     figures.add(stats)
                 row = step_record(step + 1, lr, result, stats, coef, iter_s)
+                row.update(consumed(data.consumed(step + 1)))
                 if balance is not None:
                     row["balancer"] = balance
                 if metrics is not None and ((step + 1) % config.log.every == 0 or step + 1 == tc.steps):
@@ -352,12 +361,12 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         if optimizer.ema is not None and failing:
             optimizer.ema.close()
 
-    val_loss = validation_loss(runtime, data, config, groups) if stopped is None and diverged is None else None
+    val_loss, val_by_source = validation_loss(runtime, data, config, groups) if stopped is None and diverged is None else (None, {})
     val_loss_ema = None
     if optimizer.ema is not None:
         if val_loss is not None:
             with optimizer.ema.swapped_in(list(runtime.parameters())):
-                val_loss_ema = validation_loss(runtime, data, config, groups)
+                val_loss_ema, _ = validation_loss(runtime, data, config, groups)
         optimizer.ema.close()
     if val_loss is not None and not math.isfinite(val_loss):  # the same on every rank
         diverged = diverge({"step": progress.step, "reason": f"the validation loss is {val_loss!r}"})
@@ -376,6 +385,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         "final_loss_avg5": sum(tail) / len(tail) if tail else None,
         "val_loss": val_loss,
         **({"val_loss_ema": val_loss_ema} if optimizer.ema is not None else {}),
+        "val_loss_by_source": val_by_source,
+        **consumed(data.consumed(progress.step)),
         "tokens": progress.tokens,
         "train_s": progress.train_s,
         "tokens_per_s": progress.tokens / progress.train_s if progress.train_s else None,
@@ -425,6 +436,12 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
     }
 
 
+def consumed(where: dict[str, Any]) -> dict[str, Any]:
+    """The data position in a metrics line: ``tokens_consumed`` (inputs trained on since step 0)
+    and ``epochs`` (each training source's, a fraction: 1.5 = half-way through its second)."""
+    return {"tokens_consumed": where["tokens"], "epochs": where["epochs"]}
+
+
 def _progress_bar(total: int, start: int) -> Any:
     from tqdm import tqdm
 
@@ -437,6 +454,10 @@ def _show(bar: Any, record: dict[str, Any]) -> None:
     if "balance_loss" in record:
         shown["bal"] = f"{record['balance_loss']:.3f}"
     shown.update({"tok/s": f"{record['tokens_per_s']:.0f}", "bubble": f"{record['bubble_pct']:.0f}%"})
+    if "tokens_consumed" in record:
+        shown["tokens"] = f"{record['tokens_consumed']:.3g}"
+        epochs = record["epochs"]
+        shown["epoch"] = " ".join(f"{v:.2f}" for v in epochs.values()) if len(epochs) > 1 else f"{next(iter(epochs.values()), 0):.2f}"
     if record["a2a_hidden_pct"] is not None:
         shown["a2a hidden"] = f"{record['a2a_hidden_pct']:.0f}%"
     if record["ep_wait_frac"] is not None:

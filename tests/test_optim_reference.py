@@ -78,7 +78,7 @@ def _reference(config: Any) -> dict[str, Any]:
     rounded to it after each update, the weights moving by the unrounded ones)."""
     from portapipe.backends.cpu import CPUBackend
     from portapipe.compose import build_model
-    from portapipe.data import TextData
+    from portapipe.data.batches import Batches
     from portapipe.models.expert_parallel import ExpertParallel
     from portapipe.scheduling.overlap import Tape, run
     from portapipe.train import VAL_BATCHES
@@ -91,7 +91,7 @@ def _reference(config: Any) -> dict[str, Any]:
     master = {name: p.detach().double().clone() for name, p in params}
     m = {name: torch.zeros_like(w) for name, w in master.items()}
     v = {name: torch.zeros_like(w) for name, w in master.items()}
-    data, mbs, replicas = TextData(config), config.schedule.microbatches, config.parallel.dp
+    data, mbs, replicas = Batches(config), config.schedule.microbatches, config.parallel.dp
 
     def forward_backward(step: int, split: str, backward: bool) -> float:
         total = 0.0

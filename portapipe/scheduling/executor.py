@@ -217,7 +217,7 @@ class PipelineExecutor:
             yield p
 
     # ------------------------------------------------------------------- step
-    def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+    def step(self, microbatches: list[tuple[torch.Tensor, ...]]) -> StepResult:
         """Run this rank's actions for one step; ``.grad`` then holds the global mean loss's gradient."""
         s = self.schedule
         if len(microbatches) != s.n_microbatches:
@@ -239,7 +239,7 @@ class PipelineExecutor:
         losses, terms = self._gather_losses(run_.losses, run_.terms)
         extra = dict(self.end_step(self)) if self.end_step is not None else {}
         step_s = time.perf_counter() - t0
-        tokens = sum(int(t.numel()) for _, t in microbatches) * len(losses)
+        tokens = sum(int(mb[1].numel()) for mb in microbatches) * len(losses)
         timings = {
             "step_s": step_s,
             "compute_s": run_.compute_s,
