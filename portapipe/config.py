@@ -393,6 +393,11 @@ class TrainConfig(_Section):
         description="dtype of the master weights, the gradient accumulation and AdamW's state; auto: float32 when "
         "model.dtype is bfloat16 or float16, else model.dtype",
     )
+    moments_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype AdamW's two moments are stored in (Megatron-Core's exp_avg_dtype / exp_avg_sq_dtype; DeepSeek-V3: "
+        "bfloat16); the update is computed in the more precise of it and the master dtype; auto: the master dtype",
+    )
     grad_reduce_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
         "auto", description="dtype gradients are summed over the data-parallel replicas in; auto: the master dtype"
     )
@@ -411,6 +416,12 @@ class TrainConfig(_Section):
         description="0: every replica holds the whole optimizer; 1: master weights and AdamW state sharded over the "
         "replicas, updated parameters all-gathered; 2: gradients also reduce-scattered into the shards",
     )
+    ema_decay: float | None = Field(
+        None, gt=0, lt=1,
+        description="keep an exponential moving average of the weights in host memory (float32, sharded like the master "
+        "weights), updated after each step on a background thread: ema = decay x ema + (1 - decay) x weights; saved in "
+        "checkpoints, exported with portapipe export --ema, validated beside the weights (val_loss_ema); none: not kept",
+    )
     grad_bucket_mb: float = Field(25.0, gt=0, description="size of one gradient bucket (MB of master-dtype gradients)")
     overlap_grad_sync: bool = Field(
         True, description="reduce a block's gradient buckets as soon as its last backward of the step ran (false: all after the schedule)"
@@ -423,8 +434,9 @@ class TrainConfig(_Section):
     seq_aux_loss_weight: float = Field(
         0.0,
         ge=0,
+        le=1e4,
         description="alpha of DeepSeek-V3's complementary sequence-wise balance loss, added for every MoE layer "
-        "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed",
+        "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed; at most 1e4",
     )
     fp8: Literal["off", "deepseek"] = Field(
         "off",
@@ -440,6 +452,13 @@ class TrainConfig(_Section):
         # YAML 1.1 reads a bare `off` as False.
         return "off" if v is False else v
 
+    @field_validator("lr_schedule", mode="before")
+    @classmethod
+    def _phases_listed(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, list):
+            raise ValueError("expected a list of phases, each {kind, steps, lr}")
+        return v
+
     @field_validator("lr_schedule")
     @classmethod
     def _phases_given(cls, v: Any) -> Any:
@@ -447,13 +466,26 @@ class TrainConfig(_Section):
             raise ValueError("an empty schedule; give one phase at least, e.g. [{kind: constant, steps: 1}], or remove it")
         return v
 
+    @field_validator("mtp_loss_weight", mode="before")
+    @classmethod
+    def _mtp_weight_typed(cls, v: Any) -> Any:
+        # before pydantic's union, whose lax mode would take "0.3", true and {"0": "0.3"}, and whose
+        # message for .nan or {0.5: 0.3} would not say what is wrong
+        if isinstance(v, dict):
+            if v and all(w is None for w in v.values()) and all(isinstance(k, float) for k in v):
+                raise ValueError(
+                    f"read as {v}: YAML 1.1 reads step:weight without a space as one base-60 number; "
+                    "write a space after each colon, e.g. {0: 0.3, 10: 0.1}")
+            for step, w in v.items():
+                if isinstance(step, bool) or not isinstance(step, int):
+                    raise ValueError(f"step {step!r} is not a whole number >= 0; the schedule is {{step: weight}}, e.g. {{0: 0.3, 10: 0.1}}")
+                _loss_weight(w, f"the weight of step {step}")
+            return v
+        return _loss_weight(v, "the weight")
+
     @field_validator("mtp_loss_weight")
     @classmethod
     def _mtp_weight_in_range(cls, v: Any) -> Any:
-        weights = v.values() if isinstance(v, dict) else [v]
-        bad = [w for w in weights if not (w >= 0 and w == w and w != float("inf"))]
-        if bad:
-            raise ValueError(f"weight {bad[0]} is not a finite number >= 0")
         if isinstance(v, dict):
             if not v:
                 raise ValueError("an empty schedule; give a weight for step 0 at least, e.g. {0: 0.3}")
@@ -469,6 +501,21 @@ class TrainConfig(_Section):
         if bad:
             raise ValueError(f"{', '.join(bad)} is outside [0, 1), as AdamW requires")
         return v
+
+
+#: the largest weight a loss term may have: 1e4 times the main loss's (DeepSeek-V3's are 0.3 and 1e-4); the
+#: weight scales the term's gradient seed in the model's dtype, where 1e308 cannot be held at all
+MAX_LOSS_WEIGHT = 1e4
+
+
+def _loss_weight(w: Any, what: str) -> float:
+    """A loss term's weight as the config gives it: a finite number in [0, MAX_LOSS_WEIGHT], never a
+    string or a boolean (YAML's quotes and true would otherwise be read as numbers)."""
+    if isinstance(w, bool) or not isinstance(w, (int, float)):
+        raise ValueError(f"{what} {w!r} is not a number; write it unquoted, e.g. 0.3")
+    if not (0 <= w <= MAX_LOSS_WEIGHT):  # nan fails both
+        raise ValueError(f"{what} {w!r} is not a finite number >= 0 and <= {MAX_LOSS_WEIGHT:g}")
+    return float(w)
 
 
 class SourceConfig(_Section):
@@ -544,8 +591,18 @@ class LogConfig(_Section):
         False, description="also write the metrics as TensorBoard scalars in <dir>/tensorboard/<run id>/ (extra tensorboard)"
     )
     wandb: WandbConfig = Field(
-        default_factory=WandbConfig, description="also log the metrics to a Weights & Biases run named by the run id (extra wandb)"
+        default_factory=WandbConfig, description="also log the metrics to a Weights & Biases run named by the run id (extra wandb); "
+        "a mode alone (offline) stands for {mode: offline}",
     )
+
+    @field_validator("wandb", mode="before")
+    @classmethod
+    def _wandb_mode_alone(cls, v: Any) -> Any:
+        if v is False or v in ("off", "online", "offline"):
+            return {"mode": "off" if v is False else v}
+        if not isinstance(v, (dict, WandbConfig)):
+            raise ValueError("expected a mode (off, online or offline) or {mode, project, entity}")
+        return v
 
 
 class CheckpointConfig(_Section):

@@ -92,8 +92,9 @@ def counted_blocks(schedule: Any, pp_rank: int) -> set[int]:
 
 
 def param_bytes(runtime: Any) -> int:
-    """Bytes of this rank's parameters (both DualPipe copies of a block count: both are held)."""
-    return sum(p.numel() * p.element_size() for p in runtime.parameters())
+    """Bytes of this rank's parameters (both DualPipe copies of a block count: both are held; a
+    weight two of its blocks hold as one tensor counts once)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in runtime.parameters()}.values())
 
 
 def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
@@ -101,9 +102,11 @@ def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
     from .models.moe import DTYPES
     from .optim.sharded import ShardedAdamW
 
-    t = config.train
-    return ShardedAdamW(runtime.grads, model_dtype=DTYPES[config.model.dtype], zero_stage=t.zero_stage, betas=t.betas,
-                        weight_decay=t.weight_decay, backend=backend)
+    from .optim.precision import moments_dtype
+
+    t, m = config.train, config.model
+    return ShardedAdamW(runtime.grads, model_dtype=DTYPES[m.dtype], zero_stage=t.zero_stage, betas=t.betas,
+                        weight_decay=t.weight_decay, backend=backend, moments_dtype=DTYPES[moments_dtype(m.dtype, t.master_dtype, t.moments_dtype)])
 
 
 def validation_loss(runtime: Any, data: Batches, config: Config, groups: Any) -> tuple[float | None, dict[str, float]]:
@@ -205,6 +208,10 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
     tc, rank = config.train, groups.rank
     optimizer = make_sharded_optimizer(runtime, config, backend)
+    if tc.ema_decay is not None:  # before the restore: a checkpoint's EMA is loaded into it
+        from .optim.ema import HostEMA
+
+        optimizer.ema = HostEMA(optimizer, tc.ema_decay, backend)
     scaler = LossScaler(config.model.dtype == "float16", growth_interval=tc.loss_scale_growth_interval)
     counted = counted_blocks(runtime.schedule, groups.pp_rank)
     data = Batches(config)
@@ -234,11 +241,14 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
             sinks.append(WandbLog(Path(config.log.dir), run.run_id, config.log.wandb, config.to_dict()))
         metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run, sinks)
-    memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory()}), "step": start,
+    host_ema = optimizer.ema.host_bytes() if optimizer.ema is not None else 0
+    memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory(),
+                                        "ema_host": host_ema}), "step": start,
               "launch": gather_placement(config.launch.pin_cores)}
     if metrics is not None:
         metrics.write(memory)
-        say_stderr("memory per rank (largest): " + ", ".join(f"{k} {memory[k] / 2**20:.2f} MiB" for k in ("params", "grads", "master", "optimizer")))
+        shown = ("params", "grads", "master", "optimizer") + (("ema_host",) if optimizer.ema is not None else ())
+        say_stderr("memory per rank (largest): " + ", ".join(f"{k} {memory[k] / 2**20:.2f} MiB" for k in shown))
         placed = memory["launch"]
         if placed["pinned"]:
             each = zip(placed["cores_by_rank"], placed["threads_by_rank"])
@@ -290,6 +300,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             if not skipped:
                 with torch.no_grad():
                     optimizer.step(coef / scale)
+                if optimizer.ema is not None:
+                    optimizer.ema.update()  # the weights copied out, folded in while the next step runs
             runtime.grads.zero_grad()
             # loads recorded; every balancer.interval steps maybe a new placement, weights migrated
             balance = balancer.after_step(step, result, optimizer) if balancer is not None else None
@@ -346,8 +358,16 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         ckpt.close(failing=failing)
         if bar is not None:
             bar.close()
+        if optimizer.ema is not None and failing:
+            optimizer.ema.close()
 
     val_loss, val_by_source = validation_loss(runtime, data, config, groups) if stopped is None and diverged is None else (None, {})
+    val_loss_ema = None
+    if optimizer.ema is not None:
+        if val_loss is not None:
+            with optimizer.ema.swapped_in(list(runtime.parameters())):
+                val_loss_ema, _ = validation_loss(runtime, data, config, groups)
+        optimizer.ema.close()
     if val_loss is not None and not math.isfinite(val_loss):  # the same on every rank
         diverged = diverge({"step": progress.step, "reason": f"the validation loss is {val_loss!r}"})
     tail = progress.losses[-5:]
@@ -364,6 +384,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         "final_loss": progress.losses[-1] if progress.losses else None,
         "final_loss_avg5": sum(tail) / len(tail) if tail else None,
         "val_loss": val_loss,
+        **({"val_loss_ema": val_loss_ema} if optimizer.ema is not None else {}),
         "val_loss_by_source": val_by_source,
         **consumed(data.consumed(progress.step)),
         "tokens": progress.tokens,

@@ -181,6 +181,21 @@ def _layout_line(config: Config, manifest: dict[str, Any], backend: str) -> str 
     return f"resharding: the checkpoint was written with {show(then)}; this run has {show(now)}"
 
 
+def moments_line(config: Config, manifest: dict[str, Any]) -> str | None:
+    """The one line saying that AdamW's moments are converted on load: the checkpoint keeps them in
+    another dtype than this run does (``train.moments_dtype``); None when both keep the same."""
+    from ..optim.precision import moments_dtype
+
+    then_cfg = manifest.get("config", {})
+    model, train = then_cfg.get("model", {}), then_cfg.get("train", {})
+    then = moments_dtype(model.get("dtype", "float32"), train.get("master_dtype", "auto"), train.get("moments_dtype", "auto"))
+    t = config.train
+    now = moments_dtype(config.model.dtype, t.master_dtype, t.moments_dtype)
+    if then == now:
+        return None
+    return f"optimizer: the checkpoint keeps AdamW's moments in {then}; this run keeps them in {now} (train.moments_dtype): converted on load"
+
+
 def placement_fits(config: Config, manifest: dict[str, Any]) -> bool:
     """Whether the checkpoint's expert placement is one for this run's balancer as it is."""
     have = manifest["layout"]
@@ -312,6 +327,13 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
     say(note)
     if (line := _layout_line(config, manifest, backend_name)) is not None:
         say(line)
+    if (line := moments_line(config, manifest)) is not None:
+        say(line)
+    had_ema = manifest.get("config", {}).get("train", {}).get("ema_decay") is not None
+    if config.train.ema_decay is not None and not had_ema:
+        say(f"ema: the checkpoint holds no EMA of the weights (train.ema_decay was not set); it starts from the weights of step {plan.step}")
+    elif config.train.ema_decay is None and had_ema:
+        say("ema: the checkpoint holds an EMA of the weights that this run does not keep (train.ema_decay is not set); its checkpoints will hold none")
     if manifest["layout"].get("balancer", "none") != "none" and config.balancer.kind != "none" and not plan.placement_fits:
         say(
             "balancer: the checkpoint's expert placement was made for another balancer layout; experts load by id into "

@@ -491,14 +491,18 @@ class Block(nn.Module):
         return [layer for layer in self.layers.values() if layer.moe is not None]
 
 
-def tie_copies(blocks: dict[int, Block]) -> None:
-    """Blocks held by one process (the single-process model): every copy of a shared weight
+def tie_copies(blocks: dict[int, Block], together: Callable[[tuple[int, ...]], bool] | None = None) -> None:
+    """Blocks held by one process: every copy of a shared weight
     (:func:`~portapipe.scheduling.stage.mark_shared`) becomes the one parameter of the first block
-    holding it, so autograd sums its uses as one weight's."""
+    holding it, so autograd sums its uses as one weight's. ``together(blocks)``: whether this
+    process holds every copy of a weight shared by ``blocks`` (default: all of them are among
+    ``blocks``, as in the single-process model); a weight whose copies are not together keeps
+    them (their gradients are summed over the ranks holding them)."""
     first: dict[str, nn.Parameter] = {}
     for b in sorted(blocks):
         for name, p in list(blocks[b].named_parameters()):
-            if not shared_blocks(p):
+            shared = shared_blocks(p)
+            if not shared or not (together(shared) if together is not None else all(c in blocks for c in shared)):
                 continue
             if name not in first:
                 first[name] = p
