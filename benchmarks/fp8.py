@@ -39,7 +39,6 @@ from portapipe.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "deepseek_v3.yaml"
-CORPUS = ROOT / "portapipe" / "data" / "shakespeare.txt.gz"
 TOKENIZER = ROOT / "examples" / "tokenizer"
 #: the model: every Linear of the recipe 128-aligned, except MLA's kv_a (256 -> 128 + 64, as DeepSeek-V3's 7168 -> 576)
 MODEL = {"n_layers": 2, "hidden": 256, "ffn_hidden": 256, "moe_hidden": 128, "n_heads": 2, "q_lora_rank": 128, "kv_lora_rank": 128,
@@ -83,12 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=["off", "deepseek"], help="one side only (its figures, no comparison)")
     args = ap.parse_args(argv)
     from portapipe.fp8.dispatch import row_bytes
-    from portapipe.tokens import tokenize
+    from portapipe.data.readers import expand
+    from portapipe.data.shipped import DEFAULT_CORPUS, shipped_eos
+    from portapipe.data.tokenizer import load_tokenizer
+    from portapipe.data.writer import Options, write_dataset
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        tokens = Path(tmp) / "shakespeare-1k.bin"
-        tokenize(CORPUS, tokens, TOKENIZER)
+        tokens = Path(tmp) / "shakespeare-1k"  # what `portapipe tokenize` writes without an input
+        write_dataset(expand([str(DEFAULT_CORPUS)]), tokens, Options(TOKENIZER, eos=shipped_eos(load_tokenizer(TOKENIZER))))
         sides = {v: run(v, args.steps, tokens, Path(tmp) / v, args.micro_batch_size, args.seq_len)
                  for v in ("off", "deepseek") if args.only in (None, v)}
     h = MODEL["hidden"]
