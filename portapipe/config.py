@@ -458,11 +458,14 @@ class TrainConfig(_Section):
                 raise ValueError(
                     f"read as {v}: YAML 1.1 reads step:weight without a space as one base-60 number; "
                     "write a space after each colon, e.g. {0: 0.3, 10: 0.1}")
+            out = {}
             for step, w in v.items():
+                if isinstance(step, str) and step.isdigit():  # JSON's keys are text (a config written back, a checkpoint's)
+                    step = int(step)
                 if isinstance(step, bool) or not isinstance(step, int):
                     raise ValueError(f"step {step!r} is not a whole number >= 0; the schedule is {{step: weight}}, e.g. {{0: 0.3, 10: 0.1}}")
-                _loss_weight(w, f"the weight of step {step}")
-            return v
+                out[step] = _loss_weight(w, f"the weight of step {step}")
+            return out
         return _loss_weight(v, "the weight")
 
     @field_validator("mtp_loss_weight")

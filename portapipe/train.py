@@ -192,6 +192,7 @@ def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] |
 def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any) -> dict[str, Any]:
     from .checkpoint.io import Checkpointer
     from .checkpoint.state import first_nonfinite
+    from .models.objective import mtp_weight_at
     from .metrics import ep_step_figures
     from .models.routing import force_routing
     from .pinning import gather_placement
@@ -305,6 +306,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 if step > start:  # the first step of a process pays one-time costs
                     figures.add(stats)
                 row = step_record(step + 1, lr, result, stats, coef, iter_s)
+                if config.model.mtp_layers:  # the weight in force (a schedule switches it)
+                    row["mtp_loss_weight"] = mtp_weight_at(tc.mtp_loss_weight, step)
                 if balance is not None:
                     row["balancer"] = balance
                 if metrics is not None and ((step + 1) % config.log.every == 0 or step + 1 == tc.steps):

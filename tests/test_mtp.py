@@ -210,7 +210,8 @@ def test_the_keys_are_refused_where_they_cannot_apply() -> None:
 @pytest.mark.parametrize("given, said", [
     ("0.3", "the weight '0.3' is not a number; write it unquoted"),
     (True, "the weight True is not a number"),
-    ({"0": "0.3"}, "step '0' is not a whole number >= 0; the schedule is {step: weight}"),
+    ({"0": "0.3"}, "the weight of step 0 '0.3' is not a number"),
+    ({"a": 0.3}, "step 'a' is not a whole number >= 0; the schedule is {step: weight}"),
     ({0: "0.3"}, "the weight of step 0 '0.3' is not a number"),
     (float("nan"), "the weight nan is not a finite number >= 0 and <= 10000"),
     (float("inf"), "the weight inf is not a finite number >= 0 and <= 10000"),
@@ -227,6 +228,12 @@ def test_the_mtp_weight_is_a_number_or_a_schedule_of_numbers_each_refusal_saying
         load_config({"model": {"mtp_layers": 1}, "train": {"mtp_loss_weight": given}})
     (line,) = str(err.value).strip().splitlines()
     assert line.startswith("train.mtp_loss_weight: ") and said in line, line
+
+
+def test_a_schedule_written_back_as_json_reads_the_same() -> None:
+    """JSON's keys are text: a config written back (a checkpoint's) gives {"0": 0.3, "2": 0.1}."""
+    c = load_config({"model": {"mtp_layers": 1}, "train": {"mtp_loss_weight": {0: 0.3, 2: 0.1}}})
+    assert load_config(json.loads(json.dumps(c.to_dict()))).train.mtp_loss_weight == {0: 0.3, 2: 0.1}
 
 
 def test_the_sequence_balance_weight_has_the_same_bound() -> None:
