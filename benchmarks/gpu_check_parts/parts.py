@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .common import Ctx, Record
 from .correctness import part_verify
 from .env import part_env
+from .fp8 import part_fp8
 from .grouped_mm import part_grouped_mm
 from .lplb import part_lplb
 from .memory import part_memory
@@ -18,10 +19,10 @@ from .step_claims import part_step_claims
 from .suite import part_suite
 
 #: the two commands of a run on one GPU (docs/gpu.md), each about 6 minutes: the caps of call 1
-#: add up to 340 s, those of call 2 to 375 s; within a call the parts run in this order, and the
+#: add up to 375 s, those of call 2 to 375 s; within a call the parts run in this order, and the
 #: last of each (the suite, cut off counted from pytest's progress; the step claims, each run
 #: recorded as it ends) takes whatever the others left of the command's --budget-s
-CALLS = {"1": "a,f,h,b", "2": "c,e,d,g,i"}
+CALLS = {"1": "a,f,h,j,b", "2": "c,e,d,g,i"}
 
 
 @dataclass(frozen=True)
@@ -43,5 +44,6 @@ PARTS = [
     Part("g", "allocator peak vs memory model", part_memory, 25, 90),
     Part("h", "LPLB Triton kernels", part_lplb, 15, 60),
     Part("i", "step_vs_torch, balance_e2e, a core set per rank", part_step_claims, 60, 150),
+    Part("j", "FP8: blockwise GEMM vs bf16, against the emulation", part_fp8, 35, 60),
 ]
 BY_KEY = {p.key: p for p in PARTS}
