@@ -241,7 +241,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             from .metrics_wandb import WandbLog
 
             sinks.append(WandbLog(Path(config.log.dir), run.run_id, config.log.wandb, config.to_dict()))
-        metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run, sinks)
+        metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run, sinks, every=config.log.every)
     host_ema = optimizer.ema.host_bytes() if optimizer.ema is not None else 0
     memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory(),
                                         "ema_host": host_ema}), "step": start,
