@@ -476,11 +476,14 @@ class TrainConfig(_Section):
                 raise ValueError(
                     f"read as {v}: YAML 1.1 reads step:weight without a space as one base-60 number; "
                     "write a space after each colon, e.g. {0: 0.3, 10: 0.1}")
+            out = {}
             for step, w in v.items():
+                if isinstance(step, str) and step.isdigit():  # JSON's keys are text (a config written back, a checkpoint's)
+                    step = int(step)
                 if isinstance(step, bool) or not isinstance(step, int):
                     raise ValueError(f"step {step!r} is not a whole number >= 0; the schedule is {{step: weight}}, e.g. {{0: 0.3, 10: 0.1}}")
-                _loss_weight(w, f"the weight of step {step}")
-            return v
+                out[step] = _loss_weight(w, f"the weight of step {step}")
+            return out
         return _loss_weight(v, "the weight")
 
     @field_validator("mtp_loss_weight")
@@ -705,9 +708,10 @@ def _without_effect(c: Config) -> list[str]:
     if c.model.mtp_layers == 0 and c.train.mtp_loss_weight != _default(TrainConfig, "mtp_loss_weight"):
         out.append(f"train.mtp_loss_weight: {c.train.mtp_loss_weight} has no effect: model.mtp_layers is 0 (no multi-token "
                    "prediction); set model.mtp_layers, or remove it")
-    if c.model.dtype != "float16" and c.train.loss_scale_growth_interval != _default(TrainConfig, "loss_scale_growth_interval"):
-        out.append(f"train.loss_scale_growth_interval: {c.train.loss_scale_growth_interval} has no effect: only a float16 model "
-                   f"scales its loss (model.dtype is {c.model.dtype}); remove it")
+    for key in ("loss_scale_growth_interval", "max_skipped_steps"):  # float16's loss scaling: one rule for its keys
+        if c.model.dtype != "float16" and getattr(c.train, key) != _default(TrainConfig, key):
+            out.append(f"train.{key}: {getattr(c.train, key)} has no effect: only a float16 model "
+                       f"scales its loss (model.dtype is {c.model.dtype}); remove it")
     if c.train.lr_schedule is not None:
         for key in ("warmup_steps", "min_lr", "lr_schedule_steps"):
             if getattr(c.train, key) != _default(TrainConfig, key):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,19 +26,31 @@ class MetricsLog:
     (a W&B run, :mod:`portapipe.metrics_wandb`).
     """
 
-    def __init__(self, directory: Path, resume_step: int | None, tensorboard_run: str | None = None, sinks: list[Any] | None = None) -> None:
+    def __init__(self, directory: Path, resume_step: int | None, tensorboard_run: str | None = None, sinks: list[Any] | None = None,
+                 every: int = 1) -> None:
         self._sinks = list(sinks or [])
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / METRICS_FILE
         kept: list[str] = []
         if resume_step is not None and self.path.is_file():
+            bad, stepped = 0, set()
             for line in self.path.read_text().splitlines():
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
-                    continue  # a line cut short by a crash
+                    bad += 1  # a line cut short by a crash, or edited
+                    continue
                 if rec.get("kind") != "summary" and rec.get("step", 0) <= resume_step:
                     kept.append(line)
+                    if rec.get("kind") in ("train", "overflow"):
+                        stepped.add(rec.get("step"))
+            if bad:
+                _say(f"{self.path}: {bad} line{'s' * (bad > 1)} that {'are' if bad > 1 else 'is'} not JSON dropped on resume "
+                     "(cut short by a crash, or edited)")
+            missing = [step for step in range(every, resume_step + 1, every) if step not in stepped]
+            if missing:
+                _say(f"{self.path}: no row for {len(missing)} of the steps up to {resume_step} that log.every {every} writes "
+                     f"(steps {_spans(missing, every)}); the file reads as the run from there on")
         self.path.write_text("".join(k + "\n" for k in kept))
         self._file = open(self.path, "a")
         self._tb = None
@@ -154,6 +167,22 @@ class Figures:
             "ep_wait_pct": percent(med(self.ep_wait)),
             "median_grad_sync_exposed_s": med(self.grad_sync_exposed),
         }
+
+
+def _say(line: str) -> None:
+    print(f"portapipe: {line}", file=sys.stderr, flush=True)
+
+
+def _spans(steps: list[int], stride: int) -> str:
+    """Sorted steps ``stride`` apart at the least, as runs: ``1-3, 7, 9-12`` (the first five runs)."""
+    spans: list[list[int]] = []
+    for s in steps:
+        if spans and s == spans[-1][1] + stride:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans[:5])
+    return text + (", ..." if len(spans) > 5 else "")
 
 
 def strict(value: Any) -> Any:

@@ -207,7 +207,7 @@ def _lr(x: Setup) -> list[str]:
         phases = lr_schedule.resolve(t.lr_schedule, t.lr)
         out = lr_schedule.problems(phases)
         lr = lr_schedule.peak(phases, t.lr)
-        key = "train.lr" if lr == t.lr else f"train.lr_schedule.{[p.lr for p in phases].index(lr)}.lr"
+        key = "train.lr" if lr == t.lr else f"train.lr_schedule[{[p.lr for p in phases].index(lr)}].lr"
     if x.model is None:
         return out
     import torch

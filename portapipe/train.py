@@ -202,6 +202,7 @@ def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] |
 def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any) -> dict[str, Any]:
     from .checkpoint.io import Checkpointer
     from .checkpoint.state import first_nonfinite
+    from .models.objective import mtp_weight_at
     from .metrics import ep_step_figures
     from .models.routing import force_routing
     from .pinning import gather_placement
@@ -240,7 +241,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             from .metrics_wandb import WandbLog
 
             sinks.append(WandbLog(Path(config.log.dir), run.run_id, config.log.wandb, config.to_dict()))
-        metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run, sinks)
+        metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run, sinks, every=config.log.every)
     host_ema = optimizer.ema.host_bytes() if optimizer.ema is not None else 0
     memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory(),
                                         "ema_host": host_ema}), "step": start,
@@ -325,6 +326,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 if step > start:  # the first step of a process pays one-time costs
                     figures.add(stats)
                 row = step_record(step + 1, lr, result, stats, coef, iter_s)
+                if config.model.mtp_layers:  # the weight in force (a schedule switches it)
+                    row["mtp_loss_weight"] = mtp_weight_at(tc.mtp_loss_weight, step)
                 row.update(consumed(data.consumed(step + 1)))
                 if balance is not None:
                     row["balancer"] = balance

@@ -126,7 +126,7 @@ def test_the_config_accepts_exactly_the_optimizer_values_adamw_accepts() -> None
         ("train.grad_clip=.nan", "train.grad_clip: nan"),
         ("model.init_std=-.inf", "model.init_std: -inf"),
         ("data.val_fraction=.nan", "data.val_fraction: nan"),
-        ("train.betas=[.nan,0.9]", "train.betas.0: nan"),
+        ("train.betas=[.nan,0.9]", "train.betas[0]: nan"),
         ("launch.stall_timeout_s=.inf", "launch.stall_timeout_s: inf"),
     ],
 )

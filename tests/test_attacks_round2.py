@@ -47,6 +47,8 @@ def test_yaml_integers_stay_valid_in_float_keys_and_booleans_in_boolean_keys() -
         (["balancer.redundant=2"], "balancer.redundant: 2 has no effect: balancer.kind is none, so no expert is copied; set balancer.kind eplb or lplb, or remove it"),
         (["train.loss_scale_growth_interval=100"],
          "train.loss_scale_growth_interval: 100 has no effect: only a float16 model scales its loss (model.dtype is float32); remove it"),
+        (["train.max_skipped_steps=5"],  # the same rule as the growth interval: both are float16's loss scaling
+         "train.max_skipped_steps: 5 has no effect: only a float16 model scales its loss (model.dtype is float32); remove it"),
     ],
 )
 def test_keys_without_effect_are_refused_naming_the_key_and_why(tmp_path, capsys, no_ranks, sets, line) -> None:

@@ -88,14 +88,14 @@ def test_deepseek_v3s_published_schedule_is_one_config() -> None:
 @pytest.mark.parametrize(
     "setting, line",
     [
-        ("train.lr_schedule=[{kind: cosine, steps: 10}]", "train.lr_schedule.0: a cosine phase needs lr: the learning rate it ends at"),
+        ("train.lr_schedule=[{kind: cosine, steps: 10}]", "train.lr_schedule[0]: a cosine phase needs lr: the learning rate it ends at"),
         ("train.lr_schedule={kind: warmup, steps: 3}", "train.lr_schedule: expected a list of phases, each {kind, steps, lr}"),
         ("train.lr_schedule=[]", "train.lr_schedule: []: an empty schedule; give one phase at least, e.g. [{kind: constant, steps: 1}], or remove it"),
-        ("train.lr_schedule=[{kind: warmup, steps: '5'}]", "train.lr_schedule.0.steps: '5': text is not a number; give an integer without quotes"),
-        ("train.lr_schedule=[{kind: warmup, steps: 0}]", "train.lr_schedule.0.steps: 0: Input should be greater than or equal to 1"),
-        ("train.lr_schedule=[{kind: decay, steps: 3}]", "train.lr_schedule.0.kind: 'decay': Input should be 'warmup', 'constant', 'cosine' or 'linear'"),
-        ("train.lr_schedule=[{kind: warmup, steps: 3, to: 1}]", "train.lr_schedule.0.to: unknown key"),
-        ("train.lr_schedule=[{kind: warmup, steps: 3, lr: 0}]", "train.lr_schedule.0.lr: 0; a warm-up must end above 0"),
+        ("train.lr_schedule=[{kind: warmup, steps: '5'}]", "train.lr_schedule[0].steps: '5': text is not a number; give an integer without quotes"),
+        ("train.lr_schedule=[{kind: warmup, steps: 0}]", "train.lr_schedule[0].steps: 0: Input should be greater than or equal to 1"),
+        ("train.lr_schedule=[{kind: decay, steps: 3}]", "train.lr_schedule[0].kind: 'decay': Input should be 'warmup', 'constant', 'cosine' or 'linear'"),
+        ("train.lr_schedule=[{kind: warmup, steps: 3, to: 1}]", "train.lr_schedule[0].to: unknown key"),
+        ("train.lr_schedule=[{kind: warmup, steps: 3, lr: 0}]", "train.lr_schedule[0].lr: 0; a warm-up must end above 0"),
     ],
 )
 def test_a_phase_that_cannot_work_is_refused_in_one_line(setting: str, line: str) -> None:
@@ -117,7 +117,7 @@ def test_adamws_first_step_is_checked_at_the_schedules_largest_learning_rate() -
     with pytest.raises(ConfigError) as info:
         load_config({"model": {"dtype": "bfloat16"}, "train": {"master_dtype": "bfloat16", "lr_schedule": [
             {"kind": "warmup", "steps": 2}, {"kind": "linear", "steps": 2, "lr": 1e38}]}})
-    assert info.value.problems[0].startswith("train.lr_schedule.1.lr: 1e+38: AdamW's first step multiplies by")
+    assert info.value.problems[0].startswith("train.lr_schedule[1].lr: 1e+38: AdamW's first step multiplies by")
 
 
 # ------------------------------------------------------------------------------- on resume

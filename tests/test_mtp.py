@@ -177,6 +177,27 @@ def test_the_published_layout_goes_in_and_comes_out_bit_for_bit(folder: Path, tm
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
+def test_a_tied_model_with_a_prediction_module_exports_and_reads_back_bit_for_bit(tmp_path: Path) -> None:
+    """tie_word_embeddings with mtp_layers 1: no lm_head.weight, the module's shared head is the
+    embedding as the folder is read back (mapping the module's head to lm_head would raise here)."""
+    from portapipe.backends.cpu import CPUBackend
+    from portapipe.models.expert_parallel import ExpertParallel
+
+    def state_of(m: Any) -> dict[str, torch.Tensor]:
+        blocks = build_blocks(m, [0, 1], 2, ExpertParallel(CPUBackend()), seed=3)
+        return logical_state([(n, t) for b in blocks.values() for n, t in b.state_dict(keep_vars=True).items()])
+
+    m = load_config({"model": model_section("deepseek_v3", mtp_layers=1, tie_word_embeddings=True, dtype="float64")}).model
+    state = state_of(m)
+    out = export_hf(state, m, tmp_path / "out")
+    written = load_file(str(out / "model.safetensors"))
+    assert "lm_head.weight" not in written and json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    back = load_config({"model": model_section("deepseek_v3", mtp_layers=1, tie_word_embeddings=True, dtype="float64", init_from=str(out))}).model
+    assert init_problems(back) == []
+    again = state_of(back)
+    assert sorted(again) == sorted(state) and all(torch.equal(again[k], state[k]) for k in state)
+
+
 def test_a_folder_is_read_with_fewer_modules_but_not_more_and_its_copies_must_be_equal(folder: Path, tmp_path: Path) -> None:
     def problems(path: Path, depth: int) -> list[str]:
         return init_problems(load_config({"model": model_section("deepseek_v3", init_from=str(path), mtp_layers=depth)}).model)
@@ -210,7 +231,8 @@ def test_the_keys_are_refused_where_they_cannot_apply() -> None:
 @pytest.mark.parametrize("given, said", [
     ("0.3", "the weight '0.3' is not a number; write it unquoted"),
     (True, "the weight True is not a number"),
-    ({"0": "0.3"}, "step '0' is not a whole number >= 0; the schedule is {step: weight}"),
+    ({"0": "0.3"}, "the weight of step 0 '0.3' is not a number"),
+    ({"a": 0.3}, "step 'a' is not a whole number >= 0; the schedule is {step: weight}"),
     ({0: "0.3"}, "the weight of step 0 '0.3' is not a number"),
     (float("nan"), "the weight nan is not a finite number >= 0 and <= 10000"),
     (float("inf"), "the weight inf is not a finite number >= 0 and <= 10000"),
@@ -227,6 +249,12 @@ def test_the_mtp_weight_is_a_number_or_a_schedule_of_numbers_each_refusal_saying
         load_config({"model": {"mtp_layers": 1}, "train": {"mtp_loss_weight": given}})
     (line,) = str(err.value).strip().splitlines()
     assert line.startswith("train.mtp_loss_weight: ") and said in line, line
+
+
+def test_a_schedule_written_back_as_json_reads_the_same() -> None:
+    """JSON's keys are text: a config written back (a checkpoint's) gives {"0": 0.3, "2": 0.1}."""
+    c = load_config({"model": {"mtp_layers": 1}, "train": {"mtp_loss_weight": {0: 0.3, 2: 0.1}}})
+    assert load_config(json.loads(json.dumps(c.to_dict()))).train.mtp_loss_weight == {0: 0.3, 2: 0.1}
 
 
 def test_the_sequence_balance_weight_has_the_same_bound() -> None:

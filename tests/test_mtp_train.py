@@ -29,10 +29,10 @@ MODEL = {"hidden": 16, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 
          "seq_len": 16, "dtype": "float64"}
 
 
-def _config(root: Path, log: str, layout: dict[str, Any], depth: int = 1, **checkpoint: Any) -> dict[str, Any]:
+def _config(root: Path, log: str, layout: dict[str, Any], depth: int = 1, weight: Any = None, **checkpoint: Any) -> dict[str, Any]:
     train = {"steps": 4, "lr": 1e-2, "warmup_steps": 1, "micro_batch_size": layout.pop("mbs"), "seq_aux_loss_weight": 0.01}
     if depth:
-        train["mtp_loss_weight"] = {0: 0.3, 2: 0.1}
+        train["mtp_loss_weight"] = {0: 0.3, 2: 0.1} if weight is None else weight
     return load_config({
         "backend": "cpu", "model": {**MODEL, "mtp_layers": depth}, **layout, "train": train, "data": {"val_fraction": 0.2},
         "log": {"dir": str(root / log), "progress": False}, "checkpoint": {"keep": 5, **checkpoint},
@@ -51,13 +51,14 @@ def _runs(backend: Any, root: str) -> dict[str, Any]:
     a = {"parallel": {"pp": 2}, "schedule": {"name": "1f1b", "microbatches": 2}, "mbs": 2}
     b = {"parallel": {"pp": 1, "ep": 2}, "schedule": {"name": "dualpipev", "microbatches": 2}, "mbs": 1}
     plain = {"parallel": {"pp": 2}, "schedule": {"name": "1f1b", "microbatches": 2}, "mbs": 2}
-    for log, layout, depth, extra in (
-        ("A", a, 1, {"every": 2}),
-        ("B", b, 1, {"load": str(base / "A" / "checkpoints" / "step_00000002")}),
-        ("plain", plain, 0, {}),
+    for log, layout, depth, weight, extra in (
+        ("A", a, 1, None, {"every": 2}),
+        ("B", b, 1, None, {"load": str(base / "A" / "checkpoints" / "step_00000002")}),
+        ("plain", plain, 0, None, {}),
+        ("constant", a, 1, 0.3, {}),  # A's layout at A's first weight throughout
     ):
         fresh = type(backend)(backend.options)
-        summary = train_rank(fresh, _config(base, log, dict(layout), depth, **extra))
+        summary = train_rank(fresh, _config(base, log, dict(layout), depth, weight, **extra))
         if torch.distributed.get_rank() == 0:
             out[log] = {"summary": summary, "rows": _rows(base / log)}
     return out
@@ -110,3 +111,16 @@ def test_the_progress_bar_shows_each_term() -> None:
            "a2a_hidden_pct": None, "ep_wait_frac": None, "grad_sync_exposed_s": 0.0}
     _show(bar, row)
     assert list(bar.shown)[:4] == ["loss", "mtp1", "mtp2", "bal"] and bar.shown["mtp2"] == "3.700"
+
+
+@pytest.mark.multiproc
+def test_the_schedule_switches_the_weight_at_its_step_and_each_row_says_the_weight_in_force(runs: dict[str, Any]) -> None:
+    """{0: 0.3, 2: 0.1}: steps 1 and 2 (0-based 0 and 1) are the constant 0.3 run's bit for bit,
+    step 3's gradient is not (a schedule read one step early or late moves step 2's or step 4's)."""
+    a, constant = runs["A"]["rows"], runs["constant"]["rows"]
+    assert [a[s]["mtp_loss_weight"] for s in (1, 2, 3, 4)] == [0.3, 0.3, 0.1, 0.1]
+    assert all(constant[s]["mtp_loss_weight"] == 0.3 for s in (1, 2, 3, 4))
+    assert "mtp_loss_weight" not in runs["plain"]["rows"][1]
+    for s in (1, 2):
+        assert (a[s]["loss"], a[s]["grad_norm"], a[s]["mtp_loss_1"]) == (constant[s]["loss"], constant[s]["grad_norm"], constant[s]["mtp_loss_1"]), s
+    assert a[3]["loss"] == constant[3]["loss"] and a[3]["grad_norm"] != constant[3]["grad_norm"]

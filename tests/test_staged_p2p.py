@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from portapipe.backends.staged_p2p import HostStagedP2P, copy_staging
+from portapipe.backends.staged_p2p import HostStagedP2P, HostStaging, copy_staging
 from tests import staged_backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +30,9 @@ SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 class _Op:
     """torch's P2POp without a process group (its constructor needs one)."""
 
-    def __init__(self, op: Any, tensor: torch.Tensor, peer: int | None = None, group: Any = None, tag: int = 0) -> None:
-        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+    def __init__(self, op: Any, tensor: torch.Tensor, peer: int | None = None, group: Any = None, tag: int = 0,
+                 group_peer: int | None = None) -> None:
+        self.op, self.tensor, self.peer, self.group, self.tag, self.group_peer = op, tensor, peer, group, tag, group_peer
 
 
 @pytest.fixture(autouse=True)
@@ -95,6 +96,40 @@ def test_a_completed_receive_lands_when_seen_completed_and_host_tensors_go_as_th
     inner.done = True
     assert works[1].is_completed() is True and torch.equal(dev, torch.full((3,), 7.0))
     assert p2p.batch_isend_irecv([]) == []
+
+
+def test_the_sends_host_copies_have_landed_before_a_batch_of_sends_and_receives_is_posted() -> None:
+    """On a GPU the host copies run on a stream while the library reads the buffers from its own
+    thread: every to_host of the batch, then one host_ready, then the post (a recording staging)."""
+    events: list[str] = []
+    base = copy_staging(is_host=lambda t: False)
+    staging = HostStaging(
+        host_empty=base.host_empty,
+        to_host=lambda dst, src: (events.append("to_host"), base.to_host(dst, src)),
+        host_ready=lambda: events.append("host_ready"),
+        to_device=base.to_device,
+        on_host=base.on_host,
+    )
+    posted, post = _recorder()
+    p2p = HostStagedP2P(staging, post=lambda ops: (events.append("post"), post(ops))[1])
+    ops = [dist.P2POp(dist.isend, torch.ones(2), 1), dist.P2POp(dist.irecv, torch.zeros(2), 1), dist.P2POp(dist.isend, torch.ones(3), 1)]
+    p2p.batch_isend_irecv(ops)
+    assert events == ["to_host", "to_host", "host_ready", "post"]
+    events.clear()
+    p2p.batch_isend_irecv([dist.P2POp(dist.irecv, torch.zeros(2), 1)])  # receives only: nothing to wait for
+    assert events == ["post"]
+
+
+def test_an_op_naming_its_peer_by_group_rank_keeps_it() -> None:
+    """torch's P2POp may name the peer as a rank of its group (``group_peer``, ``peer`` None): the
+    staged op keeps that, with the group."""
+    posted, post = _recorder()
+    p2p = HostStagedP2P(copy_staging(is_host=lambda t: False), post=post)
+    group = object()
+    op = _Op(dist.isend, torch.ones(2), peer=None, group=group, tag=5, group_peer=1)  # built by hand: no process group here
+    p2p.batch_isend_irecv([op])
+    (sent,) = posted
+    assert (sent.peer, sent.group_peer, sent.group, sent.tag) == (None, 1, group, 5) and sent.tensor is not op.tensor
 
 
 def test_the_gloo_double_refuses_what_gloo_cannot_move() -> None:

@@ -87,6 +87,27 @@ def test_metrics_log_drops_steps_after_the_resumed_checkpoint(tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
+def test_a_resume_says_what_it_dropped_and_which_rows_are_missing(tmp_path, capsys):
+    """One line for the lines that are not JSON, one for the steps up to the checkpoint that have
+    no row (log.every's steps only), each naming the file; a whole file says nothing."""
+    log = MetricsLog(tmp_path, None)
+    for s in (1, 2, 5, 6):
+        log.write({"kind": "train", "step": s, "loss": 1.0})
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("not json\n{\"kind\": \"train\", \"step\": 7, \"lo\n")
+    MetricsLog(tmp_path, 6).close()
+    err = capsys.readouterr().err.strip().splitlines()
+    path = tmp_path / "metrics.jsonl"
+    assert err == [f"portapipe: {path}: 2 lines that are not JSON dropped on resume (cut short by a crash, or edited)",
+                   f"portapipe: {path}: no row for 2 of the steps up to 6 that log.every 1 writes (steps 3-4); the file reads as the run from there on"]
+    MetricsLog(tmp_path, 6, every=2).close()  # steps 2, 4, 6: 4 is missing
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"portapipe: {path}: no row for 1 of the steps up to 6 that log.every 2 writes (steps 4); the file reads as the run from there on"]
+    MetricsLog(tmp_path, 2).close()
+    assert capsys.readouterr().err == ""
+
+
 def test_a_resumed_metrics_log_keeps_every_kind_of_row_up_to_its_step_and_no_summary(tmp_path):
     log = MetricsLog(tmp_path, None)
     written = [{"kind": "memory", "step": 0, "params": 1}, {"kind": "train", "step": 1, "loss": 1.0},

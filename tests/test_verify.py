@@ -146,6 +146,14 @@ def test_the_float32_tolerance_is_derived_from_rounding_and_depth() -> None:
     assert mtp.loss == pytest.approx(tol.loss * 7 / 5) and mtp.grad == 2 * mtp.loss and "n_layers + mtp_layers + 1 = 7" in mtp.basis
 
 
+def test_a_micro_batchs_tokens_count_as_the_longest_sum_where_they_are() -> None:
+    """8 sequences of 8 tokens: a weight gradient sums 64 terms, more than any width (hidden 16,
+    ffn 32, vocab 32): k is 64, not 32."""
+    cfg = _with(_config("1f1b", 2), train__micro_batch_size=8)
+    tol = float32_tolerance(cfg)
+    assert "k = 64" in tol.basis and tol.loss == pytest.approx(4 * FLOAT32_UNIT_ROUNDOFF * 64**0.5 * 5)
+
+
 def test_a_float32_step_meets_its_tolerance_against_the_float64_reference_and_a_wrong_one_fails() -> None:
     """The single-process step in float32 (what a float32 device computes) against the float64
     reference: within the derived tolerance, not equal, and a gradient off by 1e-4 is caught."""

@@ -90,11 +90,11 @@ def peak(phases: Sequence[Phase], start: float) -> float:
 
 
 def problems(phases: Sequence[Phase]) -> list[str]:
-    """What makes written phases unusable, one line each naming ``train.lr_schedule.<i>``."""
+    """What makes written phases unusable, one line each naming ``train.lr_schedule[i]``."""
     out = []
     for i, p in enumerate(phases):
         if p.kind == "warmup" and p.lr <= 0:
-            out.append(f"train.lr_schedule.{i}.lr: {p.lr:g}; a warm-up must end above 0")
+            out.append(f"train.lr_schedule[{i}].lr: {p.lr:g}; a warm-up must end above 0")
     return out
 
 
