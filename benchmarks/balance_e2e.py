@@ -140,7 +140,7 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str
     this rank's cores and threads."""
     from portapipe.compose import PipelineRuntime
     from portapipe.config import config_from_dict
-    from portapipe.data import TextData, replica_of
+    from portapipe.data.batches import Batches, replica_of
     from portapipe.metrics import ep_step_figures, gather_step_stats
     from portapipe.models.routing import force_routing
     from portapipe.train import counted_blocks, make_sharded_optimizer
@@ -155,7 +155,7 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str
         force_routing(config.bench, config.model, {layer.index: layer.moe.router for layer in runtime.moe_layers()}, config.train.seed)
         optimizer = make_sharded_optimizer(runtime, config, backend)
         optimizer.lr = config.train.lr  # constant: every variant steps alike
-        runs[name] = (config, groups, runtime, optimizer, TextData(config))
+        runs[name] = (config, groups, runtime, optimizer, Batches(config))
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
     for step in range(steps):
         for name, (config, groups, runtime, optimizer, data) in runs.items():

@@ -42,7 +42,7 @@ from portapipe.checkpoint import files  # noqa: E402
 from portapipe.checkpoint.io import Checkpointer  # noqa: E402
 from portapipe.checkpoint.run import RunPlan  # noqa: E402
 from portapipe.config import config_from_dict, load_config  # noqa: E402
-from portapipe.data import TextData, replica_of  # noqa: E402
+from portapipe.data.batches import Batches, replica_of  # noqa: E402
 from portapipe.launch import run_ranks  # noqa: E402
 from portapipe.train import make_sharded_optimizer  # noqa: E402
 
@@ -76,7 +76,7 @@ def _rank(backend: Any, raw: dict[str, Any], repeats: int, folder: str) -> dict[
     optimizer = make_sharded_optimizer(runtime, config, backend)
     optimizer.lr = config.train.lr
     replica, replicas = replica_of(groups)
-    runtime.step(TextData(config).microbatches(0, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len))
+    runtime.step(Batches(config).microbatches(0, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len))
     optimizer.step()  # AdamW's moments exist from here on
     runtime.grads.zero_grad()
     plan = RunPlan(run_id="bench", root=str(Path(folder) / "dcp"), mode="new", lr_schedule_steps=1)

@@ -32,7 +32,6 @@ from portapipe.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "deepseek_v3.yaml"
-CORPUS = ROOT / "portapipe" / "data" / "shakespeare.txt.gz"
 TOKENIZER = ROOT / "examples" / "tokenizer"
 
 
@@ -89,13 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weight", type=float, default=0.3, help="lambda of the D = 1 run [0.3, DeepSeek-V3's first]")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each, taking turns [1]")
     args = ap.parse_args(argv)
-    from portapipe.tokens import tokenize
+    from portapipe.data.readers import expand
+    from portapipe.data.shipped import DEFAULT_CORPUS, shipped_eos
+    from portapipe.data.tokenizer import load_tokenizer
+    from portapipe.data.writer import Options, write_dataset
 
     load_before = os.getloadavg()
     runs: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
     with tempfile.TemporaryDirectory() as tmp:
-        tokens = Path(tmp) / "shakespeare-1k.bin"
-        tokenize(CORPUS, tokens, TOKENIZER)
+        tokens = Path(tmp) / "shakespeare-1k"  # what `portapipe tokenize` writes without an input
+        write_dataset(expand([str(DEFAULT_CORPUS)]), tokens, Options(TOKENIZER, eos=shipped_eos(load_tokenizer(TOKENIZER))))
         for i in range(args.repeats):
             for depth in (0, 1):
                 runs[depth].append(run(depth, args.steps, args.weight, tokens, Path(tmp) / f"d{depth}_{i}"))

@@ -11,11 +11,18 @@ Three parts, each a series of ``portapipe train`` runs (gloo ranks, temporary fo
   float32, and at dp 2 in bfloat16 (float32 master weights);
 - overlap: DualPipeV pp 2 x dp 2, float32, with ``train.overlap_grad_sync`` on and off: the
   median step time and the median gradient synchronisation left exposed after the last action
-  (the largest over ranks), over ``--overlap-steps`` steps after the first.
+  (the largest over ranks), over ``--overlap-steps`` steps after the first;
+- moments: AdamW's moments in float32 against bfloat16 (``train.moments_dtype``, DeepSeek-V3's
+  recipe), same seed and data, ``--moments-steps`` steps at lr 3e-4 (cosine to the end), in
+  float32 compute and in bfloat16 compute with float32 master weights: the validation losses and
+  their ratio, the optimizer bytes per rank (the memory record), the median step time;
+- ema: the host EMA of the weights (``train.ema_decay``) on and off, taking turns ``--ema-rounds``
+  times, ``--ema-steps`` steps each: the median iteration time (step, optimizer, the EMA's copy
+  out) and its ratio, the host bytes per rank and the validation losses of the weights and the EMA.
 
 Prints one JSON object; ``--png`` draws the loss curves.
 
-    python benchmarks/precision.py [--steps 200] [--overlap-steps 30] [--png docs/precision.png]
+    python benchmarks/precision.py [--steps 200] [--overlap-steps 30] [--moments-steps 300] [--png docs/precision.png]
 """
 
 from __future__ import annotations
@@ -105,6 +112,41 @@ def overlap(steps: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def moments(steps: int, tmp: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    common = [f"train.steps={steps}", "train.lr=3e-4", "train.min_lr=3e-5", f"train.lr_schedule_steps={steps}"]
+    for compute in ("float32", "bfloat16"):
+        entry: dict[str, Any] = {}
+        for kept in ("float32", "bfloat16"):
+            summary, rows = _train(common + [f"model.dtype={compute}", f"train.moments_dtype={kept}"], tmp / f"moments-{compute}-{kept}")
+            record = next(r for r in rows if r["kind"] == "memory")
+            entry[kept] = {"val_loss": summary["val_loss"], "final_loss_avg5": summary["final_loss_avg5"],
+                           "median_step_s": summary["median_step_s"], "optimizer_bytes_per_rank": record["optimizer"],
+                           "master_bytes_per_rank": record["master"]}
+            print(f"{compute} compute, {kept} moments: val {summary['val_loss']:.4f}", file=sys.stderr)
+        f32, bf16 = entry["float32"], entry["bfloat16"]
+        entry["val_loss_bf16_vs_f32_pct"] = 100.0 * (bf16["val_loss"] / f32["val_loss"] - 1.0)
+        entry["optimizer_bytes_bf16_vs_f32"] = bf16["optimizer_bytes_per_rank"] / f32["optimizer_bytes_per_rank"]
+        out[f"{compute}_compute"] = entry
+    return out
+
+
+def ema(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
+    iters: dict[str, list[float]] = {"off": [], "on": []}
+    out: dict[str, Any] = {}
+    for r in range(rounds):
+        for name, sets in (("off", []), ("on", ["train.ema_decay=0.99"])):
+            summary, rows = _train([f"train.steps={steps}", "train.lr=3e-4", *sets], tmp / f"ema-{name}-{r}")
+            iters[name] += [row["iter_s"] for row in rows if row["kind"] == "train"][1:]  # the first step pays one-time costs
+            record = next(row for row in rows if row["kind"] == "memory")
+            out[name] = {"val_loss": summary["val_loss"], "val_loss_ema": summary.get("val_loss_ema"), "ema_host_bytes_per_rank": record.get("ema_host", 0)}
+    for name in iters:
+        out[name]["median_iter_s"] = statistics.median(iters[name])
+    out["iter_on_vs_off"] = out["on"]["median_iter_s"] / out["off"]["median_iter_s"]
+    print(f"ema: iteration {out['iter_on_vs_off']:.3f}x", file=sys.stderr)
+    return out
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -127,14 +169,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="training steps of each precision run")
     ap.add_argument("--overlap-steps", type=int, default=30)
+    ap.add_argument("--moments-steps", type=int, default=300, help="training steps of each moments-dtype run")
+    ap.add_argument("--ema-steps", type=int, default=40, help="training steps of each EMA on / off run")
+    ap.add_argument("--ema-rounds", type=int, default=3, help="EMA on / off runs taking turns")
     ap.add_argument("--png", type=Path, default=None)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: precision, memory, overlap")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: precision, memory, overlap, moments, ema")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     result: dict[str, Any] = {"machine": {"processor": platform.processor(), "torch": torch.__version__}, "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         for part, run in (("overlap", lambda: overlap(args.overlap_steps, Path(tmp))), ("memory", lambda: memory(Path(tmp))),
-                          ("precision", lambda: precision(args.steps, Path(tmp)))):
+                          ("precision", lambda: precision(args.steps, Path(tmp))), ("moments", lambda: moments(args.moments_steps, Path(tmp))),
+                          ("ema", lambda: ema(args.ema_steps, args.ema_rounds, Path(tmp)))):
             if part not in skip:
                 result[part] = run()
                 print(json.dumps({part: result[part]}), file=sys.stderr, flush=True)  # a long run's parts as they finish

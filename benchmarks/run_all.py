@@ -48,6 +48,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "lone_overlap": ["--reps", "20"],  # docs/executor.md's lone actions' hidden exchange time
     "balancer_collectives": ["--ep", "4", "--redundant", "1"],  # docs/balancers-in-training.md's replica sum and figure gather
     "validation": ["--rounds", "5"],  # docs/training.md's forward-only validation
+    "data": [],  # the README's data figures: tokenize vs datasets.map, batch making, a 20 GB corpus, blends, document masking
 }
 #: benchmark scripts whose figures come from another machine, with where they run instead
 ELSEWHERE: dict[str, str] = {
@@ -111,11 +112,11 @@ def run_command(cmd: list[str], cwd: Path) -> tuple[dict[str, Any], Any]:
 def training_entries(tmp: Path) -> dict[str, list[list[str]]]:
     """The README's training examples (one command list each), writing under ``tmp``."""
     cli = [sys.executable, "-m", "portapipe.cli"]
-    tokens = str(tmp / "shakespeare-1k.bin")
+    tokens = str(tmp / "shakespeare-1k")
     return {
         "train_cpu": [cli + ["train", str(ROOT / "examples" / "cpu.yaml"), "--set", f"log.dir={tmp / 'cpu'}", "--set", "log.progress=false"]],
         "train_deepseek_v3": [
-            cli + ["tokenize", str(ROOT / "portapipe" / "data" / "shakespeare.txt.gz"), tokens, "--tokenizer", str(ROOT / "examples" / "tokenizer")],
+            cli + ["tokenize", tokens],  # the shipped corpus with its tokenizer, as the README's command
             cli + ["train", str(ROOT / "examples" / "deepseek_v3.yaml"), "--set", f"data.path={tokens}", "--set", f"log.dir={tmp / 'deepseek_v3'}"],
         ],
     }

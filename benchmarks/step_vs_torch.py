@@ -59,7 +59,7 @@ from torch import nn
 import portapipe
 from portapipe import pinning
 from portapipe.config import Config, config_from_dict, load_config
-from portapipe.data import TextData, replica_of
+from portapipe.data.batches import Batches, replica_of
 from portapipe.launch import rank_threads, run_ranks
 from portapipe.compose import PipelineRuntime, model_end_step
 from portapipe.models.moe import Block
@@ -214,7 +214,7 @@ def bench_rank(
     """Run on every rank: build the variants, check them against each other, time them in turns."""
     probe = config_from_dict(base)
     groups = backend.parallel_groups(probe.parallel.pp, probe.parallel.dp, probe.parallel.ep)
-    data = TextData(probe)
+    data = Batches(probe)
     tc, m = probe.train, probe.schedule.microbatches
 
     replica, replicas = replica_of(groups)

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _full_steps(runtime: Any, data: Any, config: Any, groups: Any) -> float:
     """The validation as it was: every batch a training step whose effects are undone."""
-    from portapipe.data import replica_of
+    from portapipe.data.batches import replica_of
     from portapipe.train import VAL_BATCHES
 
     replica, replicas = replica_of(groups)
@@ -51,14 +51,14 @@ def _full_steps(runtime: Any, data: Any, config: Any, groups: Any) -> float:
 def _rank(backend: Any, raw: dict[str, Any], rounds: int) -> dict[str, Any]:
     from portapipe.compose import PipelineRuntime
     from portapipe.config import config_from_dict
-    from portapipe.data import TextData
+    from portapipe.data.batches import Batches
     from portapipe.train import validation_loss
 
     config = config_from_dict(raw)
     groups = backend.parallel_groups(config.parallel.pp, config.parallel.dp, config.parallel.ep)
     runtime = PipelineRuntime(config, backend, groups)
-    data = TextData(config)
-    ways = {"full_step": lambda: _full_steps(runtime, data, config, groups), "forward_only": lambda: validation_loss(runtime, data, config, groups)}
+    data = Batches(config)
+    ways = {"full_step": lambda: _full_steps(runtime, data, config, groups), "forward_only": lambda: validation_loss(runtime, data, config, groups)[0]}
     ways["full_step"]()  # the first run of each pays one-time costs
     ways["forward_only"]()
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in ways}

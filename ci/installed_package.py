@@ -60,7 +60,7 @@ STEPS = (
     # The deepseek_v3 starter's token data from an empty folder: the corpus and the tokenizer ship,
     # so the one missing piece named is the extra (tokenize checks its files before the library).
     Step("portapipe init deepseek_v3 --out d.yaml"),
-    Step("portapipe tokenize runs/shakespeare-1k.bin", 2, "pip install 'portapipe[data]'"),
+    Step("portapipe tokenize runs/shakespeare-1k", 2, "pip install 'portapipe[data]'"),
     # Extras not installed: one line naming the extra, before anything starts.
     Step("portapipe simulate --schedule 1f1b --pp 2 --microbatches 4 --plot s.png", 2, "pip install 'portapipe[viz]'"),
     Step("portapipe train c.yaml --set log.tensorboard=true --set log.dir=runs/tb", 2, "pip install 'portapipe[tensorboard]'"),

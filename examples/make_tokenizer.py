@@ -1,5 +1,5 @@
 """Train the small byte-level BPE tokenizer shipped in examples/tokenizer/ (1,024 tokens; the
-package ships it as portapipe/data/tokenizer-1k.json, a link to it).
+package ships it as portapipe/assets/tokenizer-1k.json, a link to it).
 
     python examples/make_tokenizer.py [OUT_DIR]
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from portapipe.data import DEFAULT_CORPUS
+from portapipe.data.shipped import DEFAULT_CORPUS
 
 
 def main(out: Path) -> None:

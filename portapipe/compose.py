@@ -35,7 +35,7 @@ from .config import Config
 from .memory.policy import configure as configure_memory
 from .models.expert_parallel import ExpertParallel
 from .models.fp8_layers import enable_fp8
-from .models.moe import DTYPES, Block, Layer, build_blocks
+from .models.moe import DTYPES, Block, Layer, build_blocks, tie_copies
 from .models.objective import Objective, balance_terms, mtp_terms
 from .optim.buckets import GradBuckets
 from .optim.precision import master_dtype, reduce_dtype
@@ -94,6 +94,9 @@ class PipelineRuntime(PipelineExecutor):
             boundary=boundary, overlap=config.schedule.overlap, exchange_stats=self.ep.stats, end_step=model_end_step,
             counts_stats=self.ep.counts_stats, loss_terms=loss_terms(config),
         )
+        # a weight blocks on the same ranks share (the embedding of DualPipe's and DualPipeV's first
+        # and last blocks: multi-token prediction, a tied head) is one tensor there, not a copy per block
+        tie_copies(self.blocks, self.held_together)
         self.check_copies()  # a weight several blocks share starts equal in every copy
         if self.balancer is not None:
             self.balancer.attach(self.moe_layers())

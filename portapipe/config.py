@@ -393,6 +393,11 @@ class TrainConfig(_Section):
         description="dtype of the master weights, the gradient accumulation and AdamW's state; auto: float32 when "
         "model.dtype is bfloat16 or float16, else model.dtype",
     )
+    moments_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype AdamW's two moments are stored in (Megatron-Core's exp_avg_dtype / exp_avg_sq_dtype; DeepSeek-V3: "
+        "bfloat16); the update is computed in the more precise of it and the master dtype; auto: the master dtype",
+    )
     grad_reduce_dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
         "auto", description="dtype gradients are summed over the data-parallel replicas in; auto: the master dtype"
     )
@@ -411,6 +416,12 @@ class TrainConfig(_Section):
         description="0: every replica holds the whole optimizer; 1: master weights and AdamW state sharded over the "
         "replicas, updated parameters all-gathered; 2: gradients also reduce-scattered into the shards",
     )
+    ema_decay: float | None = Field(
+        None, gt=0, lt=1,
+        description="keep an exponential moving average of the weights in host memory (float32, sharded like the master "
+        "weights), updated after each step on a background thread: ema = decay x ema + (1 - decay) x weights; saved in "
+        "checkpoints, exported with portapipe export --ema, validated beside the weights (val_loss_ema); none: not kept",
+    )
     grad_bucket_mb: float = Field(25.0, gt=0, description="size of one gradient bucket (MB of master-dtype gradients)")
     overlap_grad_sync: bool = Field(
         True, description="reduce a block's gradient buckets as soon as its last backward of the step ran (false: all after the schedule)"
@@ -423,8 +434,9 @@ class TrainConfig(_Section):
     seq_aux_loss_weight: float = Field(
         0.0,
         ge=0,
+        le=1e4,
         description="alpha of DeepSeek-V3's complementary sequence-wise balance loss, added for every MoE layer "
-        "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed",
+        "(alpha x sum_i f_i P_i per sequence; DeepSeek-V3: 0.0001); 0 = not computed; at most 1e4",
     )
     fp8: Literal["off", "deepseek"] = Field(
         "off",
@@ -440,6 +452,13 @@ class TrainConfig(_Section):
         # YAML 1.1 reads a bare `off` as False.
         return "off" if v is False else v
 
+    @field_validator("lr_schedule", mode="before")
+    @classmethod
+    def _phases_listed(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, list):
+            raise ValueError("expected a list of phases, each {kind, steps, lr}")
+        return v
+
     @field_validator("lr_schedule")
     @classmethod
     def _phases_given(cls, v: Any) -> Any:
@@ -447,13 +466,26 @@ class TrainConfig(_Section):
             raise ValueError("an empty schedule; give one phase at least, e.g. [{kind: constant, steps: 1}], or remove it")
         return v
 
+    @field_validator("mtp_loss_weight", mode="before")
+    @classmethod
+    def _mtp_weight_typed(cls, v: Any) -> Any:
+        # before pydantic's union, whose lax mode would take "0.3", true and {"0": "0.3"}, and whose
+        # message for .nan or {0.5: 0.3} would not say what is wrong
+        if isinstance(v, dict):
+            if v and all(w is None for w in v.values()) and all(isinstance(k, float) for k in v):
+                raise ValueError(
+                    f"read as {v}: YAML 1.1 reads step:weight without a space as one base-60 number; "
+                    "write a space after each colon, e.g. {0: 0.3, 10: 0.1}")
+            for step, w in v.items():
+                if isinstance(step, bool) or not isinstance(step, int):
+                    raise ValueError(f"step {step!r} is not a whole number >= 0; the schedule is {{step: weight}}, e.g. {{0: 0.3, 10: 0.1}}")
+                _loss_weight(w, f"the weight of step {step}")
+            return v
+        return _loss_weight(v, "the weight")
+
     @field_validator("mtp_loss_weight")
     @classmethod
     def _mtp_weight_in_range(cls, v: Any) -> Any:
-        weights = v.values() if isinstance(v, dict) else [v]
-        bad = [w for w in weights if not (w >= 0 and w == w and w != float("inf"))]
-        if bad:
-            raise ValueError(f"weight {bad[0]} is not a finite number >= 0")
         if isinstance(v, dict):
             if not v:
                 raise ValueError("an empty schedule; give a weight for step 0 at least, e.g. {0: 0.3}")
@@ -471,19 +503,67 @@ class TrainConfig(_Section):
         return v
 
 
+#: the largest weight a loss term may have: 1e4 times the main loss's (DeepSeek-V3's are 0.3 and 1e-4); the
+#: weight scales the term's gradient seed in the model's dtype, where 1e308 cannot be held at all
+MAX_LOSS_WEIGHT = 1e4
+
+
+def _loss_weight(w: Any, what: str) -> float:
+    """A loss term's weight as the config gives it: a finite number in [0, MAX_LOSS_WEIGHT], never a
+    string or a boolean (YAML's quotes and true would otherwise be read as numbers)."""
+    if isinstance(w, bool) or not isinstance(w, (int, float)):
+        raise ValueError(f"{what} {w!r} is not a number; write it unquoted, e.g. 0.3")
+    if not (0 <= w <= MAX_LOSS_WEIGHT):  # nan fails both
+        raise ValueError(f"{what} {w!r} is not a finite number >= 0 and <= {MAX_LOSS_WEIGHT:g}")
+    return float(w)
+
+
+class SourceConfig(_Section):
+    """One source of a blend (``data.sources``, ``data.val_sources``)."""
+
+    path: str = Field(description="a dataset folder (portapipe tokenize), a Megatron prefix (PREFIX.bin + PREFIX.idx) or a token file")
+    weight: float = Field(1.0, gt=0, description="its share of the samples, the weights normalised over the sources [1]")
+
+
 class DataConfig(_Section):
     format: Literal["bytes", "tokens"] = Field(
-        "bytes", description="bytes: a text file, one token per byte; tokens: a flat file of uint16 / uint32 token ids (portapipe tokenize, nanoGPT)"
+        "bytes", description="bytes: a text file, one token per byte; tokens: token data (data.path or data.sources): a dataset "
+        "folder portapipe tokenize wrote, a Megatron-Core indexed dataset (PREFIX.bin + PREFIX.idx) or a flat file of uint16 / uint32 ids (nanoGPT)"
     )
-    path: str | None = Field(None, description="the text (bytes) or token file (tokens); default for bytes: the corpus shipped with portapipe")
+    path: str | None = Field(None, description="the text (bytes) or the token data (tokens; a blend of one); default for bytes: the corpus shipped with portapipe")
+    sources: list[SourceConfig] | None = Field(
+        None, description="tokens: a blend, a list of {path, weight}; each step's samples come from the sources in proportion to "
+        "the weights (Megatron's rule, see docs/training.md)"
+    )
+    val_sources: list[SourceConfig] | None = Field(
+        None, description="tokens: validation data of its own, a list of {path, weight}; the loss is reported per source "
+        "(without it: the last val_fraction of each source)"
+    )
+    sampling: Literal["auto", "epochs", "random"] = Field(
+        "auto", description="epochs: windows of seq_len + 1 tokens laid end to end, each epoch in its own seeded order, no window twice "
+        "in an epoch; random: windows at random starts, with replacement (one source); auto: epochs for tokens, random for bytes"
+    )
+    document_mask: bool = Field(
+        False, description="tokens with document boundaries: attention stays inside each document of a sample and positions (RoPE) "
+        "restart at each (Megatron's reset_attention_mask + reset_position_ids)"
+    )
+    mask_eos_loss: bool = Field(
+        False, description="tokens with document boundaries: leave out of the loss the prediction made at each document's end "
+        "(its EOS) of the next document's first token (Megatron's eod_mask_loss)"
+    )
+    allow_changed_sources: bool = Field(
+        False, description="resume a checkpoint whose sources (list, weights, files) differ from these; its later batches then differ "
+        "from an uninterrupted run's"
+    )
     token_dtype: Literal["auto", "uint16", "uint32"] = Field(
-        "auto", description="tokens: width of one id; auto reads it from the sidecar <path>.json that portapipe tokenize writes"
+        "auto", description="tokens, flat files: width of one id; auto reads it from the sidecar <path>.json (a dataset folder or a "
+        "Megatron index says it itself)"
     )
     vocab_size: int | None = Field(
-        None, ge=1, description="tokens: the vocabulary of the tokenizer that wrote the file, at most model.vocab_size "
-        "(a model may pad its vocabulary); every id in the file must be below it [the sidecar's]",
+        None, ge=1, description="tokens: the vocabulary of the tokenizer that wrote the data, at most model.vocab_size "
+        "(a model may pad its vocabulary); every id must be below it [the dataset's or the sidecar's]",
     )
-    val_fraction: float = Field(0.05, ge=0, lt=1)
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="the last fraction of each source held out for validation")
 
 
 class WandbConfig(_Section):
@@ -511,8 +591,18 @@ class LogConfig(_Section):
         False, description="also write the metrics as TensorBoard scalars in <dir>/tensorboard/<run id>/ (extra tensorboard)"
     )
     wandb: WandbConfig = Field(
-        default_factory=WandbConfig, description="also log the metrics to a Weights & Biases run named by the run id (extra wandb)"
+        default_factory=WandbConfig, description="also log the metrics to a Weights & Biases run named by the run id (extra wandb); "
+        "a mode alone (offline) stands for {mode: offline}",
     )
+
+    @field_validator("wandb", mode="before")
+    @classmethod
+    def _wandb_mode_alone(cls, v: Any) -> Any:
+        if v is False or v in ("off", "online", "offline"):
+            return {"mode": "off" if v is False else v}
+        if not isinstance(v, (dict, WandbConfig)):
+            raise ValueError("expected a mode (off, online or offline) or {mode, project, entity}")
+        return v
 
 
 class CheckpointConfig(_Section):
@@ -589,7 +679,7 @@ def _cross_checks(c: Config) -> list[str]:
     from .rules import violations  # imported when used: the rules read backend classes (torch)
     from .setup import Setup
 
-    out = violations(Setup.from_config(c)) + _without_effect(c) + objective_problems(c.model, c.train)
+    out = violations(Setup.from_config(c)) + _without_effect(c) + objective_problems(c.model, c.train) + _data_rules(c)
     from .optim.precision import precision_problems
 
     out += precision_problems(c)
@@ -628,6 +718,33 @@ def _without_effect(c: Config) -> list[str]:
     return out
 
 
+def _data_rules(c: Config) -> list[str]:
+    """How the data keys combine (what the files hold is checked before launch, portapipe.data.checks)."""
+    d, out = c.data, []
+    if d.sources is not None and d.path is not None:
+        out.append("data.sources: set beside data.path; give one of them (data.path is a blend of one source)")
+    if d.sources is not None and not d.sources:
+        out.append("data.sources: an empty list; give at least one {path, weight}, or data.path")
+    if d.val_sources is not None and not d.val_sources:
+        out.append("data.val_sources: an empty list; give at least one {path, weight}, or leave it out (data.val_fraction then holds out data)")
+    if d.format == "bytes":
+        for key in ("sources", "val_sources"):
+            if getattr(d, key) is not None:
+                out.append(f"data.{key}: data.format bytes reads one text (data.path); blends and validation sources are token data (data.format: tokens)")
+        for key in ("document_mask", "mask_eos_loss"):
+            if getattr(d, key):
+                out.append(f"data.{key}: a text read as bytes is one document; it needs token data with document boundaries (data.format: tokens)")
+    if d.sampling == "random" and d.sources is not None and len(d.sources) > 1:
+        out.append(f"data.sampling: random draws windows from one source; data.sources has {len(d.sources)} (use sampling epochs for a blend)")
+    if d.val_sources is not None and d.val_fraction != _default(DataConfig, "val_fraction"):
+        out.append(f"data.val_fraction: {d.val_fraction} has no effect: data.val_sources is the validation data; remove it")
+    for key in ("document_mask", "mask_eos_loss"):
+        if getattr(d, key) and c.model.mtp_layers:
+            out.append(f"data.{key}: not supported with multi-token prediction (model.mtp_layers {c.model.mtp_layers}): its rows "
+                       f"straddle documents; set model.mtp_layers: 0 or data.{key}: false")
+    return out
+
+
 def _key_of(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
     """An error's location as the key path the user wrote, and that key's type. pydantic names the
     alternative it tried after a union-typed key (``balancer.min_gain.float``,
@@ -657,7 +774,7 @@ def _pydantic_lines(err: ValidationError) -> list[str]:
     seen: set[tuple[Any, ...]] = set()
     for e in err.errors():
         loc, annotation = _key_of(tuple(e["loc"]))
-        path = ".".join(str(x) for x in loc) or "<root>"
+        path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".") or "<root>"
         value = e.get("input")
         shown = "" if isinstance(value, dict) else f"{value!r}: "
         if e["type"] == "extra_forbidden":

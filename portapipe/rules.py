@@ -334,6 +334,14 @@ def _zero_without_replicas(x: Setup) -> list[str]:
     )
 
 
+def _moments_lag(x: Setup) -> list[str]:
+    if x.train is None or x.model is None:
+        return []
+    from .optim.precision import moments_lag
+
+    return moments_lag(x)
+
+
 def _overlap_without_ep(x: Setup) -> list[str]:
     return _one(x.ep == 1 and x.overlap and _n_moe(x) > 0, "schedule.overlap: with ep = 1 the experts are local: no all-to-all to hide")
 
@@ -371,6 +379,7 @@ RULES: tuple[Rule, ...] = (
     Rule("overlap-without-ep", "schedule", "with one EP rank the experts need no all-to-all", _overlap_without_ep, "note"),
     Rule("eplb-needs-ep", "balancer", "EPLB evens the EP ranks' loads by placing and copying experts across them", _eplb_without_ep, "note"),
     Rule("zero-needs-replicas", "train", "ZeRO shards the optimizer state (stage 2: the gradients too) over a weight's replicas: dp x ep for the weights outside the experts, dp for the experts'", _zero_without_replicas, "note"),
+    Rule("moments-follow-betas", "train", "a moment takes a step of 1 - beta towards its target each update; in a coarse dtype (bfloat16) a step below half its spacing rounds away", _moments_lag, "note"),
     Rule("pair-forwards-needs-exchanges", "schedule", "an F&F pair hides one forward's all-to-all behind another's compute: it needs the overlap and blocks that exchange rows", _pair_forwards_idle, "note"),
 )
 

@@ -121,6 +121,8 @@ class Setup:
     pair_forwards: bool = False
     world_size: int | None = None
     zero_stage: int = 0
+    #: ``train.moments_dtype`` (a plan may choose bfloat16 where the user allows it: ``--allow moments_dtype``)
+    moments_dtype: str = "auto"
     layers_per_stage: Split = None  # see Split
     # sections a plan keeps as they are (compared by identity: shared by every candidate)
     model: Any = field(default=None, compare=False, repr=False)
@@ -141,7 +143,7 @@ class Setup:
             pp=p.pp, ep=p.ep, dp=p.dp, schedule=s.name, microbatches=s.microbatches, chunks=s.chunks,
             micro_batch_size=c.train.micro_batch_size, zero_memory=mem.zero_memory, zero_memory_layers=mem.zero_memory_layers,
             recompute=mem.recompute, recompute_layers=mem.recompute_layers, overlap=s.overlap, w_split=s.w_split,
-            pair_forwards=s.pair_forwards, world_size=p.world_size, zero_stage=c.train.zero_stage, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
+            pair_forwards=s.pair_forwards, world_size=p.world_size, zero_stage=c.train.zero_stage, moments_dtype=c.train.moments_dtype, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
             backend_options=c.backend_options, layers_per_stage=split_of(p.layers_per_stage),
         )
 
@@ -187,7 +189,8 @@ class Setup:
 
     def memory_label(self) -> str:
         """The memory option in a few words: ``off``, ``level1``, ``recompute full x1 + level1``,
-        ``recompute moe + zero1`` (the optimizer sharded: ``train.zero_stage``)."""
+        ``recompute moe + zero1`` (the optimizer sharded: ``train.zero_stage``), ``+ bf16 moments``
+        (``train.moments_dtype``)."""
         parts = []
         if self.recompute != "none":
             parts.append(f"recompute {self.recompute}" + (f" x{self.recompute_layers}" if self.recompute_layers else ""))
@@ -195,6 +198,8 @@ class Setup:
             parts.append(self.zero_memory + (f" x{self.zero_memory_layers}" if self.zero_memory_layers else ""))
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}")
+        if self.moments_dtype == "bfloat16":
+            parts.append("bf16 moments")
         return " + ".join(parts) or "off"
 
     def overrides(self) -> dict[str, Any]:
@@ -203,7 +208,7 @@ class Setup:
             "parallel.pp": self.pp, "parallel.ep": self.ep, "parallel.dp": self.dp, "parallel.world_size": None,
             "schedule.name": self.schedule, "schedule.microbatches": self.microbatches, "schedule.chunks": self.chunks,
             "schedule.overlap": self.overlap, "schedule.w_split": self.w_split, "schedule.pair_forwards": self.pair_forwards,
-            "train.micro_batch_size": self.micro_batch_size, "train.zero_stage": self.zero_stage,
+            "train.micro_batch_size": self.micro_batch_size, "train.zero_stage": self.zero_stage, "train.moments_dtype": self.moments_dtype,
             "memory.zero_memory": self.zero_memory, "memory.zero_memory_layers": self.zero_memory_layers,
             "memory.recompute": self.recompute, "memory.recompute_layers": self.recompute_layers,
             "parallel.layers_per_stage": split_value(self.layers_per_stage),

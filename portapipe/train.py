@@ -44,7 +44,9 @@ from . import lifeline, stop
 from .checkpoint.files import atomic_write
 from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run, say_stderr
 from .config import Config, ConfigError, TrainConfig, config_from_dict
-from .data import TextData, data_problems, global_batch_size, replica_of
+from .data import identity
+from .data.batches import Batches, global_batch_size, replica_of
+from .data.corpus import data_problems
 from .metrics import Figures, MetricsLog, Progress, StepStats, everywhere, gather_step_stats, memory_record, percent, strict
 from .metrics_tb import log_problems
 from .optim.precision import LossScaler
@@ -90,8 +92,9 @@ def counted_blocks(schedule: Any, pp_rank: int) -> set[int]:
 
 
 def param_bytes(runtime: Any) -> int:
-    """Bytes of this rank's parameters (both DualPipe copies of a block count: both are held)."""
-    return sum(p.numel() * p.element_size() for p in runtime.parameters())
+    """Bytes of this rank's parameters (both DualPipe copies of a block count: both are held; a
+    weight two of its blocks hold as one tensor counts once)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in runtime.parameters()}.values())
 
 
 def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
@@ -99,32 +102,39 @@ def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
     from .models.moe import DTYPES
     from .optim.sharded import ShardedAdamW
 
-    t = config.train
-    return ShardedAdamW(runtime.grads, model_dtype=DTYPES[config.model.dtype], zero_stage=t.zero_stage, betas=t.betas,
-                        weight_decay=t.weight_decay, backend=backend)
+    from .optim.precision import moments_dtype
+
+    t, m = config.train, config.model
+    return ShardedAdamW(runtime.grads, model_dtype=DTYPES[m.dtype], zero_stage=t.zero_stage, betas=t.betas,
+                        weight_decay=t.weight_decay, backend=backend, moments_dtype=DTYPES[moments_dtype(m.dtype, t.master_dtype, t.moments_dtype)])
 
 
-def validation_loss(runtime: Any, data: TextData, config: Config, groups: Any) -> float | None:
-    """Mean loss over ``VAL_BATCHES`` steps of validation data, each on the model as training
-    left it; nothing is changed. It is the main next-token loss (the objective's other terms
-    apart), so runs with and without multi-token prediction or the balance loss compare.
+def validation_loss(runtime: Any, data: Batches, config: Config, groups: Any) -> tuple[float | None, dict[str, float]]:
+    """(mean loss over the validation sources, weighted as they are, each source's loss): each
+    source's over ``VAL_BATCHES`` steps of its own validation data, on the model as training left
+    it; nothing is changed. It is the main next-token loss (the objective's other terms apart), so
+    runs with and without multi-token prediction or the balance loss compare.
 
     Each batch runs the schedule's forwards alone (:meth:`~portapipe.scheduling.executor.PipelineExecutor.evaluate`:
     no backward, no gradients). What the forwards leave in the model (the routers' expert counts,
     the balancer's and expert clocks' figures, the RNG) is undone after each batch
     (:meth:`~portapipe.compose.PipelineRuntime.unchanged`), so evaluating never changes training.
     """
-    if data.n_bytes("val") < config.model.seq_len + 1:
-        return None
-    losses = []
+    parts = data.parts("val")
+    if not parts or any(p.tokens < config.model.seq_len + 1 for p in parts):
+        return None, {}
     replica, replicas = replica_of(groups)
-    for i in range(VAL_BATCHES):
-        batches = data.microbatches(
-            i, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len, split="val"
-        )
-        with runtime.unchanged():
-            losses.append(float(runtime.evaluate(batches).loss))
-    return sum(losses) / len(losses)
+    by_source: dict[str, float] = {}
+    for source, (part, name) in enumerate(zip(parts, data.names["val"])):
+        losses = []
+        for i in range(VAL_BATCHES):
+            batches = data.microbatches(i, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size,
+                                        config.model.seq_len, split="val", source=source)
+            with runtime.unchanged():
+                losses.append(float(runtime.evaluate(batches).loss))
+        by_source[name] = sum(losses) / len(losses)
+    total = sum(p.weight for p in parts)
+    return sum(p.weight / total * loss for p, loss in zip(parts, by_source.values())), by_source
 
 
 class BalancerHook:
@@ -198,9 +208,14 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
     tc, rank = config.train, groups.rank
     optimizer = make_sharded_optimizer(runtime, config, backend)
+    if tc.ema_decay is not None:  # before the restore: a checkpoint's EMA is loaded into it
+        from .optim.ema import HostEMA
+
+        optimizer.ema = HostEMA(optimizer, tc.ema_decay, backend)
     scaler = LossScaler(config.model.dtype == "float16", growth_interval=tc.loss_scale_growth_interval)
     counted = counted_blocks(runtime.schedule, groups.pp_rank)
-    data = TextData(config)
+    data = Batches(config)
+    data_record = identity.record(data.corpus)  # the sources' identity, read once (a few blocks of each file)
     balancer = runtime.balancer  # eplb / lplb on the running model (portapipe.balancing.runtime)
     hook = BalancerHook(config, balancer, groups) if config.balancer.kind == "eplb" else None
     ckpt = Checkpointer(run, config, backend, rank, groups.world_size, runtime, optimizer, balancer)
@@ -213,7 +228,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     force_routing(config.bench, config.model, {layer.index: layer.moe.router for layer in runtime.moe_layers()}, tc.seed)
 
     def record() -> dict[str, Any]:
-        data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_bytes": data.n_bytes("train")}
+        data_id = {"seed": tc.seed, "global_batch": global_batch_size(config), "train_tokens": data.n_tokens("train"), **data_record}
         return {"progress": progress.checkpoint(), "lr_schedule_steps": horizon, "lr_schedule": phases, "data": data_id,
                 "loss_scale": scaler.state_dict()}
 
@@ -226,11 +241,14 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
 
             sinks.append(WandbLog(Path(config.log.dir), run.run_id, config.log.wandb, config.to_dict()))
         metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run, sinks)
-    memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory()}), "step": start,
+    host_ema = optimizer.ema.host_bytes() if optimizer.ema is not None else 0
+    memory = {**memory_record(backend, {**optimizer.memory(), "params": param_bytes(runtime), "grads": runtime.grads.memory(),
+                                        "ema_host": host_ema}), "step": start,
               "launch": gather_placement(config.launch.pin_cores)}
     if metrics is not None:
         metrics.write(memory)
-        say_stderr("memory per rank (largest): " + ", ".join(f"{k} {memory[k] / 2**20:.2f} MiB" for k in ("params", "grads", "master", "optimizer")))
+        shown = ("params", "grads", "master", "optimizer") + (("ema_host",) if optimizer.ema is not None else ())
+        say_stderr("memory per rank (largest): " + ", ".join(f"{k} {memory[k] / 2**20:.2f} MiB" for k in shown))
         placed = memory["launch"]
         if placed["pinned"]:
             each = zip(placed["cores_by_rank"], placed["threads_by_rank"])
@@ -282,6 +300,8 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             if not skipped:
                 with torch.no_grad():
                     optimizer.step(coef / scale)
+                if optimizer.ema is not None:
+                    optimizer.ema.update()  # the weights copied out, folded in while the next step runs
             runtime.grads.zero_grad()
             # loads recorded; every balancer.interval steps maybe a new placement, weights migrated
             balance = balancer.after_step(step, result, optimizer) if balancer is not None else None
@@ -305,6 +325,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                 if step > start:  # the first step of a process pays one-time costs
                     figures.add(stats)
                 row = step_record(step + 1, lr, result, stats, coef, iter_s)
+                row.update(consumed(data.consumed(step + 1)))
                 if balance is not None:
                     row["balancer"] = balance
                 if metrics is not None and ((step + 1) % config.log.every == 0 or step + 1 == tc.steps):
@@ -337,8 +358,16 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         ckpt.close(failing=failing)
         if bar is not None:
             bar.close()
+        if optimizer.ema is not None and failing:
+            optimizer.ema.close()
 
-    val_loss = validation_loss(runtime, data, config, groups) if stopped is None and diverged is None else None
+    val_loss, val_by_source = validation_loss(runtime, data, config, groups) if stopped is None and diverged is None else (None, {})
+    val_loss_ema = None
+    if optimizer.ema is not None:
+        if val_loss is not None:
+            with optimizer.ema.swapped_in(list(runtime.parameters())):
+                val_loss_ema, _ = validation_loss(runtime, data, config, groups)
+        optimizer.ema.close()
     if val_loss is not None and not math.isfinite(val_loss):  # the same on every rank
         diverged = diverge({"step": progress.step, "reason": f"the validation loss is {val_loss!r}"})
     tail = progress.losses[-5:]
@@ -355,6 +384,9 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
         "final_loss": progress.losses[-1] if progress.losses else None,
         "final_loss_avg5": sum(tail) / len(tail) if tail else None,
         "val_loss": val_loss,
+        **({"val_loss_ema": val_loss_ema} if optimizer.ema is not None else {}),
+        "val_loss_by_source": val_by_source,
+        **consumed(data.consumed(progress.step)),
         "tokens": progress.tokens,
         "train_s": progress.train_s,
         "tokens_per_s": progress.tokens / progress.train_s if progress.train_s else None,
@@ -404,6 +436,12 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
     }
 
 
+def consumed(where: dict[str, Any]) -> dict[str, Any]:
+    """The data position in a metrics line: ``tokens_consumed`` (inputs trained on since step 0)
+    and ``epochs`` (each training source's, a fraction: 1.5 = half-way through its second)."""
+    return {"tokens_consumed": where["tokens"], "epochs": where["epochs"]}
+
+
 def _progress_bar(total: int, start: int) -> Any:
     from tqdm import tqdm
 
@@ -416,6 +454,10 @@ def _show(bar: Any, record: dict[str, Any]) -> None:
     if "balance_loss" in record:
         shown["bal"] = f"{record['balance_loss']:.3f}"
     shown.update({"tok/s": f"{record['tokens_per_s']:.0f}", "bubble": f"{record['bubble_pct']:.0f}%"})
+    if "tokens_consumed" in record:
+        shown["tokens"] = f"{record['tokens_consumed']:.3g}"
+        epochs = record["epochs"]
+        shown["epoch"] = " ".join(f"{v:.2f}" for v in epochs.values()) if len(epochs) > 1 else f"{next(iter(epochs.values()), 0):.2f}"
     if record["a2a_hidden_pct"] is not None:
         shown["a2a hidden"] = f"{record['a2a_hidden_pct']:.0f}%"
     if record["ep_wait_frac"] is not None:

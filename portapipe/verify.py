@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from .config import Config, ConfigError, config_from_dict
+from .data.samples import make_microbatches
 from .launch import run_ranks
 from .compose import PipelineRuntime, build_model
 from .metrics import everywhere
@@ -269,15 +270,21 @@ def float64(config: Config) -> Config:
     return in_dtype(config, "float64")
 
 
-def microbatches(config: Config, replica: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Random (inputs, targets) token micro-batches of one replica, drawn from the seed."""
-    m, t = config.model, config.train
-    out = []
+def microbatches(config: Config, replica: int) -> list[tuple[torch.Tensor, ...]]:
+    """Random token micro-batches of one replica, drawn from the seed, made as training makes its
+    own (:func:`portapipe.data.samples.make_microbatches`). With ``data.document_mask`` or
+    ``data.mask_eos_loss`` each token also starts a document with probability 1 / 8, so the
+    samples hold documents of every length from one token on."""
+    m, t, d = config.model, config.train, config.data
+    documents = d.document_mask or d.mask_eos_loss
+    windows, starts = [], []
     for mb in range(config.schedule.microbatches):
         g = torch.Generator().manual_seed(t.seed * 1_000_003 + replica * 1009 + mb)
-        tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len + 1), generator=g)
-        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-    return out
+        windows.append(torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len + 1), generator=g))
+        if documents:
+            starts.append(torch.rand(t.micro_batch_size, m.seq_len + 1, generator=g) < 1 / 8)
+    flags = torch.cat(starts).numpy() if documents else None
+    return make_microbatches(torch.cat(windows).numpy(), flags, config.schedule.microbatches, d.document_mask, d.mask_eos_loss)
 
 
 # ------------------------------------------------------------------------------ ranks
@@ -427,11 +434,12 @@ def reference_step(config: Config, by_position: bool = False) -> tuple[float, di
     with _threads(1):  # as on the ranks
         for r in range(replicas):
             row, term_row = [], []
-            for inputs, targets in microbatches(config, r):
+            for inputs, targets, *positions in microbatches(config, r):
                 tape = Tape(record=False, loss_seed=scale)
                 h = inputs
+                given = {"positions": positions[0]} if positions else {}
                 for b in range(n_blocks):
-                    h = run(blocks[b].program(tape, h, targets if b == n_blocks - 1 else None))
+                    h = run(blocks[b].program(tape, h, targets if b == n_blocks - 1 else None, **given))
                 tape.plain_backward(h, torch.full_like(h, scale))
                 row.append(float(h.detach()))
                 term_row.append({name: float(t) for name, t in tape.terms.items()})

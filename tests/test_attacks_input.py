@@ -16,7 +16,7 @@ from portapipe.config import ConfigError, load_config
 from portapipe.optim.adamw import adamw_
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
-CORPUS = Path(__file__).resolve().parents[1] / "portapipe" / "data" / "shakespeare.txt.gz"
+CORPUS = Path(__file__).resolve().parents[1] / "portapipe" / "assets" / "shakespeare.txt.gz"
 
 
 @pytest.fixture

@@ -130,7 +130,7 @@ def test_a_token_file_holding_another_width_than_its_sidecar_says_is_refused(tmp
         "the file and its sidecar are from different tokenizations (run portapipe tokenize again)"
     ], lines
     (tmp_path / "t.bin.json").write_text(json.dumps({**side, "dtype": "uint32"}))  # the true description is accepted
-    from portapipe.data import data_problems
+    from portapipe.data.corpus import data_problems
 
     assert data_problems(load_config(EXAMPLE, ["data.format=tokens", f"data.path={path}"])) == []
 

@@ -208,21 +208,33 @@ def test_a_checkpoint_of_another_model_or_data_stream_is_refused_naming_the_key(
 
 
 @pytest.mark.multiproc
-def test_a_resume_on_other_training_text_says_so(used, tmp_path):
+def test_a_resume_on_other_training_text_is_refused_unless_allowed(used, tmp_path, capsys, no_ranks):
+    """The checkpoint records its sources; other data would silently continue on other batches."""
+    from portapipe.data.shipped import DEFAULT_CORPUS
+
     text = tmp_path / "other.txt"
     text.write_text("Another text, long enough for a few windows of sixteen bytes. " * 20)
+    config = write_config(tmp_path / "c.yaml", raw(used, steps=8, data__path=str(text)))
+    assert main(["train", config]) == 2
+    (line,) = _errors(capsys)
+    assert line == (f"portapipe: config error: data.sources[0]: {text} is not the data the checkpoint was trained on ({DEFAULT_CORPUS}, "
+                    f"{_tokens(used)} tokens; its files differ); {used / 'checkpoints' / 'step_00000004'}'s run would go on with other "
+                    "batches than it would have seen: restore its data, or set data.allow_changed_sources: true")
     said: list[str] = []
-    plan, locks = prepare_run(load_config(raw(used, steps=8, data__path=str(text))), "cpu", said.append)
+    plan, locks = prepare_run(load_config(raw(used, steps=8, data__path=str(text), data__allow_changed_sources=True)), "cpu", said.append)
     locks.release()
     assert plan.mode == "resume" and [line for line in said if line.startswith("data:")] == [
-        f"data: the checkpoint was trained on {plan_bytes(used)} bytes of training text, this run has {len(text.read_bytes())}: "
-        "the batches differ from an uninterrupted run"
+        f"data: data.sources[0]: {text} is not the data the checkpoint was trained on ({DEFAULT_CORPUS}, {_tokens(used)} tokens; "
+        "its files differ); data.allow_changed_sources: true, so the batches from here differ from an uninterrupted run's"
     ]
+    plan, locks = prepare_run(load_config(raw(used, steps=8)), "cpu", said.append)  # the same data: no word of it
+    locks.release()
+    assert plan.mode == "resume" and len([line for line in said if line.startswith("data:")]) == 1
 
 
-def plan_bytes(run: Path) -> int:
+def _tokens(run: Path) -> int:
     manifest = json.loads((run / "checkpoints" / "step_00000004" / "manifest.json").read_text())
-    return manifest["trainer"]["data"]["train_bytes"]
+    return manifest["trainer"]["data"]["sources"][0]["tokens"]
 
 
 def test_a_second_run_on_a_locked_folder_exits_2_naming_the_holder(tmp_path, capsys, no_ranks):

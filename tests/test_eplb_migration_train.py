@@ -6,7 +6,8 @@ with refined; after it, ``incremental`` changes at most ``max_moved`` of a layer
 ``refined`` plans from scratch. After every applied rebalance every expert's weights and AdamW
 moments are bit for bit what they were before it (gathered by logical expert), and the pipelined
 step on the migrated weights is checked against one process running the same logical weights
-within verify's bound (loss and gradients to 1e-12 relative).
+within verify's bound (loss and gradients to 1e-12 relative). A third run, incremental with AdamW's
+moments in bfloat16 (``train.moments_dtype``), moves them with their experts bit for bit alike.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.test_balancer_runtime import _expert_state
 STEPS, INTERVAL = 8, 2
 
 
-def _raw(policy: str) -> dict[str, Any]:
+def _raw(policy: str, moments: str = "auto") -> dict[str, Any]:
     return load_config(
         {
             "backend": "cpu",
@@ -33,7 +34,7 @@ def _raw(policy: str) -> dict[str, Any]:
                       "bias_update_speed": 0.05},
             "balancer": {"kind": "eplb", "interval": INTERVAL, "window": INTERVAL, "redundant": 2, "policy": policy,
                          "max_moved": 0.25, "stay_off": False},
-            "train": {"micro_batch_size": 2, "seed": 3, "lr": 3e-2},
+            "train": {"micro_batch_size": 2, "seed": 3, "lr": 3e-2, "moments_dtype": moments},
         }
     ).to_dict()
 
@@ -104,7 +105,7 @@ def _train(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     mine = _expert_state(rt, optimizer)
                     checks[-1]["rows"] = len(mine)
                     checks[-1]["mismatched"] = [k for k, v in mine.items() if not torch.equal(v, known[k])]
-        out[policy] = {"events": events, "checks": checks}
+        out[policy] = {"events": events, "checks": checks, "moments": sorted({str(t.dtype) for st in optimizer.states for t in (st.exp_avg, st.exp_avg_sq)})}
     return out
 
 
@@ -113,6 +114,7 @@ def runs() -> dict[str, Any]:
     from portapipe.launch import run_ranks
 
     raws = {policy: _raw(policy) for policy in ("incremental", "refined")}
+    raws["incremental_bf16_moments"] = _raw("incremental", "bfloat16")
     return {"raws": raws, "ranks": run_ranks(_train, 4, raws, wall_timeout_s=300)}
 
 
@@ -166,7 +168,7 @@ def test_incremental_moves_fewer_bytes_than_refined(runs: dict[str, Any]) -> Non
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("policy", ["incremental", "refined"])
+@pytest.mark.parametrize("policy", ["incremental", "refined", "incremental_bf16_moments"])
 def test_every_rebalance_keeps_the_step_exact(runs: dict[str, Any], policy: str) -> None:
     from portapipe.verify import GRAD_TOLERANCE
 
@@ -175,6 +177,7 @@ def test_every_rebalance_keeps_the_step_exact(runs: dict[str, Any], policy: str)
     applied = sum(e["applied"] for e in runs["ranks"][0][policy]["events"])
     assert applied >= 2 and all(len(c) == applied for c in ranks)
     per = config.model.n_experts // config.parallel.ep
+    assert runs["ranks"][0][policy]["moments"] == (["torch.bfloat16"] if "bf16" in policy else ["torch.float64"])
     for c in ranks:  # the migrations moved weights and AdamW moments with their experts, bit for bit
         assert all(check["rows"] > 0 and check["mismatched"] == [] for check in c), [check["mismatched"] for check in c]
     for i in range(applied):

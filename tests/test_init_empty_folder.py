@@ -14,7 +14,7 @@ import pytest
 import portapipe
 from portapipe.cli import main
 from portapipe.config import load_config
-from portapipe.data import DEFAULT_CORPUS
+from portapipe.data.shipped import DEFAULT_CORPUS
 from portapipe.train import check_before_launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ def _commands(config_text: str) -> list[list[str]]:
 
 def test_the_corpus_and_the_tokenizer_ship_in_the_package() -> None:
     """Inside portapipe/ and matched by its package data, so a wheel carries them."""
-    from portapipe.tokens import SHIPPED_TOKENIZER
+    from portapipe.data.shipped import SHIPPED_TOKENIZER
 
     package = Path(portapipe.__file__).parent
     data = re.search(r"^\[tool\.setuptools\.package-data\]\n(?:#.*\n)*portapipe = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
@@ -46,14 +46,14 @@ def test_deepseek_v3_from_an_empty_folder_its_comment_makes_the_data_and_it_is_r
     monkeypatch.chdir(tmp_path)
     assert main(["init", "deepseek_v3"]) == 0
     hint = capsys.readouterr().out.splitlines()[1]
-    assert hint == ("next: write its token data runs/shakespeare-1k.bin (the comment at the top of deepseek_v3.yaml says how), "
+    assert hint == ("next: write its token data runs/shakespeare-1k (the comment at the top of deepseek_v3.yaml says how), "
                     "then: portapipe train deepseek_v3.yaml")
     commands = _commands((tmp_path / "deepseek_v3.yaml").read_text())
-    assert commands == [["portapipe", "tokenize", "runs/shakespeare-1k.bin"], ["portapipe", "train", "deepseek_v3.yaml"]]
+    assert commands == [["portapipe", "tokenize", "runs/shakespeare-1k"], ["portapipe", "train", "deepseek_v3.yaml"]]
     assert main(commands[0][1:]) == 0  # no path of a checkout in it
     config = load_config("deepseek_v3.yaml", [f"log.dir={tmp_path / 'run'}"])
-    check_before_launch(config)  # the token file exists and fits the model: `portapipe train deepseek_v3.yaml` would start
-    assert (tmp_path / "runs" / "shakespeare-1k.bin.json").is_file()
+    check_before_launch(config)  # the dataset exists and fits the model: `portapipe train deepseek_v3.yaml` would start
+    assert (tmp_path / "runs" / "shakespeare-1k" / "dataset.json").is_file()
 
 
 def test_tokenize_without_text_takes_the_shipped_pair_and_own_text_needs_its_tokenizer(
@@ -64,7 +64,7 @@ def test_tokenize_without_text_takes_the_shipped_pair_and_own_text_needs_its_tok
     assert main(["tokenize", str(text), str(tmp_path / "o.bin")]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"portapipe: tokenize: --tokenizer is needed for {text}: name the tokenizer its token data is for "
-        "(leave TEXT out for the shipped corpus and its tokenizer)"
+        "(leave INPUT out for the shipped corpus and its tokenizer)"
     ]
     assert not (tmp_path / "o.bin").exists()
 

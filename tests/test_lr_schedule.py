@@ -89,6 +89,7 @@ def test_deepseek_v3s_published_schedule_is_one_config() -> None:
     "setting, line",
     [
         ("train.lr_schedule=[{kind: cosine, steps: 10}]", "train.lr_schedule.0: a cosine phase needs lr: the learning rate it ends at"),
+        ("train.lr_schedule={kind: warmup, steps: 3}", "train.lr_schedule: expected a list of phases, each {kind, steps, lr}"),
         ("train.lr_schedule=[]", "train.lr_schedule: []: an empty schedule; give one phase at least, e.g. [{kind: constant, steps: 1}], or remove it"),
         ("train.lr_schedule=[{kind: warmup, steps: '5'}]", "train.lr_schedule.0.steps: '5': text is not a number; give an integer without quotes"),
         ("train.lr_schedule=[{kind: warmup, steps: 0}]", "train.lr_schedule.0.steps: 0: Input should be greater than or equal to 1"),

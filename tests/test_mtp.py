@@ -207,6 +207,33 @@ def test_the_keys_are_refused_where_they_cannot_apply() -> None:
     assert load_config({"model": {"seq_len": 8, "mtp_layers": 7}, "train": {"mtp_loss_weight": {0: 0.3, 100: 0.1}}}).train.mtp_loss_weight == {0: 0.3, 100: 0.1}
 
 
+@pytest.mark.parametrize("given, said", [
+    ("0.3", "the weight '0.3' is not a number; write it unquoted"),
+    (True, "the weight True is not a number"),
+    ({"0": "0.3"}, "step '0' is not a whole number >= 0; the schedule is {step: weight}"),
+    ({0: "0.3"}, "the weight of step 0 '0.3' is not a number"),
+    (float("nan"), "the weight nan is not a finite number >= 0 and <= 10000"),
+    (float("inf"), "the weight inf is not a finite number >= 0 and <= 10000"),
+    (1e308, "the weight 1e+308 is not a finite number >= 0 and <= 10000"),
+    ({0: float("nan")}, "the weight of step 0 nan is not a finite number"),
+    ({0.5: 0.3}, "step 0.5 is not a whole number >= 0"),
+    # --set "train.mtp_loss_weight={0:0.3,10:0.1}": YAML 1.1 reads 0:0.3 and 10:0.1 as base-60 numbers
+    ({0.3: None, 600.1: None}, "read as {0.3: None, 600.1: None}: YAML 1.1 reads step:weight without a space"),
+])
+def test_the_mtp_weight_is_a_number_or_a_schedule_of_numbers_each_refusal_saying_what_was_read(given: Any, said: str) -> None:
+    """The typing rule (no strings, no booleans, whole steps), the range, and one line naming what
+    was read: never "expected a number or a mapping" nor a rank's overflow at 1e308."""
+    with pytest.raises(ConfigError) as err:
+        load_config({"model": {"mtp_layers": 1}, "train": {"mtp_loss_weight": given}})
+    (line,) = str(err.value).strip().splitlines()
+    assert line.startswith("train.mtp_loss_weight: ") and said in line, line
+
+
+def test_the_sequence_balance_weight_has_the_same_bound() -> None:
+    with pytest.raises(ConfigError, match="train.seq_aux_loss_weight: 1e\\+308: Input should be less than or equal to 10000"):
+        load_config({"train": {"seq_aux_loss_weight": 1e308}})
+
+
 # ------------------------------------------------------------------------------------ verify
 @pytest.mark.multiproc
 def test_verify_is_exact_with_one_and_two_modules_in_every_schedule() -> None:

@@ -140,7 +140,7 @@ def _step_peaks(backend, raws):
         tracker = SavedActivations(ignore=rt.parameters())
         with tracker.step():
             rt.step(data)
-        params = sum(p.numel() * p.element_size() for p in rt.parameters())
+        params = sum(p.numel() * p.element_size() for p in {id(p): p for p in rt.parameters()}.values())  # one tensor held twice counts once
         held = make_sharded_optimizer(rt, load_config(raw), rt.backend).memory()
         out[name] = {"pp_rank": rt.groups.pp_rank, "saved_peak": tracker.peak_bytes, "params": params, "grads": rt.grads.memory(), **held}
     return out

@@ -403,6 +403,24 @@ def test_the_optimizer_pays_per_parameter_element_and_tensor() -> None:
     assert TimeModel(x, per_element, sched).post_step() == pytest.approx(1e-9 * elements)
 
 
+def test_zero_stages_price_the_reduce_scatter_and_the_all_gather_of_the_updated_parameters() -> None:
+    """Ring collectives over the dp replicas (pp 1, ep 1): zero 0 all-reduces the gradients
+    (float32: 4 bytes each), zero 1 adds the all-gather of the updated parameters (bfloat16: 2
+    bytes, half a ring), zero 2 reduce-scatters the gradients instead (half a ring)."""
+    from portapipe.compose import build_model
+    from portapipe.models.expert_parallel import ExpertParallel
+
+    cfg = load_config(EXAMPLE, ["parallel.pp=1", "parallel.ep=1", "parallel.dp=4", "schedule.name=1f1b", "model.dtype=bfloat16"])
+    s, sched = Shape.of(cfg.model), build_schedule(cfg)
+    n = sum(p.numel() for b in build_model(cfg, [0], 1, ExpertParallel(None, 1, 0, None)).values() for p in b.parameters())
+    ring = 2 * 3 / 4  # a ring all-reduce over 4 moves 2(n-1)/n of the bytes; the fit is stored at n = 2 (factor 1)
+    prof = profile(s, {"dense": {"F": 1.0}}, allreduce={"2": {"fixed": 0.0, "per_unit": 1e-9}})
+    times = [TimeModel(Setup.from_config(cfg).replace(zero_stage=z), prof, sched).post_step() for z in (0, 1, 2)]
+    grads, params = 1e-9 * ring * 4 * n, 1e-9 * ring * 2 * n
+    gathers = 2 * 1e-9 * ring * 64  # the loss and load gathers over dp x ep and dp (64 bytes each)
+    assert times == pytest.approx([grads + gathers, grads + params / 2 + gathers, grads / 2 + params / 2 + gathers], rel=1e-12)
+
+
 def test_profiles_refuse_negative_costs_and_crowding_below_one(tmp_path: Path) -> None:
     s = Shape.of(load_config(EXAMPLE).model)
     for extra, fragment in (({"action_s": -1.0}, "action_s"), ({"optimizer_tensor_s": float("inf")}, "optimizer_tensor_s"),

@@ -4,8 +4,8 @@ A head tied to the embedding (``model.tie_word_embeddings``) puts a copy of the 
 last block. Its gradient is summed over every copy on every rank, the mechanism DualPipe's two
 copies of a block use, so:
 
-- ``portapipe verify`` is exact in every schedule (DualPipe: four copies on two ranks, DualPipeV:
-  two on one rank);
+- ``portapipe verify`` is exact in every schedule (DualPipe and DualPipeV hold the first and the
+  last block on the same ranks: there the embedding is one tensor, one per rank);
 - the copies start equal, stay equal through training steps (AdamW included), are counted once in
   the gradient norm, and a copy that differs is refused by name;
 - Hugging Face folders with ``tie_word_embeddings: true`` load (logits equal transformers') and
@@ -65,7 +65,10 @@ def _train_steps(backend: Any, raw: dict[str, Any], steps: int) -> dict[str, Any
             opt.step(1.0)
         rt.grads.zero_grad()
     rt.check_copies()
-    copies = [p.detach().clone() for n, p in rt.named_parameters() if n == "embed.weight"]
+    embeds = [p for n, p in rt.named_parameters() if n == "embed.weight"]
+    copies = [p.detach().clone() for p in {id(p): p for p in embeds}.values()]
+    laid_out = sum(p.numel() for bucket in rt.grads.buckets for p in bucket.params)
+    unique = sum(p.numel() for p in {id(p): p for p in rt.parameters()}.values())
     with torch.no_grad():
         for b, block in rt.blocks.items():
             if block.is_last and block.embed is not None:
@@ -75,7 +78,7 @@ def _train_steps(backend: Any, raw: dict[str, Any], steps: int) -> dict[str, Any
         refused = ""
     except ValueError as exc:
         refused = str(exc)
-    return {"norm": first_norm, "copies": copies, "refused": refused}
+    return {"norm": first_norm, "copies": copies, "refused": refused, "blocks_holding": len(embeds), "laid_out": laid_out, "unique": unique}
 
 
 @pytest.mark.multiproc
@@ -87,10 +90,12 @@ def test_copies_stay_equal_count_once_in_the_norm_and_a_differing_one_is_refused
     want = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
     assert results[0]["norm"] == pytest.approx(want, rel=1e-12)
     copies = [t for r in results for t in r["copies"]]
-    assert len(copies) == (4 if name == "dualpipe" else 2)
+    assert len(copies) == 2  # one tensor per rank: DualPipe's two blocks of a rank hold one embedding
+    assert [r["blocks_holding"] for r in results] == ([2, 2] if name == "dualpipe" else [1, 1])
+    assert all(r["laid_out"] == r["unique"] for r in results)  # its gradient is laid out once per rank
     assert all(torch.equal(copies[0], t) for t in copies[1:])
-    for r in results:
-        assert "the copies of embed.weight held by (pipeline rank, block)" in r["refused"], r["refused"]
+    for r in results:  # copies on two blocks of different ranks are compared; DualPipe's one tensor per rank has none
+        assert ("the copies of embed.weight held by (pipeline rank, block)" in r["refused"]) == (name == "1f1b"), r["refused"]
 
 
 # ----------------------------------------------------------------------------- Hugging Face

@@ -91,3 +91,20 @@ def test_a_chart_that_cannot_be_written_exits_2_with_one_line(tmp_path: Path, ca
     (line,) = captured.err.strip().splitlines()
     assert line.startswith("portapipe simulate: " + said.format(p=path, d=str(Path(path).parent))), line
     assert captured.out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["a_folder.png"]
+
+
+def test_uneven_stage_splits_scale_each_stages_costs_by_its_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    """--layers-per-stage 3,1 on 1F1B pp 2: stage 0 costs 1.5x a mean block, stage 1 0.5x; the
+    heavier stage sets the pace (m x 1.5 (F + B) = 18) and the lighter one idles (bubble 12)."""
+    argv = ["simulate", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--json"]
+    assert main(argv) == 0
+    even = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--layers-per-stage", "3,1"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert even["makespan"] == 15 and d["makespan"] == 18
+    assert d["bubble"]["per_rank"] == [0, 12] and d["bubble_formula"] is None
+    assert main([*argv, "--layers-per-stage", "2,2"]) == 0  # equal stages: as without it
+    assert json.loads(capsys.readouterr().out)["makespan"] == 15
+    for bad, line in (("3,1,1", "3 entries; 1f1b with pp=2 has 2 model blocks"), ("4,0", "every block needs a layer"), ("a,b", "not a comma")):
+        assert main([*argv, "--layers-per-stage", bad]) == 2
+        assert line in capsys.readouterr().err

@@ -57,14 +57,14 @@ def _raw(pp: int, ep: int, dp: int, name: str, m: int, **sections: Any) -> dict[
 
 def _evaluate(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per config, on every rank: a validation batch's training step and its evaluation."""
-    from portapipe.data import TextData, replica_of
+    from portapipe.data.batches import Batches, replica_of
     from portapipe.train import validation_loss
 
     from .test_validation_state import runtimes
 
     out = []
     for config, _, groups, runtime in runtimes(backend, raws):
-        data = TextData(config)
+        data = Batches(config)
         replica, replicas = replica_of(groups)
         batches = data.microbatches(0, replica, replicas, config.schedule.microbatches, 2, config.model.seq_len, split="val")
         with runtime.unchanged():
@@ -76,7 +76,7 @@ def _evaluate(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
         untouched = all(p.grad is g for p, g in zip(runtime.parameters(), grads_before))
         stepped = []
         runtime.step = lambda *a, **k: stepped.append(1)  # type: ignore[method-assign]  # validation must not run a step
-        val = validation_loss(runtime, data, config, groups)
+        val, _ = validation_loss(runtime, data, config, groups)
         out.append({"full": full.losses, "full_terms": full.loss_terms, "eval": evaluated.losses, "eval_terms": evaluated.loss_terms,
                     "untouched": untouched, "stepped": len(stepped), "val": val})
     return out

@@ -67,13 +67,13 @@ def runtimes(backend: Any, raws: list[dict[str, Any]]) -> Any:
 
 def _validate(backend: Any, raws: list[dict[str, Any]]) -> list[list[str]]:
     """On every rank, per config: one training step, then the validation; what it changed."""
-    from portapipe.data import TextData, replica_of
+    from portapipe.data.batches import Batches, replica_of
     from portapipe.train import make_sharded_optimizer, validation_loss
 
     out = []
     for config, be, groups, runtime in runtimes(backend, raws):
         optimizer = make_sharded_optimizer(runtime, config, be)
-        data = TextData(config)
+        data = Batches(config)
         replica, replicas = replica_of(groups)
         result = runtime.step(data.microbatches(0, replica, replicas, config.schedule.microbatches, 2, config.model.seq_len))
         with torch.no_grad():
@@ -83,7 +83,7 @@ def _validate(backend: Any, raws: list[dict[str, Any]]) -> list[list[str]]:
         runtime.step(data.microbatches(1, replica, replicas, config.schedule.microbatches, 2, config.model.seq_len))
         runtime.grads.zero_grad()  # a step's figures left for the next (clocks, the switch's cost), not yet taken
         before = state(runtime, be)
-        loss = validation_loss(runtime, data, config, groups)
+        loss, _ = validation_loss(runtime, data, config, groups)
         assert loss is not None and loss > 0
         out.append(_differ(before, state(runtime, be)))
     return out

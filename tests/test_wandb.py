@@ -90,6 +90,11 @@ def test_the_modes_keys() -> None:
     with pytest.raises(ConfigError) as info:
         load_config({}, ["log.wandb.projct=x"])
     assert info.value.problems == ["log.wandb.projct: unknown key"]
+    assert load_config({}, ["log.wandb=offline"]).log.wandb.mode == "offline"  # a mode alone
+    assert load_config({}, ["log.wandb=off"]).log.wandb.mode == "off"
+    with pytest.raises(ConfigError) as info:
+        load_config({}, ["log.wandb=true"])
+    assert info.value.problems == ["log.wandb: True: expected a mode (off, online or offline) or {mode, project, entity}"]
 
 
 # ----------------------------------------------------------------------- an offline run, read back

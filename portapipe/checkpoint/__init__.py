@@ -35,21 +35,31 @@ __all__ = [
 ]
 
 
-def load_model_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_model_state(path: str | Path, ema: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The logical model state of a checkpoint and the config it was written with.
 
     ``path`` is a checkpoint folder, or a folder of checkpoints (its newest complete one). The
     state holds parameters and persistent buffers under the single-process model's names, routed
-    experts one per logical expert (``expert_key`` names), as CPU tensors. Raises CheckpointError
-    when there is no complete checkpoint there.
+    experts one per logical expert (``expert_key`` names), as CPU tensors. With ``ema`` the
+    parameters are the host EMA of the weights (``train.ema_decay``), cast to the parameters'
+    dtype; ValueError when the checkpoint holds none. Raises CheckpointError when there is no
+    complete checkpoint there.
     """
     from .files import load_no_dist, read_dcp_metadata
 
     entry = resolve(Path(path))
     meta = read_dcp_metadata(entry.path)
-    prefix = "model."
-    model = {k[len(prefix) :]: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
-    load_no_dist(entry.path, {"model": model})
+
+    def empty(prefix: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix) :]: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items() if k.startswith(prefix)}
+
+    model = empty("model.")
+    averaged = empty("ema.") if ema else {}
+    if ema and not averaged:
+        raise ValueError("holds no EMA of the weights (its run did not set train.ema_decay); export it without --ema")
+    load_no_dist(entry.path, {"model": model, **({"ema": averaged} if averaged else {})})
+    for name, t in averaged.items():
+        model[name] = t.to(model[name].dtype)
     assert entry.manifest is not None
     return model, entry.manifest["config"]
 

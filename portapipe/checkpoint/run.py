@@ -31,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, ConfigError
-from ..data import global_batch_size
+from ..data import identity
+from ..data.batches import global_batch_size
+from ..data.corpus import open_corpus
 from . import files
 from .folders import Locks, checkpoint_root, lock_folders
 
@@ -101,7 +103,8 @@ def resume_problems(config: Config, manifest: dict[str, Any], path: Path, key: s
 
     Any layout, schedule, balancer and backend may resume any checkpoint; the model must be the
     same (its tensors are loaded by name) and so must the data stream: a step's batch is drawn
-    from the seed and the global batch size, so changing either would change the data.
+    from the seed, the sources and the global batch size, so changing any would change the data
+    (the sources may change with ``data.allow_changed_sources``).
     """
     out = []
     if (line := _model_line(config, manifest.get("config", {}).get("model", {}), path, key)) is not None:
@@ -117,6 +120,10 @@ def resume_problems(config: Config, manifest: dict[str, Any], path: Path, key: s
         )
     if data.get("seed") != config.train.seed:
         out.append(f"train.seed: {config.train.seed}, but {path} was trained with seed {data.get('seed')}; the data would change")
+    change = data_change(config, data)
+    if change is not None and not config.data.allow_changed_sources:
+        out.append(f"{change}; {path}'s run would go on with other batches than it would have seen: restore its data, "
+                   "or set data.allow_changed_sources: true")
     step = int(manifest["step"])
     if config.train.steps < step:
         out.append(
@@ -172,6 +179,21 @@ def _layout_line(config: Config, manifest: dict[str, Any], backend: str) -> str 
         return None
     show = lambda d: ", ".join(f"{k} {d[k]}" for k in now)  # noqa: E731
     return f"resharding: the checkpoint was written with {show(then)}; this run has {show(now)}"
+
+
+def moments_line(config: Config, manifest: dict[str, Any]) -> str | None:
+    """The one line saying that AdamW's moments are converted on load: the checkpoint keeps them in
+    another dtype than this run does (``train.moments_dtype``); None when both keep the same."""
+    from ..optim.precision import moments_dtype
+
+    then_cfg = manifest.get("config", {})
+    model, train = then_cfg.get("model", {}), then_cfg.get("train", {})
+    then = moments_dtype(model.get("dtype", "float32"), train.get("master_dtype", "auto"), train.get("moments_dtype", "auto"))
+    t = config.train
+    now = moments_dtype(config.model.dtype, t.master_dtype, t.moments_dtype)
+    if then == now:
+        return None
+    return f"optimizer: the checkpoint keeps AdamW's moments in {then}; this run keeps them in {now} (train.moments_dtype): converted on load"
 
 
 def placement_fits(config: Config, manifest: dict[str, Any]) -> bool:
@@ -305,22 +327,33 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
     say(note)
     if (line := _layout_line(config, manifest, backend_name)) is not None:
         say(line)
+    if (line := moments_line(config, manifest)) is not None:
+        say(line)
+    had_ema = manifest.get("config", {}).get("train", {}).get("ema_decay") is not None
+    if config.train.ema_decay is not None and not had_ema:
+        say(f"ema: the checkpoint holds no EMA of the weights (train.ema_decay was not set); it starts from the weights of step {plan.step}")
+    elif config.train.ema_decay is None and had_ema:
+        say("ema: the checkpoint holds an EMA of the weights that this run does not keep (train.ema_decay is not set); its checkpoints will hold none")
     if manifest["layout"].get("balancer", "none") != "none" and config.balancer.kind != "none" and not plan.placement_fits:
         say(
             "balancer: the checkpoint's expert placement was made for another balancer layout; experts load by id into "
             f"{config.balancer.kind}'s initial placement, the recorded loads carry over"
         )
     say(lr_line(config, plan.lr_schedule_steps, origin, plan.step, plan.lr_schedule))
-    then, now = manifest["trainer"].get("data", {}).get("train_bytes"), _train_bytes(config)
-    if then is not None and then != now:
-        say(f"data: the checkpoint was trained on {then} bytes of training text, this run has {now}: the batches differ from an uninterrupted run")
+    change = data_change(config, manifest["trainer"].get("data", {}))
+    if change is not None:  # allowed, or it would have been refused above
+        say(f"data: {change}; data.allow_changed_sources: true, so the batches from here differ from an uninterrupted run's")
     return plan
 
 
-def _train_bytes(config: Config) -> int:
-    from ..data import TextData
-
-    return TextData(config).n_bytes("train")
+def data_change(config: Config, then: dict[str, Any]) -> str | None:
+    """How this config's sources differ from those a checkpoint's run trained on (None: the same,
+    or a checkpoint that did not record them, or data that does not open, which the launch checks say)."""
+    try:
+        now = identity.record(open_corpus(config))
+    except (ValueError, OSError):
+        return None
+    return identity.changes(then, now)
 
 
 def plan_on_ranks(config: Config, backend: Any, rank: int, plan: dict[str, Any] | None) -> tuple[RunPlan, Locks]:

@@ -10,8 +10,11 @@ What a rank contributes to a checkpoint (a nested dict that DCP flattens to dott
   stage (a checkpoint without them: the parameters are the master weights);
 - ``optim.<name>.{exp_avg, exp_avg_sq, step}``: AdamW's state under the same names, whole
   (a sharded optimizer's ranges are gathered first), so any ``zero_stage`` and dp size reads it;
+  the moments in the dtype they are kept in (``train.moments_dtype``), read in whatever dtype
+  the resuming run keeps them;
 - ``balancer.<layer>.{phy2log, log2phy, loads, planned}``: the expert placement in force (and whether it came from loads), the window of
   recorded per-expert loads, per MoE layer (global index);
+- ``ema.<name>``: the host EMA of the weights (``train.ema_decay``), float32, whole;
 - ``rng.<device type>``: rank 0's generator states;
 - ``stamp.<rank>``: the run id and step this rank's part belongs to.
 
@@ -65,6 +68,9 @@ def capture(runtime: Any, optimizer: Any, balancer: Any, rng: dict[str, torch.Te
     masters = [(n, _shaped_like(full[p]["master"], p)) for n, p in _params(named) if p in full and "master" in full[p]]
     if masters:
         state["master"] = logical_state(masters)
+    emas = [(n, _shaped_like(full[p]["ema"], p)) for n, p in _params(named) if p in full and "ema" in full[p]]
+    if emas:
+        state["ema"] = logical_state(emas)
     params = [(n, p) for n, p in _params(named) if p in full and optimizer.steps]
     optim: dict[str, dict[str, torch.Tensor]] = {}
     for kind in MOMENTS:
@@ -172,7 +178,7 @@ def targets(runtime: Any, optimizer: Any, rng_kinds: list[str], meta: Mapping[st
         for key, t, _ in logical_slices([(n, p)]):
             if key in optim:
                 continue
-            entry = {kind: want(f"optim.{key}.{kind}", t.shape, optimizer.master_dtype) for kind in MOMENTS}
+            entry = {kind: want(f"optim.{key}.{kind}", t.shape, optimizer.moments_dtype) for kind in MOMENTS}
             entry["step"] = want(f"optim.{key}.step", ())
             optim[key] = entry  # type: ignore[assignment]
     if problems:
@@ -181,6 +187,9 @@ def targets(runtime: Any, optimizer: Any, rng_kinds: list[str], meta: Mapping[st
     if has_master:  # read in this run's master dtype
         out["master"] = {key: torch.empty(tuple(meta[f"master.{key}"].size), dtype=optimizer.master_dtype)
                          for n, p in _params(named) for key, _, _ in logical_slices([(n, p)]) if f"master.{key}" in meta}
+    if getattr(optimizer, "ema", None) is not None and any(k.startswith("ema.") for k in meta):  # the host EMA, float32
+        out["ema"] = {key: torch.empty(tuple(meta[f"ema.{key}"].size), dtype=torch.float32)
+                      for n, p in _params(named) for key, _, _ in logical_slices([(n, p)]) if f"ema.{key}" in meta}
     rng = {k: torch.empty(tuple(meta[f"rng.{k}"].size), dtype=meta[f"rng.{k}"].properties.dtype) for k in rng_kinds if f"rng.{k}" in meta}
     if rng:
         out["rng"] = rng
@@ -196,7 +205,7 @@ def restore(loaded: dict[str, Any], runtime: Any, optimizer: Any) -> None:
     master = {**loaded["model"], **loaded.get("master", {})}  # the master weights where saved, else the parameters
     if "master" in loaded:  # the parameters as the master weights cast (exactly what the run computed with)
         load_logical_state(_params(named), master)
-    _restore_optimizer(optimizer, _params(named), loaded["optim"], master)
+    _restore_optimizer(optimizer, _params(named), loaded["optim"], master, loaded.get("ema"))
 
 
 def restore_balancer(balancer: Any, loaded: dict[str, Any], placement_fits: bool) -> None:
@@ -222,11 +231,14 @@ def restore_balancer(balancer: Any, loaded: dict[str, Any], placement_fits: bool
 
 
 def _restore_optimizer(optimizer: Any, params: list[tuple[str, nn.Parameter]], optim: dict[str, dict[str, torch.Tensor]],
-                       model: dict[str, torch.Tensor]) -> None:
-    """AdamW's state and the master weights (the saved parameters, in the master dtype) per
-    parameter from logical entries, into what this rank holds of them."""
+                       model: dict[str, torch.Tensor], ema: dict[str, torch.Tensor] | None = None) -> None:
+    """AdamW's state, the master weights (the saved parameters, in the master dtype) and the host
+    EMA when saved (else it starts from the master weights) per parameter from logical entries,
+    into what this rank holds of them."""
     by_kind = {kind: {key: e[kind] for key, e in optim.items()} for kind in MOMENTS}
     by_kind["master"] = model
+    if ema is not None:
+        by_kind["ema"] = ema
     loaded: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
     steps: set[float] = set()
     for n, p in params:
@@ -234,9 +246,10 @@ def _restore_optimizer(optimizer: Any, params: list[tuple[str, nn.Parameter]], o
             continue
         entry = {}
         for kind, values in by_kind.items():
-            buf = torch.zeros(p.shape, dtype=optimizer.master_dtype)
+            dtypes = {"master": optimizer.master_dtype, "ema": torch.float32}
+            buf = torch.zeros(p.shape, dtype=dtypes.get(kind, optimizer.moments_dtype))
             load_logical_state([(n, _shaped_like(buf, p))], values)
-            entry[kind] = buf.to(p.device)
+            entry[kind] = buf if kind == "ema" else buf.to(p.device)  # the EMA stays in host memory
         steps |= {float(optim[key]["step"]) for key, _, _ in logical_slices([(n, p)])}
         loaded[p] = entry
     if len(steps) > 1:

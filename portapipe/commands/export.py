@@ -1,7 +1,8 @@
 """``portapipe export CHECKPOINT OUT --format hf``: a checkpoint as a Hugging Face model folder.
 
 CHECKPOINT is a checkpoint folder (``step_NNNNNNNN``) or a run folder (its newest checkpoint).
-Reads the checkpoint's logical model state and its config
+Reads the checkpoint's logical model state (``--ema``: its parameters the host EMA of the
+weights, ``train.ema_decay``) and its config
 (:func:`portapipe.checkpoint.load_model_state`) and writes OUT with config.json and
 safetensors (sharded with an index past ``--max-shard-size``), which transformers'
 ``from_pretrained`` loads (model.arch deepseek_v3 or qwen3_moe); with ``--fp8`` the Linear weights
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"{ckpt} does not exist; give a checkpoint folder (e.g. runs/x/checkpoints/step_00000100)")
     try:
         entry = resolve(ckpt, warn=say_stderr)  # a damaged newer checkpoint is named, as train names it
-        state, raw = load_model_state(entry.path)
+        state, raw = load_model_state(entry.path, ema=args.ema)
     except (ValueError, FileNotFoundError) as exc:
         return _fail(f"{ckpt}: {exc}")
     config = config_from_dict(raw)  # a ConfigError exits 2 through the CLI
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     files = sorted(p.name for p in out.iterdir())
     print(json.dumps({
         "format": args.format, "arch": config.model.arch, "checkpoint": str(entry.path), "step": entry.step,
-        "out": str(out), "tensors": len(state), "files": files, "fp8": args.fp8,
+        "out": str(out), "tensors": len(state), "files": files, "ema": args.ema, "fp8": args.fp8,
     }))
     return 0
 
@@ -73,6 +74,7 @@ def register(sub: Any) -> None:
     p.add_argument("checkpoint", help="a checkpoint folder written by portapipe train, or its run folder (the newest checkpoint)")
     p.add_argument("out", help="output folder (must not exist, or be empty)")
     p.add_argument("--format", choices=["hf"], default="hf", help="output format [hf]")
+    p.add_argument("--ema", action="store_true", help="the EMA of the weights (train.ema_decay) instead of the weights")
     p.add_argument("--max-shard-size", type=parse_size, default=5 * 10**9, metavar="SIZE", help="largest safetensors file [5GB]")
     p.add_argument("--fp8", action="store_true", help="the attention, FFN and expert weights in FP8 as DeepSeek-V3 publishes them: "
                    "E4M3 with a float32 weight_scale_inv per 128x128 block, quantization_config in config.json")

@@ -37,7 +37,11 @@ def starter_text(name: str) -> str:
 def describe(config: Any) -> str:
     """What a config runs, in one line (read from the config, so it holds for every starter)."""
     p, m = config.parallel, config.model
-    data = f"token file {config.data.path}" if config.data.format == "tokens" else "bytes of " + (config.data.path or "the shipped corpus")
+    d = config.data
+    if d.format == "bytes":
+        data = "bytes of " + (d.path or "the shipped corpus")
+    else:
+        data = f"token data {d.path}" if d.sources is None else f"a blend of {len(d.sources)} token sources"
     return (f"{m.arch} model on backend {config.backend}, {config.world_size} ranks (pp {p.pp} x ep {p.ep} x dp {p.dp}), "
             f"{config.schedule.name}, {config.train.steps} steps, {data}, logs in {config.log.dir}")
 

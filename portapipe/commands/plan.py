@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
 
     try:
-        result = plan(config, args.devices, budget, profile, loads=loads, keep=args.top, progress=progress)
+        result = plan(config, args.devices, budget, profile, loads=loads, keep=args.top, progress=progress, allow=tuple(args.allow))
     finally:
         if bar is not None:
             bar.close()
@@ -143,5 +143,7 @@ def register(sub: Any) -> None:
     p.add_argument("--top", type=int, default=10, help="rows of the table [10]")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--allow", action="append", default=[], choices=["moments_dtype"],
+                   help="let the plan choose this setting too (repeatable): moments_dtype (AdamW's moments in bfloat16 where yours do not fit)")
     p.add_argument("--rules", action="store_true", help="print the compatibility rules (name, scope, severity, reason) and exit")
     p.set_defaults(func=run)

@@ -29,6 +29,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         costs = Costs.parse(args.cost)
         schedule = build(args.schedule, args.pp, args.microbatches, args.chunks)
+        if args.layers_per_stage:
+            costs.stage_scale = stage_scale(args.layers_per_stage, schedule)
+            costs.__post_init__()
         if args.plot:
             check_chart_path(args.plot)
     except (ValueError, TypeError) as err:
@@ -39,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     lowered = lower_comms(schedule)
     validate(lowered)
     result = simulate(lowered, costs)
-    formula = bubble_formula(args.schedule, args.pp, costs, args.chunks)
+    # the closed forms hold for equal stages only
+    formula = None if costs.stage_scale and len(set(costs.stage_scale)) > 1 else bubble_formula(args.schedule, args.pp, costs, args.chunks)
     summary: dict[str, Any] = {
         "schedule": args.schedule,
         "pp": args.pp,
@@ -83,6 +87,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def stage_scale(text: str, schedule: Any) -> list[float]:
+    """``--layers-per-stage 3,4,4,2``: each model block's layers (``parallel.layers_per_stage``), as
+    each virtual stage's cost relative to a block of the mean size (F, B and W are that block's)."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--layers-per-stage: {text!r} is not a comma-separated list of layer counts") from None
+    if len(counts) != schedule.n_blocks:
+        raise ValueError(f"--layers-per-stage: {len(counts)} entries; {schedule.name} with pp={schedule.n_ranks} has {schedule.n_blocks} model blocks")
+    if min(counts) < 1:
+        raise ValueError("--layers-per-stage: every block needs a layer to be priced (a block of the embedding or the head alone: "
+                         "give it the share of a layer its work is)")
+    mean = sum(counts) / len(counts)
+    return [counts[b] / mean for b in schedule.stage_block]
+
+
 def _title(summary: dict[str, Any]) -> str:
     c = summary["costs"]
     return (
@@ -106,6 +126,11 @@ def register(sub: Any) -> None:
         "split, its B cell costs B-W), W its weight-gradient part, FB an overlapped F&B unit, p2p one transfer",
     )
     p.add_argument("--no-w-split", action="store_true", help="run every backward whole (X cells, no B/W split)")
+    p.add_argument(
+        "--layers-per-stage", metavar="N,N,...",
+        help="layers of each model block (parallel.layers_per_stage): each stage's costs scale with its layers over the mean "
+        "(F, B, W are a mean block's); the closed-form bubble is then not given",
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of the timeline")
     p.add_argument("--timeline", action="store_true", help="with --json: include every action's start and end")
     p.add_argument("--plot", metavar="FILE", help="write a Gantt chart (.png, .svg, .pdf)")

@@ -31,15 +31,15 @@ class LayerMemory:
     zero_memory: ZeroMemory | None = None
     recompute: Recompute | None = None
 
-    def program(self, layer: Any, tape: Any, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
-        """The layer's forward program with its memory options applied."""
+    def program(self, layer: Any, tape: Any, x: torch.Tensor, positions: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]:
+        """The layer's forward program with its memory options applied (``positions``: as the layer's)."""
         if not tape.record:  # one plain autograd graph (the reference): nothing to drop
-            return (yield from layer.program(tape, x))
+            return (yield from layer.program(tape, x, positions))
         if self.recompute is not None and self.recompute.mode == "full":
-            return (yield from self.recompute.full(tape, layer, x))
+            return (yield from self.recompute.full(tape, layer, x, positions))
         if layer.moe is None:
-            return (yield from layer.program(tape, x))
-        routed = layer.routed(tape, x)
+            return (yield from layer.program(tape, x, positions))
+        routed = layer.routed(tape, x, positions)
         if self.recompute is not None:
             return (yield from self.recompute.moe(tape, layer, *routed))
         h, hn, send, plan = routed[0], routed[1], routed[2], routed[-1]

@@ -158,11 +158,11 @@ class Recompute:
         return out
 
     # ----------------------------------------------------------------- layers
-    def full(self, tape: Tape, layer: Any, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
-        """Program: the whole layer recomputed in backward."""
+    def full(self, tape: Tape, layer: Any, x: torch.Tensor, positions: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]:
+        """Program: the whole layer recomputed in backward (``positions``: as the layer's)."""
 
         def run(t: Tape, x_: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
-            return (yield from layer.program(t, x_))
+            return (yield from layer.program(t, x_, positions))
 
         return (yield from self.segment(tape, layer, run, [x]))
 

@@ -42,9 +42,10 @@ class Attention(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``x[b, s, hidden]`` at positions ``offset .. offset + s - 1`` (a multi-token prediction
-        module's rows sit at the positions of the tokens they embed)."""
+        module's rows sit at the positions of the tokens they embed), or, given ``positions[b, s]``,
+        at those, each token attending only inside its document (:func:`document_mask`)."""
         b, s, h = x.shape
         if offset + s > self.cos.shape[0]:
             raise ValueError(f"sequence length {offset + s} exceeds model.seq_len = {self.cos.shape[0]}")
@@ -52,27 +53,43 @@ class Attention(nn.Module):
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
 
-        q = apply_rope(heads(self.wq(x)), self.cos, self.sin, offset)
-        k = apply_rope(heads(self.wk(x)), self.cos, self.sin, offset)
+        q = apply_rope(heads(self.wq(x)), self.cos, self.sin, offset, positions)
+        k = apply_rope(heads(self.wk(x)), self.cos, self.sin, offset, positions)
         v = heads(self.wv(x))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if positions is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions))
         # wo merges the heads itself and keeps ``o`` (kept by the attention anyway), not a copy.
         return self.wo(o, heads=True)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of ``q[b, h, s, d]`` over ``k[b, h, s, d]``, ``v[b, h, s, dv]``.
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """``[b, 1, s, s]``, True where token i may attend to token j: j <= i in the same document.
+    A document starts where ``positions[b, s]`` (each token's position in its document) is 0."""
+    s = positions.shape[-1]
+    document = torch.cumsum(positions == 0, dim=-1)
+    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of ``q[b, h, s, d]`` over ``k[b, h, s, d]``, ``v[b, h, s, dv]``; given each
+    token's position in its document (``positions[b, s]``), inside documents only.
 
     float64: scores, then a softmax computed in float32 (the scores rounded to float32 first),
     as transformers' eager attention does, so the two agree to float64 rounding. Other dtypes:
     torch's fused attention, the same function (its softmax accumulates in float32 too).
     """
+    mask = None if positions is None else document_mask(positions)
     if q.dtype != torch.float64:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     s = q.shape[-2]
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1, dtype=HF_PRECISION).to(q.dtype)
+    hidden = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1) if mask is None else ~mask
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1, dtype=HF_PRECISION).to(q.dtype)
     return torch.matmul(probs, v)
 
 
@@ -100,14 +117,14 @@ class GroupedQueryAttention(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_norm(self.wq(x).view(b, s, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.wk(x).view(b, s, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = self.rotary(q, offset), self.rotary(k, offset)
+        q, k = self.rotary(q, offset, positions), self.rotary(k, offset, positions)
         times = self.n_heads // self.n_kv
-        o = attend(q, _repeat_heads(k, times), _repeat_heads(v, times), self.scale)
+        o = attend(q, _repeat_heads(k, times), _repeat_heads(v, times), self.scale, positions)
         return self.wo(o, heads=True)
 
 
@@ -137,7 +154,7 @@ class LatentAttention(nn.Module):
         self.rotary = Rotary(self.rope, cfg.rope_theta, cfg.rope_scaling, interleaved=bool(cfg.rope_interleave))
         self.scale = softmax_scale(qk, cfg.rope_scaling)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         if self.wq is not None:
             q = self.wq(x)
@@ -148,7 +165,7 @@ class LatentAttention(nn.Module):
         latent, k_rot = self.kv_a(x).split([self.kv_rank, self.rope], dim=-1)
         kv = self.kv_b(self.kv_a_norm(latent)).view(b, s, self.n_heads, self.nope + self.v_dim).transpose(1, 2)
         k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_rot = self.rotary(q_rot, offset)
-        k_rot = self.rotary(k_rot.reshape(b, 1, s, self.rope), offset).expand(b, self.n_heads, s, self.rope)
-        o = attend(torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_pass, k_rot), dim=-1), v, self.scale)
+        q_rot = self.rotary(q_rot, offset, positions)
+        k_rot = self.rotary(k_rot.reshape(b, 1, s, self.rope), offset, positions).expand(b, self.n_heads, s, self.rope)
+        o = attend(torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_pass, k_rot), dim=-1), v, self.scale, positions)
         return self.wo(o, heads=True)

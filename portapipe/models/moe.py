@@ -185,6 +185,11 @@ class MoE(nn.Module):
         return plan
 
 
+def _given(positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The parts' extra argument: the positions when the data has documents, else none (the parts' calls stay as they were)."""
+    return () if positions is None else (positions,)
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, ep: ExpertParallel, dtype: torch.dtype) -> None:
         super().__init__()
@@ -206,20 +211,21 @@ class Layer(nn.Module):
         self.position_offset = 0
 
     # ----------------------------------------------------------------- parts
-    def dense_part(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.norm1(x), self.position_offset)
+    def dense_part(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x), self.position_offset, positions)
         return h + self.ffn(self.norm2(h))
 
-    def attention_part(self, x: torch.Tensor) -> tuple[Any, ...]:
+    def attention_part(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[Any, ...]:
         """Attention + residual, FFN norm, routing, and the rows to send with their router
         weights: ``(h, hn, send, local, local_weights, plan)``. ``send`` goes to other EP ranks,
         each row with its router weight as its last column (:func:`.expert_parallel.with_weights`);
         ``local`` / ``local_weights`` (routed to this rank's own experts) need no exchange. Both
         gathered in ``plan.send_order``, each into a buffer of its own (the local rows are kept
         for the experts' backward, the sent ones are not). With a balance-loss weight, the
-        layer's sequence-wise balance loss follows as a seventh element."""
+        layer's sequence-wise balance loss follows as a seventh element. ``positions``: each
+        token's position in its document (:mod:`portapipe.data.samples`), None for one per row."""
         moe = self.moe
-        h = x + self.attn(self.norm1(x), self.position_offset)
+        h = x + self.attn(self.norm1(x), self.position_offset, positions)
         hn = self.norm2(h)
         flat = hn.reshape(-1, hn.shape[-1])
         w, idx, affinity = moe.router.route(flat, affinities=bool(self.balance_weight))
@@ -231,11 +237,11 @@ class Layer(nn.Module):
             return out
         return (*out, sequence_balance_loss(affinity, idx, x.shape[0]))
 
-    def routed(self, tape: Any, x: torch.Tensor) -> tuple[Any, ...]:
+    def routed(self, tape: Any, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[Any, ...]:
         """The attention part through ``tape``; its balance loss (when computed) recorded as a
         loss term of this stage (:meth:`~portapipe.scheduling.overlap.Tape.loss`).
         Returns :meth:`attention_part`'s first six elements."""
-        out = tape.part(self.attention_part, x)
+        out = tape.part(self.attention_part, x, *_given(positions))
         if len(out) == 7:
             tape.loss(balance_term(self.index), out[6], self.balance_weight)
             out = out[:6]
@@ -285,10 +291,10 @@ class Layer(nn.Module):
         return out if shared is None else out + shared
 
     # --------------------------------------------------------------- program
-    def program(self, tape: Any, x: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
+    def program(self, tape: Any, x: torch.Tensor, positions: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]:
         if self.moe is None:
-            return tape.part(self.dense_part, x)
-        routed = self.routed(tape, x)
+            return tape.part(self.dense_part, x, *_given(positions))
+        routed = self.routed(tape, x, positions)
         return (yield from self.moe_program(tape, *routed))
 
     def moe_program(
@@ -457,14 +463,18 @@ class Block(nn.Module):
         """The multi-token prediction modules, by depth."""
         return [layer for layer in self.layers.values() if isinstance(layer, MTPLayer)]
 
-    def program(self, tape: Any, x: torch.Tensor, targets: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]:
-        """Forward of one micro-batch: tokens or hidden states in; hidden states or the loss out."""
+    def program(
+        self, tape: Any, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> Generator[Any, None, torch.Tensor]:
+        """Forward of one micro-batch: tokens or hidden states in; hidden states or the loss out.
+        ``positions``: each token's position in its document, when attention stays inside
+        documents (the stage contract, :mod:`portapipe.scheduling.stage`)."""
         x = tape.watch(x)
         if self.block == 0:
             x = tape.part(self.embed_part, x)
         for layer in self.main_layers():
             # layer.memory: recompute / zero-memory options (portapipe.memory.policy), if any.
-            x = yield from (layer.program(tape, x) if layer.memory is None else layer.memory.program(layer, tape, x))
+            x = yield from (layer.program(tape, x, positions) if layer.memory is None else layer.memory.program(layer, tape, x, positions))
         if self.is_last:
             if targets is None:
                 raise ValueError(f"block {self.block} computes the loss and needs the targets")
@@ -481,14 +491,18 @@ class Block(nn.Module):
         return [layer for layer in self.layers.values() if layer.moe is not None]
 
 
-def tie_copies(blocks: dict[int, Block]) -> None:
-    """Blocks held by one process (the single-process model): every copy of a shared weight
+def tie_copies(blocks: dict[int, Block], together: Callable[[tuple[int, ...]], bool] | None = None) -> None:
+    """Blocks held by one process: every copy of a shared weight
     (:func:`~portapipe.scheduling.stage.mark_shared`) becomes the one parameter of the first block
-    holding it, so autograd sums its uses as one weight's."""
+    holding it, so autograd sums its uses as one weight's. ``together(blocks)``: whether this
+    process holds every copy of a weight shared by ``blocks`` (default: all of them are among
+    ``blocks``, as in the single-process model); a weight whose copies are not together keeps
+    them (their gradients are summed over the ranks holding them)."""
     first: dict[str, nn.Parameter] = {}
     for b in sorted(blocks):
         for name, p in list(blocks[b].named_parameters()):
-            if not shared_blocks(p):
+            shared = shared_blocks(p)
+            if not shared or not (together(shared) if together is not None else all(c in blocks for c in shared)):
                 continue
             if name not in first:
                 first[name] = p

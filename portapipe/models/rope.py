@@ -27,12 +27,16 @@ def rope_tables(seq: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tens
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """Rotate ``x[..., seq, head_dim]`` whose rows sit at positions ``offset, offset + 1, ...``."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate ``x[..., seq, head_dim]`` whose rows sit at positions ``offset, offset + 1, ...``, or
+    ``x[b, heads, seq, head_dim]`` whose rows sit at ``positions[b, seq]``."""
     half = cos.shape[-1]
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     s = x.shape[-2]
-    c, n = cos[offset : offset + s], sin[offset : offset + s]
+    if positions is None:
+        c, n = cos[offset : offset + s], sin[offset : offset + s]
+    else:
+        c, n = cos[positions][:, None], sin[positions][:, None]
     return torch.cat([x1 * c - x2 * n, x1 * n + x2 * c, rest], dim=-1)
 
 
@@ -109,15 +113,18 @@ class Rotary:
             self._cache[key] = ((emb.cos() * factor).to(dtype).to(device), (emb.sin() * factor).to(dtype).to(device))
         return self._cache[key]
 
-    def __call__(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Rotate ``x[batch, heads, seq, dim]`` whose rows sit at positions ``offset, offset + 1, ...``.
+    def __call__(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate ``x[batch, heads, seq, dim]`` whose rows sit at positions ``offset, offset + 1, ...``,
+        or at ``positions[batch, seq]``.
 
         The tables broadcast as ``[1, 1, seq, dim]``, the shape transformers gives them: the
         layout of the gradients autograd produces depends on it, and with it the rounding of
         later float32 reductions (the q/k norms' backward).
         """
         cos, sin = self.tables(offset + x.shape[-2], x.dtype, x.device)
-        if offset:
+        if positions is not None:
+            cos, sin = cos[0][positions], sin[0][positions]  # [batch, seq, dim]
+        elif offset:
             cos, sin = cos[:, offset:], sin[:, offset:]
         if self.interleaved:
             # pairs (x0, x1), (x2, x3), ... each turned by one angle; the result holds the first

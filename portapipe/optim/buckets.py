@@ -123,8 +123,10 @@ def layout(blocks: Mapping[int, Any], groups: Any, bucket_elems: int, holders: H
     rest of their block's (a weight shared with another block) get buckets of their own, laid
     out alike in every block holding a copy."""
     out: list[Bucket] = []
+    seen: set[int] = set()  # a weight two blocks of this rank hold as one tensor is laid out once, by the first
     for b in sorted(blocks):
-        params = [p for _, p in blocks[b].named_parameters() if p.requires_grad]
+        params = [p for _, p in blocks[b].named_parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
         for expert in (False, True):
             group, n, r = _group_of(groups, expert)
             by_holders: dict[tuple[tuple[int, int], ...], list[nn.Parameter]] = {}

@@ -3,8 +3,11 @@
 ``model.dtype`` is the compute dtype (weights as the model sees them, activations);
 ``train.master_dtype`` the dtype of the master weights, of the gradient accumulation and of
 AdamW's state (``auto``: float32 under bfloat16 / float16, else the model dtype);
-``train.grad_reduce_dtype`` the dtype gradients travel in when summed over the replicas (``auto``:
-the master dtype). Everything here works on dtype names, so config validation stays light.
+``train.moments_dtype`` the dtype AdamW's two moments are stored in (``auto``: the master dtype;
+DeepSeek-V3 keeps them in bfloat16 under float32 master weights), the update being computed in the
+more precise of it and the master dtype (:func:`update_dtype`); ``train.grad_reduce_dtype`` the
+dtype gradients travel in when summed over the replicas (``auto``: the master dtype). Everything
+here works on dtype names, so config validation stays light.
 """
 
 from __future__ import annotations
@@ -32,6 +35,50 @@ def master_dtype(model_dtype: str, setting: str) -> str:
     if setting != "auto":
         return setting
     return "float32" if model_dtype in LOW_PRECISION else model_dtype
+
+
+def moments_dtype(model_dtype: str, master_setting: str, setting: str) -> str:
+    """The dtype AdamW's moments are stored in (``auto``: the master dtype)."""
+    return master_dtype(model_dtype, master_setting) if setting == "auto" else setting
+
+
+def update_dtype(master: str, moments: str) -> str:
+    """The dtype an AdamW update is computed in: the more precise of the master weights' and the
+    moments' (float32 for bfloat16 moments under float32 master weights, as Megatron-Core's
+    optimizer with bfloat16 ``exp_avg_dtype`` does)."""
+    return master if _PRECISION[master] >= _PRECISION[moments] else moments
+
+
+def smallest_moved(dtype: str, beta: float) -> float:
+    """The smallest relative gap ``|target / moment - 1|`` that moves a moment stored in ``dtype``
+    when it takes a step of ``1 - beta`` towards its target (the gradient, or its square), for a
+    moment at the bottom of its binade: a change below half the dtype's spacing, the unit roundoff
+    times the value, rounds away."""
+    return unit_roundoff(dtype) / (1.0 - beta)
+
+
+#: a moment that cannot follow a target closer than this (relative) is said to lag (a note)
+MOMENT_LAG = 0.10
+
+
+def moments_lag(config: Any) -> list[str]:
+    """Note lines: moments stored in a dtype too coarse for their betas (with bfloat16 moments and
+    beta2 0.999 a squared gradient must differ from exp_avg_sq by 4x its value to move it at
+    all); empty when each moment follows targets :data:`MOMENT_LAG` away from it."""
+    m, t = config.model, config.train
+    dtype = moments_dtype(m.dtype, t.master_dtype, t.moments_dtype)
+    if dtype not in _PRECISION:
+        return []
+    out = []
+    for i, (name, what) in enumerate((("exp_avg", "gradient"), ("exp_avg_sq", "squared gradient"))):
+        gap = smallest_moved(dtype, t.betas[i])
+        if gap > MOMENT_LAG:
+            out.append(
+                f"train.moments_dtype: {dtype} {name} with betas[{i}] {t.betas[i]:g} may move only when the {what} differs from it by "
+                f"more than {100 * gap:.0f}% (a step of {1 - t.betas[i]:.3g} of a smaller gap rounds away in {dtype}); "
+                f"DeepSeek-V3 trained bfloat16 moments with betas (0.9, 0.95); use a smaller betas[{i}] or float32 moments"
+            )
+    return out
 
 
 def reduce_dtype(model_dtype: str, master_setting: str, setting: str) -> str:
@@ -62,6 +109,13 @@ def precision_problems(config: Any) -> list[str]:
         out.append(
             f"train.master_dtype: float16 cannot hold AdamW's state (eps {EPS:g} and squared gradients below "
             f"{FLOAT16_TINY:.1e} round to zero, so the update divides by zero); use auto (float32 under float16), float32 or float64"
+        )
+    if t.moments_dtype == "float16":
+        # v = beta2 v + (1 - beta2) g^2: squared gradients below float16's smallest value vanish,
+        # and the update divides by sqrt(v) + eps where eps rounds to zero
+        out.append(
+            f"train.moments_dtype: float16 cannot hold AdamW's squared gradients (below {FLOAT16_TINY:.1e} they round to zero, "
+            f"as does eps {EPS:g}, and the update divides by zero); use auto, bfloat16 (the range of float32), float32 or float64"
         )
     if t.fp8 != "off" and (m.dtype != "bfloat16" or master != "float32"):
         key, value = ("model.dtype", m.dtype) if m.dtype != "bfloat16" else ("train.master_dtype", t.master_dtype)

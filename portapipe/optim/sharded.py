@@ -1,13 +1,15 @@
 """AdamW over gradient buckets: master weights, ZeRO shards, the step and the parameters' update.
 
 :class:`ShardedAdamW` keeps, per bucket of :class:`~.buckets.GradBuckets`, AdamW's two moments
-and the master weights in the master dtype: the whole bucket with ``zero_stage`` 0, this rank's
+(in ``train.moments_dtype``) and the master weights (in the master dtype): the whole bucket with ``zero_stage`` 0, this rank's
 equal range of it with 1 and 2 (Megatron-Core's distributed optimizer: a shared parameter's
 bucket splits over the dp x ep replicas, an expert's over dp). A step updates what the rank
 holds from its range of the reduced gradient, then the parameters are refreshed: copied (cast to
 the model dtype) from the master, or, sharded, all-gathered from every rank's updated range.
 When the model computes in the master dtype the parameters are the master weights (no copy
-kept: a rank steps its range of them in place).
+kept: a rank steps its range of them in place). Moments stored in another dtype than the master
+weights are widened to the more precise of the two for the update, piece by piece
+(:func:`~.adamw.adamw_`).
 
 The global gradient norm is summed from every rank's range (:meth:`ShardedAdamW.local_sq_norm`),
 so it equals the unsharded norm whatever the stage.
@@ -30,12 +32,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class _State:
     """What the optimizer holds for one bucket (full length, or this rank's range)."""
 
-    def __init__(self, bucket: Bucket, span: slice, master: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, bucket: Bucket, span: slice, master: torch.Tensor | None, moments: torch.dtype, device: torch.device) -> None:
         n = span.stop - span.start
         self.span = span
         self.master = master
-        self.exp_avg = torch.zeros(n, dtype=dtype, device=device)
-        self.exp_avg_sq = torch.zeros(n, dtype=dtype, device=device)
+        self.exp_avg = torch.zeros(n, dtype=moments, device=device)
+        self.exp_avg_sq = torch.zeros(n, dtype=moments, device=device)
         # weight decay on matrices only: their (start, end) within the span
         self.decayed = []
         for p, o in zip(bucket.params, bucket.offsets):
@@ -63,7 +65,8 @@ class ShardedAdamW:
     """AdamW with master weights over a rank's gradient buckets (see the module docstring).
 
     ``lr`` is the learning rate the next :meth:`step` uses (the training loop sets it);
-    ``steps`` the updates applied so far.
+    ``steps`` the updates applied so far. ``moments_dtype``: the moments' dtype (default: the
+    master dtype).
     """
 
     def __init__(
@@ -75,15 +78,23 @@ class ShardedAdamW:
         betas: tuple[float, float],
         weight_decay: float,
         backend: Any,
+        moments_dtype: torch.dtype | None = None,
     ) -> None:
+        from .precision import update_dtype
+
         self.grads, self.backend = grads, backend
         self.model_dtype, self.master_dtype = model_dtype, grads.master_dtype
+        self.moments_dtype = self.master_dtype if moments_dtype is None else moments_dtype
+        name = lambda d: str(d).removeprefix("torch.")  # noqa: E731
+        self.compute_dtype = getattr(torch, update_dtype(name(self.master_dtype), name(self.moments_dtype)))
         self.zero_stage = zero_stage
         self.betas, self.weight_decay = betas, weight_decay
         self.lr = 0.0
         self.steps = 0
         #: a separate copy of the weights in the master dtype (else the parameters are it)
         self.has_master = self.master_dtype != model_dtype
+        #: the host EMA of the weights (:class:`~.ema.HostEMA`, ``train.ema_decay``), or None
+        self.ema: Any = None
         self.states: list[_State] = []
         for bucket in grads.buckets:
             span = bucket.shard if zero_stage > 0 else slice(0, bucket.numel)
@@ -93,7 +104,7 @@ class ShardedAdamW:
                 for p, view in zip(bucket.params, bucket.views(full)):
                     view.copy_(p.detach())
                 master = full[span].clone() if zero_stage > 0 else full
-            self.states.append(_State(bucket, span, master, self.master_dtype, grads.device))
+            self.states.append(_State(bucket, span, master, self.moments_dtype, grads.device))
 
     # ------------------------------------------------------------------ step
     def local_sq_norm(self, counted_blocks: set[int]) -> torch.Tensor:
@@ -113,7 +124,7 @@ class ShardedAdamW:
         """One AdamW update at ``self.lr`` from the reduced gradients times ``grad_coef`` (clipping,
         loss-scale removal), then the parameters refreshed (collective under zero_stage 1 / 2)."""
         self.steps += 1
-        hp = {"step": self.steps, "lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay}
+        hp = {"step": self.steps, "lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay, "compute": self.compute_dtype}
         for bucket, st in zip(self.grads.buckets, self.states):
             g = self.grads.grad_shard(bucket) if self.zero_stage > 0 else bucket.grad
             if grad_coef != 1.0:
@@ -137,17 +148,25 @@ class ShardedAdamW:
 
     def _refresh(self) -> None:
         """The parameters from the master weights: copied, or all-gathered from the shards."""
+        if self.zero_stage == 0 and not self.has_master:
+            return
+        self.refresh(lambda st: st.master)
+
+    def refresh(self, source: Any) -> None:
+        """The parameters from ``source(state)`` (this rank's range of a bucket's weights, or None:
+        the parameters' own; any dtype and device): copied, or all-gathered from the shards under
+        zero_stage 1 / 2 (collective)."""
         if self.zero_stage == 0:
-            if not self.has_master:
-                return
             for bucket, st in zip(self.grads.buckets, self.states):
-                for p, view in zip(bucket.params, bucket.views(st.master)):
-                    p.detach().copy_(view)
+                if (weights := source(st)) is not None:
+                    for p, view in zip(bucket.params, bucket.views(weights)):
+                        p.detach().copy_(view)
             return
         pending = []
         for bucket, st in zip(self.grads.buckets, self.states):
             full = torch.empty(bucket.numel, dtype=self.model_dtype, device=self.grads.device)
-            mine = st.master.to(self.model_dtype) if st.master is not None else self._own_range(bucket, st)
+            weights = source(st)
+            mine = weights.to(self.grads.device, self.model_dtype) if weights is not None else self._own_range(bucket, st)
             if bucket.group_size == 1:
                 full.copy_(mine)
                 pending.append((bucket, full, None))
@@ -184,29 +203,40 @@ class ShardedAdamW:
 
     def full_state(self) -> Iterator[tuple[nn.Parameter, dict[str, torch.Tensor]]]:
         """Every parameter's whole moments (and master weights, when kept), shaped like it
-        (collective under zero_stage 1 / 2: every rank's ranges are gathered)."""
+        (collective under zero_stage 1 / 2: every rank's ranges are gathered); the host EMA's too,
+        once its fold in flight is done."""
+        if self.ema is not None:
+            self.ema.wait()
         for bucket, st in zip(self.grads.buckets, self.states):
-            kinds = list(MOMENTS) + (["master"] if st.master is not None else [])
-            full = {kind: self._whole(bucket, getattr(st, kind)) for kind in kinds}
+            full = {kind: self._whole(bucket, getattr(st, kind)) for kind in self._kinds(st)}
             for i, p in enumerate(bucket.params):
                 yield p, {kind: bucket.views(t)[i] for kind, t in full.items()}
 
+    def _kinds(self, st: _State) -> list[str]:
+        """What this rank holds per bucket: the moments, the master weights when kept apart, the
+        host EMA of the weights when one is kept (``ema``, set by :class:`~.ema.HostEMA`)."""
+        return list(MOMENTS) + (["master"] if st.master is not None else []) + (["ema"] if getattr(st, "ema", None) is not None else [])
+
     def _whole(self, bucket: Bucket, part: torch.Tensor) -> torch.Tensor:
-        return part if self.zero_stage == 0 else gather(self.backend, bucket, part)
+        if self.zero_stage == 0:
+            return part
+        if part.device != self.grads.device:  # the host EMA: gathered through the device, one bucket at a time
+            return gather(self.backend, bucket, part.to(self.grads.device)).to(part.device)
+        return gather(self.backend, bucket, part)
 
     def load_full_state(self, loaded: dict[nn.Parameter, dict[str, torch.Tensor]], steps: int) -> None:
-        """Put whole per-parameter tensors (as :meth:`full_state` gives; ``master`` optional: the
-        parameters stand for it) into what this rank holds."""
+        """Put whole per-parameter tensors (as :meth:`full_state` gives; ``master`` and ``ema``
+        optional: the parameters stand for them) into what this rank holds."""
         self.steps = steps
         for bucket, st in zip(self.grads.buckets, self.states):
-            kinds = list(MOMENTS) + (["master"] if st.master is not None else [])
-            for kind in kinds:
+            for kind in self._kinds(st):
                 target = getattr(st, kind)
                 for p, o in zip(bucket.params, bucket.offsets):
                     entry = loaded.get(p)
                     if entry is None:
                         continue
-                    src = entry.get(kind, p.detach() if kind == "master" else None)
+                    fallback = {"master": p.detach(), "ema": entry.get("master", p.detach())}  # a checkpoint without them
+                    src = entry.get(kind, fallback.get(kind))
                     if src is None:
                         continue
                     a, b = max(st.span.start, o), min(st.span.stop, o + p.numel())

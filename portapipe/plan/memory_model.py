@@ -3,9 +3,10 @@
 Static, per pipeline rank: the parameters of every block the rank holds (DualPipe: two blocks,
 each also held by another rank; routed experts: ``n_experts / ep`` plus the balancer's redundant
 slots), their gradients (accumulated in the master dtype), the master weights (when kept apart
-from the parameters: another dtype, or ``zero_stage`` 1 / 2), AdamW's two moments (in the master
-dtype; this rank's ranges under ``zero_stage`` 1 / 2, and the gradients' too under 2), the
-model's buffers.
+from the parameters: another dtype, or ``zero_stage`` 1 / 2), AdamW's two moments (in
+``train.moments_dtype``; this rank's ranges under ``zero_stage`` 1 / 2, and the gradients' too under 2), the
+model's buffers. The host EMA of the weights (``train.ema_decay``) is counted apart, in host
+memory (``ema_host``): it takes nothing of the device's.
 
 In flight: each rank's lowered action list is walked in order, and each compute action through
 its stage program (:mod:`.programs`), part by part; an F&B interleaves its two programs as the
@@ -62,6 +63,7 @@ class RankMemory:
     master: float = 0.0
     optimizer: float = 0.0
     buffers: float = 0.0
+    ema_host: float = 0.0  # host memory, not the device's: the EMA of the weights and its staging copy (train.ema_decay)
     saved_peak: float = 0.0  # activations saved for backward (the accounting's figure)
     held_peak: float = 0.0  # everything the schedule keeps in flight, at its peak
     post: float = 0.0  # transient after the schedule (reductions, optimizer)
@@ -78,6 +80,7 @@ class RankMemory:
     def to_dict(self) -> dict[str, Any]:
         return {
             "params": self.params, "grads": self.grads, "master": self.master, "optimizer": self.optimizer, "buffers": self.buffers,
+            "ema_host": self.ema_host,
             "saved_peak": self.saved_peak, "held_peak": self.held_peak, "post": self.post, "total": self.total,
             "microbatches_peak": self.microbatches_peak,
         }
@@ -106,24 +109,32 @@ def static_memory(setup: Any, schedule: Schedule, rank: int) -> RankMemory:
     bal = getattr(setup, "balancer", None)
     redundant = bal.redundant if bal is not None and bal.kind != "none" else 0
     train, model = getattr(setup, "train", None), getattr(setup, "model", None)
-    master = _master_bytes(model.dtype if model is not None else "float32", train.master_dtype if train is not None else "auto")
+    master, moments = _optimizer_bytes(model.dtype if model is not None else "float32", train, getattr(setup, "moments_dtype", None))
+    ema = train is not None and getattr(train, "ema_decay", None) is not None
     return _static(s, tuple(schedule.blocks_of(rank)), schedule.n_blocks, s.n_experts // setup.ep + redundant,
                    s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep,
-                   getattr(setup, "layers_per_stage", None))
+                   getattr(setup, "layers_per_stage", None), moments, ema)
 
 
-def _master_bytes(model_dtype: str, setting: str) -> int:
-    from ..optim.precision import master_dtype
+def _optimizer_bytes(model_dtype: str, train: Any, moments: str | None = None) -> tuple[int, int]:
+    """Bytes of one master weight and of one AdamW moment (``train.master_dtype``; ``moments``, a
+    setup's choice, else ``train.moments_dtype``)."""
+    from ..model_shape import ELEMENT_BYTES
+    from ..optim.precision import master_dtype, moments_dtype
 
-    return {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[master_dtype(model_dtype, setting)]
+    master_setting = train.master_dtype if train is not None else "auto"
+    moments_setting = moments or (getattr(train, "moments_dtype", "auto") if train is not None else "auto")
+    return (ELEMENT_BYTES[master_dtype(model_dtype, master_setting)],
+            ELEMENT_BYTES[moments_dtype(model_dtype, master_setting, moments_setting)])
 
 
 @functools.lru_cache(maxsize=8192)
 def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, slots: int, em: int = 4, zero: int = 0,
-            dp: int = 1, ep: int = 1, split: Any = None) -> RankMemory:
-    """Gradients accumulate in the master dtype (``em`` bytes); zero_stage 1 shards the master
-    weights and AdamW's moments, 2 the gradients too, over dp x ep (shared) or dp (experts).
-    The parameters are the master weights when the model computes in the master dtype (no copy)."""
+            dp: int = 1, ep: int = 1, split: Any = None, emo: int | None = None, ema: bool = False) -> RankMemory:
+    """Gradients accumulate in the master dtype (``em`` bytes), AdamW's moments take ``emo`` bytes
+    each (default ``em``); zero_stage 1 shards the master weights and the moments, 2 the gradients
+    too, over dp x ep (shared) or dp (experts). The parameters are the master weights when the
+    model computes in the master dtype (no copy)."""
     from ..setup import layer_range
 
     mem = RankMemory()
@@ -135,12 +146,16 @@ def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, 
         first, last = layer_range(s.n_layers, n_blocks, b, split)
         mtp = mtp_layer_indices(s) if b == n_blocks - 1 else range(0)
         mem.buffers += sum(layer_buffer_bytes(s, i, slots) for i in [*range(first, last), *mtp])
+    if n_blocks > 1 and 0 in blocks and n_blocks - 1 in blocks and (s.tie_word_embeddings or s.mtp_layers):
+        elements -= s.vocab_size * s.hidden  # the first and last blocks on one rank hold one embedding, not a copy each
     sharded = (elements - experts) / (dp * ep) + experts / dp  # this rank's ranges of its buckets
     mem.params = float(elements * s.e)
     mem.grads = float((sharded if zero == 2 else elements) * em)
     kept = sharded if zero >= 1 else elements
-    mem.optimizer = float(2 * kept * em)  # exp_avg, exp_avg_sq
+    mem.optimizer = float(2 * kept * (em if emo is None else emo))  # exp_avg, exp_avg_sq
     mem.master = float(kept * em) if em != s.e else 0.0
+    if ema:  # float32, over the master weights' ranges, and its staging copy of them (optim.ema.HostEMA)
+        mem.ema_host = float(kept * (4 + em))
     return mem
 
 

@@ -6,7 +6,8 @@ sequences with ``r * m * b`` equal to the user's. Enumerated: pp x ep x dp layou
 devices, the five schedules (interleaved with the user's chunk count), every micro-batch count
 that divides a replica's share, and the memory options (off, zero-memory level0 / level1,
 recompute moe / full, and full recompute of each stage's first layer with level1 on the rest); per
-candidate, the least ``train.zero_stage`` whose memory fits the budget.
+candidate, the least ``train.zero_stage`` whose memory fits the budget (and, with ``allow``
+``moments_dtype``, the user's moments dtype first, then bfloat16 moments, at each stage).
 
 Each candidate is checked against the rule table first, then its per-rank peak memory
 (:mod:`.memory_model`) against the budget; only then is its step time simulated
@@ -34,6 +35,9 @@ from ..setup import Setup, split_problem, stage_layers
 from .time_model import TimeModel, TimeReport, early_bs
 
 PLANNED = ("layout", "schedule", "memory", "balancer")  # rule scopes a candidate can break
+#: what ``portapipe plan --allow`` may let a candidate choose: ``moments_dtype`` (AdamW's moments in
+#: bfloat16 where the user's do not fit, tried after them at each zero stage)
+ALLOWED = ("moments_dtype",)
 MEMORY_OPTIONS: tuple[dict[str, Any], ...] = (
     {},
     {"zero_memory": "level0"},
@@ -160,8 +164,10 @@ def lighter_last(x: Setup) -> list[Setup]:
 class _Context:
     """What candidates share: schedules, placements, stage programs and action times."""
 
-    def __init__(self, profile: Profile, imb: Callable[[int], float]) -> None:
+    def __init__(self, profile: Profile, imb: Callable[[int], float], allow: tuple[str, ...] = ()) -> None:
         self.profile, self.imb = profile, imb
+        #: ``--allow moments_dtype``: a candidate may keep AdamW's moments in bfloat16 to fit
+        self.bf16_moments = "moments_dtype" in allow
         self._schedules: dict[tuple, Schedule | str] = {}
         self._placements: dict[tuple, Schedule | str] = {}
         self._programs: dict[tuple, Programs] = {}
@@ -244,8 +250,8 @@ class _Context:
 
 
 def _twin(c: Candidate, paired: Setup) -> bool:
-    """Whether ``c`` was made from ``paired``'s setup without F&F pairs (its zero stage aside)."""
-    return c.setup.replace(zero_stage=paired.zero_stage) == paired.replace(pair_forwards=False)
+    """Whether ``c`` was made from ``paired``'s setup without F&F pairs (its zero stage and moments aside)."""
+    return c.setup.replace(zero_stage=paired.zero_stage, moments_dtype=paired.moments_dtype) == paired.replace(pair_forwards=False)
 
 
 def _reason(line: str) -> str:
@@ -275,12 +281,14 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: b
     if search_zero and x.pair_forwards and not ctx.has_pairs(sched):
         c.problems.append("schedule.pair_forwards: no two forwards in a row pair in this schedule")
         return c
-    # zero_stage: the least sharding of the optimizer (and then the gradients) that fits the budget
-    searched = search_zero and memory_bytes is not None and x.replicas > 1
-    stages = [z for z in (0, 1, 2) if z >= x.zero_stage] if searched else [x.zero_stage]
-    for zero in stages:
+    # zero_stage: the least sharding of the optimizer (and then the gradients) that fits the budget;
+    # at each stage the user's moments dtype first, then bfloat16 moments where allowed
+    searched = search_zero and memory_bytes is not None
+    stages = [z for z in (0, 1, 2) if z >= x.zero_stage] if searched and x.replicas > 1 else [x.zero_stage]
+    moments = [x.moments_dtype] + (["bfloat16"] if searched and ctx.bf16_moments and x.moments_dtype != "bfloat16" else [])
+    for zero, kept in [(z, m) for z in stages for m in moments]:
         c.problems = []
-        c.setup = x = x.replace(zero_stage=zero)
+        c.setup = x = x.replace(zero_stage=zero, moments_dtype=kept)
         if memory_bytes is not None:
             static = max(static_memory(x, place, r).static for r in range(place.n_ranks))
             if static > memory_bytes:
@@ -316,11 +324,13 @@ def plan(
     loads: list[list[float]] | None = None,
     keep: int = 10,
     progress: Callable[[int, int], None] | None = None,
+    allow: tuple[str, ...] = (),
 ) -> PlanResult:
     """Rank every setup of ``config``'s model on ``devices`` by predicted step time.
 
     ``loads`` (recorded expert loads) set the expert imbalance; default: the profile's.
-    ``progress(done, total)`` is called as candidates are evaluated.
+    ``progress(done, total)`` is called as candidates are evaluated. ``allow``: settings the
+    plan may choose beyond the layout, schedule and memory options (:data:`ALLOWED`).
     """
     user = Setup.from_config(config)
     loads = loads if loads is not None else profile.loads
@@ -331,7 +341,7 @@ def plan(
             cache[ep] = imbalance(loads, ep, config.balancer, config.model.n_groups) if loads else 1.0
         return cache[ep]
 
-    ctx = _Context(profile, imb)
+    ctx = _Context(profile, imb, allow)
     setups = list(enumerate_setups(user, devices))
     if user.devices == devices and user not in setups:
         setups.append(user)
@@ -383,4 +393,4 @@ def plan(
     return PlanResult(config, devices, memory_bytes, timed, dropped, total, user_c, not_timed)
 
 
-__all__ = ["Candidate", "PlanResult", "enumerate_setups", "evaluate", "gib", "plan", "MEMORY_OPTIONS"]
+__all__ = ["ALLOWED", "Candidate", "PlanResult", "enumerate_setups", "evaluate", "gib", "plan", "MEMORY_OPTIONS"]

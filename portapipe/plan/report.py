@@ -43,25 +43,55 @@ def row(c: Candidate) -> dict[str, Any]:
                    a2a_exposed_s=t.a2a_exposed_s, a2a_s=t.a2a_s)
     if m is not None:
         out.update(peak_bytes=m.peak, worst_rank=m.worst_rank, saved_peak_bytes=max(r.saved_peak for r in m.ranks),
-                   params_bytes=max(r.params for r in m.ranks))
+                   params_bytes=max(r.params for r in m.ranks), fullest_rank_bytes=fullest(c))
     if c.problems:
         out["problems"] = list(c.problems)
     return out
 
 
+def fullest(c: Candidate) -> dict[str, float] | None:
+    """The fullest pipeline rank's bytes, piece by piece: parameters, gradients, master weights,
+    AdamW's moments, buffers, activations (what autograd saves at the step's peak, and what the
+    schedule holds besides: exchange buffers, part outputs, sent tensors, deferred weight
+    gradients), the transient after the schedule when it is the larger, and the total; apart,
+    the host memory of the EMA of the weights (``ema_host``, none of the device's)."""
+    m = c.memory
+    if m is None or not m.ranks:
+        return None
+    r = m.ranks[m.worst_rank] if m.over is None else max(m.ranks, key=lambda q: q.total)
+    after = max(0.0, r.post - r.held_peak)
+    return {"rank": float(m.ranks.index(r)), "params": r.params, "grads": r.grads, "master": r.master, "moments": r.optimizer,
+            "buffers": r.buffers, "activations_saved": r.saved_peak, "activations_held_besides": r.held_peak - r.saved_peak,
+            "after_schedule_extra": after, "total": r.total, "ema_host": r.ema_host}
+
+
+def fullest_line(c: Candidate) -> str | None:
+    """:func:`fullest` in one line for people."""
+    f = fullest(c)
+    if f is None:
+        return None
+    names = (("params", "params"), ("grads", "grads"), ("master", "master"), ("moments", "moments"), ("buffers", "buffers"),
+             ("activations_saved", "activations saved"), ("activations_held_besides", "held besides"),
+             ("after_schedule_extra", "after the schedule"))
+    parts = ", ".join(f"{label} {gib(f[key])}" for key, label in names if f[key] > 0)
+    host = f"; in host memory the EMA of the weights {gib(f['ema_host'])}" if f["ema_host"] else ""
+    return f"pipeline rank {int(f['rank'])}: {parts} = {gib(f['total'])}{host}"
+
+
 def table(result: PlanResult, top: int) -> str:
-    head = f"{'#':>3}  {'schedule':<14} {'pp x ep x dp':<12} {'m x b':<8} {'memory':<24} {'step s':>9} {'tokens/s':>10} {'peak':>11} {'bubble s':>9} {'a2a exp s':>9}"
-    lines = [head, "-" * len(head)]
     shown = result.ranked[:top]
     if result.user.kept and result.user not in shown and result.user.time is not None:
         shown = shown + [result.user]
+    w = max([24] + [len(c.setup.memory_label()) for c in shown])  # the memory option's column fits its longest
+    head = f"{'#':>3}  {'schedule':<14} {'pp x ep x dp':<12} {'m x b':<8} {'memory':<{w}} {'step s':>9} {'tokens/s':>10} {'peak':>11} {'bubble s':>9} {'a2a exp s':>9}"
+    lines = [head, "-" * len(head)]
     for c in shown:
         r = row(c)
         rank = result.ranked.index(c) + 1 if c in result.ranked else "-"
         mark = " <- your config" if c is result.user else ""
         lines.append(
             f"{rank:>3}  {r['schedule']:<14} {r['layout']:<12} {str(r['microbatches']) + 'x' + str(r['micro_batch_size']):<8} "
-            f"{r['memory_option']:<24} {r['step_s']:>9.4g} {r['tokens_per_s']:>10.4g} {gib(r['peak_bytes']):>11} "
+            f"{r['memory_option']:<{w}} {r['step_s']:>9.4g} {r['tokens_per_s']:>10.4g} {gib(r['peak_bytes']):>11} "
             f"{r['bubble_s']:>9.3g} {r['a2a_exposed_s']:>9.3g}{mark}"
         )
     return "\n".join(lines)
@@ -87,6 +117,10 @@ def summary(result: PlanResult) -> list[str]:
         where = f"ranks {pos} of {len(result.ranked)}" if pos else "is not among the ranked"
         best = result.ranked[0].time.step_s if result.ranked and result.ranked[0].time else u.time.step_s
         out.append(f"your config {where}: {u.time.step_s:.4g} s per step ({u.time.step_s / best:.2f}x the best), peak {gib(u.memory.peak)}")  # type: ignore[union-attr]
+    if (line := fullest_line(u)) is not None:
+        out.append(f"your config's fullest {line}")
+    if result.ranked and result.ranked[0] is not u and (line := fullest_line(result.ranked[0])) is not None:
+        out.append(f"the best's fullest {line}")
     for note in violations(u.setup, severity="note"):
         out.append(f"note on your config: {note}")
     return out

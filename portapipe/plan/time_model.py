@@ -19,7 +19,9 @@ waits for EP peers that fell behind (lag), and compute's processor time growing 
 outnumber processors (crowding). The simulation is repeated under processor sharing (each
 action's compute stretched by the threads ready to run beside it over the processors) until
 the timeline settles. After the pipeline, the step adds the gradient reductions (DualPipe's
-copies, dp x ep replicas), the loss and load gathers, and AdamW's update.
+copies, dp x ep replicas: an all-reduce, or under ``zero_stage`` 2 a reduce-scatter, in the
+reduction dtype), the all-gather of the updated parameters under ``zero_stage`` 1 / 2, the loss
+and load gathers, and AdamW's update.
 """
 
 from __future__ import annotations
@@ -254,12 +256,30 @@ class TimeModel:
             t = (prof.optimizer(elements) + prof.optimizer_tensor_s * tensors) * self.crowding
             if sched.name == "dualpipe":  # the two copies of each block exchange their gradients
                 t += prof.p2p(elements * s.e)
-            t += prof.allreduce_time(x.dp * x.ep, (elements - experts) * s.e) + prof.allreduce_time(x.dp, experts * s.e)
+            for n, count in ((x.dp * x.ep, elements - experts), (x.dp, experts)):
+                t += self._replica_sync(n, count)
             small = 64.0
             t += prof.allreduce_time(x.pp, small) + prof.allreduce_time(x.dp * x.ep, small) + prof.allreduce_time(x.ep, small) + prof.allreduce_time(x.dp, small)
             worst = max(worst, t)
         share = self._share(x.devices)
         return worst * share
+
+    def _replica_sync(self, n: int, elements: int) -> float:
+        """Summing ``elements`` gradients over ``n`` replicas, in the reduction dtype: a ring all-reduce
+        (zero_stage 0 / 1) or a reduce-scatter into the shards (2, half the ring's traffic); under
+        zero_stage 1 / 2 the updated parameters (model dtype) are all-gathered from the shards (the
+        other half of a ring)."""
+        from ..model_shape import ELEMENT_BYTES
+        from ..optim.precision import reduce_dtype
+
+        x, prof = self.setup, self.profile
+        train = getattr(x, "train", None)
+        zero = getattr(x, "zero_stage", 0)
+        grad_e = ELEMENT_BYTES[reduce_dtype(x.model.dtype, train.master_dtype, train.grad_reduce_dtype)] if train is not None else self.shape.e
+        if n == 1 or zero == 0:
+            return prof.allreduce_time(n, elements * grad_e)
+        reduce = prof.allreduce_time(n, elements * grad_e) * (0.5 if zero == 2 else 1.0)
+        return reduce + 0.5 * prof.allreduce_time(n, elements * self.shape.e)
 
     def _share(self, busy_procs: float) -> float:
         """How much slower compute runs with ``busy_procs`` processes on the profile's processors."""

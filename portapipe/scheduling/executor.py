@@ -217,7 +217,7 @@ class PipelineExecutor:
             yield p
 
     # ------------------------------------------------------------------- step
-    def step(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+    def step(self, microbatches: list[tuple[torch.Tensor, ...]]) -> StepResult:
         """Run this rank's actions for one step; ``.grad`` then holds the global mean loss's gradient."""
         s = self.schedule
         if len(microbatches) != s.n_microbatches:
@@ -239,7 +239,7 @@ class PipelineExecutor:
         losses, terms = self._gather_losses(run_.losses, run_.terms)
         extra = dict(self.end_step(self)) if self.end_step is not None else {}
         step_s = time.perf_counter() - t0
-        tokens = sum(int(t.numel()) for _, t in microbatches) * len(losses)
+        tokens = sum(int(mb[1].numel()) for mb in microbatches) * len(losses)
         timings = {
             "step_s": step_s,
             "compute_s": run_.compute_s,
@@ -273,9 +273,18 @@ class PipelineExecutor:
         """Every copy of one logical weight as ``(pipeline rank, block)``, sorted: of ``param``
         (a parameter of ``block``) or, without one, of ``block``'s own parameters. A block's
         parameters have a copy on each rank holding the block (DualPipe: two); a shared weight
-        (:func:`~.stage.mark_shared`) has one on each rank holding each of its blocks."""
+        (:func:`~.stage.mark_shared`) has one on each rank holding each of its blocks, or one on
+        each rank holding them all when they are :meth:`held_together`."""
         blocks = (shared_blocks(param) if param is not None else ()) or (block,)
+        if self.held_together(blocks):  # one tensor on each rank holding them: the first block's stands for it
+            blocks = (min(blocks),)
         return tuple(sorted((r, b) for b in blocks for r in self.block_ranks[b]))
+
+    def held_together(self, blocks: Sequence[int]) -> bool:
+        """Whether every rank holding one of ``blocks`` holds all of them (DualPipe and DualPipeV
+        hold the first and the last block on the same ranks): a weight those blocks share is then
+        one tensor per rank (:func:`~portapipe.models.moe.tie_copies`), not a copy per block."""
+        return len(blocks) > 1 and len({self.block_ranks[b] for b in blocks}) == 1
 
     def sum_copies(self, holders: Sequence[tuple[int, int]], local: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """The sum of every copy's same-shaped tensor (``local``: this rank's, by block), added in

@@ -26,6 +26,14 @@ with code). The executor (:class:`~.executor.PipelineExecutor`) needs three thin
   knows the model's parts.
 - ``has_loss``: True for the stage whose program returns the loss (it gets the targets).
 
+A micro-batch is ``(inputs, targets)``, or ``(inputs, targets, positions)`` when the data says
+where documents start inside each sample (``data.document_mask``, :mod:`portapipe.data.samples`):
+``positions[b, s]`` is each input token's position in its document, 0 where one starts. Every
+stage's program then gets it as ``program(tape, x, targets, positions=positions)``, so attention
+can stay inside documents at every stage: each rank holds its replica's whole batch (it is made
+from the step alone), so nothing extra travels between stages. A stage that does not take
+``positions`` never gets it from data without it.
+
 A loss term produced inside any stage (an auxiliary loss of a router, a second prediction head
 beside the main one) is recorded by its program with ``tape.loss(name, value, weight)``: the
 stage's own backward starts with its gradient (``weight`` times the seed the executor gives the

@@ -30,12 +30,12 @@ class StepRun:
     alone, :func:`~.schedules.forward_only`) on tapes that record nothing; call it without
     gradients (``torch.no_grad``)."""
 
-    def __init__(self, rt: Any, microbatches: list[tuple[torch.Tensor, torch.Tensor]], forward_only: bool = False) -> None:
+    def __init__(self, rt: Any, microbatches: list[tuple[torch.Tensor, ...]], forward_only: bool = False) -> None:
         self.rt = rt
         self.s = rt.schedule
         self.forward_only = forward_only
         self.actions: list[Action] = rt.eval_actions if forward_only else rt.actions
-        self.mbs = [(x.to(rt.device), y.to(rt.device)) for x, y in microbatches]
+        self.mbs = [tuple(t.to(rt.device) for t in mb) for mb in microbatches]
         self.scale = rt.grad_scale / (self.s.n_microbatches * rt.groups.dp * rt.groups.ep)
         self.recvs: dict[tuple[Kind, int, int], tuple[Any, torch.Tensor]] = {}
         self.local: dict[tuple[Kind, int, int], torch.Tensor] = {}  # same-rank hand-offs
@@ -111,12 +111,14 @@ class StepRun:
     def _forward(self, a: Action) -> Program:
         s, v, m = self.s, a.stage, a.mb
         block = self.rt.blocks[s.stage_block[v]]
-        inputs, targets = self.mbs[m]
+        inputs, targets, *positions = self.mbs[m]
         first = s.is_first(v)
         x = inputs if first else self._take(Kind.RECV_F, v, m)
         # an evaluation's tape records nothing: the stage runs as plain calls
         tape = Tape(record=not self.forward_only, input_grad=not first, loss_seed=self.scale)
-        out = yield from block.program(tape, x, targets if s.is_last(v) else None)
+        # the documents in the micro-batch, for every stage: each rank has the whole batch, so they are not sent
+        given = {"positions": positions[0]} if positions else {}
+        out = yield from block.program(tape, x, targets if s.is_last(v) else None, **given)
         if tape.terms:
             self.terms.setdefault(m, {}).update(tape.terms)
         if not self.forward_only:

@@ -1,0 +1,220 @@
+"""The data path's figures: tokenizing against Hugging Face datasets, batch making against a step,
+a 20 GB corpus against a 20 MB one, blend shares and epochs, and what document masking costs.
+
+1. Tokenize: one jsonl (Shakespeare's paragraphs, one per line, repeated to at least ``--mb`` MB) encoded
+   with the shipped tokenizer by ``portapipe tokenize`` (``write_dataset``) and by the peer,
+   ``datasets.load_dataset("json")`` then ``.map(encode_batch, batched=True, num_proc=N)`` with the
+   same tokenizer (its fastest call, ``encode_batch_fast``), at N = 1 and 2 workers, each from a
+   cold cache; MB/s of the jsonl, ours over theirs.
+2. Batch making: one rank's share of a step's batch of examples/deepseek_v3.yaml (epochs, with the
+   document mask), timed over ``--batches`` steps, against the median step of a training run of
+   that config on the tokenized jsonl in the same process tree.
+3. A 20 GB corpus (``--big-gb``; a sparse tokens file, documents of 4,096 tokens) against a 20 MB
+   one: the seconds to check and open it and to the first batch, and how the resident memory grew
+   over ``--batches`` steps' batches (anonymous memory, and the file's pages mapped in, which the
+   kernel may drop), each in a fresh process. The files are deleted afterwards.
+4. Blends: three sources at 0.5 / 0.3 / 0.2, each source's share over 1,000-step stretches (the
+   largest distance from its weight), and each one's epoch after 1,000 steps.
+5. Document masking: the median step of the deepseek_v3 run with ``data.document_mask`` on over off.
+
+Prints one JSON object.
+
+    python benchmarks/data.py [--mb 8] [--steps 12] [--batches 200] [--big-gb 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "deepseek_v3.yaml"
+TOKENIZER = ROOT / "examples" / "tokenizer"
+
+
+def make_jsonl(path: Path, mb: float) -> int:
+    from portapipe.data.shipped import DEFAULT_CORPUS
+
+    paragraphs = [p for p in gzip.decompress(DEFAULT_CORPUS.read_bytes()).decode().split("\n\n") if p.strip()]
+    lines = "".join(json.dumps({"text": p}) + "\n" for p in paragraphs)
+    with open(path, "w") as f:
+        for _ in range(max(1, round(mb * 1e6 / len(lines)))):
+            f.write(lines)
+    return path.stat().st_size
+
+
+def ours(jsonl: Path, out: Path, workers: int, eos: int) -> float:
+    from portapipe.data.readers import expand
+    from portapipe.data.writer import Options, write_dataset
+
+    t0 = time.perf_counter()
+    write_dataset(expand([str(jsonl)]), out, Options(TOKENIZER, eos=eos, workers=workers))
+    return time.perf_counter() - t0
+
+
+def theirs(jsonl: Path, cache: Path, workers: int) -> float:
+    """datasets: the jsonl loaded (arrow cache written) and mapped in batches, as its docs show."""
+    import datasets
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    datasets.disable_progress_bars()
+
+    def encode(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        return {"input_ids": [e.ids for e in tok.encode_batch_fast(batch["text"], add_special_tokens=False)]}
+
+    shutil.rmtree(cache, ignore_errors=True)
+    t0 = time.perf_counter()
+    ds = datasets.load_dataset("json", data_files=str(jsonl), split="train", cache_dir=str(cache))
+    ds.map(encode, batched=True, num_proc=workers if workers > 1 else None, remove_columns=["text"])
+    return time.perf_counter() - t0
+
+
+def train(folder: Path, data_path: Path, steps: int, mask: bool) -> dict[str, Any]:
+    log = folder / f"run-{'mask' if mask else 'plain'}"
+    cmd = [sys.executable, "-m", "portapipe.cli", "train", str(EXAMPLE), "--set", f"data.path={data_path}", "--set", f"train.steps={steps}",
+           "--set", f"log.dir={log}", "--set", "log.progress=false", "--set", "checkpoint.every=0", "--set", "checkpoint.at_end=false",
+           "--set", f"data.document_mask={'true' if mask else 'false'}"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    steps_s = [r["iter_s"] for r in rows if r.get("kind") == "train"][1:]
+    return {"median_step_s": statistics.median(steps_s), "steps": len(steps_s) + 1}
+
+
+def batch_time(data_path: Path, batches: int) -> float:
+    from portapipe.config import load_config
+    from portapipe.data.batches import Batches
+
+    c = load_config(EXAMPLE, [f"data.path={data_path}", "data.document_mask=true"])
+    data = Batches(c)
+    replicas = c.parallel.dp * c.parallel.ep
+    t0 = time.perf_counter()
+    for step in range(batches):
+        data.microbatches(step, 0, replicas, c.schedule.microbatches, c.train.micro_batch_size, c.model.seq_len)
+    return (time.perf_counter() - t0) / batches
+
+
+_PROBE = r"""
+import json, sys, time
+from portapipe.config import load_config
+from portapipe.data.batches import Batches
+from portapipe.data.corpus import data_problems
+def rss():  # anonymous memory (the process's own), and file pages mapped in (the kernel's cache, reclaimable)
+    got = {}
+    for line in open("/proc/self/status"):
+        if line.startswith(("RssAnon:", "RssFile:")):
+            got[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return got
+c = load_config(sys.argv[1], [f"data.path={sys.argv[2]}", "data.document_mask=true", "data.val_fraction=0.01"])
+before = rss()
+t0 = time.perf_counter()
+assert data_problems(c) == []  # what the launch checks
+data = Batches(c)
+opened = time.perf_counter() - t0
+replicas = c.parallel.dp * c.parallel.ep
+data.microbatches(0, 0, replicas, c.schedule.microbatches, c.train.micro_batch_size, c.model.seq_len)
+first = time.perf_counter() - t0
+for step in range(1, int(sys.argv[3])):
+    data.microbatches(step * 7919, 0, replicas, c.schedule.microbatches, c.train.micro_batch_size, c.model.seq_len)
+after = rss()
+print(json.dumps({"check_and_open_s": opened, "to_first_batch_s": first, "rss_anon_growth_bytes": after["RssAnon"] - before["RssAnon"],
+                  "rss_file_growth_bytes": after["RssFile"] - before["RssFile"], "tokens": data.n_tokens("train")}))
+"""
+
+
+def synthetic(folder: Path, n_bytes: int) -> Path:
+    """A dataset folder of ``n_bytes`` of uint16 tokens (a sparse file: zeros cost no disk), documents of 4,096 tokens."""
+    import numpy as np
+
+    folder.mkdir(parents=True)
+    tokens = n_bytes // 2
+    with open(folder / "tokens.bin", "wb") as f:
+        f.truncate(tokens * 2)
+    np.append(np.arange(0, tokens, 4096, dtype="<i8"), tokens).astype("<i8").tofile(folder / "documents.bin")
+    docs = (tokens + 4095) // 4096
+    (folder / "dataset.json").write_text(json.dumps({"format": "portapipe.dataset", "version": 1, "dtype": "uint16", "vocab_size": 1024,
+                                                    "eos_id": 0, "documents": docs, "tokens": tokens, "max_id": 0}))
+    return folder
+
+
+def probe(folder: Path, batches: int) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", _PROBE, str(EXAMPLE), str(folder), str(batches)], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def blend_figures() -> dict[str, Any]:
+    import numpy as np
+
+    from portapipe.data.blend import Blend
+
+    weights, gb, steps = [0.5, 0.3, 0.2], 8, 1000
+    blend = Blend(weights)
+    worst = 0.0
+    for first in range(0, 100_000, 997):  # 1,000-step stretches starting anywhere in 100,000 steps
+        source, _ = blend.assign(np.arange(first * gb, (first + steps) * gb))
+        worst = max(worst, float(np.abs(np.bincount(source, minlength=3) / (steps * gb) - weights).max()))
+    taken = blend.taken(steps * gb)
+    return {"weights": weights, "global_batch": gb, "max_share_error_over_1000_steps": worst,
+            "samples_after_1000_steps": taken.tolist(), "shares_after_1000_steps": (taken / (steps * gb)).tolist()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=float, default=8.0, help="size of the jsonl tokenized [8 MB]")
+    ap.add_argument("--steps", type=int, default=12, help="training steps of each deepseek_v3 run [12]")
+    ap.add_argument("--batches", type=int, default=200, help="steps' batches made when timing [200]")
+    ap.add_argument("--big-gb", type=float, default=20.0, help="size of the big synthetic corpus [20 GB]")
+    args = ap.parse_args(argv)
+    from portapipe.data.shipped import shipped_eos
+    from portapipe.data.tokenizer import load_tokenizer
+
+    load_before = os.getloadavg()
+    eos = shipped_eos(load_tokenizer(TOKENIZER))
+    out: dict[str, Any] = {"benchmark": "data", "command": "python benchmarks/data.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                           "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+                           "load_average_before": load_before}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        jsonl = tmp / "plays.jsonl"
+        size = make_jsonl(jsonl, args.mb)
+        tok: dict[str, Any] = {"jsonl_bytes": size}
+        for n in (1, 2):
+            t_ours = ours(jsonl, tmp / f"ours{n}", n, eos)
+            t_theirs = theirs(jsonl, tmp / f"hf-cache{n}", n)
+            tok[f"workers_{n}"] = {"ours_mb_s": size / 1e6 / t_ours, "datasets_map_mb_s": size / 1e6 / t_theirs, "ours_over_datasets": t_theirs / t_ours}
+        out["tokenize"] = tok
+        dataset = tmp / "ours1"
+        plain, masked = train(tmp, dataset, args.steps, False), train(tmp, dataset, args.steps, True)
+        per_batch = batch_time(dataset, args.batches)
+        out["batch_making"] = {"per_step_batch_s": per_batch, "median_step_s": masked["median_step_s"],
+                               "share_of_step": per_batch / masked["median_step_s"]}
+        out["document_mask"] = {"median_step_s_off": plain["median_step_s"], "median_step_s_on": masked["median_step_s"],
+                                "on_over_off": masked["median_step_s"] / plain["median_step_s"]}
+    big_dir = Path(tempfile.mkdtemp(prefix="portapipe-data-bench-"))
+    try:
+        small = probe(synthetic(big_dir / "small", 20 * 10**6), args.batches)
+        big = probe(synthetic(big_dir / "big", int(args.big_gb * 10**9)), args.batches)
+    finally:
+        shutil.rmtree(big_dir, ignore_errors=True)  # the disk is shared: nothing stays
+    out["corpus_size"] = {"small_20mb": small, f"big_{args.big_gb:g}gb": big,
+                          "open_big_over_small": big["check_and_open_s"] / small["check_and_open_s"],
+                          "first_batch_big_over_small": big["to_first_batch_s"] / small["to_first_batch_s"]}
+    out["blend"] = blend_figures()
+    out["load_average_after"] = os.getloadavg()
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Windows of tokens into micro-batches: inputs, targets and the documents inside each sample.
+
+One path for every caller (training's batches, ``portapipe verify``'s random ones): a window of
+``seq_len + 1`` tokens becomes the inputs (its first ``seq_len``) and the targets (its last
+``seq_len``). Where the documents matter (``data.document_mask``, ``data.mask_eos_loss``), the
+window comes with a flag on each token that starts a document, and the micro-batch with it:
+
+- ``data.document_mask``: a third tensor, each input token's *position* inside its document as
+  the sample holds it (0 at a document's first token and at the window's first token, then 1, 2,
+  ...). A model reads its documents from it: a document starts where the position is 0. The
+  attention of a token then stays inside its document and its rotary position is this one
+  (Megatron's ``reset_attention_mask`` and ``reset_position_ids``).
+- ``data.mask_eos_loss``: each target that starts a document (the prediction made at the end of
+  the previous document, at its EOS) becomes :data:`IGNORE`, which the cross-entropy leaves out
+  (Megatron's ``eod_mask_loss``). A micro-batch's loss is then the mean over its other targets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+#: the target the loss leaves out (``torch.nn.functional.cross_entropy``'s ``ignore_index``)
+IGNORE = -100
+
+MicroBatch = tuple[torch.Tensor, ...]
+
+
+def positions(starts: np.ndarray) -> np.ndarray:
+    """Each token's position in its document as the window holds it, from ``starts[n, s]`` (True
+    where a document starts; the window's first token starts one whatever it says)."""
+    n, s = starts.shape
+    at = np.arange(s, dtype=np.int64)
+    first = np.where(starts, at, 0)
+    first[:, 0] = 0
+    return at - np.maximum.accumulate(first, axis=1)
+
+
+def make_microbatches(
+    windows: np.ndarray, starts: np.ndarray | None, n_microbatches: int, document_mask: bool = False, mask_eos_loss: bool = False
+) -> list[MicroBatch]:
+    """``windows[n, seq_len + 1]`` (token ids) as ``n_microbatches`` micro-batches of ``n /
+    n_microbatches`` rows: ``(inputs, targets)``, with the positions third under ``document_mask``.
+    ``starts`` (same shape, True where a document starts) is needed by either option."""
+    if (document_mask or mask_eos_loss) and starts is None:
+        raise ValueError("document_mask and mask_eos_loss need the document starts of each window")
+    tokens = torch.from_numpy(np.ascontiguousarray(windows, dtype=np.int64))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    if mask_eos_loss:
+        targets[torch.from_numpy(np.ascontiguousarray(starts[:, 1:]))] = IGNORE
+    rows = windows.shape[0] // n_microbatches
+    parts: list[torch.Tensor] = [inputs, targets]
+    if document_mask:
+        parts.append(torch.from_numpy(positions(starts[:, :-1])))
+    return [tuple(p[m * rows : (m + 1) * rows].contiguous() for p in parts) for m in range(n_microbatches)]

@@ -1,0 +1,156 @@
+"""A source of training tokens, whatever its format: what the samplers read.
+
+:func:`open_source` tells the formats apart by what is on disk:
+
+- a folder holding ``dataset.json``: a dataset ``portapipe tokenize`` wrote (:mod:`.folder`);
+- ``PREFIX`` with ``PREFIX.bin`` and ``PREFIX.idx`` (or either file named): a Megatron-Core
+  indexed dataset (:mod:`.megatron`);
+- any other file: a flat token file (:mod:`.flat`), one document, its width from
+  ``data.token_dtype`` or its sidecar.
+
+``data.format: bytes`` reads a text file as one document of byte tokens (:func:`open_bytes`).
+Each :class:`Source` holds its tokens memory-mapped (a byte corpus in memory) and answers where
+the document holding a token starts, without an array per document.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import flat, folder
+from .megatron import MegatronDataset, prefix_of
+
+KINDS = ("bytes", "flat", "dataset", "megatron")
+
+
+@dataclass
+class Source:
+    """One corpus: its tokens and documents, and what is known of its vocabulary."""
+
+    key: str  #: the config key that names it (``data.path``, ``data.sources[1].path``), for messages
+    path: Path
+    kind: str  #: one of :data:`KINDS`
+    tokens: np.ndarray
+    files: tuple[Path, ...]
+    vocab_size: int | None = None  #: the tokenizer's vocabulary, when recorded
+    max_id: int | None = None  #: the largest id, when known without a scan
+    eos_id: int | None = None
+    _starts: np.ndarray | None = field(default=None, repr=False)  # a dataset folder's index
+    _megatron: MegatronDataset | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.path.name or str(self.path)
+
+    @property
+    def has_documents(self) -> bool:
+        """Whether the source knows its document boundaries (a flat file or a text is one document)."""
+        return self.kind in ("dataset", "megatron")
+
+    @property
+    def documents(self) -> int:
+        if self._starts is not None:
+            return len(self._starts) - 1
+        if self._megatron is not None:
+            return self._megatron.documents
+        return 1
+
+    def document_start(self, token: np.ndarray) -> np.ndarray:
+        """The offset where the document holding each of ``token`` (offsets, any shape) starts."""
+        token = np.asarray(token, dtype=np.int64)
+        if self._starts is not None:
+            return np.asarray(self._starts[np.searchsorted(self._starts, token, side="right") - 1], dtype=np.int64)
+        if self._megatron is not None:
+            return np.asarray(self._megatron.document_start(token.reshape(-1)), dtype=np.int64).reshape(token.shape)
+        return np.zeros_like(token)
+
+    def document(self, i: int) -> np.ndarray:
+        """Document ``i``'s tokens."""
+        if self._megatron is not None:
+            return self._megatron.document(i)
+        if self._starts is not None:
+            return self.tokens[int(self._starts[i]) : int(self._starts[i + 1])]
+        if i != 0:
+            raise IndexError(f"{self.name} is one document")
+        return self.tokens
+
+
+def open_source(path: Path, key: str, token_dtype: str = "auto", data_vocab: int | None = None) -> Source:
+    """The source at ``path`` (see the module docstring); ValueError with one line naming ``key``."""
+    if folder.is_dataset(path):
+        try:
+            meta, tokens, starts = folder.open_dataset(path)
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+        if token_dtype not in ("auto", meta["dtype"]):
+            raise ValueError(f"data.token_dtype: {token_dtype}, but {path / folder.DESCRIPTION} says the dataset holds {meta['dtype']} ids")
+        if data_vocab is not None and data_vocab != meta["vocab_size"]:
+            raise ValueError(f"data.vocab_size: {data_vocab}, but {path / folder.DESCRIPTION} says its tokenizer has {meta['vocab_size']} tokens")
+        files = (path / folder.DESCRIPTION, path / folder.TOKENS, path / folder.DOCUMENTS)
+        return Source(key, path, "dataset", tokens, files, meta["vocab_size"], meta["max_id"], meta.get("eos_id"), _starts=starts)
+    if path.is_dir():
+        raise ValueError(f"{key}: {path} is a folder without {folder.DESCRIPTION}: not a dataset portapipe tokenize wrote")
+    prefix = prefix_of(path)
+    if prefix is not None:
+        try:
+            mds = MegatronDataset(prefix)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"{key}: {exc}") from None
+        if token_dtype != "auto":
+            raise ValueError(f"data.token_dtype: {token_dtype} has no effect on the Megatron dataset {prefix} (its index says {mds.dtype.name}); remove it")
+        return Source(key, prefix, "megatron", mds.tokens, (mds.idx_path, mds.bin_path), data_vocab, _megatron=mds)
+    if not path.is_file():
+        raise ValueError(
+            f"{key}: {str(path)!r} does not exist; name a dataset folder (portapipe tokenize), a Megatron prefix "
+            "(PREFIX.bin + PREFIX.idx) or a token file"
+        )
+    dtype, problems = flat.file_problems(path, token_dtype, 1 << 32, check_ids=False, data_vocab=data_vocab, key=key)
+    if dtype is None or problems:
+        raise ValueError("; ".join(problems))
+    meta = flat.read_meta(path) or {}
+    vocab = data_vocab if data_vocab is not None else meta.get("vocab_size")
+    files = (path,) + ((flat.sidecar(path),) if meta else ())
+    return Source(key, path, "flat", flat.open_tokens(path, dtype), files, vocab)
+
+
+class DataReadError(ValueError):
+    """The data file cannot be read; the message is one line naming the file and why."""
+
+
+@functools.lru_cache(maxsize=4)
+def _read_bytes(path: str, key: str) -> np.ndarray:
+    """The file's bytes as a uint8 array; gzip files (by magic number) are decompressed."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise DataReadError(f"{key}: cannot read {path!r}: {exc.strerror or exc}") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise DataReadError(f"{key}: {path!r} looks gzipped but cannot be decompressed ({exc})") from None
+    out = np.frombuffer(raw, dtype=np.uint8)
+    out.flags.writeable = False
+    return out
+
+
+def open_bytes(path: Path, key: str = "data.path") -> Source:
+    """A text (plain or gzipped) as one document of byte tokens, in memory (a corpus of a few MB)."""
+    if not path.is_file():
+        raise DataReadError(f"{key}: {str(path)!r} does not exist or is not a file")
+    tokens = _read_bytes(str(path), key)
+    if not len(tokens):
+        raise DataReadError(f"{key}: {str(path)!r} is empty")
+    return Source(key, path, "bytes", tokens, (path,), 256, int(tokens.max()))
+
+
+def describe(source: Source) -> dict[str, Any]:
+    """What a source is, in a few plain numbers (for the metrics' and checkpoints' records)."""
+    return {"name": source.name, "path": str(source.path), "kind": source.kind, "tokens": len(source.tokens), "documents": source.documents}

@@ -1,0 +1,331 @@
+"""``portapipe tokenize``'s engine: corpora in, one dataset folder out, with worker processes.
+
+The main process reads the inputs and cuts them into chunks (:mod:`.readers`); ``workers``
+processes each turn a chunk into token ids (a Hugging Face tokenizer's ``encode_batch``, without
+special tokens) and the document lengths; the main process writes the results *in input order*
+into the folder (:mod:`.folder`) as they come. At most ``2 x workers + 2`` chunks are in flight,
+so memory stays bounded whatever the corpus, and the output is the same bytes for any number of
+workers (a chunk's tokens depend on the chunk alone). With one worker the chunks are encoded in
+the main process (the tokenizers library then uses its own threads; with several workers each
+runs single-threaded).
+
+Every document ends with the EOS id. Empty documents (an empty text, a blank jsonl string) are
+left out and counted. A jsonl line that is not JSON, or lacks the field, stops the write with its
+file and line, unless ``skip_bad`` (then counted). Any problem raises ValueError (one line) and
+leaves nothing at ``out`` (the folder is written under a temporary name and renamed at the end).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from array import array
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from . import folder
+from .flat import DTYPES, dtype_for_vocab
+from .readers import Chunk, Input, chunks, table_rows
+from .tokenizer import find_eos, load_tokenizer, sha256, tokenizer_file, vocab_size
+
+_CODES = {"uint16": "H", "uint32": "I"}  # array codes of 2 and 4 bytes on every platform torch runs on
+
+
+@dataclass
+class Encoded:
+    """A chunk's tokens and what it held."""
+
+    ids: bytes = b""
+    lengths: list[int] = field(default_factory=list)  # each finished document's tokens, EOS included
+    bad: int = 0
+    empty: int = 0
+    size: int = 0
+    max_id: int = 0
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------- the workers
+_STATE: dict[str, Any] = {}
+
+
+def _init(tokenizer: str, eos: int, dtype: str, text_field: str, skip_bad: bool, single_threaded: bool) -> None:
+    if single_threaded:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core, not a thread pool each
+    _STATE.update(tokenizer=load_tokenizer(Path(tokenizer)), eos=eos, code=_CODES[dtype], field=text_field, skip_bad=skip_bad,
+                  saved={})
+
+
+def _encode(texts: list[str]) -> list[list[int]]:
+    tok = _STATE["tokenizer"]
+    fast = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [e.ids for e in fast(texts, add_special_tokens=False)]
+
+
+def _documents(texts: list[str], out: Encoded, ids: array) -> None:
+    """Append each non-empty text's ids and the EOS to ``ids``; count the empty ones."""
+    eos = _STATE["eos"]
+    kept = [t for t in texts if t]
+    out.empty += len(texts) - len(kept)
+    for doc in _encode(kept):
+        ids.extend(doc)
+        ids.append(eos)
+        out.lengths.append(len(doc) + 1)
+
+
+def encode_chunk(chunk: Chunk) -> Encoded:
+    """A chunk as tokens (in a worker, or in the main process with one worker)."""
+    out = Encoded(size=chunk.size)
+    ids = array(_STATE["code"])
+    try:
+        if chunk.kind == "text":
+            _documents([_decode(chunk)], out, ids)
+        elif chunk.kind == "lines":
+            _documents(_decode(chunk).splitlines(), out, ids)
+        elif chunk.kind == "jsonl":
+            _documents(_jsonl(chunk, out), out, ids)
+        else:
+            _documents(_table(chunk), out, ids)
+    except ValueError as exc:
+        out.error = str(exc)
+        return out
+    except OverflowError:
+        out.error = f"{chunk.path}: a token id does not fit {'uint16' if _STATE['code'] == 'H' else 'uint32'}"
+        return out
+    out.ids = ids.tobytes()
+    out.max_id = max(ids) if ids else 0
+    return out
+
+
+def _decode(chunk: Chunk, lo: int = 0, hi: int | None = None) -> str:
+    """Bytes ``lo .. hi`` of the chunk as text; ValueError naming the file and line when they are not UTF-8."""
+    try:
+        return chunk.data[lo:hi].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = chunk.first_line + chunk.data.count(b"\n", 0, lo + exc.start)
+        raise ValueError(f"{chunk.path}:{line}: not UTF-8 text ({exc.reason})") from None
+
+
+def _jsonl(chunk: Chunk, out: Encoded) -> list[str]:
+    texts = []
+    key = _STATE["field"]
+    for n, raw in enumerate(chunk.data.split(b"\n"), chunk.first_line):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except ValueError as exc:
+            if _STATE["skip_bad"]:
+                out.bad += 1
+                continue
+            raise ValueError(f"{chunk.path}:{n}: not JSON ({exc}); --skip-bad skips such lines") from None
+        text = record.get(key) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            if _STATE["skip_bad"]:
+                out.bad += 1
+                continue
+            what = "no field" if not isinstance(record, dict) or key not in record else f"a {type(text).__name__}, not text, in field"
+            raise ValueError(f"{chunk.path}:{n}: {what} {key!r}; --field names the text's field, --skip-bad skips such lines")
+        texts.append(text)
+    return texts
+
+
+def _table(chunk: Chunk) -> list[str]:
+    """A parquet row group's or a saved dataset's rows of the text column (None rows skipped with ``skip_bad``)."""
+    key = _STATE["field"]
+    values, where = table_rows(chunk, key, _STATE["saved"])
+    for i, v in enumerate(values):
+        if not isinstance(v, str) and not (v is None and _STATE["skip_bad"]):
+            raise ValueError(f"{where}: row {i} of column {key!r} is {type(v).__name__}, not text")
+    return [v for v in values if isinstance(v, str)]
+
+
+# ------------------------------------------------------------------------- the main process
+@dataclass
+class Totals:
+    documents: int = 0
+    tokens: int = 0
+    bad: int = 0
+    empty: int = 0
+    bytes: int = 0
+    max_id: int = 0
+    per_input: dict[int, dict[str, int]] = field(default_factory=dict)
+
+
+class _Output:
+    """The files being written, fed the chunks' results in input order."""
+
+    def __init__(self, tmp: Path, dtype: str, inputs: list[Input]) -> None:
+        self.tokens: BinaryIO = open(tmp / folder.TOKENS, "wb")
+        self.index: BinaryIO = open(tmp / folder.DOCUMENTS, "wb")
+        self.index.write(np.zeros(1, dtype=folder.INDEX_DTYPE).tobytes())
+        self.width = DTYPES[dtype].itemsize
+        self.digest = hashlib.blake2b(digest_size=16)
+        self.totals = Totals(per_input={i: {"documents": 0, "tokens": 0, "bad": 0, "empty": 0} for i in range(len(inputs))})
+        self.end = 0  # where the last finished document ends
+
+    def add(self, chunk: Chunk, got: Encoded) -> None:
+        if got.error is not None:
+            raise ValueError(got.error)
+        t, mine = self.totals, self.totals.per_input[chunk.source]
+        before = t.tokens
+        self._write(got.ids)
+        lengths = got.lengths
+        if lengths:
+            ends = self.end + np.cumsum(np.asarray(lengths, dtype=np.int64))
+            self.index.write(ends.astype(folder.INDEX_DTYPE).tobytes())
+            self.end = int(ends[-1])
+        for key, n in (("documents", len(lengths)), ("tokens", t.tokens - before), ("bad", got.bad), ("empty", got.empty)):
+            mine[key] += n
+        t.documents += len(lengths)
+        t.bad, t.empty, t.bytes = t.bad + got.bad, t.empty + got.empty, t.bytes + got.size
+        t.max_id = max(t.max_id, got.max_id)
+
+    def _write(self, data: bytes) -> None:
+        self.tokens.write(data)
+        self.digest.update(data)
+        self.totals.tokens += len(data) // self.width
+
+    def close(self) -> None:
+        for f in (self.tokens, self.index):
+            if not f.closed:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+
+
+@dataclass
+class Options:
+    """What ``portapipe tokenize`` was asked (see the command's help)."""
+
+    tokenizer: Path
+    eos: int | None = None
+    field: str = "text"
+    split_lines: bool = False
+    dtype: str = "auto"
+    workers: int = 1
+    skip_bad: bool = False
+    progress: bool = False
+    eos_from: str = "--eos"  # where an EOS given by the caller comes from (the command's defaults say theirs)
+
+
+def resolve(options: Options) -> tuple[str, int, str, int]:
+    """(dtype, EOS id, where the EOS comes from, vocabulary size); ValueError (one line) for a
+    tokenizer that does not fit the dtype or names no EOS."""
+    tok = load_tokenizer(options.tokenizer)
+    vocab = vocab_size(tok)
+    dtype = dtype_for_vocab(vocab) if options.dtype == "auto" else options.dtype
+    if vocab > 1 << (8 * DTYPES[dtype].itemsize):
+        raise ValueError(f"--dtype {dtype} holds ids below {1 << (8 * DTYPES[dtype].itemsize)}, but the tokenizer has {vocab} tokens; use uint32 (or auto)")
+    if options.eos is not None:
+        eos, where = options.eos, options.eos_from
+    else:
+        found = find_eos(tok, options.tokenizer)
+        if found is None:
+            raise ValueError(f"the tokenizer {tokenizer_file(options.tokenizer)} names no end-of-document token (no eos_token in a "
+                             "tokenizer_config.json beside it, no special token such as <|endoftext|>); give its id with --eos ID")
+        eos, where = found
+    if not 0 <= eos < vocab:
+        raise ValueError(f"--eos {eos} is not an id of the tokenizer (0..{vocab - 1})")
+    return dtype, eos, where, vocab
+
+
+def write_dataset(inputs: list[Input], out: Path, options: Options) -> dict[str, Any]:
+    """Tokenize ``inputs`` into the dataset folder ``out``; return its description (see
+    :mod:`.folder`). ValueError (one line) for bad input; nothing is left at ``out`` then."""
+    dtype, eos, eos_from, vocab = resolve(options)
+    if not inputs:
+        raise ValueError("no input: name files, folders or globs")
+    tmp = folder.temporary(out)
+    t0 = time.perf_counter()
+    output = _Output(tmp, dtype, inputs)
+    try:
+        args = (str(options.tokenizer), eos, dtype, options.field, options.skip_bad, options.workers > 1)
+        with _progress(options.progress, inputs) as bar:
+            for chunk, got in _encoded(chunks(inputs, options.field, options.split_lines), options.workers, args):
+                output.add(chunk, got)
+                if bar is not None:
+                    bar.update(got.size)
+                    elapsed = max(time.perf_counter() - t0, 1e-9)
+                    bar.set_postfix(docs=output.totals.documents, tok_s=f"{output.totals.tokens / elapsed:.3g}", refresh=False)
+        output.close()
+        t = output.totals
+        if t.documents == 0:
+            skipped = f" ({t.bad} bad line(s), {t.empty} empty document(s) skipped)" if t.bad or t.empty else ""
+            raise ValueError(f"the corpus is empty: no document in {len(inputs)} input(s){skipped}")
+        tok_file = tokenizer_file(options.tokenizer)
+        meta = {
+            "format": folder.FORMAT, "version": folder.VERSION, "dtype": dtype, "vocab_size": vocab, "eos_id": eos, "eos_from": eos_from,
+            "documents": t.documents, "tokens": t.tokens, "max_id": t.max_id, "bad_skipped": t.bad, "empty_skipped": t.empty,
+            "field": options.field, "split_lines": options.split_lines,
+            "tokenizer": {"path": str(tok_file), "sha256": sha256(tok_file)},
+            "sources": [{"path": str(item.path), "kind": item.kind, **t.per_input[i]} for i, item in enumerate(inputs)],
+            "tokens_blake2b": output.digest.hexdigest(),
+            "input_bytes": t.bytes, "seconds": round(time.perf_counter() - t0, 3),
+        }
+        folder.write_description(tmp, meta)
+        folder.publish(tmp, out)
+    except BaseException:
+        output.close()
+        folder.discard(tmp)
+        raise
+    return meta
+
+
+def _encoded(todo: Any, workers: int, args: tuple[Any, ...]) -> Any:
+    """(chunk, its tokens) in input order: in this process for one worker, else in ``workers``
+    processes with a bounded number in flight."""
+    if workers <= 1:
+        _init(*args)
+        for chunk in todo:
+            yield chunk, encode_chunk(chunk)
+        return
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_init, initargs=args)
+    pending: collections.deque[tuple[Chunk, Future[Encoded]]] = collections.deque()
+    try:
+        for chunk in todo:
+            pending.append((chunk, pool.submit(encode_chunk, chunk)))
+            while len(pending) > 2 * workers + 2:
+                done, future = pending.popleft()
+                yield done, future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _NoBar:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _progress(show: bool, inputs: list[Input]) -> Any:
+    """A progress bar over the input bytes (their total when none is compressed), or nothing."""
+    if not show:
+        return _NoBar()
+    from tqdm import tqdm
+
+    from .readers import GZIP_MAGIC, ZSTD_MAGIC
+
+    def compressed(item: Input) -> bool:
+        if item.kind in ("parquet", "hf"):
+            return False
+        with open(item.path, "rb") as f:
+            head = f.read(4)
+        return head[:2] == GZIP_MAGIC or head == ZSTD_MAGIC
+
+    total = None if any(map(compressed, inputs)) else sum(item.size for item in inputs)
+    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)

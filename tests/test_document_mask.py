@@ -1,0 +1,113 @@
+"""data.document_mask: a packed sample's logits are each document's run alone (float64, every
+architecture), and `portapipe verify` stays exact with it and data.mask_eos_loss on, for every
+schedule (the positions reach every pipeline stage without travelling)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from portapipe.backends.cpu import CPUBackend
+from portapipe.compose import build_model
+from portapipe.config import load_config
+from portapipe.data.samples import IGNORE, make_microbatches, positions
+from portapipe.models.expert_parallel import ExpertParallel
+from portapipe.scheduling.overlap import Tape, run
+from portapipe.verify import verify_many
+
+ARCHS = {
+    "portapipe": {},
+    "deepseek_v3": {"q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4},
+    "qwen3_moe": {"n_kv_heads": 2},
+}
+# the float64 attention of the Hugging Face architectures rounds its softmax to float32, as transformers' does
+TOLERANCE = {"portapipe": 1e-12, "deepseek_v3": 1e-6, "qwen3_moe": 1e-6}
+
+
+def _model(arch: str) -> tuple[Any, Any]:
+    cfg = load_config({"model": {"arch": arch, "hidden": 16, "n_layers": 2, "n_dense": 1, "n_heads": 4, "ffn_hidden": 32, "moe_hidden": 16,
+                                 "n_experts": 4, "top_k": 2, "seq_len": 24, "vocab_size": 64, "dtype": "float64", **ARCHS[arch]}})
+    return cfg, build_model(cfg, [0], 1, ExpertParallel(CPUBackend()))[0]
+
+
+def _logits(block: Any, tokens: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+    tape = Tape(record=False)
+    x = block.embed_part(tokens)
+    for layer in block.main_layers():
+        x = run(layer.program(tape, x, pos))
+    return block.logits_part(x)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_packed_samples_logits_are_each_documents_alone(arch: str) -> None:
+    cfg, block = _model(arch)
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 1, 9, 3, 6]  # 24 tokens: documents of every kind of length, one of a single token
+    tokens = torch.randint(0, 64, (1, sum(lengths)), generator=g)
+    starts = np.zeros((1, sum(lengths)), dtype=bool)
+    starts[0, np.cumsum([0, *lengths[:-1]])] = True
+    pos = torch.from_numpy(positions(starts))
+    with torch.no_grad():
+        packed = _logits(block, tokens, pos)
+        at = 0
+        for n in lengths:
+            alone = _logits(block, tokens[:, at : at + n], None)
+            scale = float(alone.abs().max())
+            assert float((packed[:, at : at + n] - alone).abs().max()) <= TOLERANCE[arch] * scale, (arch, at, n)
+            at += n
+        # without the documents the later ones read the earlier: the check above can fail
+        whole = _logits(block, tokens, None)
+        assert float((whole[:, 5:] - packed[:, 5:]).abs().max()) > 1e-3
+
+
+def test_positions_restart_at_each_document_and_the_eos_targets_leave_the_loss() -> None:
+    starts = np.array([[False, False, True, False, False, True, True, False, False]])
+    assert positions(starts).tolist() == [[0, 1, 0, 1, 2, 0, 0, 1, 2]]
+    assert positions(np.array([[True, True, False]])).tolist() == [[0, 0, 1]]
+    windows = np.arange(9)[None] + 10
+    inputs, targets, pos = make_microbatches(windows, starts, 1, document_mask=True, mask_eos_loss=True)[0]
+    assert inputs.tolist() == [[10, 11, 12, 13, 14, 15, 16, 17]] and pos.tolist() == [[0, 1, 0, 1, 2, 0, 0, 1]]
+    # the targets that start a document (tokens 2, 5, 6) are the predictions made at an EOS
+    assert targets.tolist() == [[11, IGNORE, 13, 14, IGNORE, IGNORE, 17, 18]]
+    assert len(make_microbatches(windows, starts, 1, mask_eos_loss=True)[0]) == 2  # no positions without the mask
+    with pytest.raises(ValueError, match="need the document starts"):
+        make_microbatches(windows, None, 1, document_mask=True)
+
+
+@pytest.mark.multiproc
+def test_verify_is_exact_with_documents_for_every_schedule() -> None:
+    configs = []
+    for name in ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev"):
+        mb = 4
+        model = {"hidden": 16, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16, "n_experts": 4, "top_k": 2,
+                 "seq_len": 16, "dtype": "float64"}
+        if name == "dualpipev":
+            model.update(arch="deepseek_v3", q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+        configs.append(load_config({
+            "backend": "cpu", "parallel": {"pp": 2, "ep": 1, "dp": 1}, "schedule": {"name": name, "microbatches": mb},
+            "model": model, "train": {"micro_batch_size": 2},
+            "data": {"format": "tokens", "path": "unused", "document_mask": True, "mask_eos_loss": True},
+        }))
+    for report in verify_many(configs):
+        assert report.ok and report.loss_diff == 0.0 and report.max_rel_grad_diff < 1e-12, report
+
+
+def test_rotary_positions_restart_each_documents_rows_as_if_it_ran_alone() -> None:
+    """RoPE makes attention scores depend on relative positions only, so the logits above cannot
+    tell restarted positions from running ones: each rotation is checked itself."""
+    from portapipe.models.rope import Rotary, apply_rope, rope_tables
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 10, 8, dtype=torch.float64, generator=g)
+    starts = np.zeros((2, 10), dtype=bool)
+    starts[0, [0, 4]] = starts[1, [0, 1, 7]] = True
+    pos = torch.from_numpy(positions(starts))
+    cos, sin = rope_tables(10, 8, torch.float64)
+    halves, pairs = Rotary(8, 10000.0), Rotary(8, 10000.0, interleaved=True)
+    for rotate in (lambda t, p: apply_rope(t, cos, sin, 0, p), lambda t, p: halves(t, 0, p), lambda t, p: pairs(t, 0, p)):
+        packed = rotate(x, pos)
+        for b, lo, hi in ((0, 0, 4), (0, 4, 10), (1, 1, 7), (1, 7, 10)):
+            assert torch.equal(packed[b : b + 1, :, lo:hi], rotate(x[b : b + 1, :, lo:hi], None)), (b, lo, hi)

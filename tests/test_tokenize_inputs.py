@@ -1,0 +1,154 @@
+"""`portapipe tokenize` reads every kind of corpus (jsonl plain / gz / zst, text, parquet, a saved
+Hugging Face dataset; files, folders, globs), writes the same bytes with 1 and 3 workers, and
+refuses bad input in one line, exit 2, leaving nothing that loads."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from portapipe import cli
+from portapipe.data.folder import open_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "examples" / "tokenizer"
+EOS = "187"
+DOCS = [p for p in (ROOT / "examples" / "corpus" / "plays.jsonl").read_text().splitlines()]
+TEXTS = [json.loads(line)["text"] for line in DOCS]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One corpus in every format: 40 documents each, texts in a known order."""
+    zstandard = pytest.importorskip("zstandard")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    datasets = pytest.importorskip("datasets")
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "a").mkdir()
+    (root / "a" / "1.jsonl").write_text("\n".join(DOCS[:40]) + "\n")
+    (root / "a" / "2.jsonl.gz").write_bytes(gzip.compress(("\n".join(DOCS[40:80]) + "\n").encode()))
+    (root / "a" / "3.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(("\n".join(DOCS[80:120])).encode()))  # no final newline
+    (root / "b.txt").write_text("\n".join(TEXTS[120:160]) .replace("\n", " ") + "\n")
+    pq.write_table(pa.table({"text": TEXTS[160:200], "n": list(range(40))}), root / "c.parquet", row_group_size=7)
+    datasets.Dataset.from_dict({"text": TEXTS[200:240]}).save_to_disk(str(root / "d_saved"), num_proc=1)
+    (root / "lines.txt").write_text("\n".join(TEXTS[240:280]).replace("\n\n", "\n"))
+    return root
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str]]:
+    code = cli.main(["tokenize", *args])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, [line for line in err.splitlines() if line.startswith("portapipe:")]
+
+
+def _docs(out: Path) -> list[list[int]]:
+    _, tokens, starts = open_dataset(out)
+    return [tokens[starts[i] : starts[i + 1]].tolist() for i in range(len(starts) - 1)]
+
+
+def test_every_format_reads_as_its_documents_in_input_order(corpus: Path, tmp_path: Path, capsys) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    out = tmp_path / "all"
+    code, lines = _run(capsys, str(corpus / "a"), str(corpus / "b.txt"), str(corpus / "c.parquet"), str(corpus / "d_saved"),
+                       str(out), "--tokenizer", str(TOKENIZER), "--eos", EOS, "--workers", "1")
+    assert code == 0, lines
+    texts = TEXTS[:120] + [("\n".join(TEXTS[120:160]).replace("\n", " ") + "\n")] + TEXTS[160:240]
+    want = [tok.encode(t, add_special_tokens=False).ids + [int(EOS)] for t in texts]
+    assert _docs(out) == want
+    meta = json.loads((out / "dataset.json").read_text())
+    assert [(Path(s["path"]).name, s["kind"], s["documents"]) for s in meta["sources"]] == [
+        ("1.jsonl", "jsonl", 40), ("2.jsonl.gz", "jsonl", 40), ("3.jsonl.zst", "jsonl", 40), ("b.txt", "text", 1),
+        ("c.parquet", "parquet", 40), ("d_saved", "hf", 40)]
+    # --split-lines: one document per line; a glob names files
+    code, _ = _run(capsys, str(corpus / "lines*.txt"), str(tmp_path / "lines"), "--tokenizer", str(TOKENIZER), "--eos", EOS, "--split-lines")
+    lines_in = [t for t in (corpus / "lines.txt").read_text().splitlines() if t]
+    assert code == 0 and _docs(tmp_path / "lines") == [tok.encode(t, add_special_tokens=False).ids + [int(EOS)] for t in lines_in]
+
+
+def test_one_worker_and_three_write_the_same_bytes(corpus: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    import portapipe.data.readers as readers
+
+    monkeypatch.setattr(readers, "CHUNK_BYTES", 4096)  # many chunks in flight, out of order
+    for n in ("1", "3"):
+        code, lines = _run(capsys, str(corpus), str(tmp_path / n), "--tokenizer", str(TOKENIZER), "--eos", EOS, "--workers", n)
+        assert code == 0, lines
+    for name in ("tokens.bin", "documents.bin"):
+        assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "3" / name).read_bytes()
+    one, three = (json.loads((tmp_path / n / "dataset.json").read_text()) for n in ("1", "3"))
+    assert one["tokens_blake2b"] == three["tokens_blake2b"] and one["documents"] == three["documents"] == 202
+
+
+def test_bad_input_is_one_line_exit_2_and_nothing_written(corpus: Path, tmp_path: Path, capsys) -> None:
+    tok = ["--tokenizer", str(TOKENIZER), "--eos", EOS, "--workers", "1"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(DOCS[0] + "\n" + DOCS[1] + "\n{not json\n" + '{"body": "x"}\n' + DOCS[2] + "\n")
+    out = tmp_path / "out"
+    assert _run(capsys, str(bad), str(out), *tok)[1] == [
+        f"portapipe: tokenize: {bad}:3: not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+        "--skip-bad skips such lines"]
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+    code, _ = _run(capsys, str(bad), str(out), *tok, "--skip-bad")
+    meta = json.loads((out / "dataset.json").read_text())
+    assert code == 0 and meta["documents"] == 3 and meta["bad_skipped"] == 2
+    field = tmp_path / "field.jsonl"
+    field.write_text('{"body": "x"}\n')
+    assert _run(capsys, str(field), str(tmp_path / "o2"), *tok)[1] == [
+        f"portapipe: tokenize: {field}:1: no field 'text'; --field names the text's field, --skip-bad skips such lines"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n\n')
+    assert _run(capsys, str(empty), str(tmp_path / "o3"), *tok)[1] == [
+        "portapipe: tokenize: the corpus is empty: no document in 1 input(s) (0 bad line(s), 1 empty document(s) skipped)"]
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(("\n".join(DOCS) + "\n").encode())[:2000])
+    (line,) = _run(capsys, str(cut), str(tmp_path / "o4"), *tok)[1]
+    assert line.startswith(f"portapipe: tokenize: cannot read {cut}: ")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("line one\ncaf\xe9\n".encode("latin-1"))
+    assert _run(capsys, str(latin), str(tmp_path / "o5"), *tok)[1] == [
+        f"portapipe: tokenize: {latin}:2: not UTF-8 text (invalid continuation byte)"]
+    assert _run(capsys, str(tmp_path / "none*.jsonl"), str(tmp_path / "o6"), *tok)[1] == [
+        f"portapipe: tokenize: {tmp_path / 'none*.jsonl'} matches no file"]
+    assert _run(capsys, str(corpus / "c.parquet"), str(tmp_path / "o7"), *tok, "--field", "body")[1] == [
+        f"portapipe: tokenize: {corpus / 'c.parquet'} has no column 'body' (it has text, n); name the text column with --field"]
+    assert _run(capsys, str(bad), str(bad), *tok)[1] == [f"portapipe: tokenize: OUT {bad} is a file; name a folder to write the dataset into"]
+    assert not any((tmp_path / f"o{i}").exists() for i in range(2, 8))
+
+
+def test_a_killed_write_leaves_no_dataset_and_a_second_run_replaces_the_first(corpus: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert _run(capsys, str(corpus / "a"), str(out), "--tokenizer", str(TOKENIZER), "--eos", EOS)[0] == 0
+    first = (out / "tokens.bin").read_bytes()
+    big = tmp_path / "big.jsonl"
+    big.write_text("\n".join(DOCS * 60) + "\n")
+    proc = subprocess.Popen([sys.executable, "-m", "portapipe.cli", "tokenize", str(big), str(tmp_path / "killed"), "--tokenizer",
+                             str(TOKENIZER), "--eos", EOS, "--workers", "1"], stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".killed.*.tmp")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed").exists()  # nothing under the name a config would read
+    # the next write cleans up what the killed one left, and replaces an earlier dataset whole
+    assert _run(capsys, str(corpus / "b.txt"), str(tmp_path / "killed"), "--tokenizer", str(TOKENIZER), "--eos", EOS)[0] == 0
+    assert not list(tmp_path.glob(".killed.*"))
+    assert _run(capsys, str(corpus / "b.txt"), str(out), "--tokenizer", str(TOKENIZER), "--eos", EOS)[0] == 0
+    assert (out / "tokens.bin").read_bytes() != first and len(_docs(out)) == 1 and not list(tmp_path.glob(".out*"))
+    stray = tmp_path / "mine"
+    stray.mkdir()
+    (stray / "notes.txt").write_text("keep me")
+    assert _run(capsys, str(corpus / "b.txt"), str(stray), "--tokenizer", str(TOKENIZER), "--eos", EOS)[1] == [
+        f"portapipe: tokenize: OUT {stray} is a folder holding other files; name a new folder (or an earlier dataset, which is replaced)"]
+    assert np.array_equal(np.fromfile(out / "documents.bin", dtype="<i8")[:1], [0])
