@@ -8,6 +8,10 @@ float32 rounding and the model's depth (:func:`float32_tolerance`), printed with
 Either way the master weights and the gradients' reduction run in that dtype too: the dtype keys
 this changes are named in the result (``changed``).
 
+A config with ``train.fp8`` on is checked so whatever ``precision`` says: its recipe (FP8 GEMMs,
+FP8 dispatch) is part of its dtypes, and the distance from the float64 step printed beside is the
+distance from the unquantized step.
+
 ``precision="model"`` (``portapipe verify --precision model``) checks the run's own dtypes
 instead: ``model.dtype`` (bfloat16, float16), the master dtype the gradients accumulate in, the
 reduction's dtype and float16's loss scaling. A tolerance derived from rounding against float64
@@ -188,7 +192,7 @@ def checked(config: Config, precision: str = "highest") -> tuple[Config, Toleran
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision: {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if precision == "model":
+    if precision == "model" or config.train.fp8 != "off":  # FP8 is a recipe of its dtypes: checked in them
         if set(dtypes(config).values()) == {"float64"}:
             return config, EXACT, {}
         derived = rounding_tolerance(config)
@@ -249,10 +253,13 @@ class VerifyReport:
 
 def in_dtype(config: Config, dtype: str, backend: str | None = None) -> Config:
     """The config with the model in ``dtype``, its master weights and gradients' reduction too
-    (``train.master_dtype`` and ``train.grad_reduce_dtype`` auto), on ``backend`` when given."""
+    (``train.master_dtype`` and ``train.grad_reduce_dtype`` auto), on ``backend`` when given;
+    unquantized (``train.fp8`` off) in any dtype but bfloat16, which FP8 runs on."""
     raw = config.to_dict()
     raw["model"]["dtype"] = dtype
     raw["train"]["master_dtype"] = raw["train"]["grad_reduce_dtype"] = "auto"
+    if dtype != "bfloat16":
+        raw["train"]["fp8"] = "off"
     if backend is not None:
         raw["backend"], raw["backend_options"] = backend, {}
     return config_from_dict(raw)
@@ -797,8 +804,8 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision:
         raise ConfigError(forced)
     plans = [checked(c, precision) for c in configs]
     ranks_configs = [ranks for ranks, _, _ in plans]
-    references = [in_dtype(c, "float64", backend="cpu") for c in configs]
-    by_position = precision == "model"
+    references = [in_dtype(c, "float64", backend="cpu") for c in configs]  # under FP8: the unquantized float64 step
+    by_position = precision == "model" or any(c.train.fp8 != "off" for c in configs)
     for c in ranks_configs:
         build_schedule(c)  # a schedule or split that cannot run fails here, before any rank starts
         problems = init_problems(c.model)  # weights to start from that do not fit

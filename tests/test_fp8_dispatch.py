@@ -177,3 +177,25 @@ def test_the_pipelined_fp8_step_is_the_one_process_fp8_step() -> None:
         a, b = per_rank[0][2 * i]["grads"], per_rank[0][2 * i + 1]["grads"]
         assert not torch.equal(a["layers.1.moe.experts.gate_up"], b["layers.1.moe.experts.gate_up"])  # FP8 ran
         assert fp8.max_rel_grad_diff <= 2 * plain.max_rel_grad_diff + 1e-3, (fp8.max_rel_grad_diff, plain.max_rel_grad_diff)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_verify_with_fp8_every_schedule_mtp_eplb_lplb() -> None:
+    """``portapipe verify`` of an FP8 config checks the recipe (whatever --precision): the pipelined
+    step equals the one-process FP8 step (within the measured noise floor; here bit for bit), every
+    schedule on pp 2 x ep 2 with a multi-token prediction module, EPLB's redundant experts and LPLB;
+    the distance from the unquantized float64 step is reported beside."""
+    from portapipe.verify import verify_many
+
+    model = {"n_layers": 4, "mtp_layers": 1}
+    sched = {"1f1b": {}, "zb1p": {}, "interleaved": {"chunks": 2}, "dualpipe": {"microbatches": 4}, "dualpipev": {"microbatches": 4}}
+    configs = [fp8_config(parallel={"pp": 2, "ep": 2}, schedule={"name": name, "microbatches": 2, **extra}, model=model)
+               for name, extra in sched.items()]
+    configs += [fp8_config(parallel={"pp": 2, "ep": 2}, schedule={"microbatches": 4}, model=model, balancer=b)
+                for b in ({"kind": "eplb", "redundant": 1, "interval": 1000}, {"kind": "lplb", "redundant": 1})]
+    for report in verify_many(configs):
+        s = report.summary()
+        assert s["ok"] and s["precision"] == "bfloat16" and s["changed"] == {}, s
+        assert s["loss_diff"] <= s["tolerance"]["loss"] and s["max_rel_grad_diff"] <= s["tolerance"]["grad"]
+        assert 0 < s["float64"]["max_rel_grad_diff"] < 1 and s["loss_terms"] == ["mtp.1"]

@@ -187,3 +187,11 @@ def test_cuda_backend_runs_blockwise_where_the_probe_passes(monkeypatch: pytest.
     monkeypatch.setattr(torch, "_scaled_mm", ScaledMMDouble(capability=(8, 9)), raising=False)
     assert CUDABackend().fp8_path().startswith("emulated: torch._scaled_mm with 1x128 x 128x128 scaling failed")
     assert torch.equal(CUDABackend().fp8_mm(a, sa, b, sb, torch.float32), fp8_mm_emulated(a, sa, b, sb, torch.float32))
+
+
+def test_info_shows_the_declaration_and_the_path_that_runs_here() -> None:
+    from portapipe.commands.info import collect
+
+    cpu = collect()["backends"]["cpu"]
+    assert cpu["capabilities"]["fp8_matmul"] == "emulated" and cpu["fp8_matmul_path"] == "emulated"
+    assert collect()["backends"]["cuda"]["capabilities"]["fp8_matmul"] == "blockwise"

@@ -7,9 +7,11 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -180,3 +182,14 @@ class Ctx:
     def left(self, reserve: float = 5.0) -> float:
         return max(1.0, self.deadline - time.time() - reserve)
 
+
+def device_time(be: Any, fn: Callable[[], Any], reps: int) -> float:
+    """Median of ``reps`` runs of ``fn`` by the backend's timer (device events on a GPU), after one warm-up run."""
+    fn()
+    be.synchronize()
+    times = []
+    for _ in range(reps):
+        with be.timed() as timer:
+            fn()
+        times.append(timer.elapsed_s)
+    return statistics.median(times)

@@ -7,11 +7,7 @@ gradient's 1x128 x 128x1 form). Which path ran (blockwise or the emulation, and 
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable
-from typing import Any
-
-from .common import Ctx, Record, cuda_reason
+from .common import Ctx, Record, cuda_reason, device_time
 
 #: (M, K, N): DeepSeek-V3's expert projection over 4,096 tokens and its 7168 x 24576 query up-projection
 SHAPES = [(4096, 7168, 2048), (4096, 7168, 24576)]
@@ -39,8 +35,8 @@ def part_fp8(rec: Record, ctx: Ctx) -> None:
         xq, wq = quantize_rows(x), quantize_blocks(w)
         wt = wq.data.t(), wq.scale.t()
         reps = 2 if ctx.dry else 20
-        fp8_s = _timed(be, lambda: be.fp8_mm(xq.data, xq.scale, wt[0], wt[1], torch.bfloat16), reps)
-        bf16_s = _timed(be, lambda: x @ w.t(), reps)
+        fp8_s = device_time(be, lambda: be.fp8_mm(xq.data, xq.scale, wt[0], wt[1], torch.bfloat16), reps)
+        bf16_s = device_time(be, lambda: x @ w.t(), reps)
         flops = 2.0 * m * k * n
         rows.append({"m": m, "k": k, "n": n, "fp8_s": fp8_s, "bf16_s": bf16_s, "fp8_tflops": flops / fp8_s / 1e12,
                      "bf16_tflops": flops / bf16_s / 1e12, "fp8_over_bf16": bf16_s / fp8_s})
@@ -66,14 +62,3 @@ def part_fp8(rec: Record, ctx: Ctx) -> None:
     rec["status"] = ("ok" if within else "failed") if device == "cuda" else ("dry" if ctx.dry else "skipped")
     if device == "cpu":
         rec["reason"] = reason or "dry mode"
-
-
-def _timed(be: Any, fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    be.synchronize()
-    times = []
-    for _ in range(reps):
-        with be.timed() as timer:
-            fn()
-        times.append(timer.elapsed_s)
-    return statistics.median(times)

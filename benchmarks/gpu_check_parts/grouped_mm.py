@@ -3,12 +3,10 @@ dense matmul of the same FLOPs, at MoE shapes."""
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
-from .common import Ctx, Record, cuda_reason
+from .common import Ctx, Record, cuda_reason, device_time
 from .speed import SPEED_MODELS, speed_raw
 
 
@@ -55,16 +53,6 @@ def _gmm_row(be: Any, dtype: Any, groups: int, t: int, k: int, n: int, label: st
     offs = torch.arange(1, groups + 1, device=dev, dtype=torch.int32) * t
     grad = torch.randn(rows, n, device=dev, dtype=dtype)
 
-    def timed(fn: Callable[[], None]) -> float:
-        fn()
-        be.synchronize()
-        times = []
-        for _ in range(reps):
-            with be.timed() as timer:
-                fn()
-            times.append(timer.elapsed_s)
-        return statistics.median(times)
-
     def grouped() -> None:
         be.grouped_mm(a, w, offs).backward(grad)
 
@@ -72,7 +60,7 @@ def _gmm_row(be: Any, dtype: Any, groups: int, t: int, k: int, n: int, label: st
         (a @ dense_w).backward(grad)
 
     flops = 6.0 * rows * k * n  # forward 2 x rows x k x n, backward twice that (input and weight gradients)
-    g_s, d_s = timed(grouped), timed(dense)
+    g_s, d_s = device_time(be, grouped, reps), device_time(be, dense, reps)
     return {"label": label, "tokens_per_expert": t, "groups": groups, "k": k, "n": n, "dtype": str(dtype).removeprefix("torch."),
             "fused": bool(getattr(be, "grouped_mm_fused", lambda *_: False)(a, w)),
             "grouped_s": g_s, "dense_s": d_s, "grouped_tflops": flops / g_s / 1e12, "dense_tflops": flops / d_s / 1e12,
