@@ -278,7 +278,8 @@ def test_the_cuda_staging_pins_its_host_buffers_and_copies_without_blocking() ->
 
 
 def test_the_one_gpu_starter_is_the_cuda_example_with_gloo_between_ranks() -> None:
-    """examples/cuda_1gpu.yaml: examples/cuda.yaml with only a backend_options line added."""
+    """examples/cuda_1gpu.yaml: examples/cuda.yaml with only a backend_options line added, and the
+    run's folder its own."""
     import yaml
 
     from portapipe.config import load_config
@@ -286,9 +287,10 @@ def test_the_one_gpu_starter_is_the_cuda_example_with_gloo_between_ranks() -> No
     cuda = (ROOT / "examples" / "cuda.yaml").read_text().splitlines()
     one = (ROOT / "examples" / "cuda_1gpu.yaml").read_text().splitlines()
     body = [line for line in one if not line.startswith("#")]
-    assert [line for line in body if line not in cuda] == ["backend_options: {dist_backend: gloo}"]
-    assert [line for line in cuda if not line.startswith("#") and line not in body] == []
+    assert [line for line in body if line not in cuda] == ["backend_options: {dist_backend: gloo}", "  dir: runs/cuda_1gpu"]
+    assert [line for line in cuda if not line.startswith("#") and line not in body] == ["  dir: runs/cuda"]
     raw_one, raw_cuda = yaml.safe_load("\n".join(one)), yaml.safe_load("\n".join(cuda))
+    assert raw_one["log"].pop("dir") == "runs/cuda_1gpu" and raw_cuda["log"].pop("dir") == "runs/cuda"
     assert raw_one.pop("backend_options") == {"dist_backend": "gloo"} and raw_one == raw_cuda
     assert load_config(ROOT / "examples" / "cuda_1gpu.yaml").backend_options == {"dist_backend": "gloo"}
 

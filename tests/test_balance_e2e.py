@@ -53,7 +53,7 @@ def test_variants_differ_only_in_routing_and_balancer(tmp_path: Path) -> None:
     a = variant_config("ep4", "loads", "none", "examples/expert_loads.txt", tmp_path / "a", 4)
     b = variant_config("ep4", "uniform", "lplb", "examples/expert_loads.txt", tmp_path / "b", 4)
     assert a["bench"]["router_skew_from"] == "examples/expert_loads.txt" and b["bench"]["force_uniform_routing"] is True
-    assert a["model"] == b["model"] and a["parallel"] == b["parallel"] == {"pp": 1, "ep": 4, "dp": 1, "world_size": None}
+    assert a["model"] == b["model"] and a["parallel"] == b["parallel"] == {"pp": 1, "ep": 4, "dp": 1, "world_size": None, "layers_per_stage": None}
     assert b["balancer"]["kind"] == "lplb" and b["balancer"]["stay_off"] is True
     c = variant_config("ep2", "trained", "eplb", "unused", tmp_path / "c", 4, trained=tmp_path / "hf")
     assert c["model"]["init_from"] == str(tmp_path / "hf") and c["bench"]["router_skew_from"] is None
