@@ -422,7 +422,8 @@ def test_the_executor_gives_those_bs_a_queue_that_fills_their_waits() -> None:
     early = early_weight_grads(s.actions[0], s.stage_block)
     assert (3, 0) in early and (3, 1) not in early  # 3B0 3W0 back to back; 3BW1 is a full backward
     rt = SimpleNamespace(
-        schedule=s, device=torch.device("cpu"), grad_scale=1.0, groups=SimpleNamespace(dp=1, ep=1), early_weight_grads=early
+        schedule=s, actions=s.actions[0], device=torch.device("cpu"), grad_scale=1.0, groups=SimpleNamespace(dp=1, ep=1),
+        early_weight_grads=early,
     )
     run_ = StepRun(rt, [(torch.zeros(1), torch.zeros(1))] * 4)
     for mb, fills in ((0, True), (2, False)):  # stage 3 is the last: its backward starts from the loss

@@ -76,7 +76,7 @@ def test_steps_that_overflow_for_good_stop_as_divergence_and_their_losses_reach_
     assert code == 3 and summary is not None, lines
     assert lines[-1] == (
         "portapipe: training stopped at step 4: 3 steps in a row overflowed in float16 (train.max_skipped_steps 3), the last at loss "
-        f"scale 16384; none of them was applied (last checkpoint: {step_dir(tmp_path / 'run', 3)}); lower train.lr or keep train.grad_clip on"
+        f"scale 16384; none of them was applied (last checkpoint: {step_dir(tmp_path / 'run', 3)}); lower train.lr or turn train.grad_clip on (it is 0: off)"
     )
     got = rows(tmp_path / "run")
     assert [(r["kind"], r["step"]) for r in got if r["kind"] in ("train", "overflow", "diverged")] == [

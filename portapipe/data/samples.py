@@ -52,4 +52,6 @@ def make_microbatches(
     parts: list[torch.Tensor] = [inputs, targets]
     if document_mask:
         parts.append(torch.from_numpy(positions(starts[:, :-1])))
-    return [tuple(p[m * rows : (m + 1) * rows].contiguous() for p in parts) for m in range(n_microbatches)]
+    # each micro-batch in storage of its own: a row slice of the whole batch would keep every
+    # micro-batch's tokens alive with the one a stage saves for its backward (and count them there)
+    return [tuple(p[m * rows : (m + 1) * rows].clone(memory_format=torch.contiguous_format) for p in parts) for m in range(n_microbatches)]
