@@ -27,6 +27,10 @@ from portapipe.scheduling.overlap import Tape, observing, run
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cpu.yaml"
+#: the Hugging Face architectures' examples (deepseek_v3: multi-head latent attention; qwen3_moe:
+#: grouped-query attention), on the corpus's bytes
+DEEPSEEK, QWEN = ROOT / "examples" / "deepseek_v3.yaml", ROOT / "examples" / "qwen3_moe.yaml"
+BYTES = ["data.format=bytes", "data.path=null"]
 SMALL = ["parallel.pp=1", "parallel.ep=1", "schedule.name=1f1b", "train.micro_batch_size=2", "model.seq_len=16"]
 OPTIONS = {"off": {}, "level0": {"zero_memory": "level0"}, "level1": {"zero_memory": "level1"},
            "recompute_moe": {"recompute": "moe"}, "recompute_full": {"recompute": "full"}}
@@ -50,8 +54,33 @@ def _forward(cfg, option: str):
 def test_each_part_saves_what_the_formula_says(shape: list[str], option: str) -> None:
     """Per part call, the accounting's bytes equal shape.saved_bytes (attention also keeps the
     rotary tables, counted once per layer)."""
-    cfg = load_config(EXAMPLE, SMALL + shape)
-    s = Shape.of(cfg.model)
+    _check_parts(EXAMPLE, shape, option)
+
+
+HF_SHAPES = {
+    "mla": (DEEPSEEK, []),
+    "mla-bf16": (DEEPSEEK, ["model.dtype=bfloat16"]),
+    "mla-mtp2": (DEEPSEEK, ["model.mtp_layers=2"]),
+    "mla-full-rank-q-top1": (DEEPSEEK, ["model.q_lora_rank=0", "model.top_k=1", "model.n_shared=2", "model.norm_topk_prob=false"]),
+    "mla-fused": (DEEPSEEK, ["model.qk_nope_head_dim=8"]),  # query / key width = value width: the fused kernel
+    "gqa": (QWEN, []),
+    "gqa-bf16-mha": (QWEN, ["model.dtype=bfloat16", "model.n_kv_heads=4"]),
+    "gqa-one-kv-head": (QWEN, ["model.n_kv_heads=1", "model.norm_topk_prob=false"]),
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("name", list(HF_SHAPES))
+def test_each_part_of_mla_and_gqa_saves_what_the_formula_says(name: str, option: str) -> None:
+    """deepseek_v3's latent attention (low-rank query or not, torch's math attention on the CPU, the
+    float32 router copies in bfloat16) and qwen3_moe's grouped-query attention, part by part."""
+    example, shape = HF_SHAPES[name]
+    _check_parts(example, BYTES + shape, option)
+
+
+def _check_parts(example: Path, shape: list[str], option: str) -> None:
+    cfg = load_config(example, SMALL + shape)
+    s = setup_shape(cfg)
     block, x, y = _forward(cfg, option)
     obs = PartBytes()
     tracker = accounting.SavedActivations(ignore=block.parameters())
@@ -64,7 +93,8 @@ def test_each_part_saves_what_the_formula_says(shape: list[str], option: str) ->
     for label, (part, units) in obs.units.items():
         if part == "other":
             continue
-        want = saved_bytes(s, part, option, units, units)  # experts: units are the rows received
+        # experts: units are the rows received; a prediction depth's rows are shorter sequences
+        want = saved_bytes(s, part, option, units, units, seq=units // cfg.train.micro_batch_size if part != "experts" else None)
         if part in ("attention", "dense") and option != "recompute_full":
             want += s.rope_bytes()
         got = measured.get(label, 0)
@@ -73,6 +103,11 @@ def test_each_part_saves_what_the_formula_says(shape: list[str], option: str) ->
         checked += 1
     assert checked >= 2
     run(tape.backward(out, torch.ones_like(out)))
+
+
+def setup_shape(cfg) -> Shape:
+    """The shape the planner gives a config (its backend's attention kernels, train.fp8)."""
+    return Setup.from_config(cfg).shape
 
 
 def test_the_tape_holds_what_held_bytes_says() -> None:
@@ -147,13 +182,16 @@ def _step_peaks(backend, raws):
 
 
 @pytest.mark.multiproc
-def test_schedule_peaks_and_static_memory_match_a_real_step() -> None:
+@pytest.mark.parametrize("example", ["portapipe", "deepseek_v3", "qwen3_moe"])
+def test_schedule_peaks_and_static_memory_match_a_real_step(example: str) -> None:
     """Peak saved bytes per rank (exact with one EP rank, within 5% with two: routing varies
     per rank), and parameters, gradients, master weights and AdamW state (to the byte, but for the
-    buckets' padding to equal shards)."""
+    buckets' padding to equal shards), for each architecture's attention."""
     from portapipe.ranks.launch import run_ranks
 
-    cfgs = {n: load_config(EXAMPLE, o + ["model.seq_len=32"]) for n, o in STEPS.items()}
+    path, extra = {"portapipe": (EXAMPLE, []), "deepseek_v3": (DEEPSEEK, BYTES), "qwen3_moe": (QWEN, BYTES)}[example]
+    steps = {n: o for n, o in STEPS.items() if example != "qwen3_moe" or "mtp" not in n}  # qwen3_moe has no prediction modules
+    cfgs = {n: load_config(path, o + extra + ["model.seq_len=32", "parallel.dp=1"]) for n, o in steps.items()}
     per_rank = run_ranks(_step_peaks, 2, {n: c.to_dict() for n, c in cfgs.items()}, wall_timeout_s=300)
     for name, cfg in cfgs.items():
         setup = Setup.from_config(cfg)

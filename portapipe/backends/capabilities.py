@@ -40,6 +40,9 @@ class Capabilities:
     ``fp8_grouped_mm``): ``blockwise`` (a device kernel with DeepSeek-style 1x128 / 128x128
     scaling where the device and torch have it, else the emulation), ``emulated`` (the reference
     semantics, :mod:`portapipe.backends.fp8_mm`), ``none`` (``train.fp8`` is refused).
+    ``fused_attention_unequal_heads``: torch's fused attention runs a value head width other than
+    the query / key's (MLA's); without it such an attention runs torch's math path, which keeps
+    the attention probabilities for the backward (the planner's memory model follows).
     ``streams``: communication runs on its own stream beside compute (False: no-op streams,
     overlap comes from async work handles). ``memory_stats``: an allocator reports
     allocated / peak bytes. ``timer``: ``events`` (device time) or ``wall`` (host clock).
@@ -56,6 +59,7 @@ class Capabilities:
     all_gather_into_tensor: bool = True
     matches_cpu_float64: bool = False
     fp8_matmul: str = "none"
+    fused_attention_unequal_heads: bool = False
     streams: bool = False
     memory_stats: bool = False
     timer: str = "wall"

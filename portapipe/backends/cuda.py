@@ -120,6 +120,9 @@ class CUDABackend(Backend):
         # torch._scaled_mm with DeepSeek-style scaling where the GPU and torch run it (a one-time
         # probe per process and device decides), else the emulation on the GPU in float64
         fp8_matmul="blockwise",
+        # the memory-efficient kernel of scaled_dot_product_attention takes a value head width other
+        # than the query / key's (flash does not; the CPU has neither for it)
+        fused_attention_unequal_heads=True,
         streams=True,
         memory_stats=True,
         timer="events",

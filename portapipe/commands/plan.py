@@ -32,10 +32,10 @@ def _fail(message: str) -> int:
 def _profile(args: argparse.Namespace, config: Any) -> Any:
     from ..plan.profile import Profile
     from ..plan.published import DEVICES, published
-    from ..plan.shape import Shape
+    from ..config.setup import shape_of
 
     if args.profile and not Path(args.profile).exists() and args.profile in DEVICES:
-        return published(args.profile, Shape.of(config.model))
+        return published(args.profile, shape_of(config.model, config.train, config.backend))
     if args.profile:
         return Profile.load(args.profile)
     from ..ranks.launch import run_ranks
@@ -70,9 +70,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         return _fail(str(err))
     config = load_config(args.config, args.set)
+    from ..config.setup import shape_of
+    from ..plan.shape import unmodelled
+
+    shape = shape_of(config.model, config.train, config.backend)
+    if (why := unmodelled(shape)) is not None:
+        return _fail(why)
     try:
         loads = read_loads(args.loads) if args.loads else None
         profile = _profile(args, config)
+        profile.check_shape(shape)
     except (ProfileError, LoadsError) as err:
         return _fail(str(err))
     if loads is not None and len(loads[0]) != config.model.n_experts:

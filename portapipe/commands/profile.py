@@ -18,7 +18,7 @@ from typing import Any
 
 def run(args: argparse.Namespace) -> int:
     from ..config import load_config
-    from ..plan.shape import Shape
+    from ..config.setup import shape_of
 
     config = load_config(args.config, args.set)
     if args.reps < 1 or args.warmup < 0:
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
         from ..plan.published import published
 
         try:
-            prof = published(args.published, Shape.of(config.model))
+            prof = published(args.published, shape_of(config.model, config.train, config.backend))
         except ValueError as err:
             print(f"portapipe profile: {err}", file=sys.stderr)
             return 2

@@ -34,13 +34,34 @@ class Shape:
     mtp_layers: int = 0
     #: the head is the embedding (one weight; its copy on the last block when that is not the first)
     tie_word_embeddings: bool = False
+    #: the architecture (portapipe, deepseek_v3, qwen3_moe): the attention, the router and the norms' precision
+    arch: str = "portapipe"
+    #: deepseek_v3's multi-head latent attention (0: not this architecture; q_lora_rank 0: a full-rank query)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    #: qwen3_moe's grouped-query attention (0: not this architecture)
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    #: deepseek_v3 / qwen3_moe: the top-k weights renormalised to sum 1
+    norm_topk_prob: bool = False
+    #: ``train.fp8`` is on: the recipe's GEMMs in FP8, the routed rows dispatched in FP8
+    fp8: bool = False
+    #: the device's fused attention takes a value head width other than the query / key's (else
+    #: such an attention, MLA's, runs torch's math path, which saves the attention probabilities)
+    fused_unequal_heads: bool = False
 
     @classmethod
-    def of(cls, model: Any) -> Shape:
-        """From a ``ModelConfig`` (or any object / dict with these fields; the ones with a default may be missing)."""
-        if isinstance(model, dict):
-            return cls(**{f.name: model[f.name] for f in fields(cls) if f.name in model})
-        return cls(**{f.name: getattr(model, f.name) for f in fields(cls) if hasattr(model, f.name)})
+    def of(cls, model: Any, **extra: Any) -> Shape:
+        """From a ``ModelConfig`` (or any object / dict with these fields; the ones with a default may
+        be missing, and an architecture's keys another architecture leaves None are 0); ``extra``
+        sets the fields that are not the model's (``fp8``, ``fused_unequal_heads``)."""
+        get = model.get if isinstance(model, dict) else lambda name: getattr(model, name, None)
+        values = {f.name: get(f.name) for f in fields(cls)}
+        values = {k: (0 if v is None and isinstance(cls.__dataclass_fields__[k].default, int) else v) for k, v in values.items()}
+        return cls(**{**{k: v for k, v in values.items() if v is not None}, **extra})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,6 +84,12 @@ class Shape:
         return layer >= self.n_dense
 
     def rope_bytes(self) -> int:
-        """The rotary tables of one attention (module buffers, saved by every micro-batch:
-        counted once per layer while any micro-batch is held)."""
+        """The rotary tables of one attention (cos and sin in the model's dtype, saved by every
+        micro-batch: counted once per layer while any micro-batch is held). The portapipe model's
+        cover half a head (module buffers); the Hugging Face architectures' (cached per layer)
+        the rotary width twice over."""
+        if self.arch == "deepseek_v3":
+            return 2 * self.seq_len * self.qk_rope_head_dim * self.e
+        if self.arch == "qwen3_moe":
+            return 2 * self.seq_len * self.head_dim * self.e
         return 2 * self.seq_len * ((self.hidden // self.n_heads) // 2) * self.e

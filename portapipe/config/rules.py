@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .setup import DUALPIPE_FAMILY, Setup
+from .setup import DUALPIPE_FAMILY, Setup, declared_capabilities
 
 
 @dataclass(frozen=True)
@@ -242,16 +242,7 @@ def _known_backend(x: Setup) -> list[str]:
 
 def _declared(x: Setup) -> list[tuple[str, Any]]:
     """(name, capabilities) of the setup's backend; for ``auto``, of every backend it could pick."""
-    from ..backends.registry import backend_class, known_backends
-
-    names = known_backends() if x.backend == "auto" else [x.backend]
-    out = []
-    for name in names:
-        try:
-            out.append((name, backend_class(name).capabilities))
-        except Exception:  # an unknown name is the known-backend rule's line; a broken plug-in its own
-            continue
-    return out
+    return declared_capabilities(x.backend)
 
 
 def _transport(x: Setup) -> list[str]:

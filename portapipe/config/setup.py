@@ -18,6 +18,29 @@ from .model_shape import Shape
 DUALPIPE_FAMILY = ("dualpipe", "dualpipev")
 
 
+def declared_capabilities(backend: str) -> list[tuple[str, Any]]:
+    """(name, capabilities) of ``backend``; for ``auto``, of every backend it could pick."""
+    from ..backends.registry import backend_class, known_backends
+
+    names = known_backends() if backend == "auto" else [backend]
+    out = []
+    for name in names:
+        try:
+            out.append((name, backend_class(name).capabilities))
+        except Exception:  # an unknown name is the known-backend rule's line; a broken plug-in its own
+            continue
+    return out
+
+
+def shape_of(model: Any, train: Any = None, backend: str = "auto") -> Shape:
+    """The model's :class:`Shape` with what the rest of the config decides of its work: ``train.fp8``,
+    and whether the backend's fused attention takes MLA's value width (``auto``: only where every
+    backend it could pick does, the larger memory otherwise)."""
+    caps = [c for _, c in declared_capabilities(backend)]
+    fused = bool(caps) and all(c.fused_attention_unequal_heads for c in caps)
+    return Shape.of(model, fp8=getattr(train, "fp8", "off") != "off", fused_unequal_heads=fused)
+
+
 def n_model_blocks(schedule: str, pp: int, chunks: int) -> int:
     """Model blocks (contiguous layer slices) the schedule cuts the model into."""
     if schedule == "interleaved":
@@ -134,7 +157,7 @@ class Setup:
 
     def __post_init__(self) -> None:
         if self.shape is None and self.model is not None:
-            object.__setattr__(self, "shape", Shape.of(self.model))
+            object.__setattr__(self, "shape", shape_of(self.model, self.train, self.backend))
 
     @classmethod
     def from_config(cls, c: Any) -> Setup:

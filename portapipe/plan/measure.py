@@ -48,7 +48,7 @@ from .measure_crowding import busy, crowding_ratio
 from .measure_lag import exchange_lag
 from .measure_parts import MEMORY, saved_bytes, time_parts
 from .profile import FORMAT, Linear, Profile, ProfileError
-from .shape import Shape
+from ..config.setup import shape_of
 
 
 def _adamw_step(dtype: torch.dtype, sizes: list[int]) -> Callable[[], None]:
@@ -154,7 +154,7 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
                 "slowdown_all_ranks": together / alone if alone > 0 else None,
             },
             "torch": torch.__version__,
-            "shape": Shape.of(m).to_dict(),
+            "shape": shape_of(m, config.train, backend.name).to_dict(),
             "tokens": [s * m.seq_len for s in sizes],
             "processors": processors,
             "optimizer": _plain(optimizer),

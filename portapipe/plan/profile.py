@@ -186,12 +186,22 @@ class Profile:
         return cost.fixed + cost.per_unit * nbytes * factor
 
     # --------------------------------------------------------------- scaling
+    def check_shape(self, shape: Shape) -> None:
+        """Raise :class:`ProfileError` where scaling this profile to ``shape`` would price the wrong
+        work: one measured with ``train.fp8`` and the other without (FP8 GEMMs run at another rate)."""
+        if shape.fp8 != self.shape.fp8:
+            made, want = ("with", "off") if self.shape.fp8 else ("without", "on")
+            raise ProfileError(f"--profile: measured {made} train.fp8 ({self.source}), but this config has train.fp8 {want}; "
+                               "make a profile of this config (`portapipe profile CONFIG`) or use a published one (--profile h800)")
+
     def for_shape(self, shape: Shape) -> Profile:
         """This profile for another model shape: per-unit times scaled by the FLOPs (bytes for
         data-moving parts) per unit of each part and phase; fixed costs, communication and
-        the optimizer's per-element time unchanged. The same shape returns ``self``."""
+        the optimizer's per-element time unchanged. The same shape returns ``self``; one that
+        :meth:`check_shape` refuses raises."""
         if shape == self.shape:
             return self
+        self.check_shape(shape)
         parts: dict[str, dict[str, dict[str, Linear]]] = {}
         for option, table in self.parts.items():
             parts[option] = {}

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 from dataclasses import dataclass
 
-from .shape import Shape, held_bytes, saved_bytes
+from .shape import Shape, dispatch_row_bytes, held_bytes, saved_bytes
 
 Op = tuple
 
@@ -101,7 +101,7 @@ class Programs:
         if self.ep == 1:
             return shared + [self._c("experts", "F", opt, 1), self._c("combine", "F", opt, 1)]
         return [
-            ("I", ("d", layer), T * s.top_k * (h + 1) * e),  # each row with its router weight
+            ("I", ("d", layer), T * s.top_k * dispatch_row_bytes(s)),  # each row with its router weight (FP8 under train.fp8)
             ("Y", ("d", layer)),
             *shared,  # while the rows travel
             ("A", ("d", layer)),
@@ -124,10 +124,10 @@ class Programs:
             return [self._c("combine", phase, opt, -1), self._c("experts", phase, opt, -1), *shared]
         ops: list[Op] = []
         if opt in ("level0", "level1"):  # the re-dispatch starts as the layer's backward begins
-            ops.append(("I", ("r", layer), T * s.top_k * h * e))
+            ops.append(("I", ("r", layer), T * s.top_k * dispatch_row_bytes(s, weights=False)))
         ops += [
             self._c("combine", phase, opt, -1),
-            ("I", ("c'", layer), T * s.top_k * h * e),
+            ("I", ("c'", layer), T * s.top_k * dispatch_row_bytes(s, weights=False)),  # towards the experts: FP8 under train.fp8
             ("Y", ("c'", layer)),
             self._experts(phase, opt, -1, local=True),
             *shared,

@@ -5,7 +5,7 @@ time is its FLOPs (or bytes moved) at an assumed share of the device's peak, eac
 latency plus bytes over the published bandwidth. Figures and sources (see docs/plan.md):
 
 H800 SXM5 (80 GB HBM3), NVIDIA's Hopper datasheet (H100 SXM5, which the H800 matches in compute):
-  989.5 TFLOPS dense BF16 tensor throughput, 3.35 TB/s HBM3.
+  989.5 TFLOPS dense BF16 and 1,979 TFLOPS dense FP8 tensor throughput, 3.35 TB/s HBM3.
 DeepEP's published measurements on H800 (github.com/deepseek-ai/DeepEP, docs/legacy.md, "normal
 kernels", DeepSeek-V3 pre-training setting: 4096 tokens per batch, hidden 7168, top-8):
   NVLink ~160 GB/s; CX7 InfiniBand ~50 GB/s per GPU; dispatch bottleneck bandwidth 153 GB/s
@@ -14,8 +14,10 @@ DeepSeek-V3 technical report (arXiv 2412.19437): 2048 H800 GPUs, 8 per node (NVL
   InfiniBand between nodes; 2.664M H800 GPU hours of pre-training for 14.8T tokens, i.e. about
   1540 tokens per GPU-second (checked against the plan's prediction in docs/plan.md).
 
-Assumptions (not published; stated so they can be changed): matrix work at 45% of the BF16 peak,
-data movement at 70% of HBM bandwidth, 10 us fixed cost per part (kernel launches), 20 us
+Assumptions (not published; stated so they can be changed): matrix work at 45% of the BF16 peak
+(FP8 GEMMs, under ``train.fp8``, at 45% of the FP8 peak; quantizing their operands is memory
+traffic: :func:`~portapipe.plan.shape.quantize_bytes`, the weights' 128x128 blocks at each use
+as a fixed cost of the part), data movement at 70% of HBM bandwidth, 10 us fixed cost per part (kernel launches), 20 us
 all-to-all and 10 us point-to-point latency, 25 us of host work per executor action, EP groups
 beyond 64 ranks at the EP 64 bandwidth.
 """
@@ -25,12 +27,13 @@ from __future__ import annotations
 from typing import Any
 
 from .profile import FORMAT, Profile
-from .shape import PARTS, PHASES, Shape, flops
+from .shape import PARTS, PHASES, Shape, flops, fp8_flops, quantize_bytes, weight_quantize_bytes
 
 H800: dict[str, Any] = {
     "name": "NVIDIA H800 SXM5 80GB (published figures)",
     "memory_bytes": 80 * 10**9,
     "bf16_flops": 989.5e12,
+    "fp8_flops": 1979e12,
     "hbm_bytes_s": 3.35e12,
     "ib_bytes_s": 50e9,
     "a2a_bytes_s": {8: 153e9, 16: 43e9, 32: 58e9, 64: 51e9, 128: 51e9, 256: 51e9},
@@ -51,14 +54,18 @@ def published(device: str, shape: Shape) -> Profile:
         raise ValueError(f"--published: unknown device {device!r}; known: {', '.join(DEVICES)}")
     d = DEVICES[device]
     compute = d["bf16_flops"] * d["matmul_efficiency"]
+    compute_fp8 = d["fp8_flops"] * d["matmul_efficiency"]
     memory = d["hbm_bytes_s"] * d["memory_efficiency"]
 
     def cost(part: str, phase: str, extra_bytes: float = 0.0) -> dict[str, float]:
         work = flops(shape, part, phase)
         if work == 0 and extra_bytes == 0:
             return {"fixed": 0.0, "per_unit": 0.0}
-        per = work / memory if part in MOVES_DATA else work / compute
-        return {"fixed": d["part_fixed_s"], "per_unit": per + extra_bytes / memory}
+        if part in MOVES_DATA:
+            return {"fixed": d["part_fixed_s"], "per_unit": (work + extra_bytes) / memory}
+        fp8 = fp8_flops(shape, part, phase)  # zero without train.fp8
+        per = (work - fp8) / compute + fp8 / compute_fp8 + (extra_bytes + quantize_bytes(shape, part, phase)) / memory
+        return {"fixed": d["part_fixed_s"] + weight_quantize_bytes(shape, part, phase) / memory, "per_unit": per}
 
     off = {part: {phase: cost(part, phase) for phase in PHASES} for part in PARTS}
     # level1 recomputes the activation (element-wise, on the gate/up output) in the backward

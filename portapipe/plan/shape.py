@@ -14,7 +14,21 @@ routed rows:
   a recomputed layer's input), which only an allocator sees;
 - :func:`wqueue_bytes`: an estimate of what deferred weight gradients hold from B to W;
 - :func:`flops`: floating-point work per part and phase, to scale measured times to a shape;
-- :func:`parameter_bytes`: parameters of a block (gradients and AdamW's state follow from them).
+- :func:`parameter_bytes`: parameters of a block (gradients and AdamW's state follow from them);
+- :func:`fp8_flops`, :func:`quantize_bytes`, :func:`dispatch_row_bytes`: what ``train.fp8`` runs
+  in FP8, the memory traffic of its quantization and the bytes of a routed row on the wire.
+
+Each architecture's attention is modelled as :mod:`portapipe.models.attention` runs it: the
+portapipe model's multi-head attention, qwen3_moe's grouped-query attention (q / k norms per
+head, key / value heads repeated for the fused kernel) and deepseek_v3's multi-head latent
+attention (low-rank query and key / value with their norms, the decoupled rotary part). torch's
+fused attention kernels keep the queries, keys, values, output and log-sum-exp; MLA's value
+width differs from its query / key width, which only some devices' fused kernels take
+(``Shape.fused_unequal_heads``): elsewhere (the CPU) torch's math path runs, which keeps float32
+copies of the scaled queries, keys and values and the attention probabilities, ``heads x
+sequence`` per token. The Hugging Face architectures' norms keep a float32 scale per row and
+their routers score in float32. A float64 Hugging Face model runs transformers' eager attention
+and is refused (:func:`unmodelled`).
 
 Memory options per layer are named ``off``, ``level0``, ``level1`` (zero-memory),
 ``recompute_moe`` and ``recompute_full``.
@@ -24,27 +38,92 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..backends.fp8_mm import TILE, n_tiles
 from ..config.model_shape import Shape  # below setup.py and this module; the planner's modules import it from here
 
 INDEX_BYTES = 8  # int64 indices
+F32 = 4  # float32: the Hugging Face architectures' norm scales and router scores, torch's math attention
 PARTS = ("embed", "attention", "dense", "experts", "shared", "combine", "head", "mtp")
 PHASES = ("F", "B", "W")  # forward, input-gradient backward, weight-gradient backward
 OPTIONS = ("off", "level0", "level1", "recompute_moe", "recompute_full")
 
 
-def _attention_core(s: Shape) -> int:
-    """Per token: both norms' inputs, outputs and scales, q, k, v, the attention output, its log-sum-exp."""
-    return 8 * s.hidden * s.e + 2 * s.e + s.n_heads * s.lse_bytes
+def unmodelled(s: Shape) -> str | None:
+    """Why the planner cannot model this shape (one line), or None."""
+    if s.arch != "portapipe" and s.dtype == "float64":
+        return (f"model.dtype: float64 with model.arch {s.arch} runs transformers' eager attention, whose saved bytes the "
+                "planner does not model; plan it in float32 or bfloat16")
+    return None
 
 
-def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slots: int | None = None) -> float:
+def norm_scale_bytes(s: Shape) -> int:
+    """One RMSNorm row's scale: float32 where the norm computes in it (Hugging Face architectures, float16)."""
+    return F32 if s.arch != "portapipe" or s.dtype == "float16" else s.e
+
+
+def _math_attention(s: Shape) -> bool:
+    """MLA on a device whose fused attention does not take its value width: torch's math path."""
+    return s.arch == "deepseek_v3" and s.qk_nope_head_dim + s.qk_rope_head_dim != s.v_head_dim and not s.fused_unequal_heads
+
+
+def _attention_module(s: Shape, seq: int) -> int:
+    """Per token: what the attention keeps besides its (normed) input; ``seq``: the rows' sequence length."""
+    e, H = s.e, s.n_heads
+    if s.arch == "qwen3_moe":  # q / k projections (the per-head norms' inputs) and their scales; the fused
+        # kernel's q, repeated k and v, output and log-sum-exp
+        d, kv = s.head_dim, s.n_kv_heads
+        # a key / value head repeated for several query heads is a copy, except from a single one (a view)
+        rep = kv if kv in (1, H) else H
+        return (H + kv) * (d * e + F32) + 2 * (H + rep) * d * e + H * s.lse_bytes
+    if s.arch == "deepseek_v3":
+        qk, v = s.qk_nope_head_dim + s.qk_rope_head_dim, s.v_head_dim
+        out = (s.kv_lora_rank + s.qk_rope_head_dim + s.kv_lora_rank) * e + F32  # the latent (norm input), its scale, norm output
+        if s.q_lora_rank:
+            out += 2 * s.q_lora_rank * e + F32  # the query's latent, its scale and norm output
+        if _math_attention(s):  # float32 copies of the scaled q and k and of v, the probabilities; the output
+            return out + H * (2 * qk + v + seq) * F32 + H * v * e
+        # the fused kernel's q, k, v (a view of the key / value up-projection: its whole output), output, log-sum-exp
+        return out + H * (2 * qk + s.qk_nope_head_dim + 2 * v) * e + H * s.lse_bytes
+    return 4 * s.hidden * e + H * s.lse_bytes  # q, k, v, the output, its log-sum-exp
+
+
+def _attention_core(s: Shape, seq: int) -> int:
+    """Per token: both norms' inputs, outputs and scales, and the attention's own."""
+    return 4 * s.hidden * s.e + 2 * norm_scale_bytes(s) + _attention_module(s, seq)
+
+
+def _router_copies(s: Shape) -> bool:
+    """deepseek_v3's router scores in float32 from float32 copies of its input and weight."""
+    return s.arch == "deepseek_v3" and s.e != F32
+
+
+def _routing(s: Shape, tokens: int) -> float:
+    """The router's saved bytes for ``tokens`` tokens: scores, chosen experts, the weights'
+    normalisation, and the two gather indices of the dispatch."""
+    e, h, k, E = s.e, s.hidden, s.top_k, s.n_experts
+    per = k * INDEX_BYTES + 2 * k * INDEX_BYTES  # the top-k's (its backward scatters by them)
+    fixed = 0
+    if s.arch == "portapipe":
+        per += E * e + (k * e + e if k > 1 else 0)
+    else:  # scores in float32; renormalised (top-k weights and their sum) with norm_topk_prob
+        per += E * F32 + (k * F32 + F32 if s.norm_topk_prob else 0)
+        if _router_copies(s):  # the gate runs on float32 copies of the input and the weight, so
+            # the FFN norm's output is not kept here (the shared expert keeps it, if any)
+            per += h * F32 - h * e
+            fixed = E * h * F32
+    return tokens * per + fixed
+
+
+def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slots: int | None = None, seq: int | None = None) -> float:
     """Bytes ``part`` saves for backward for one micro-batch under the layer's ``option``.
 
     ``rows``: routed rows this EP rank's experts receive; ``slots``: grouped-matmul groups
-    (EP ranks x local expert slots; default the experts). Recomputed parts save nothing here
-    (their replay saves ``off``'s bytes during the backward).
+    (EP ranks x local expert slots; default the experts); ``seq``: the rows' sequence length
+    (default ``seq_len``; a multi-token prediction depth's is shorter). Recomputed parts save
+    nothing here (their replay saves ``off``'s bytes during the backward).
     """
     e, h, k, T = s.e, s.hidden, s.top_k, tokens
+    seq = s.seq_len if seq is None else seq
     if option == "recompute_full" and part not in ("embed", "head", "mtp"):
         return 0
     if option == "recompute_moe" and part in ("experts", "shared", "combine"):
@@ -53,24 +132,23 @@ def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slot
         return T * INDEX_BYTES
     if part == "mtp":  # the embedding (its indices are the targets' storage), its norm's input and
         # scale, the hidden state's norm scale (its input is the head's), the projection's input
-        return T * (3 * h * e + 2 * e)
+        return T * (3 * h * e + 2 * norm_scale_bytes(s))
     if part == "head":  # final norm (input, scale, output), log-softmax, targets, the loss's weight sum
-        return T * (2 * h * e + e + s.vocab_size * e + INDEX_BYTES) + e
+        return T * (2 * h * e + norm_scale_bytes(s) + s.vocab_size * e + INDEX_BYTES) + e
     if part == "dense":
-        return T * (_attention_core(s) + 3 * s.ffn_hidden * e)
+        return T * (_attention_core(s, seq) + 3 * s.ffn_hidden * e)
     if part == "attention":
-        # + scores, chosen experts, two gather indices; the weights' normalisation
-        routing = s.n_experts * e + k * INDEX_BYTES + 2 * k * INDEX_BYTES
-        if k > 1:
-            routing += k * e + e
-        return T * (_attention_core(s) + routing)
+        return T * _attention_core(s, seq) + _routing(s, T)
     if part == "experts":  # input rows, gate/up output, router weight, activation; group offsets
         per_row = {"off": h + 3 * s.moe_hidden, "level0": 3 * s.moe_hidden, "level1": 2 * s.moe_hidden}[option] * e + e
+        if option == "off" and fp8_dispatch(s):  # the input rows as their FP8 values and 1x128 scales
+            per_row += dispatch_row_bytes(s, weights=False) - h * e
         return rows * per_row + (s.n_experts if slots is None else slots) * INDEX_BYTES
     if part == "shared":
         if s.n_shared == 0:
             return 0
-        return T * (2 if option == "level1" else 3) * s.shared_width * e
+        normed = h * e if _router_copies(s) else 0  # its input, which the router did not keep
+        return T * ((2 if option == "level1" else 3) * s.shared_width * e + normed)
     if part == "combine":  # the inverse dispatch order
         return T * k * INDEX_BYTES
     raise ValueError(f"unknown part {part!r}; known: {', '.join(PARTS)}")
@@ -134,11 +212,12 @@ def flops(s: Shape, part: str, phase: str) -> float:
     """Floating-point operations per unit (token; routed row for ``experts``) of ``part`` in
     ``phase``. Parts that only move data (``embed``, ``combine``) count bytes moved instead."""
     h, f, E = s.hidden, s.ffn_hidden, s.n_experts
-    core = 2 * h * (s.seq_len + 1)  # causal attention: QK^T and AV over (s+1)/2 keys on average
-    proj = 8 * h * h + 2 * h * E
+    core = attention_core_flops(s)
+    attn = 2 * sum(i * o for _, i, o in attention_linears(s))
+    proj = attn + 2 * h * E
     table = {
         "attention": {"F": proj + core, "B": proj + 2 * core, "W": proj},
-        "dense": {"F": 8 * h * h + core + 6 * h * f, "B": 8 * h * h + 2 * core + 6 * h * f, "W": 8 * h * h + 6 * h * f},
+        "dense": {"F": attn + core + 6 * h * f, "B": attn + 2 * core + 6 * h * f, "W": attn + 6 * h * f},
         "experts": dict.fromkeys(PHASES, 6 * h * s.moe_hidden),
         "shared": dict.fromkeys(PHASES, 6 * h * s.shared_width),
         "head": dict.fromkeys(PHASES, 2 * h * s.vocab_size),
@@ -149,6 +228,88 @@ def flops(s: Shape, part: str, phase: str) -> float:
     if part not in table:
         raise ValueError(f"unknown part {part!r}; known: {', '.join(PARTS)}")
     return float(table[part][phase])
+
+
+def attention_core_flops(s: Shape) -> float:
+    """softmax(QK^T)V per token, forward: QK^T and AV over (seq + 1) / 2 keys on average (causal)."""
+    qk, v = _head_widths(s)
+    return float((s.seq_len + 1) * s.n_heads * (qk + v))
+
+
+def _head_widths(s: Shape) -> tuple[int, int]:
+    """(query / key, value) width of one head."""
+    if s.arch == "deepseek_v3":
+        return s.qk_nope_head_dim + s.qk_rope_head_dim, s.v_head_dim
+    d = s.head_dim if s.arch == "qwen3_moe" else s.hidden // s.n_heads
+    return d, d
+
+
+def attention_linears(s: Shape) -> list[tuple[str, int, int]]:
+    """The attention's Linears as :mod:`portapipe.models.attention` builds them: (name, in, out)."""
+    h, H = s.hidden, s.n_heads
+    if s.arch == "deepseek_v3":
+        qk, rope = s.qk_nope_head_dim + s.qk_rope_head_dim, s.qk_rope_head_dim
+        q = [("q_a", h, s.q_lora_rank), ("q_b", s.q_lora_rank, H * qk)] if s.q_lora_rank else [("wq", h, H * qk)]
+        return [*q, ("kv_a", h, s.kv_lora_rank + rope), ("kv_b", s.kv_lora_rank, H * (s.qk_nope_head_dim + s.v_head_dim)),
+                ("wo", H * s.v_head_dim, h)]
+    if s.arch == "qwen3_moe":
+        d, kv = s.head_dim, s.n_kv_heads
+        return [("wq", h, H * d), ("wk", h, kv * d), ("wv", h, kv * d), ("wo", H * d, h)]
+    return [("wq", h, h), ("wk", h, h), ("wv", h, h), ("wo", h, h)]
+
+
+def _eligible(*widths: int) -> bool:
+    """A Linear runs in FP8 when every width of it is a multiple of the 128-wide tile
+    (:mod:`portapipe.models.fp8_layers`)."""
+    return all(w % TILE == 0 for w in widths)
+
+
+def fp8_dispatch(s: Shape) -> bool:
+    """The routed rows travel (and the experts keep their inputs) in FP8: ``train.fp8`` with FP8 experts."""
+    return s.fp8 and s.n_experts > 0 and _eligible(s.hidden, s.moe_hidden)
+
+
+def dispatch_row_bytes(s: Shape, weights: bool = True) -> float:
+    """Bytes of one routed row on the wire towards the experts: its values (and router weight) in
+    the compute dtype, or under FP8 its E4M3 values, float32 1x128 scales and the weight in the
+    compute dtype (:func:`portapipe.fp8.dispatch.row_bytes`)."""
+    h, e = s.hidden, s.e
+    if fp8_dispatch(s):
+        return h + 4 * n_tiles(h) + (e if weights else 0)
+    return (h + (1 if weights else 0)) * e
+
+
+def _fp8_gemms(s: Shape, part: str) -> list[tuple[int, int]]:
+    """(in, out) of each GEMM of ``part`` that runs in FP8 under ``train.fp8`` (per token; the experts per row)."""
+    if not s.fp8:
+        return []
+    h = s.hidden
+    attn = [(i, o) for _, i, o in attention_linears(s) if _eligible(i, o)]
+    ffn = lambda w: [(h, 2 * w), (w, h)] if _eligible(h, w) else []  # noqa: E731  gate / up, down
+    return {"attention": attn, "dense": attn + ffn(s.ffn_hidden), "experts": ffn(s.moe_hidden),
+            "shared": ffn(s.shared_width) if s.n_shared else []}.get(part, [])
+
+
+def fp8_flops(s: Shape, part: str, phase: str) -> float:
+    """Of :func:`flops`, the FP8 GEMMs' (each phase runs one GEMM per FP8 Linear)."""
+    return float(sum(2 * i * o for i, o in _fp8_gemms(s, part)))
+
+
+def quantize_bytes(s: Shape, part: str, phase: str) -> float:
+    """Memory traffic per unit of quantizing the FP8 GEMMs' activation-side operands (read in the
+    compute dtype, written as E4M3 with a float32 scale per 128): F the inputs (1x128), B the output
+    gradients (1x128), W both again (128x1 along the tokens)."""
+    per = s.e + 1 + 4 / TILE
+    gemms = _fp8_gemms(s, part)
+    ins, outs = sum(i for i, _ in gemms), sum(o for _, o in gemms)
+    return float({"F": ins, "B": outs, "W": ins + outs}[phase] * per)
+
+
+def weight_quantize_bytes(s: Shape, part: str, phase: str) -> float:
+    """Memory traffic of quantizing the weights of ``part``'s FP8 GEMMs into 128x128 blocks, at each
+    use (a call's forward and input gradient; the weight gradient reads none); the routed experts
+    counted as one expert's (a rank's other local experts' are left out)."""
+    return 0.0 if phase == "W" else float(sum(i * o for i, o in _fp8_gemms(s, part)) * (s.e + 1))
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -170,7 +331,11 @@ class ParamCount:
 def layer_params(s: Shape, layer: int, local_slots: int) -> ParamCount:
     """One layer holding ``local_slots`` routed-expert slots."""
     h = s.hidden
-    c = ParamCount(4 * h * h + 2 * h, 6)  # two norms, q, k, v, o
+    c = ParamCount(sum(i * o for _, i, o in attention_linears(s)) + 2 * h, len(attention_linears(s)) + 2)  # + two norms
+    if s.arch == "deepseek_v3":  # the latent norms
+        c += ParamCount(s.kv_lora_rank + s.q_lora_rank, 1 + bool(s.q_lora_rank))
+    if s.arch == "qwen3_moe":  # the per-head q / k norms
+        c += ParamCount(2 * s.head_dim, 2)
     if not s.is_moe(layer):
         c += ParamCount(3 * h * s.ffn_hidden, 2)
         return c
@@ -210,8 +375,11 @@ def mtp_layer_indices(s: Shape) -> range:
 
 
 def layer_buffer_bytes(s: Shape, layer: int, slots: int) -> int:
-    """Module buffers of one layer: rotary tables; the router's bias (float32) and load counters."""
+    """Module buffers of one layer: rotary tables; the router's bias (float32; qwen3_moe's router
+    has none) and load counters."""
     out = s.rope_bytes()
     if s.is_moe(layer):
-        out += s.n_experts * 4 + s.n_experts * INDEX_BYTES + (slots * INDEX_BYTES if slots != s.n_experts else 0)
+        bias = 0 if s.arch == "qwen3_moe" else s.n_experts * 4
+        out += bias + s.n_experts * INDEX_BYTES + (slots * INDEX_BYTES if slots != s.n_experts else 0)
     return out
+
