@@ -50,7 +50,23 @@ def run(args: argparse.Namespace) -> int:
     prof = Profile.from_dict(results[0])
     prof.save(args.out)
     print(f"wrote {args.out}: {config.world_size} {prof.device['backend']} ranks, parts timed on {prof.device['ep_profiled']}")
+    if (note := fp8_note(config)) is not None:
+        print(note)
     return 0
+
+
+def fp8_note(config: Any) -> str | None:
+    """Under ``train.fp8``, what the profile measured of the FP8 GEMMs and what it could not."""
+    from ..config.setup import declared_capabilities
+
+    if config.train.fp8 == "off":
+        return None
+    kinds = {caps.fp8_matmul for _, caps in declared_capabilities(config.backend)}
+    if kinds == {"blockwise"}:
+        return "train.fp8: the FP8 GEMMs were timed with the backend's blockwise FP8 kernel where the device has it (else its emulation)"
+    return ("train.fp8: the FP8 GEMMs were timed as this backend runs them, emulated (capabilities.fp8_matmul: "
+            f"{', '.join(sorted(kinds))}): what a device's FP8 tensor cores take cannot be measured here; "
+            "a published profile (--published h800) prices them at that device's FP8 peak")
 
 
 def register(sub: Any) -> None:

@@ -19,6 +19,7 @@ from ..config import Config, MemoryConfig
 from ..memory import accounting
 from ..memory.policy import configure
 from ..models.expert_parallel import ExpertParallel
+from ..models.fp8_layers import enable_fp8
 from ..models.moe import build_blocks
 from ..models.objective import Objective
 from ..scheduling.overlap import Tape, observing, run
@@ -151,6 +152,8 @@ def tokens(config: Config, mbs: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 def block_for(config: Config, ep: ExpertParallel, option: str) -> Any:
     blocks = build_blocks(config.model, [0], 1, ep, config.train.seed, Objective.from_train(config.train))
+    if config.train.fp8 != "off":  # the parts as training runs them: the recipe's GEMMs through the backend's FP8 matmul
+        enable_fp8(blocks, ep.backend)
     configure(blocks, MemoryConfig(**MEMORY[option]))
     return blocks[0]
 
