@@ -17,6 +17,7 @@ from portapipe.config import MemoryConfig, load_config
 from portapipe.memory import accounting
 from portapipe.memory.policy import configure
 from portapipe.models.expert_parallel import ExpertParallel
+from portapipe.models.fp8_layers import enable_fp8
 from portapipe.models.moe import build_blocks
 from portapipe.plan.measure_parts import PartBytes
 from portapipe.plan.memory_model import MemoryModel, static_memory
@@ -39,6 +40,8 @@ OPTIONS = {"off": {}, "level0": {"zero_memory": "level0"}, "level1": {"zero_memo
 def _forward(cfg, option: str):
     m = cfg.model
     blocks = build_blocks(m, [0], 1, ExpertParallel(CPUBackend()), 1)
+    if cfg.train.fp8 != "off":
+        enable_fp8(blocks, CPUBackend())
     configure(blocks, MemoryConfig(**OPTIONS[option]))
     block = blocks[0]
     g = torch.Generator().manual_seed(0)
@@ -63,6 +66,8 @@ HF_SHAPES = {
     "mla-mtp2": (DEEPSEEK, ["model.mtp_layers=2"]),
     "mla-full-rank-q-top1": (DEEPSEEK, ["model.q_lora_rank=0", "model.top_k=1", "model.n_shared=2", "model.norm_topk_prob=false"]),
     "mla-fused": (DEEPSEEK, ["model.qk_nope_head_dim=8"]),  # query / key width = value width: the fused kernel
+    # train.fp8 (one EP rank: every row is the rank's own, kept in bfloat16)
+    "mla-fp8": (DEEPSEEK, ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "train.fp8=deepseek"]),
     "gqa": (QWEN, []),
     "gqa-bf16-mha": (QWEN, ["model.dtype=bfloat16", "model.n_kv_heads=4"]),
     "gqa-one-kv-head": (QWEN, ["model.n_kv_heads=1", "model.norm_topk_prob=false"]),

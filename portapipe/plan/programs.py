@@ -81,7 +81,7 @@ class Programs:
         ``memory`` False: the bytes the part keeps are another op's (the experts' two calls
         count theirs once, on the received rows' call)."""
         s, T, R = self.s, self.T, self.R
-        saved = saved_bytes(s, part, option, T, R, self.slots, seq=s.seq_len - self.depth) if memory else 0
+        saved = saved_bytes(s, part, option, T, R, self.slots, seq=s.seq_len - self.depth, received=R - self.local_rows) if memory else 0
         held = held_bytes(s, part, option, T, R, ep=self.ep) if memory else 0
         if units is None:
             units = R if part == "experts" else T

@@ -114,13 +114,17 @@ def _routing(s: Shape, tokens: int) -> float:
     return tokens * per + fixed
 
 
-def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slots: int | None = None, seq: int | None = None) -> float:
+def saved_bytes(
+    s: Shape, part: str, option: str, tokens: int, rows: float, slots: int | None = None, seq: int | None = None, received: float = 0.0,
+) -> float:
     """Bytes ``part`` saves for backward for one micro-batch under the layer's ``option``.
 
-    ``rows``: routed rows this EP rank's experts receive; ``slots``: grouped-matmul groups
-    (EP ranks x local expert slots; default the experts); ``seq``: the rows' sequence length
-    (default ``seq_len``; a multi-token prediction depth's is shorter). Recomputed parts save
-    nothing here (their replay saves ``off``'s bytes during the backward).
+    ``rows``: routed rows this EP rank's experts receive, of which ``received`` came from other EP
+    ranks (under ``train.fp8`` those arrive, and are kept, as FP8; a rank's own rows are kept in the
+    compute dtype); ``slots``: grouped-matmul groups (EP ranks x local expert slots; default the
+    experts); ``seq``: the rows' sequence length (default ``seq_len``; a multi-token prediction
+    depth's is shorter). Recomputed parts save nothing here (their replay saves ``off``'s bytes
+    during the backward).
     """
     e, h, k, T = s.e, s.hidden, s.top_k, tokens
     seq = s.seq_len if seq is None else seq
@@ -141,9 +145,8 @@ def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slot
         return T * _attention_core(s, seq) + _routing(s, T)
     if part == "experts":  # input rows, gate/up output, router weight, activation; group offsets
         per_row = {"off": h + 3 * s.moe_hidden, "level0": 3 * s.moe_hidden, "level1": 2 * s.moe_hidden}[option] * e + e
-        if option == "off" and fp8_dispatch(s):  # the input rows as their FP8 values and 1x128 scales
-            per_row += dispatch_row_bytes(s, weights=False) - h * e
-        return rows * per_row + (s.n_experts if slots is None else slots) * INDEX_BYTES
+        fp8_rows = received * (dispatch_row_bytes(s, weights=False) - h * e) if option == "off" and fp8_dispatch(s) else 0
+        return rows * per_row + fp8_rows + (s.n_experts if slots is None else slots) * INDEX_BYTES
     if part == "shared":
         if s.n_shared == 0:
             return 0
