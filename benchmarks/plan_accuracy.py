@@ -24,7 +24,9 @@ A configuration's error is its median prediction over the rounds against the med
 measured medians. Then DeepSeek-V3: ``portapipe plan examples/plan/deepseek_v3.yaml --devices
 2048 --memory 80GiB --profile h800`` timed as a command (interpreter start included), and the
 memory model's DualPipe figures for that shape (parameters against 1F1B's, micro-batches in
-flight).
+flight). Last, the Hugging Face architectures (``architectures``): the memory model's peak saved
+bytes per rank against the accounting on one step of examples/deepseek_v3.yaml (MLA) and
+examples/qwen3_moe.yaml (GQA), DualPipeV on 2 ranks (pp2) and 4 (pp2 x ep2); goal within 1%.
 
 Prints one JSON object (machine, load average before and after, every figure).
 
@@ -119,6 +121,49 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
     dist.all_reduce(spent)
     world = dist.get_world_size()
     out["_machine"] = {"busy_s": float(spent[0]) / world, "steal_s": float(spent[1]) / world, "ranks_s": float(spent[2])}
+    return out
+
+
+# the Hugging Face architectures' attention (deepseek_v3: MLA; qwen3_moe: GQA) on 2 and 4 ranks:
+# the memory model's peak saved bytes per pipeline rank against the accounting on a real step
+ARCHITECTURES: dict[str, tuple[str, list[str]]] = {
+    f"{arch}-{layout}": (f"examples/{arch}.yaml", ["data.format=bytes", "data.path=null", *over])
+    for arch in ("deepseek_v3", "qwen3_moe")
+    for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]))
+}
+
+
+def _saved_peaks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """On every rank: one tracked step of each config, its peak saved bytes."""
+    out = {}
+    for name, raw in raws.items():
+        rt, data = runtime_for(backend, raw)
+        tracker = SavedActivations(ignore=rt.parameters())
+        with tracker.step():
+            rt.step(data)
+        out[name] = {"pp_rank": rt.groups.pp_rank, "ep_rank": rt.groups.ep_rank, "saved_peak": tracker.peak_bytes}
+    return out
+
+
+def architectures() -> dict[str, Any]:
+    """Per config and rank: predicted and measured peak saved bytes, and the relative error."""
+    out: dict[str, Any] = {}
+    for ranks in (2, 4):
+        cfgs = {n: load_config(ROOT / path, over) for n, (path, over) in ARCHITECTURES.items()}
+        cfgs = {n: c for n, c in cfgs.items() if c.world_size == ranks}
+        got = run_ranks(_saved_peaks, ranks, {n: c.to_dict() for n, c in cfgs.items()}, wall_timeout_s=1800)
+        for name, cfg in cfgs.items():
+            report = MemoryModel(Setup.from_config(cfg), build_schedule(cfg)).report()
+            rows = [{**r[name], "predicted": report.ranks[r[name]["pp_rank"]].saved_peak} for r in got]
+            for row in rows:
+                row["error"] = row["predicted"] / row["saved_peak"] - 1
+            # the model's rows are the mean over the EP peers (routing differs per rank): its error
+            # is against their mean, as the configurations' above
+            means = {p: statistics.mean(r["saved_peak"] for r in rows if r["pp_rank"] == p) for p in {r["pp_rank"] for r in rows}}
+            mean_err = [report.ranks[p].saved_peak / m - 1 for p, m in means.items()]
+            out[name] = {"ranks": rows, "error_abs_max": max(abs(r["error"]) for r in rows),
+                         "ep_mean_error_abs_max": max(abs(e) for e in mean_err),
+                         "within_1pct": all(abs(e) <= 0.01 for e in mean_err)}
     return out
 
 
@@ -261,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of profile + measurements [3]")
     ap.add_argument("--profile", help="reuse this profile in every round instead of measuring one")
     ap.add_argument("--save-profile", help="write the first round's profile here")
-    ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan', 'deepseek')")
+    ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan', 'deepseek', 'architectures')")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
     base = load_config(args.config, args.set)
@@ -337,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     if only is None or "deepseek" in only:
         report["deepseek_v3"] = deepseek()
+    if only is None or "architectures" in only:
+        report["architectures"] = architectures()
     report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     return 0
