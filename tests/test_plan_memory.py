@@ -52,7 +52,7 @@ def _forward(cfg, option: str):
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize(
     "shape", [[], ["model.moe_hidden=24", "model.top_k=1", "model.n_shared=2"], ["model.dtype=float64", "model.hidden=48", "model.n_heads=3"], ["model.dtype=bfloat16"],
-              ["model.mtp_layers=2"]]
+              ["model.mtp_layers=2"], ["model.dtype=float16"]]  # float16: the norms keep float32 scales
 )
 def test_each_part_saves_what_the_formula_says(shape: list[str], option: str) -> None:
     """Per part call, the accounting's bytes equal shape.saved_bytes (attention also keeps the
