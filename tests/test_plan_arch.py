@@ -113,3 +113,20 @@ def test_mla_on_the_cpu_runs_the_math_attention_and_on_cuda_the_fused_one() -> N
     grow = saved_bytes(cpu, "attention", "off", T, T, seq=2 * seq) - saved_bytes(cpu, "attention", "off", T, T, seq=seq)
     assert grow == T * H * seq * 4
     assert saved_bytes(cuda, "attention", "off", T, T, seq=2 * seq) == saved_bytes(cuda, "attention", "off", T, T, seq=seq)
+
+
+def test_profile_times_the_fp8_gemms_as_training_runs_them_and_says_what_it_cannot() -> None:
+    """`portapipe profile` of a train.fp8 config builds its parts with the recipe on (on the CPU:
+    the emulated FP8 matmul) and says that a device's FP8 rate is not measured there."""
+    from portapipe.backends.cpu import CPUBackend
+    from portapipe.commands.profile import fp8_note
+    from portapipe.models.expert_parallel import ExpertParallel
+    from portapipe.plan.measure_parts import block_for
+
+    cfg = load_config(DEEPSEEK, ["data.format=bytes", "data.path=null", "parallel.pp=1", "parallel.ep=1", *FP8])
+    block = block_for(cfg, ExpertParallel(CPUBackend()), "off")
+    layer = block.layers["1"]
+    assert layer.attn.q_a.fp8 is not None and layer.moe.experts.fp8
+    assert "emulated" in fp8_note(cfg) and "--published h800" in fp8_note(cfg)
+    plain = load_config(DEEPSEEK, ["data.format=bytes", "data.path=null"])
+    assert fp8_note(plain) is None
