@@ -175,6 +175,9 @@ OPTIONS = {
     "recompute_moe": {"recompute": "moe"},
     "recompute_full": {"recompute": "full"},
     "full1_level1": {"recompute": "full", "recompute_layers": 1, "zero_memory": "level1"},
+    "norms": {"recompute": "norms"},
+    "norms_moe": {"recompute": ["norms", "moe"]},
+    "norms_level1": {"recompute": "norms", "zero_memory": "level1"},
 }
 SCHEDULES = ("dualpipev", "interleaved")
 # Lone-action schedules (every F, B and BW alone: each hides its exchanges behind its own
@@ -186,6 +189,9 @@ LONE = {
     ("zb1p", "level0"): {"name": "zb1p"},
     ("zb1p", "recompute_full"): {"name": "zb1p"},
     ("dualpipev_no_w_split", "recompute_moe"): {"name": "dualpipev", "w_split": False},
+    ("1f1b", "norms"): {"name": "1f1b"},
+    ("zb1p", "norms_moe"): {"name": "zb1p"},
+    ("dualpipev_no_w_split", "norms_level1"): {"name": "dualpipev", "w_split": False},
 }
 
 

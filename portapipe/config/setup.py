@@ -169,6 +169,16 @@ class Setup:
             backend_options=c.backend_options, layers_per_stage=split_of(p.layers_per_stage),
         )
 
+    @property
+    def segment(self) -> str:
+        """As ``MemoryConfig.segment`` (the memory policy reads either)."""
+        return self.recompute
+
+    @property
+    def norms(self) -> bool:
+        """As ``MemoryConfig.norms``."""
+        return self.recompute_norms
+
     def replace(self, **changes: Any) -> Setup:
         if "model" in changes:
             changes["shape"] = None  # made again from the new model
