@@ -46,21 +46,30 @@ def test_portapipe_drops_the_norms_outputs_exactly() -> None:
     }
 
 
-@pytest.mark.parametrize("q_lora", [True, False])
-def test_mla_drops_norms_and_up_projections_exactly(q_lora: bool) -> None:
-    """deepseek_v3: the input norm's output, the latent norms' outputs, and the attention's
-    queries and keys (each heads x (nope + rope)). In float64 the attention's product with the
-    values copies them (a view of the up-projected keys and values) and keeps the copy, which
-    stays; torch's fused attention (other dtypes) keeps the view, which goes too."""
-    model = MLA if q_lora else MLA_FULL_Q
-    tokens, h, item, heads = 2 * model["seq_len"], model["hidden"], 8, model["n_heads"]
+@pytest.mark.parametrize(
+    "q_lora, dtype, v_dim, kept_by_attention",
+    [(True, "float64", 8, "qk"), (False, "float64", 8, "qk"), (True, "float32", 12, "qkv"), (True, "bfloat16", 12, "qkv"),
+     (True, "float32", 8, "")],
+)
+def test_mla_drops_norms_and_up_projections_exactly(q_lora: bool, dtype: str, v_dim: int, kept_by_attention: str) -> None:
+    """deepseek_v3: the input norm's output and the latent norms' outputs always; of the
+    up-projections, what the attention keeps as it was given. float64 (portapipe's own attention)
+    keeps the queries and keys (heads x (nope + rope) each) and a copy of the values; torch's
+    fused attention, where the query/key and value widths are equal, keeps all three (the values a
+    view of the up-projected keys and values, heads x (nope + v)); where they differ (DeepSeek-V3's
+    192 and 128) torch falls back to its math path, which keeps scaled copies it makes itself:
+    only the norms' outputs go."""
+    model = {**(MLA if q_lora else MLA_FULL_Q), "dtype": dtype, "v_head_dim": v_dim}
+    tokens, h, heads = 2 * model["seq_len"], model["hidden"], model["n_heads"]
+    item = {"float64": 8, "float32": 4, "bfloat16": 2}[dtype]
     qk = model["qk_nope_head_dim"] + model["qk_rope_head_dim"]
-    per_row = h + model["kv_lora_rank"] + (model["q_lora_rank"] if q_lora else 0) + 2 * heads * qk
+    norms_out = h + model["kv_lora_rank"] + (model["q_lora_rank"] if q_lora else 0)
+    up = {"": 0, "qk": 2 * heads * qk, "qkv": 2 * heads * qk + heads * (model["qk_nope_head_dim"] + v_dim)}[kept_by_attention]
     off, norms = _held({}, model), _held({"recompute": "norms"}, model)
     for layer in (1, 2):
-        assert off[f"{layer}.attention"] - norms[f"{layer}.attention"] == tokens * per_row * item
+        assert off[f"{layer}.attention"] - norms[f"{layer}.attention"] == tokens * (norms_out + up) * item
     # the dense layer's FFN norm too
-    assert off["0.dense"] - norms["0.dense"] == tokens * (per_row + h) * item
+    assert off["0.dense"] - norms["0.dense"] == tokens * (norms_out + up + h) * item
 
 
 def test_recompute_layers_limits_the_norms_to_the_first_layers() -> None:
