@@ -228,3 +228,25 @@ def test_the_time_model_prices_the_norms_again_in_the_backward_at_the_combines_p
             t0 = run_ops([(0, op) for op in progs.backward(plain, phase)], prof, ep=2).compute
             t1 = run_ops([(0, op) for op in progs.backward(normed, phase)], prof, ep=2).compute
             assert t1 - t0 == pytest.approx(norms * tokens * moved_bytes(s) * per_byte), (layer, phase)
+
+
+@pytest.mark.parametrize("model", [{**MLA, "mtp_layers": 1}, QWEN], ids=["deepseek_v3-mtp", "qwen3_moe"])
+def test_documents_and_prediction_modules_change_nothing_either(model: dict[str, Any]) -> None:
+    """Attention inside documents (each token's position in its document: the remade queries and
+    keys take the same RoPE angles) and a multi-token prediction module (its rows at an offset):
+    the loss and every gradient equal off's, bit for bit."""
+    from portapipe.scheduling.overlap import Tape, run
+
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]])
+    tokens = torch.randint(0, 256, (2, MODEL["seq_len"] + 1), generator=torch.Generator().manual_seed(3))
+    results = []
+    for memory in ({}, {"recompute": "norms"}):
+        block = one_block(memory, model=model)
+        tape = Tape()
+        out = run(block.program(tape, tokens[:, :-1], tokens[:, 1:], positions))
+        run(tape.backward(out, torch.ones_like(out)))
+        results.append((float(out.detach()), {n: p.grad.clone() for n, p in block.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == loss_b and grads_a.keys() == grads_b.keys() and len(grads_a) > 10
+    for name, g in grads_a.items():
+        assert torch.equal(g, grads_b[name]), name
