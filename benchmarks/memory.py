@@ -2,7 +2,7 @@
 
 One launch of gloo ranks (default pp=1 x ep=2, DualPipeV with its F&B overlap on, so
 micro-batches pair up in F&B). For each option (off, zero-memory level0 / level1, recompute
-moe / full) it builds the same model (same seed) on the same ranks, then:
+moe / full, norms alone and with moe) it builds the same model (same seed) on the same ranks, then:
 
 - saved bytes: one micro-batch's forward through every block, counting with
   :class:`~portapipe.memory.accounting.SavedActivations` the bytes each MoE layer holds for
@@ -23,6 +23,7 @@ moe / full) it builds the same model (same seed) on the same ranks, then:
 Prints one JSON object: the machine, the config, and one entry per option.
 
     python benchmarks/memory.py [--steps 5] [--warmup 1] [--set model.hidden=2048 ...]
+    python benchmarks/memory.py --base deepseek_v3 --options off,recompute_norms   # MLA: norms and up-projections
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "level1": {"zero_memory": "level1"},
     "recompute_moe": {"recompute": "moe"},
     "recompute_full": {"recompute": "full"},
+    "recompute_norms": {"recompute": "norms"},
+    "norms_moe": {"recompute": ["norms", "moe"]},
 }
 
 # DeepSeek-V3: hidden 7168, routed expert width 2048 (0.29 x hidden), top-8, one shared expert.
@@ -73,6 +76,21 @@ BASE: dict[str, Any] = {
     },
     "train": {"micro_batch_size": 2},
 }
+
+
+# ``--base deepseek_v3``: examples/deepseek_v3.yaml (multi-head latent attention, DualPipeV) with
+# every width a multiple of 128, as FP8's 1x128 / 128x128 tiles need, on one pipeline rank (the
+# held-bytes pass runs a rank's blocks in order) x 2 EP ranks, as BASE
+DEEPSEEK_V3_WIDE = ["parallel.pp=1", "model.hidden=256", "model.ffn_hidden=512", "model.moe_hidden=128", "model.q_lora_rank=128",
+                    "model.kv_lora_rank=128", "model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64", "model.v_head_dim=128"]
+
+
+def _base(name: str) -> dict[str, Any]:
+    """The config every option starts from: BASE, or the widened DeepSeek-V3 example."""
+    if name == "moe":
+        return json.loads(json.dumps(BASE))
+    example = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "deepseek_v3.yaml")
+    return load_config(example, DEEPSEEK_V3_WIDE).to_dict()
 
 
 def _tokens(raw: dict[str, Any], replica: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -180,6 +198,7 @@ def summarize(per_rank: list[dict[str, Any]], names: list[str]) -> dict[str, Any
             "saved_bytes_moe_block_per_layer": statistics.mean(moe_block.values()),
             "saved_bytes_by_part": {str(k): v for k, v in sorted(held.items(), key=lambda kv: str(kv[0]))},
             "peak_saved_bytes_step": r0[name]["peak_saved_bytes"],
+            "peak_saved_bytes_per_rank": [r[name]["peak_saved_bytes"] for r in per_rank],
             "step_s_median": statistics.median(r0[name]["step_s"]),
             "step_s_min": min(r0[name]["step_s"]),
             "cpu_s_median": statistics.median(r0[name]["cpu_s"]),
@@ -207,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated subset of {', '.join(OPTIONS)}")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. model.hidden=2048")
+    ap.add_argument("--base", choices=("moe", "deepseek_v3"), default="moe",
+                    help="moe: the DeepSeek-like MoE layers above; deepseek_v3: examples/deepseek_v3.yaml widened to multiples of 128")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.options.split(",") if n.strip()]
     unknown = [n for n in names if n not in OPTIONS]
@@ -214,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--options: unknown {unknown}; choose from {', '.join(OPTIONS)} (off is required as the baseline)")
     raws = {}
     for name in names:
-        raw = json.loads(json.dumps(BASE))
+        raw = _base(args.base)
         raw["memory"] = dict(OPTIONS[name])
         raws[name] = load_config(raw, args.set).to_dict()  # fails here, before ranks start, if invalid
     cfg = config_from_dict(raws["off"])

@@ -139,12 +139,13 @@ def fp8_config(**sections: dict[str, Any]) -> Any:
 @pytest.mark.multiproc
 def test_every_memory_option_gives_the_plain_fp8_step_bit_for_bit() -> None:
     """Zero-memory level0 / level1 (the FP8 rows and scales dropped and fetched again through the
-    wire), recompute moe (the dispatch replayed in FP8): the loss and every gradient of the plain
+    wire), recompute moe (the dispatch replayed in FP8), recompute norms (with moe, with level1): the loss and every gradient of the plain
     FP8 step, bit for bit; the F&B overlap off changes nothing either."""
     from portapipe.verify.pipelined import rank_step
 
     configs = [fp8_config(), fp8_config(memory={"zero_memory": "level0"}), fp8_config(memory={"zero_memory": "level1"}),
-               fp8_config(memory={"recompute": "moe"}), fp8_config(schedule={"overlap": False})]
+               fp8_config(memory={"recompute": "moe"}), fp8_config(schedule={"overlap": False}),
+               fp8_config(memory={"recompute": ["norms", "moe"]}), fp8_config(memory={"recompute": "norms", "zero_memory": "level1"})]
     per_rank = run_ranks(rank_step, 2, [c.to_dict() for c in configs], False)
     for rank in per_rank:
         plain = rank[0]

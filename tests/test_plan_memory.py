@@ -126,6 +126,11 @@ STEPS = {
     # multi-token prediction on the last stage (its embedding's copy and modules counted there)
     "1f1b-mtp": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "model.mtp_layers=1"],
     "dualpipev-mtp2-level1": ["parallel.pp=2", "parallel.ep=1", "schedule.name=dualpipev", "model.mtp_layers=2", "memory.zero_memory=level1"],
+    # the norms' outputs recomputed: alone, with recompute moe, with level1 and multi-token prediction
+    "1f1b-norms": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "memory.recompute=norms"],
+    "dualpipev-norms+moe": ["parallel.pp=2", "parallel.ep=1", "schedule.name=dualpipev", "memory.recompute=norms+moe"],
+    "interleaved-mtp-norms-level1": ["parallel.pp=2", "parallel.ep=1", "schedule.name=interleaved", "model.mtp_layers=1",
+                                     "memory.recompute=norms", "memory.zero_memory=level1"],
 }
 
 

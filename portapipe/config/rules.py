@@ -125,8 +125,8 @@ def _memory_layers_need_option(x: Setup) -> list[str]:
         f"memory.zero_memory_layers: {x.zero_memory_layers} is set but memory.zero_memory is off (set level0 or level1)",
     )
     return out + _one(
-        x.recompute_layers is not None and x.recompute == "none",
-        f"memory.recompute_layers: {x.recompute_layers} is set but memory.recompute is none (set moe or full)",
+        x.recompute_layers is not None and x.recompute == "none" and not x.recompute_norms,
+        f"memory.recompute_layers: {x.recompute_layers} is set but memory.recompute is none (set norms, moe or full)",
     )
 
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .kinds import kind_problem
 from .model_rules import ARCH_DEFAULTS, ARCH_KEYS, model_problems
-from .setup import n_model_blocks, split_of
+from .setup import RECOMPUTE_PARTS, n_model_blocks, recompute_norms, recompute_segment, split_of
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 
@@ -227,8 +227,36 @@ class MemoryConfig(_Section):
         return "off" if v is False else v
 
     zero_memory_layers: int | None = Field(None, ge=1, description="MoE layers per stage using it (default all)")
-    recompute: Literal["none", "moe", "full"] = "none"
+    recompute: Literal["none", "norms", "moe", "full", "norms+moe"] = Field(
+        "none",
+        description="what is recomputed in the backward instead of kept: norms (the RMSNorms' outputs and MLA's "
+        "up-projected queries, keys and values), moe (an MoE layer after its attention), full (whole layers), or "
+        "norms and moe together: the list [norms, moe] (read as norms+moe)",
+    )
     recompute_layers: int | None = Field(None, ge=1, description="layers per stage recomputed (default all)")
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        # A list of parts is one choice: [norms, moe] in either order (full already drops the norms).
+        if isinstance(v, (list, tuple)):
+            if "full" in v and len(v) > 1:
+                raise ValueError(f"full recomputes whole layers, their norms included: write full alone, not {list(v)}")
+            if not v or len(set(map(str, v))) != len(v) or not set(v) <= set(RECOMPUTE_PARTS):
+                raise ValueError(f"a list of recompute parts holds {' and '.join(RECOMPUTE_PARTS)}, each once; got {list(v)}")
+            return "+".join(p for p in RECOMPUTE_PARTS if p in v)
+        return v
+
+    @property
+    def segment(self) -> str:
+        """The segment recomputed from a layer's input: ``none``, ``moe`` or ``full`` (norms apart)."""
+        return recompute_segment(self.recompute)
+
+    @property
+    def norms(self) -> bool:
+        """Whether the norms' outputs and MLA's up-projections are recomputed."""
+        return recompute_norms(self.recompute)
+
 
 
 class LrPhase(_Section):

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import remake
+
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     # Written with exp and a division, which round the same whatever the element's position;
@@ -118,4 +120,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, x, self.weight, self.eps, self.precision or x.dtype)
+        out = _RMSNorm.apply(x, x, self.weight, self.eps, self.precision or x.dtype)
+        if remake.active():  # the output can be made again from x, which the norm keeps anyway
+            source = remake.later(x)
+            remake.remakes(out, remake.once(lambda: self._again(source())))
+        return out
+
+    def _again(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return _RMSNorm.apply(x, x, self.weight, self.eps, self.precision or x.dtype)

@@ -46,10 +46,17 @@ class Layer(nn.Module):
         #: the position of the layer's first row (a multi-token prediction module's: its depth)
         self.position_offset = 0
 
+    def remaking(self) -> contextlib.AbstractContextManager[Any]:
+        """The block a part's forward runs in: with ``memory.recompute: norms`` what the layer can
+        make again (:mod:`.remake`: norms' outputs, MLA's up-projections) is kept as recipes."""
+        norms = None if self.memory is None else self.memory.norms
+        return contextlib.nullcontext() if norms is None else norms.recipes()
+
     # ----------------------------------------------------------------- parts
     def dense_part(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attn(self.norm1(x), self.position_offset, positions)
-        return h + self.ffn(self.norm2(h))
+        with self.remaking():
+            h = x + self.attn(self.norm1(x), self.position_offset, positions)
+            return h + self.ffn(self.norm2(h))
 
     def attention_part(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[Any, ...]:
         """Attention + residual, FFN norm, routing, and the rows to send with their router
@@ -61,7 +68,8 @@ class Layer(nn.Module):
         layer's sequence-wise balance loss follows as a seventh element. ``positions``: each
         token's position in its document (:mod:`portapipe.data.samples`), None for one per row."""
         moe = self.moe
-        h = x + self.attn(self.norm1(x), self.position_offset, positions)
+        with self.remaking():  # the FFN norm's output stays: the tape, the router and the dispatch hold it
+            h = x + self.attn(self.norm1(x), self.position_offset, positions)
         hn = self.norm2(h)
         flat = hn.reshape(-1, hn.shape[-1])
         w, idx, affinity = moe.router.route(flat, affinities=bool(self.balance_weight))

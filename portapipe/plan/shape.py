@@ -145,6 +145,7 @@ def flops(s: Shape, part: str, phase: str) -> float:
         "combine": {"F": (s.top_k + 2) * h * s.e, "B": (s.top_k + 2) * h * s.e, "W": 0},
         "embed": {"F": h * s.e, "B": h * s.e, "W": 0},
         "mtp": dict.fromkeys(PHASES, 4 * h * h),  # the projection of [embedding; hidden]
+        "norms": {"F": 2 * h * s.e, "B": 2 * h * s.e, "W": 0},  # one norm made again: bytes moved (plan.norm_recompute)
     }
     if part not in table:
         raise ValueError(f"unknown part {part!r}; known: {', '.join(PARTS)}")
