@@ -229,6 +229,12 @@ class MemoryConfig(_Section):
     zero_memory_layers: int | None = Field(None, ge=1, description="MoE layers per stage using it (default all)")
     recompute: Literal["none", "moe", "full"] = "none"
     recompute_layers: int | None = Field(None, ge=1, description="layers per stage recomputed (default all)")
+    fp8_activations: bool = Field(
+        False,
+        description="with train.fp8: each FP8 Linear keeps its input for the weight gradient as the FP8 values and 1x128 scales "
+        "its forward made, and each FFN's activation keeps its input in FP8 and remakes its output in the backward "
+        "(DeepSeek-V3's FP8-cached activations; docs/fp8.md)",
+    )
 
 
 class LrPhase(_Section):

@@ -216,7 +216,7 @@ class _Context:
         return self._placements[key]
 
     def programs(self, x: Setup) -> Programs:
-        key = (x.micro_batch_size, x.ep)
+        key = (x.micro_batch_size, x.ep, x.fp8_activations)
         if key not in self._programs:
             self._programs[key] = Programs.of(x, self.imb(x.ep))
         return self._programs[key]
