@@ -259,3 +259,84 @@ def test_each_fp8_part_saves_what_the_memory_model_says(shape: list[str], option
         checked += 1
     assert checked >= 4
     run(tape.backward(out, torch.ones_like(out)))
+
+
+WIDE = ["model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=128", "model.dtype=bfloat16", "model.seq_len=32",
+        "train.micro_batch_size=2", "train.fp8=deepseek"]
+STEP_SETUPS = {
+    "1f1b-fp8": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b"],
+    "1f1b-fp8-cached": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "memory.fp8_activations=true"],
+    "dualpipev-fp8-cached-level1": ["parallel.pp=2", "parallel.ep=1", "schedule.name=dualpipev", "memory.fp8_activations=true",
+                                    "memory.zero_memory=level1"],
+}
+
+
+def _saved_peaks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    from portapipe.verify.pipelined import runtime_for
+
+    out = {}
+    for name, raw in raws.items():
+        rt, data = runtime_for(backend, raw)
+        tracker = SavedActivations(ignore=rt.parameters())
+        with tracker.step():
+            rt.step(data)
+        out[name] = (rt.groups.pp_rank, tracker.peak_bytes)
+    return out
+
+
+@pytest.mark.multiproc
+def test_the_memory_model_predicts_a_real_fp8_step_to_the_byte() -> None:
+    """Per pipeline rank, the memory model's peak saved bytes equal the accounting's over a real
+    step (one EP rank: no routing noise), FP8 with and without cached activations; the cached
+    step keeps less."""
+    from pathlib import Path
+
+    from portapipe.config.setup import Setup
+    from portapipe.plan.memory_model import MemoryModel
+    from portapipe.scheduling.executor import build_schedule
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
+    cfgs = {n: load_config(example, WIDE + o) for n, o in STEP_SETUPS.items()}
+    per_rank = run_ranks(_saved_peaks, 2, {n: c.to_dict() for n, c in cfgs.items()}, wall_timeout_s=300)
+    for name, cfg in cfgs.items():
+        report = MemoryModel(Setup.from_config(cfg), build_schedule(cfg)).report()
+        for r in per_rank:
+            pp_rank, peak = r[name]
+            assert report.ranks[pp_rank].saved_peak == peak, (name, pp_rank, report.ranks[pp_rank].saved_peak, peak)
+    for r in per_rank:
+        assert r["1f1b-fp8-cached"][1] < 0.8 * r["1f1b-fp8"][1]
+
+
+def test_the_planner_enumerates_fp8_activations_where_fp8_is_on() -> None:
+    """Under train.fp8 every candidate has a twin with FP8-cached activations (labelled so, its
+    overrides setting the key) whose predicted saved activations are fewer; without FP8 none is enumerated."""
+    from pathlib import Path
+
+    from portapipe.config.setup import Setup
+    from portapipe.plan.planner import _Context, enumerate_setups, evaluate
+    from portapipe.plan.published import published
+    from portapipe.plan.shape import Shape
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
+    cfg = load_config(example, WIDE)
+    setups = list(enumerate_setups(Setup.from_config(cfg), 4))
+    cached = [x for x in setups if x.fp8_activations]
+    assert cached and len(cached) * 2 == len(setups) and set(setups) >= {x.replace(fp8_activations=False) for x in cached}
+    assert all("fp8 activations" in x.memory_label() and x.overrides()["memory.fp8_activations"] is True for x in cached)
+    ctx = _Context(published("h800", Shape.of(cfg.model)), lambda ep: 1.0)
+    x = next(x for x in cached if x.schedule == "1f1b" and x.pp == 2 and x.memory_label() == "fp8 activations")
+    a, b = evaluate(x.replace(fp8_activations=False), None, ctx, search_zero=False), evaluate(x, None, ctx, search_zero=False)
+    assert b.memory.ranks[0].saved_peak < a.memory.ranks[0].saved_peak and b.memory.peak <= a.memory.peak
+    plain = load_config(example, WIDE[:-1])
+    assert not any(x.fp8_activations for x in enumerate_setups(Setup.from_config(plain), 4))
+
+
+def test_what_the_1x128_tiles_flushed_does_not_come_back() -> None:
+    """Every other channel 2^-20 of the rest: its 1x128 tiles flush it, so with cached FP8 rows its
+    weight gradient is zero, where the bfloat16-cached layer's 128x1 tiles keep it (docs/fp8.md)."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(256, 256, generator=g) * torch.tensor([1.0, 2.0**-20]).repeat(128)).to(torch.bfloat16)
+    dy = torch.randn(256, 128, generator=g).to(torch.bfloat16)
+    small = slice(1, None, 2)
+    cached, plain = _linear_grads(True, x, dy)[2], _linear_grads(False, x, dy)[2]
+    assert bool((cached[:, small] == 0).all()) and bool((plain[:, small] != 0).any())

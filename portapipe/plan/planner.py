@@ -5,7 +5,8 @@ own micro-batches, so a layout with ``r`` = dp x ep replicas runs ``m`` micro-ba
 sequences with ``r * m * b`` equal to the user's. Enumerated: pp x ep x dp layouts of the
 devices, the five schedules (interleaved with the user's chunk count), every micro-batch count
 that divides a replica's share, and the memory options (off, zero-memory level0 / level1,
-recompute moe / full, and full recompute of each stage's first layer with level1 on the rest); per
+recompute moe / full, and full recompute of each stage's first layer with level1 on the rest; under
+``train.fp8`` each also with FP8-cached activations, ``memory.fp8_activations``); per
 candidate, the least ``train.zero_stage`` whose memory fits the budget (and, with ``allow``
 ``moments_dtype``, the user's moments dtype first, then bfloat16 moments, at each stage).
 
@@ -140,11 +141,21 @@ def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
                                 zero_memory_layers=None, recompute=opt.get("recompute", "none"),
                                 recompute_layers=opt.get("recompute_layers"), pair_forwards=False, layers_per_stage=None,
                             )
-                            for x in (even, *lighter_last(even)):
+                            for x in with_fp8_activations((even, *lighter_last(even))):
                                 yield x
                                 paired = x.replace(pair_forwards=True)
                                 if paired.paired_blocks:  # F&F pairs change something: both are candidates
                                     yield paired
+
+
+def with_fp8_activations(setups: tuple[Setup, ...]) -> list[Setup]:
+    """Each setup, and under ``train.fp8`` the same with FP8-cached activations
+    (``memory.fp8_activations``) where the user's setup keeps them in the compute dtype."""
+    out = list(setups)
+    for x in setups:
+        if x.train is not None and x.train.fp8 != "off" and not x.fp8_activations:
+            out.append(x.replace(fp8_activations=True))
+    return out
 
 
 def lighter_last(x: Setup) -> list[Setup]:
