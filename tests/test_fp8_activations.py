@@ -172,7 +172,8 @@ def test_the_loss_is_unchanged_and_the_gradients_within_the_measured_bound() -> 
     input: at least 20 dB (measured 2026-11-28: 24.2 dB in the worst tensor, the dense FFN's down
     projection, 27 dB the median; docs/fp8.md); the head's gradient unchanged (it is not FP8);
     zero-memory level0 / level1, recompute moe, the F&B overlap off and EPLB's redundant experts
-    give the cached step's gradients bit for bit."""
+    give the cached step's gradients bit for bit (``portapipe verify`` with it:
+    tests/test_fp8_dispatch.py)."""
     from portapipe.verify.pipelined import rank_step
 
     eplb = {"kind": "eplb", "redundant": 1, "interval": 1000}
@@ -190,26 +191,6 @@ def test_the_loss_is_unchanged_and_the_gradients_within_the_measured_bound() -> 
             assert other["loss"] == cached["loss"]
             for name, g in cached["grads"].items():
                 assert torch.equal(other["grads"][name], g), name
-
-
-@pytest.mark.multiproc
-@pytest.mark.slow
-def test_verify_with_fp8_activations_every_schedule_eplb_lplb() -> None:
-    """``portapipe verify`` with FP8 and FP8-cached activations: the pipelined step equals the
-    one-process step under the same recipe, every schedule on pp 2 x ep 2 with a multi-token
-    prediction module, EPLB's redundant experts and LPLB."""
-    from portapipe.verify import verify_many
-
-    model = {"n_layers": 4, "mtp_layers": 1}
-    sched = {"1f1b": {}, "zb1p": {}, "interleaved": {"chunks": 2}, "dualpipe": {"microbatches": 4}, "dualpipev": {"microbatches": 4}}
-    configs = [_cfg(parallel={"pp": 2, "ep": 2}, schedule={"name": name, "microbatches": 2, **extra}, model=model)
-               for name, extra in sched.items()]
-    configs += [_cfg(parallel={"pp": 2, "ep": 2}, schedule={"microbatches": 4}, model=model, balancer=b)
-                for b in ({"kind": "eplb", "redundant": 1, "interval": 1000}, {"kind": "lplb", "redundant": 1})]
-    for report in verify_many(configs):
-        s = report.summary()
-        assert s["ok"] and s["precision"] == "bfloat16" and s["changed"] == {}, s
-        assert s["loss_diff"] <= s["tolerance"]["loss"] and s["max_rel_grad_diff"] <= s["tolerance"]["grad"]
 
 
 # ------------------------------------------------------------------ the memory model's bytes
@@ -271,19 +252,6 @@ STEP_SETUPS = {
 }
 
 
-def _saved_peaks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from portapipe.verify.pipelined import runtime_for
-
-    out = {}
-    for name, raw in raws.items():
-        rt, data = runtime_for(backend, raw)
-        tracker = SavedActivations(ignore=rt.parameters())
-        with tracker.step():
-            rt.step(data)
-        out[name] = (rt.groups.pp_rank, tracker.peak_bytes)
-    return out
-
-
 @pytest.mark.multiproc
 def test_the_memory_model_predicts_a_real_fp8_step_to_the_byte() -> None:
     """Per pipeline rank, the memory model's peak saved bytes equal the accounting's over a real
@@ -294,17 +262,18 @@ def test_the_memory_model_predicts_a_real_fp8_step_to_the_byte() -> None:
     from portapipe.config.setup import Setup
     from portapipe.plan.memory_model import MemoryModel
     from portapipe.scheduling.executor import build_schedule
+    from tests.test_plan_memory import _step_peaks  # one real step's peak per rank, tracked as the memory tests track it
 
     example = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
     cfgs = {n: load_config(example, WIDE + o) for n, o in STEP_SETUPS.items()}
-    per_rank = run_ranks(_saved_peaks, 2, {n: c.to_dict() for n, c in cfgs.items()}, wall_timeout_s=300)
+    per_rank = run_ranks(_step_peaks, 2, {n: c.to_dict() for n, c in cfgs.items()}, wall_timeout_s=300)
     for name, cfg in cfgs.items():
         report = MemoryModel(Setup.from_config(cfg), build_schedule(cfg)).report()
         for r in per_rank:
-            pp_rank, peak = r[name]
+            pp_rank, peak = r[name]["pp_rank"], r[name]["saved_peak"]
             assert report.ranks[pp_rank].saved_peak == peak, (name, pp_rank, report.ranks[pp_rank].saved_peak, peak)
     for r in per_rank:
-        assert r["1f1b-fp8-cached"][1] < 0.8 * r["1f1b-fp8"][1]
+        assert r["1f1b-fp8-cached"]["saved_peak"] < 0.8 * r["1f1b-fp8"]["saved_peak"]
 
 
 def test_the_planner_enumerates_fp8_activations_where_fp8_is_on() -> None:
