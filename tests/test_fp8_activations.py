@@ -309,3 +309,14 @@ def test_what_the_1x128_tiles_flushed_does_not_come_back() -> None:
     small = slice(1, None, 2)
     cached, plain = _linear_grads(True, x, dy)[2], _linear_grads(False, x, dy)[2]
     assert bool((cached[:, small] == 0).all()) and bool((plain[:, small] != 0).any())
+
+
+def test_verify_s_unquantized_reference_turns_both_off() -> None:
+    """The float64 reference of an FP8 config with cached activations is unquantized and keeps
+    nothing in FP8 (a valid config: the rule would refuse the key alone); in bfloat16 both stay."""
+    from portapipe.verify.tolerance import in_dtype
+
+    ref = in_dtype(_cfg(), "float64", backend="cpu")
+    assert ref.train.fp8 == "off" and ref.memory.fp8_activations is False
+    same = in_dtype(_cfg(), "bfloat16")
+    assert same.train.fp8 == "deepseek" and same.memory.fp8_activations is True
