@@ -79,7 +79,7 @@ class Experts(nn.Module):
         gu = grouped_linear(x, self.gate_up, offs, backend, tiles, self.fp8, rows, fp8_input=True, source=self.fp8_cache and zm is None)
         if self.fp8_cache:  # as DenseFFN's: the activation's input in FP8, the down projection's input remade
             act, remade = swiglu_fp8_kept(gu, self.width, weights)
-            return grouped_linear(act, self.down, offs, backend, tiles, True, fp8_grad=True, source=remade)
+            return grouped_linear(act, self.down, offs, backend, tiles, self.fp8, fp8_grad=True, source=remade)
         # zm: zero-memory (portapipe.memory.zero_memory) may recompute the activation in backward.
         act = swiglu(gu, self.width, weights) if zm is None else zm.activation(swiglu, gu, self.width, weights)
         return grouped_linear(act.contiguous(), self.down, offs, backend, tiles, self.fp8, fp8_grad=True)
