@@ -85,6 +85,12 @@ CONFIGS: dict[str, list[str]] = {
     "zb1p-pp4-norms-level1": ["parallel.pp=4", "parallel.ep=1", "schedule.name=zb1p", "memory.recompute=norms", "memory.zero_memory=level1"],
     "dualpipev-pp2-ep2-norms+moe": ["parallel.pp=2", "parallel.ep=2", "schedule.name=dualpipev", "memory.recompute=norms+moe"],
 }
+# FP8-cached activations: the widths multiples of 128 in bfloat16 under train.fp8 (its time is the
+# CPU's FP8 emulation, which the profile of the base config does not price: the bytes are the point)
+FP8_ACTIVATIONS = ["model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=128", "model.dtype=bfloat16", "train.fp8=deepseek",
+                   "memory.fp8_activations=true"]
+CONFIGS["fp8-activations-1f1b-pp2"] = ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", *FP8_ACTIVATIONS]
+CONFIGS["fp8-activations-dualpipev-pp2-ep2"] = ["parallel.pp=2", "parallel.ep=2", "schedule.name=dualpipev", *FP8_ACTIVATIONS]
 
 
 def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:

@@ -52,7 +52,7 @@ def build_model(config: Config, blocks: Iterable[int], n_blocks: int, ep: Expert
         config.model, list(blocks), n_blocks, ep, config.train.seed, Objective.from_train(config.train), config.stage_split()
     )
     if config.train.fp8 != "off":
-        enable_fp8(built, ep.backend)
+        enable_fp8(built, ep.backend, config.memory.fp8_activations)
     return built
 
 

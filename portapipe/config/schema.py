@@ -234,6 +234,12 @@ class MemoryConfig(_Section):
         "norms and moe together: the list [norms, moe] (read as norms+moe)",
     )
     recompute_layers: int | None = Field(None, ge=1, description="layers per stage recomputed (default all)")
+    fp8_activations: bool = Field(
+        False,
+        description="with train.fp8: each FP8 Linear keeps its input for the weight gradient as the FP8 values and 1x128 scales "
+        "its forward made, and each FFN's activation keeps its input in FP8 and remakes its output in the backward "
+        "(DeepSeek-V3's FP8-cached activations; docs/fp8.md)",
+    )
 
     @field_validator("recompute", mode="before")
     @classmethod

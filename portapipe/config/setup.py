@@ -138,6 +138,7 @@ class Setup:
     recompute: str = "none"  # the segment (none, moe, full); the norms are recompute_norms
     recompute_layers: int | None = None
     recompute_norms: bool = False
+    fp8_activations: bool = False  # memory.fp8_activations
     overlap: bool = True
     w_split: bool = True
     pair_forwards: bool = False
@@ -164,7 +165,7 @@ class Setup:
         return cls(
             pp=p.pp, ep=p.ep, dp=p.dp, schedule=s.name, microbatches=s.microbatches, chunks=s.chunks,
             micro_batch_size=c.train.micro_batch_size, zero_memory=mem.zero_memory, zero_memory_layers=mem.zero_memory_layers,
-            recompute=mem.segment, recompute_layers=mem.recompute_layers, recompute_norms=mem.norms, overlap=s.overlap, w_split=s.w_split,
+            recompute=mem.segment, recompute_layers=mem.recompute_layers, recompute_norms=mem.norms, fp8_activations=mem.fp8_activations, overlap=s.overlap, w_split=s.w_split,
             pair_forwards=s.pair_forwards, world_size=p.world_size, zero_stage=c.train.zero_stage, moments_dtype=c.train.moments_dtype, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
             backend_options=c.backend_options, layers_per_stage=split_of(p.layers_per_stage),
         )
@@ -230,6 +231,8 @@ class Setup:
             parts.append(f"recompute {self.recompute}" + (f" x{self.recompute_layers}" if self.recompute_layers else ""))
         if self.zero_memory != "off":
             parts.append(self.zero_memory + (f" x{self.zero_memory_layers}" if self.zero_memory_layers else ""))
+        if self.fp8_activations:
+            parts.append("fp8 activations")
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}")
         if self.moments_dtype == "bfloat16":
@@ -245,6 +248,7 @@ class Setup:
             "train.micro_batch_size": self.micro_batch_size, "train.zero_stage": self.zero_stage, "train.moments_dtype": self.moments_dtype,
             "memory.zero_memory": self.zero_memory, "memory.zero_memory_layers": self.zero_memory_layers,
             "memory.recompute": recompute_value(self.recompute, self.recompute_norms), "memory.recompute_layers": self.recompute_layers,
+            "memory.fp8_activations": self.fp8_activations,
             "parallel.layers_per_stage": split_value(self.layers_per_stage),
         }
 

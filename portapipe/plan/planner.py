@@ -6,7 +6,8 @@ sequences with ``r * m * b`` equal to the user's. Enumerated: pp x ep x dp layou
 devices, the five schedules (interleaved with the user's chunk count), every micro-batch count
 that divides a replica's share, and the memory options (off, zero-memory level0 / level1,
 recompute moe / full, full recompute of each stage's first layer with level1 on the rest, and
-the recompute of norms alone, with recompute moe and with level1); per
+the recompute of norms alone, with recompute moe and with level1; under ``train.fp8`` each also with
+FP8-cached activations, ``memory.fp8_activations``); per
 candidate, the least ``train.zero_stage`` whose memory fits the budget (and, with ``allow``
 ``moments_dtype``, the user's moments dtype first, then bfloat16 moments, at each stage).
 
@@ -145,11 +146,21 @@ def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
                                 recompute_layers=opt.get("recompute_layers"), recompute_norms=opt.get("recompute_norms", False),
                                 pair_forwards=False, layers_per_stage=None,
                             )
-                            for x in (even, *lighter_last(even)):
+                            for x in with_fp8_activations((even, *lighter_last(even))):
                                 yield x
                                 paired = x.replace(pair_forwards=True)
                                 if paired.paired_blocks:  # F&F pairs change something: both are candidates
                                     yield paired
+
+
+def with_fp8_activations(setups: tuple[Setup, ...]) -> list[Setup]:
+    """Each setup, and under ``train.fp8`` the same with FP8-cached activations
+    (``memory.fp8_activations``) where the user's setup keeps them in the compute dtype."""
+    out = list(setups)
+    for x in setups:
+        if x.train is not None and x.train.fp8 != "off" and not x.fp8_activations:
+            out.append(x.replace(fp8_activations=True))
+    return out
 
 
 def lighter_last(x: Setup) -> list[Setup]:
@@ -222,7 +233,7 @@ class _Context:
         return self._placements[key]
 
     def programs(self, x: Setup) -> Programs:
-        key = (x.micro_batch_size, x.ep)
+        key = (x.micro_batch_size, x.ep, x.fp8_activations)
         if key not in self._programs:
             self._programs[key] = Programs.of(x, self.imb(x.ep))
         return self._programs[key]

@@ -32,6 +32,7 @@ from typing import Any
 from dataclasses import dataclass
 
 from . import norm_recompute
+from .fp8_bytes import saved_delta
 from .shape import Shape, held_bytes, saved_bytes
 
 Op = tuple
@@ -61,8 +62,11 @@ class Programs:
     combine travels; the rest arrive by the dispatch. With one EP rank every row is local and
     a layer exchanges nothing."""
 
-    def __init__(self, shape: Shape, tokens: float, rows: float, slots: int | None = None, *, ep: int, depth: int = 0) -> None:
+    def __init__(
+        self, shape: Shape, tokens: float, rows: float, slots: int | None = None, *, ep: int, depth: int = 0, fp8: tuple[bool, bool] = (False, False)
+    ) -> None:
         self.s, self.T, self.R, self.slots, self.ep = shape, tokens, rows, slots, ep
+        self.fp8 = fp8  # (train.fp8 on, memory.fp8_activations): what the parts keep in FP8 (.fp8_bytes)
         self.depth = depth  # a multi-token prediction depth's programs: its share of the tokens
         self.local_rows = min(rows, tokens * shape.top_k / ep)
         self._depths: dict[int, Programs] = {}
@@ -78,7 +82,9 @@ class Programs:
         tokens = setup.micro_batch_size * m.seq_len
         bal = getattr(setup, "balancer", None)
         slots = m.n_experts + bal.redundant * setup.ep if bal is not None and bal.kind != "none" else None
-        return cls(setup.shape, tokens, tokens * m.top_k * imbalance, slots, ep=setup.ep)
+        train = getattr(setup, "train", None)
+        fp8 = train is not None and getattr(train, "fp8", "off") != "off"
+        return cls(setup.shape, tokens, tokens * m.top_k * imbalance, slots, ep=setup.ep, fp8=(fp8, fp8 and getattr(setup, "fp8_activations", False)))
 
     # ------------------------------------------------------------------ parts
     def _c(self, part: str, phase: str, option: str, sign: int, units: float | None = None, memory: bool = True, norms: bool = False) -> Op:
@@ -89,6 +95,8 @@ class Programs:
         saved = saved_bytes(s, part, option, T, R, self.slots) if memory else 0
         if norms and memory:
             saved -= norm_recompute.dropped_bytes(s, part, T)
+        if memory and self.fp8[0]:
+            saved += saved_delta(s, self.fp8[1], part, option, T, R, R - self.local_rows)
         held = held_bytes(s, part, option, T, R, ep=self.ep) if memory else 0
         if units is None:
             units = R if part == "experts" else T
@@ -161,7 +169,7 @@ class Programs:
         k = layer - self.s.n_layers + 1
         if k not in self._depths:
             share = (self.s.seq_len - k) / self.s.seq_len
-            self._depths[k] = Programs(self.s, self.T * share, self.R * share, self.slots, ep=self.ep, depth=k)
+            self._depths[k] = Programs(self.s, self.T * share, self.R * share, self.slots, ep=self.ep, depth=k, fp8=self.fp8)
         return self._depths[k]
 
     def _layer_forward(self, layer: int, option: str, norms: bool = False) -> list[Op]:
