@@ -249,6 +249,11 @@ STEP_SETUPS = {
     "1f1b-fp8-cached": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "memory.fp8_activations=true"],
     "dualpipev-fp8-cached-level1": ["parallel.pp=2", "parallel.ep=1", "schedule.name=dualpipev", "memory.fp8_activations=true",
                                     "memory.zero_memory=level1"],
+    # with the norms' recompute: the norms' outputs go, the FP8 rows the projections keep stay
+    "1f1b-fp8-cached-norms": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "memory.fp8_activations=true",
+                              "memory.recompute=norms"],
+    "dualpipev-fp8-cached-norms-moe": ["parallel.pp=2", "parallel.ep=1", "schedule.name=dualpipev", "memory.fp8_activations=true",
+                                       "memory.recompute=[norms, moe]"],
 }
 
 

@@ -31,7 +31,8 @@ def fp8_rows(n: float, width: int) -> float:
     return n * (width + 4 * -(-width // TILE))
 
 
-def _fp8(*widths: int) -> bool:
+def fp8_eligible(*widths: int) -> bool:
+    """A Linear with these widths runs in FP8 (each a multiple of the 128-wide tile)."""
     return all(w % TILE == 0 for w in widths)
 
 
@@ -45,7 +46,7 @@ def saved_delta(s: Shape, cached: bool, part: str, option: str, tokens: float, r
         return 0.0
     if option == "recompute_moe" and part in ("experts", "shared", "combine"):
         return 0.0
-    if part == "experts" and _fp8(h, s.moe_hidden):
+    if part == "experts" and fp8_eligible(h, s.moe_hidden):
         m = s.moe_hidden
         kept = rows if cached else remote  # the input rows in FP8: those dispatched, or every row's cached copy
         out = 0.0 if option in ("level0", "level1") else fp8_rows(kept, h) - kept * h * e
@@ -54,14 +55,14 @@ def saved_delta(s: Shape, cached: bool, part: str, option: str, tokens: float, r
         return out
     if not cached:
         return 0.0
-    attention = fp8_rows(T, h) - T * h * e if _fp8(h) else 0.0  # q, k and v's input, the first norm's output
+    attention = fp8_rows(T, h) - T * h * e if fp8_eligible(h) else 0.0  # q, k and v's input, the first norm's output
     if part == "attention":
         return attention
     if part == "dense":
         f = s.ffn_hidden
-        ffn = fp8_rows(T, h) - T * h * e + fp8_rows(T, 2 * f) - 3 * T * f * e if _fp8(h, f) else 0.0
+        ffn = fp8_rows(T, h) - T * h * e + fp8_rows(T, 2 * f) - 3 * T * f * e if fp8_eligible(h, f) else 0.0
         return attention + ffn
-    if part == "shared" and s.n_shared and _fp8(h, s.shared_width):
+    if part == "shared" and s.n_shared and fp8_eligible(h, s.shared_width):
         w = s.shared_width
         return fp8_rows(T, 2 * w) - (2 if option == "level1" else 3) * T * w * e
     return 0.0

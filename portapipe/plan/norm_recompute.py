@@ -11,15 +11,21 @@ plan prices as the bytes it moves, at the pace of a part that only moves data (`
 
 from __future__ import annotations
 
+from .fp8_bytes import fp8_eligible
 from .shape import Shape
 
 #: RMSNorms whose outputs a part drops: the attention norm, and a dense layer's FFN norm
 NORMS = {"dense": 2, "attention": 1}
 
 
-def dropped_bytes(s: Shape, part: str, tokens: float) -> float:
-    """Bytes ``part`` no longer saves for one micro-batch of ``tokens`` tokens."""
-    return tokens * NORMS.get(part, 0) * s.hidden * s.e
+def dropped_bytes(s: Shape, part: str, tokens: float, fp8_cached: bool = False) -> float:
+    """Bytes ``part`` no longer saves for one micro-batch of ``tokens`` tokens. With FP8-cached
+    activations (``fp8_cached``) a norm whose output only FP8 Linears read is kept as their FP8
+    rows already (:mod:`.fp8_bytes`), not in the compute dtype: there is nothing more to drop."""
+    if not fp8_cached:
+        return tokens * NORMS.get(part, 0) * s.hidden * s.e
+    readers = {"attention": [(s.hidden,)], "dense": [(s.hidden,), (s.hidden, s.ffn_hidden)]}.get(part, [])
+    return tokens * sum(not fp8_eligible(*w) for w in readers) * s.hidden * s.e
 
 
 def moved_bytes(s: Shape) -> float:

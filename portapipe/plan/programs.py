@@ -94,7 +94,7 @@ class Programs:
         s, T, R = self.s, self.T, self.R
         saved = saved_bytes(s, part, option, T, R, self.slots) if memory else 0
         if norms and memory:
-            saved -= norm_recompute.dropped_bytes(s, part, T)
+            saved -= norm_recompute.dropped_bytes(s, part, T, self.fp8[1])
         if memory and self.fp8[0]:
             saved += saved_delta(s, self.fp8[1], part, option, T, R, R - self.local_rows)
         held = held_bytes(s, part, option, T, R, ep=self.ep) if memory else 0
