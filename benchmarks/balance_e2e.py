@@ -60,9 +60,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from portapipe import pinning  # noqa: E402
+from portapipe.ranks import pinning# noqa: E402
 from portapipe.config import load_config  # noqa: E402
-from portapipe.launch import rank_threads, run_ranks  # noqa: E402
+from portapipe.ranks.launch import rank_threads, run_ranks  # noqa: E402
 
 # ep2: one rank per core of a 2-core machine, where a rank waiting on its EP peer leaves its core idle
 # (with more ranks than cores a waiting rank hands its core to another, and the wait costs less wall time)

@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--redundant", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     out = run_ranks(_rank, args.ep, args.ep, args.redundant, args.reps, wall_timeout_s=600)
     from portapipe.balancing.replica_sum import EXCHANGE_PER_BYTE

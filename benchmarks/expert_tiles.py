@@ -35,7 +35,7 @@ from portapipe.backends.cpu import CPUBackend
 from portapipe.config import ModelConfig
 from portapipe.models.functions import swiglu
 from portapipe.models.linear import grouped_linear
-from portapipe.models.moe import Experts
+from portapipe.models.ffn import Experts
 
 # balance_e2e's expert shape
 MODEL = {"arch": "qwen3_moe", "hidden": 64, "moe_hidden": 1024, "n_experts": 12, "n_shared": 0, "top_k": 4, "n_heads": 2}

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from portapipe.config import config_from_dict, load_config
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 from portapipe.memory.accounting import SavedActivations, label_layers
 from portapipe.memory.policy import redispatch_stats, reset_redispatch_stats
 from portapipe.compose import PipelineRuntime

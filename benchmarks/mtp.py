@@ -49,7 +49,7 @@ def planned(c: Config) -> dict[str, Any]:
     """The memory model's figures for the config's layout (bytes)."""
     from portapipe.plan.memory_model import MemoryModel
     from portapipe.scheduling.executor import build_schedule
-    from portapipe.setup import Setup
+    from portapipe.config.setup import Setup
 
     sched = build_schedule(c)
     report = MemoryModel(Setup.from_config(c), sched).report()

@@ -47,18 +47,18 @@ import torch
 import torch.distributed as dist
 
 from portapipe.config import Config, config_from_dict, load_config
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 from portapipe.memory.accounting import SavedActivations
 from portapipe.plan.imbalance import imbalance
 from portapipe.plan.measure import profile_rank
 from portapipe.plan.memory_model import MemoryModel
 from portapipe.plan.planner import plan
 from portapipe.plan.profile import Profile
-from portapipe.setup import Setup
+from portapipe.config.setup import Setup
 from portapipe.plan.time_model import TimeModel
 from portapipe.scheduling.executor import build_schedule
 from portapipe.train import make_sharded_optimizer
-from portapipe.verify import runtime_for
+from portapipe.verify.pipelined import runtime_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

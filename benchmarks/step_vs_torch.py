@@ -57,10 +57,10 @@ import torch.distributed as dist
 from torch import nn
 
 import portapipe
-from portapipe import pinning
+from portapipe.ranks import pinning
 from portapipe.config import Config, config_from_dict, load_config
 from portapipe.data.batches import Batches, replica_of
-from portapipe.launch import rank_threads, run_ranks
+from portapipe.ranks.launch import rank_threads, run_ranks
 from portapipe.compose import PipelineRuntime, model_end_step
 from portapipe.models.moe import Block
 from portapipe.scheduling.overlap import Tape, run as run_program

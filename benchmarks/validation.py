@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
     args = ap.parse_args(argv)
     from portapipe.config import load_config
-    from portapipe.launch import rank_threads, run_ranks
+    from portapipe.ranks.launch import rank_threads, run_ranks
     from portapipe.train import VAL_BATCHES
 
     config = load_config(args.config, args.set)

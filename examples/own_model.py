@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import portapipe
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 
 MICROBATCHES = 4
 

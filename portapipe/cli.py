@@ -89,7 +89,7 @@ def guarded(run: Callable[[], int | None]) -> int:
 
 def _unexpected(err: Exception) -> int:
     """An error nobody anticipated: one line, and the traceback only when debugging."""
-    from .launch import DEBUG_HINT, LaunchError, debug_enabled, print_launch_error
+    from .ranks.launch import DEBUG_HINT, LaunchError, debug_enabled, print_launch_error
 
     if isinstance(err, LaunchError):
         return print_launch_error(err)

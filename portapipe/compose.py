@@ -35,7 +35,8 @@ from .config import Config
 from .memory.policy import configure as configure_memory
 from .models.expert_parallel import ExpertParallel
 from .models.fp8_layers import enable_fp8
-from .models.moe import DTYPES, Block, Layer, build_blocks, tie_copies
+from .models.layer import Layer
+from .models.moe import DTYPES, Block, build_blocks, tie_copies
 from .models.objective import Objective, balance_terms, mtp_terms
 from .optim.buckets import GradBuckets
 from .optim.precision import master_dtype, reduce_dtype

@@ -7,7 +7,7 @@ with the W split where the schedule has W actions (autograd's input-only backwar
 weights' backward at W), DualPipe's copy summing and the data-parallel gradient reduction (the
 gradient buckets of :mod:`portapipe.optim.buckets`, as for portapipe's own model: each block's
 buckets are reduced while the rest of the schedule runs). Call
-it on every rank, e.g. inside a function started by :func:`portapipe.launch.run_ranks` (which
+it on every rank, e.g. inside a function started by :func:`portapipe.ranks.launch.run_ranks` (which
 also joins the ranks of torchrun or mpirun)::
 
     def main(backend):

@@ -2,7 +2,7 @@
 
 :func:`train` checks the config, the data and the schedule in this process (bad input fails
 before any rank starts), then runs :func:`train_rank` on ``world_size`` ranks through
-:func:`portapipe.launch.run_ranks` and returns rank 0's summary. Each rank builds its
+:func:`portapipe.ranks.launch.run_ranks` and returns rank 0's summary. Each rank builds its
 :class:`~portapipe.compose.PipelineRuntime`, which runs one step of the schedule and
 leaves its gradient buckets holding the gradient of the global mean loss (DP / EP
 reduction and DualPipe's copy summing included); this loop adds AdamW over master weights,
@@ -21,7 +21,7 @@ and the same summary returned (the CLI prints it as one JSON line).
 Checkpoints (logical, resumable on any layout; one run per folder) are in
 :mod:`portapipe.checkpoint`; this loop asks for one every ``checkpoint.every`` steps (written in
 the background), at the end, and when every rank agreed to stop on SIGINT / SIGTERM
-(:mod:`portapipe.stop`). A non-finite loss or gradient norm ends the run at that step, before the
+(:mod:`portapipe.ranks.stop`). A non-finite loss or gradient norm ends the run at that step, before the
 optimizer applies it, and writes no checkpoint of it (under float16 that is an overflow instead,
 until ``train.max_skipped_steps`` in a row). Weights or AdamW state that are not finite before a
 checkpoint, and a validation loss that is not finite, end it as diverged too: no run ends well
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import lifeline, stop
+from .ranks import lifeline, stop
 from .checkpoint.files import atomic_write
 from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run, say_stderr
 from .config import Config, ConfigError, TrainConfig, config_from_dict
@@ -205,7 +205,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
     from .models.objective import mtp_weight_at
     from .metrics import ep_step_figures
     from .models.routing import force_routing
-    from .pinning import gather_placement
+    from .ranks.pinning import gather_placement
 
     tc, rank = config.train, groups.rank
     optimizer = make_sharded_optimizer(runtime, config, backend)
@@ -499,8 +499,8 @@ def check_before_launch(config: Config) -> None:
 
 def pin_problems(config: Config) -> list[str]:
     """``launch.pin_cores: true`` on a machine with fewer usable cores than the job's ranks here."""
-    from .launch import local_ranks
-    from .pinning import plan
+    from .ranks.launch import local_ranks
+    from .ranks.pinning import plan
 
     try:
         plan(config.launch.pin_cores, local_ranks(config.world_size))
@@ -516,7 +516,7 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
     """
     from .backends.registry import check_available
     from .checkpoint.folders import Locks
-    from .launch import launching_rank, rank_threads, run_ranks, under_mpirun, under_torchrun
+    from .ranks.launch import launching_rank, rank_threads, run_ranks, under_mpirun, under_torchrun
 
     check_before_launch(config)
     backend = check_available(config.backend)

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from portapipe.cpu_isa import cap_if_amx_traps  # imports no torch
+from portapipe.ranks.cpu_isa import cap_if_amx_traps  # imports no torch
 
 # Before torch's first matmul: this session and every rank it starts (they inherit the
 # environment) stay below an instruction set the CPU advertises but a process dies using.

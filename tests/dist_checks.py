@@ -146,13 +146,13 @@ def hang_forever(backend: Backend) -> None:
 
 def stepping(backend: Backend, pid_dir: str, steps: int, poll_stop: bool, step_s: float = 0.05) -> dict[str, Any]:
     """Steps of a sleep and an all-reduce, as a training loop has; with ``poll_stop`` each step
-    ends by agreeing on a stop (portapipe.stop) and returns early on one.
+    ends by agreeing on a stop (portapipe.ranks.stop) and returns early on one.
 
     Each rank writes ``rank{r}.pid`` once its process group is up, so a test can signal it.
     """
     import os
 
-    from portapipe import stop
+    from portapipe.ranks import stop
 
     rank = dist.get_rank()
     with open(os.path.join(pid_dir, f"rank{rank}.pid.tmp"), "w") as f:

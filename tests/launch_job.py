@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from portapipe.launch import LaunchError, print_launch_error, run_ranks
+from portapipe.ranks.launch import LaunchError, print_launch_error, run_ranks
 
 from . import dist_checks
 

@@ -100,7 +100,7 @@ def test_layer_labels_cover_a_model_forward_and_summary_is_json_ready() -> None:
 def _tracked_steps(backend, raws: list[dict]) -> list[list[int]]:
     """On each rank: one runtime step per config under ``tracker.step()``; every rank's peak."""
     from portapipe.memory.accounting import peak_per_rank
-    from portapipe.verify import runtime_for
+    from portapipe.verify.pipelined import runtime_for
 
     torch.set_num_threads(1)
     peaks = []
@@ -117,7 +117,7 @@ def _tracked_steps(backend, raws: list[dict]) -> list[list[int]]:
 @pytest.mark.multiproc
 def test_runtime_step_reports_peak_saved_bytes_per_rank() -> None:
     from portapipe.config import load_config
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     base = {
         "backend": "cpu",

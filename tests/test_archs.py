@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from portapipe.config import Config, load_config
 from portapipe.models.hf import source
 from portapipe.scheduling.executor import mean_loss
-from portapipe.verify import float64, microbatches, verify_many
+from portapipe.verify import verify_many
+from portapipe.verify.pipelined import microbatches
+from portapipe.verify.tolerance import float64
 
 from .hf_models import VARIANTS, logits, model_section, portapipe_blocks, save, tokens, transformers_model
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import portapipe.launch
+import portapipe.ranks.launch
 from portapipe.cli import main
 from portapipe.config import ConfigError, load_config
 from portapipe.optim.adamw import adamw_
@@ -24,7 +24,7 @@ def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("ranks were started although the input was bad")
 
-    monkeypatch.setattr(portapipe.launch, "run_ranks", refuse)
+    monkeypatch.setattr(portapipe.ranks.launch, "run_ranks", refuse)
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str]]:
@@ -204,7 +204,7 @@ def test_a_rank_failure_is_one_line_and_its_traceback_comes_with_debug(tmp_path,
 
     def failed(config: object) -> None:
         tb = 'Traceback (most recent call last):\n  File "model.py", line 3, in forward\nValueError: boom\n'
-        raise portapipe.launch.LaunchError("rank 2 failed: ValueError: boom", rank=2, traceback=tb)
+        raise portapipe.ranks.launch.LaunchError("rank 2 failed: ValueError: boom", rank=2, traceback=tb)
 
     monkeypatch.setattr(portapipe.train, "train", failed)
     monkeypatch.delenv("PORTAPIPE_DEBUG", raising=False)

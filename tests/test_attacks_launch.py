@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from portapipe.config import LaunchConfig
-from portapipe.local_job import LaunchError, choose_cause
+from portapipe.ranks.local_job import LaunchError, choose_cause
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cpu.yaml"
@@ -114,7 +114,7 @@ def test_a_stopped_rank_is_named_by_its_heartbeat_and_the_job_ends(tmp_path: Pat
 def test_the_default_stall_timeout_is_at_most_60_s() -> None:
     import inspect
 
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     assert 0 < LaunchConfig().stall_timeout_s <= 60
     assert 0 < inspect.signature(run_ranks).parameters["stall_timeout_s"].default <= 60
@@ -213,8 +213,8 @@ def _dies_of_sigill_on_rank_1(backend: object) -> None:
 
 
 def test_a_rank_killed_by_sigill_is_named_with_the_likely_cause_and_the_way_out(tmp_path, monkeypatch, capsys) -> None:
-    from portapipe import cpu_isa
-    from portapipe.launch import print_launch_error, run_ranks
+    from portapipe.ranks import cpu_isa
+    from portapipe.ranks.launch import print_launch_error, run_ranks
 
     monkeypatch.setattr(cpu_isa, "CPUINFO", tmp_path / "no-cpuinfo")  # the launcher's own cap stays out of this
     monkeypatch.delenv(cpu_isa.ENV, raising=False)

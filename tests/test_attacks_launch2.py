@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import portapipe.launch
-from portapipe import cpu_isa
+import portapipe.ranks.launch
+from portapipe.ranks import cpu_isa
 from portapipe.checkpoint.folders import writable_problems
 from portapipe.cli import main
 from portapipe.config import config_from_dict
@@ -43,7 +43,7 @@ def test_the_onednn_cap_is_said_only_for_a_run_that_computes_in_bfloat16(
     (machine / "verdict").write_text("traps\n")
     monkeypatch.setenv(cpu_isa.ENV, "")
     monkeypatch.delenv(cpu_isa.ENV)  # recorded, so the cap set below is undone after the test
-    monkeypatch.setattr(portapipe.launch, "LocalJob", _NoRanks)
+    monkeypatch.setattr(portapipe.ranks.launch, "LocalJob", _NoRanks)
     assert main(["train", str(EXAMPLE), "--set", f"log.dir={machine / 'run'}", "--set", f"model.dtype={dtype}"]) == 0
     err = capsys.readouterr().err
     assert (AMX_LINE in err) is said, err
@@ -92,7 +92,7 @@ def test_a_stop_before_the_ranks_start_ends_the_run_with_one_line_and_starts_no_
     handlers, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     import portapipe.train
-    from portapipe import local_job
+    from portapipe.ranks import local_job
 
     checked = portapipe.train.check_before_launch
 
@@ -123,8 +123,8 @@ class SlowToUnpickle(str):
 
 _SIGNAL_AT_START = """
 import json, os, signal, sys
-from portapipe import local_job
-from portapipe.launch import LaunchError, print_launch_error, run_ranks
+from portapipe.ranks import local_job
+from portapipe.ranks.launch import LaunchError, print_launch_error, run_ranks
 from tests import dist_checks
 from tests.test_attacks_launch2 import SlowToUnpickle
 started = local_job.LocalJob._start
@@ -156,7 +156,7 @@ def busy_from(backend, busy_rank: int, at_step: int) -> int:
     import torch
     import torch.distributed as dist
 
-    from portapipe import lifeline
+    from portapipe.ranks import lifeline
 
     flag = torch.ones(1)
     for step in range(10_000):
@@ -170,7 +170,7 @@ def busy_from(backend, busy_rank: int, at_step: int) -> int:
 
 
 def test_a_rank_that_busy_loops_while_beating_is_named_as_stalled_by_its_progress() -> None:
-    from portapipe.launch import LaunchError, run_ranks
+    from portapipe.ranks.launch import LaunchError, run_ranks
 
     with pytest.raises(LaunchError) as err:  # the collective's timeout (120 s) would end it otherwise
         run_ranks(busy_from, 3, 1, 8, stall_timeout_s=4.0, pg_timeout_s=120.0, wall_timeout_s=180.0)  # 4 s: no false stall under load
@@ -181,13 +181,13 @@ def test_a_rank_that_busy_loops_while_beating_is_named_as_stalled_by_its_progres
 
 
 def _beat(steps: int, cpu: float, at: float, median: float, done: bool = False):
-    from portapipe.lifeline import Beat
+    from portapipe.ranks.lifeline import Beat
 
     return Beat(0, steps, done, cpu, at, median)
 
 
 def test_the_progress_watch_waits_for_a_median_and_names_the_rank_burning_cpu() -> None:
-    from portapipe.lifeline import PROGRESS_FACTOR, ProgressWatch
+    from portapipe.ranks.lifeline import PROGRESS_FACTOR, ProgressWatch
 
     watch = ProgressWatch(2)
     watch.update(0, _beat(1, cpu=0.1, at=1.0, median=0.0))
@@ -206,7 +206,7 @@ def test_the_progress_watch_waits_for_a_median_and_names_the_rank_burning_cpu() 
 
 
 def test_a_rank_times_its_own_steps_the_first_excepted(monkeypatch: pytest.MonkeyPatch) -> None:
-    from portapipe import lifeline
+    from portapipe.ranks import lifeline
 
     for name, value in (("_steps", 0), ("_done", False), ("_last", 0.0), ("_durations", [])):
         monkeypatch.setattr(lifeline, name, value)
@@ -251,7 +251,7 @@ def test_killing_the_launcher_under_load_ends_every_process_of_the_job_within_2_
 
 
 def test_the_fork_servers_tie_does_nothing_when_imported_elsewhere() -> None:
-    code = ("import ctypes, portapipe.forkserver_tie; v = ctypes.c_int(-1); "
+    code = ("import ctypes, portapipe.ranks.forkserver_tie; v = ctypes.c_int(-1); "
             "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)")  # 2: PR_GET_PDEATHSIG
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.stdout.strip() == "0", out.stderr

@@ -7,7 +7,7 @@ import torch
 
 from portapipe.backends import get_backend, mesh_coords
 from portapipe.backends.base import grouped_mm_reference
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 
 from . import dist_checks
 

@@ -224,7 +224,7 @@ def test_no_gpu_is_left_to_the_availability_message(no_gpu) -> None:
 
 
 def test_the_refusal_comes_before_any_rank_starts(one_gpu, monkeypatch) -> None:
-    from portapipe import launch
+    from portapipe.ranks import launch
 
     started = []
     monkeypatch.setattr(launch, "LocalJob", lambda *a, **k: started.append(a))
@@ -451,7 +451,7 @@ def test_nvshmem_expert_all_to_all_equals_nccl() -> None:
         pytest.skip("needs 2 NVIDIA GPUs for an NVSHMEM all-to-all (one GPU per rank)")
     if CUDABackend.nvshmem_unavailable_reason():
         pytest.skip(CUDABackend.nvshmem_unavailable_reason())
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     got = run_ranks(nvshmem_vs_nccl_all_to_all, 2, backend="cuda", backend_options={"ep_transport": "nvshmem"})
     assert got == [True, True]

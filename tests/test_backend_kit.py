@@ -22,7 +22,7 @@ from portapipe.backends.capabilities import Capabilities
 from portapipe.backends.cpu import CPUBackend
 from portapipe.backends.cuda import CUDABackend
 from portapipe.backends.grouped_mm import grouped_mm_reference
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 from portapipe.testing import LOCAL, RANK_LINES, grouped_mm_tolerance, run_local, run_ranks_contracts
 
 from . import declared, kit_doubles

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from portapipe.backends import nvshmem
 from portapipe.backends.base import BackendUnavailable
 from portapipe.backends.cuda import CUDABackend
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 
 from . import nvshmem_checks
 from .standin_nvshmem import SymmMemDouble, install, kernel_blocks_per_peer

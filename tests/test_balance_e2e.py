@@ -68,7 +68,7 @@ def test_variants_differ_only_in_routing_and_balancer(tmp_path: Path) -> None:
 
 @pytest.mark.multiproc
 def test_one_step_with_pinned_ranks_says_each_ranks_cores(tmp_path: Path) -> None:
-    from portapipe import pinning
+    from portapipe.ranks import pinning
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, str(root / "benchmarks" / "balance_e2e.py"), "--layouts", "ep2", "--sources", "loads", "uniform",
@@ -86,7 +86,7 @@ def test_one_step_with_pinned_ranks_says_each_ranks_cores(tmp_path: Path) -> Non
 
 
 def test_pinning_more_ranks_than_cores_is_refused_in_one_line_before_any_layout_runs(tmp_path: Path) -> None:
-    from portapipe import pinning
+    from portapipe.ranks import pinning
 
     if len(pinning.usable_cores()) >= 8:
         pytest.skip("this machine has a core for each of 8 ranks")

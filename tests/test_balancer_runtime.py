@@ -179,13 +179,13 @@ def _expert_state(runtime: Any, optimizer: Any) -> dict[tuple[int, str, str, int
 
 
 def _data(config: Any, rt: Any) -> list:
-    from portapipe.verify import microbatches
+    from portapipe.verify.pipelined import microbatches
 
     return microbatches(config, rt.groups.dp_rank * rt.groups.ep + rt.groups.ep_rank)  # as portapipe verify feeds them
 
 
 def _ranks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from portapipe.verify import step_report
+    from portapipe.verify.pipelined import step_report
 
     out: dict[str, Any] = {}
     # (1) EPLB, identity placement with replicas, and after migrating to a load-derived placement
@@ -277,7 +277,7 @@ def _ranks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     raws = {
         "eplb_1f1b": _raw("1f1b", {"kind": "eplb", "redundant": 1}),
@@ -292,7 +292,7 @@ def four_ranks() -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def _assert_exact(raw: dict[str, Any], reports: list[dict[str, Any]]) -> None:
     from portapipe.config import config_from_dict
-    from portapipe.verify import compare
+    from portapipe.verify.compare import compare
 
     r = compare(config_from_dict(raw), reports)
     assert r.loss_diff == 0.0, (r.loss, r.ref_loss)

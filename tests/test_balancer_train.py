@@ -67,7 +67,7 @@ def _train_both(backend: Any, eplb: dict[str, Any], lplb: dict[str, Any]) -> dic
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from portapipe.config import config_from_dict
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
     from portapipe.train import check_before_launch
 
     root = tmp_path_factory.mktemp("balancer_train")

@@ -16,7 +16,7 @@ def test_reports_each_layout_and_the_weight_copies(capsys: pytest.CaptureFixture
     report = json.loads(capsys.readouterr().out)
     assert [r["ep"] for r in report["runs"]] == [2, 4]
     from portapipe.config import ModelConfig
-    from portapipe.models.moe import Experts
+    from portapipe.models.ffn import Experts
 
     weights = sum(p.numel() * p.element_size() for p in Experts(ModelConfig(**module.MODEL), 4, 4, torch.float32).parameters())
     for run in report["runs"]:

@@ -50,7 +50,7 @@ def test_step_vs_torch_runs_and_ours_and_torchs_pipelines_agree() -> None:
         assert report[schedule]["counts_a2a_total_ms_per_step"] == 0.0 and report[schedule]["counts_a2a_hidden_pct"] is None
     assert report["pair_forwards"] is False
     # pinned where every rank can have a core (2 ranks): each rank's cores, shared by ours and torch's variants
-    from portapipe import pinning
+    from portapipe.ranks import pinning
 
     want = pinning.plan("auto", report["ranks"])
     placed = report["placement"]
@@ -68,7 +68,7 @@ def test_step_counts_it_cannot_time_exit_2_before_ranks_start(steps: str, warmup
 
 
 def test_pinning_more_ranks_than_cores_is_refused_in_one_line_before_ranks_start() -> None:
-    from portapipe import pinning
+    from portapipe.ranks import pinning
 
     if len(pinning.usable_cores()) >= 4:
         pytest.skip("this machine has a core for each of the 4 ranks")

@@ -58,7 +58,7 @@ def _second(backend: Any, r2: dict[str, Any], other: dict[str, Any], source: str
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     root = tmp_path_factory.mktemp("ckfiles")
     first = run_ranks(_first, 2, config(root / "R1"), wall_timeout_s=300)[0]

@@ -28,7 +28,7 @@ def _train(backend: Any, raw: dict[str, Any]) -> str:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A finished one-rank run with checkpoints at steps 1, 2 and 3; its folder and run id."""
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     run = tmp_path_factory.mktemp("hold") / "A"
     raw = config(run, steps=3, parallel__pp=1, schedule__name="1f1b")

@@ -89,7 +89,7 @@ def _runs(backend: Any, root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     root = tmp_path_factory.mktemp("reshard")
     out = run_ranks(_runs, 4, str(root), wall_timeout_s=600)[0]

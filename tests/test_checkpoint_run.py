@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-import portapipe.launch
+import portapipe.ranks.launch
 from portapipe.checkpoint import list_checkpoints
 from portapipe.checkpoint.folders import FolderLock
 from portapipe.checkpoint.run import prepare_run
@@ -70,7 +70,7 @@ def no_ranks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("ranks were started although the run must not start")
 
-    monkeypatch.setattr(portapipe.launch, "run_ranks", refuse)
+    monkeypatch.setattr(portapipe.ranks.launch, "run_ranks", refuse)
 
 
 def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
@@ -112,7 +112,7 @@ def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     root = tmp_path_factory.mktemp("one_rank")
     out = run_ranks(_one_rank_runs, 1, str(root), wall_timeout_s=300)[0]
@@ -500,7 +500,7 @@ def test_a_stop_signal_to_the_launcher_stops_every_rank_after_a_step_with_a_chec
     if sig != signal.SIGTERM:
         return
     # resumed for 3 more steps (the default LR schedule does not depend on train.steps) = k + 3 straight
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     resume, reference = raw(tmp_path / "run", steps=k + 3, pp=2, checkpoint__every=0), raw(tmp_path / "straight", steps=k + 3, pp=2, checkpoint__every=0)
     run_ranks(_resume_and_reference, 2, load_config(resume).to_dict(), load_config(reference).to_dict(), wall_timeout_s=300)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from portapipe import cpu_isa
+from portapipe.ranks import cpu_isa
 
 DIES = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
 RUNS = "pass"

@@ -53,7 +53,7 @@ def _runs(backend: Any, root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     root = tmp_path_factory.mktemp("resume")
     write_dataset(root / "a", random_docs(11, 200))

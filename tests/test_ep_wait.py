@@ -58,7 +58,7 @@ def _train_all(backend: Any, configs: dict[str, dict[str, Any]]) -> dict[str, An
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     root = tmp_path_factory.mktemp("ep_wait")
     loads = root / "skew.txt"
@@ -147,7 +147,7 @@ def test_at_dp_2_the_balancers_rank_balancedness_is_the_step_rows(tmp_path: Path
     """dp 2 x ep 2 with EPLB and the model's own router (the two replicas' batches route
     differently): each replica's EP group has its own balancedness; the balancer's record and the
     step row give the same figure (the loads summed over the two replicas gave 0.9242 against 0.9247)."""
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     raw = _config(tmp_path / "dp2", {}, dict(AUTO, min_gain=0.0, stay_off=False), dp=2)
     raw["train"]["steps"] = 3

@@ -55,7 +55,7 @@ def _batches(config: Any, step: int, replica: int) -> list[tuple[torch.Tensor, t
 def _check_point(rt: Any, data: list) -> dict[str, Any]:
     """One pipelined step on the current weights (left as they were) and this rank's logical weights."""
     from portapipe.scheduling.stage import logical_state
-    from portapipe.verify import step_report
+    from portapipe.verify.pipelined import step_report
 
     buffers = {b: {n: t.clone() for n, t in m.named_buffers()} for b, m in rt.blocks.items()}
     state: dict[str, torch.Tensor] = {}
@@ -80,7 +80,7 @@ def _ep_expert_state(rt: Any, optimizer: Any) -> dict[tuple[int, str, str, int],
 def _train(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from portapipe.compose import PipelineRuntime
     from portapipe.train import make_sharded_optimizer
-    from portapipe.verify import microbatches
+    from portapipe.verify.pipelined import microbatches
 
     out: dict[str, Any] = {}
     for policy, raw in raws.items():
@@ -111,7 +111,7 @@ def _train(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Any]:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     raws = {policy: _raw(policy) for policy in ("incremental", "refined")}
     raws["incremental_bf16_moments"] = _raw("incremental", "bfloat16")
@@ -126,7 +126,7 @@ def _reference(config: Any, state: dict[str, torch.Tensor]) -> tuple[float, dict
     from portapipe.scheduling.executor import mean_loss
     from portapipe.scheduling.overlap import Tape, run
     from portapipe.scheduling.stage import load_logical_state
-    from portapipe.verify import microbatches
+    from portapipe.verify.pipelined import microbatches
 
     n_blocks = config.n_blocks()
     blocks = build_blocks(config.model, list(range(n_blocks)), n_blocks, ExpertParallel(CPUBackend()), config.train.seed)
@@ -170,7 +170,7 @@ def test_incremental_moves_fewer_bytes_than_refined(runs: dict[str, Any]) -> Non
 @pytest.mark.multiproc
 @pytest.mark.parametrize("policy", ["incremental", "refined", "incremental_bf16_moments"])
 def test_every_rebalance_keeps_the_step_exact(runs: dict[str, Any], policy: str) -> None:
-    from portapipe.verify import GRAD_TOLERANCE
+    from portapipe.verify.tolerance import GRAD_TOLERANCE
 
     config = config_from_dict(runs["raws"][policy])
     ranks = [r[policy]["checks"] for r in runs["ranks"]]

@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 
 from portapipe.config import Config, ConfigError, load_config
-from portapipe.launch import LaunchError, run_ranks
+from portapipe.ranks.launch import LaunchError, run_ranks
 from portapipe.compose import PipelineRuntime
 from portapipe.scheduling.executor import build_schedule, mean_loss
 from portapipe.scheduling.ir import Schedule, parse_action
-from portapipe.verify import compare, microbatches, step_report
+from portapipe.verify.compare import compare
+from portapipe.verify.pipelined import microbatches, step_report
 
 MODEL = dict(
     dtype="float64", vocab_size=32, hidden=16, n_layers=4, n_dense=1, n_heads=2, ffn_hidden=32,

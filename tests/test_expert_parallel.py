@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from portapipe.backends.cpu import CPUBackend
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 from portapipe.models.expert_parallel import ExpertParallel, plan_dispatch, split_weights, with_weights
 from portapipe.scheduling.exchange import A2AStats, AllToAll, Pending, exchange
 
@@ -38,7 +38,7 @@ def test_the_experts_on_rows_split_by_source_give_every_row_bit_for_bit(dtype: t
     bfloat16) and the loop (float64). Input gradients too; weight gradients are two sums
     added instead of three terms, equal to rounding."""
     from portapipe.config import ModelConfig
-    from portapipe.models.moe import Experts
+    from portapipe.models.ffn import Experts
 
     cfg = ModelConfig(hidden=32, moe_hidden=16, n_experts=9, n_heads=2)
     experts = Experts(cfg, 3, 3, dtype)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from portapipe.fp8.dispatch import CombineWire, DispatchWire, pack, row_bytes, split_received, unpack
 from portapipe.fp8.quantize import dequantize_rows, quantize_rows
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 from portapipe.models.expert_parallel import ExpertParallel
 from portapipe.scheduling.overlap import Tape, run
 
@@ -141,11 +141,11 @@ def test_every_memory_option_gives_the_plain_fp8_step_bit_for_bit() -> None:
     """Zero-memory level0 / level1 (the FP8 rows and scales dropped and fetched again through the
     wire), recompute moe (the dispatch replayed in FP8): the loss and every gradient of the plain
     FP8 step, bit for bit; the F&B overlap off changes nothing either."""
-    from portapipe.verify import _rank_step
+    from portapipe.verify.pipelined import rank_step
 
     configs = [fp8_config(), fp8_config(memory={"zero_memory": "level0"}), fp8_config(memory={"zero_memory": "level1"}),
                fp8_config(memory={"recompute": "moe"}), fp8_config(schedule={"overlap": False})]
-    per_rank = run_ranks(_rank_step, 2, [c.to_dict() for c in configs], False)
+    per_rank = run_ranks(rank_step, 2, [c.to_dict() for c in configs], False)
     for rank in per_rank:
         plain = rank[0]
         assert plain["loss"] == plain["loss"] and any(float(g.abs().sum()) > 0 for g in plain["grads"].values())
@@ -162,7 +162,9 @@ def test_the_pipelined_fp8_step_is_the_one_process_fp8_step() -> None:
     redundant experts; the gradients as close as the same comparison without FP8 (the reference
     accumulates micro-batches in bfloat16, the pipeline in float32: that, not FP8, is the
     difference)."""
-    from portapipe.verify import Tolerance, _rank_step, compare
+    from portapipe.verify.compare import compare
+    from portapipe.verify.pipelined import rank_step
+    from portapipe.verify.tolerance import Tolerance
 
     loose = Tolerance("bfloat16", 1.0, 1.0, 1.0)
     pairs = [
@@ -170,7 +172,7 @@ def test_the_pipelined_fp8_step_is_the_one_process_fp8_step() -> None:
         {"balancer": {"kind": "eplb", "redundant": 1, "interval": 1000}},
     ]
     configs = [fp8_config(**extra, train={"fp8": fp8}) for extra in pairs for fp8 in ("deepseek", "off")]
-    per_rank = run_ranks(_rank_step, 2, [c.to_dict() for c in configs], False)
+    per_rank = run_ranks(rank_step, 2, [c.to_dict() for c in configs], False)
     reports = [compare(c, [rank[i] for rank in per_rank], loose) for i, c in enumerate(configs)]
     for i, (fp8, plain) in enumerate(zip(reports[::2], reports[1::2])):
         assert fp8.loss_diff == 0.0 and plain.loss_diff == 0.0

@@ -82,7 +82,7 @@ def test_the_dry_run_runs_every_part_and_prints_the_table_last(dry, bench_module
     i = parts["i"]["results"]
     assert i["step_vs_torch"]["result"]["benchmark"] == "step_vs_torch" and i["balance_e2e_ep2"]["result"]["benchmark"] == "balance_e2e"
     assert "json_lacks" not in i and len(i["claims"]) == 7 and all("--pin-cores auto" in i[run]["command"] for run in i["placement_by_run"])
-    from portapipe import pinning
+    from portapipe.ranks import pinning
 
     for run, placed in i["placement_by_run"].items():
         want = pinning.plan("auto", len(placed["cores_by_rank"]))

@@ -77,8 +77,9 @@ def circles(arrows: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_map_sees_the_imports_it_should() -> None:
     arrows = import_map()
-    assert "portapipe.rules" in arrows["portapipe.config"] and "portapipe.setup" in arrows["portapipe.config"]
-    assert "portapipe.backends.registry" in arrows["portapipe.rules"]  # a function-level import counts
+    assert "portapipe.config.rules" in arrows["portapipe.config.load"] and "portapipe.config.setup" in arrows["portapipe.config.load"]
+    assert {"portapipe.config.load", "portapipe.config.schema"} <= arrows["portapipe.config"]  # the package's own names
+    assert "portapipe.backends.registry" in arrows["portapipe.config.rules"]  # a function-level import counts
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -92,10 +93,22 @@ def _above(arrows: dict[str, set[str]], module: str, floor: str) -> list[str]:
 
 
 def test_validation_imports_nothing_from_plan() -> None:
-    """config.py, the rules and the Setup they read sit below the planner, which reads them."""
+    """The configuration package (the sections, their loading, the rules and the Setup they read)
+    sits below the planner, which reads it."""
     arrows = import_map()
-    for base in ("portapipe.config", "portapipe.rules", "portapipe.setup"):
+    family = sorted(m for m in arrows if m == "portapipe.config" or m.startswith("portapipe.config."))
+    assert len(family) == 9  # the package and its eight modules: none left out of the check
+    for base in family:
         assert sorted(t for t in arrows[base] if t == "portapipe.plan" or t.startswith("portapipe.plan.")) == [], base
+
+
+def test_the_package_root_holds_few_modules() -> None:
+    """The root keeps the entry points (cli, train, verify, compose, metrics); families of modules
+    live in packages, each with a docstring saying what it holds."""
+    root = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert len(root) <= 10, root
+    for package in sorted(p.parent for p in PACKAGE.glob("*/__init__.py")):
+        assert ast.get_docstring(ast.parse((package / "__init__.py").read_text())), package.name
 
 
 def test_the_backends_import_nothing_above_them() -> None:
@@ -105,11 +118,11 @@ def test_the_backends_import_nothing_above_them() -> None:
     floor = sorted(m for m in arrows if m.startswith("portapipe.backends"))
     assert {m: _above(arrows, m, "portapipe.backends") for m in floor if _above(arrows, m, "portapipe.backends")} == {}
     assert "portapipe.backends.testing" in floor  # the old name, which only says where the kit went
-    assert "portapipe.launch" in arrows["portapipe.testing"]  # the kit, beside the launcher
+    assert "portapipe.ranks.launch" in arrows["portapipe.testing"]  # the kit, beside the launcher
 
 
 def test_the_rule_sees_an_arrow_up() -> None:
-    assert _above({"portapipe.backends.x": {"portapipe.launch", "portapipe.backends.base"}}, "portapipe.backends.x", "portapipe.backends") == ["portapipe.launch"]
+    assert _above({"portapipe.backends.x": {"portapipe.ranks.launch", "portapipe.backends.base"}}, "portapipe.backends.x", "portapipe.backends") == ["portapipe.ranks.launch"]
 
 
 def test_fp8_matmuls_are_called_in_the_backends_only() -> None:

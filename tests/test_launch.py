@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from portapipe.launch import LaunchError, run_ranks
+from portapipe.ranks.launch import LaunchError, run_ranks
 
 from . import dist_checks
 
@@ -33,7 +33,7 @@ def test_a_failed_rank_is_named_with_the_exceptions_own_name_not_its_module_path
 
 def test_an_exception_is_said_by_its_name_and_its_message_on_one_line() -> None:
     from portapipe.checkpoint.files import CheckpointWriteError
-    from portapipe.local_job import error_line
+    from portapipe.ranks.local_job import error_line
 
     assert error_line(CheckpointWriteError("no space\n  on /x")) == "CheckpointWriteError: no space on /x"
     assert error_line(KeyboardInterrupt()) == "KeyboardInterrupt"
@@ -74,8 +74,8 @@ _LAUNCHER_KEYS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "L
 def test_rank_threads_share_this_machines_cores_over_this_machines_ranks(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], world: int, threads: int
 ) -> None:
-    from portapipe import pinning
-    from portapipe.launch import rank_threads
+    from portapipe.ranks import pinning
+    from portapipe.ranks.launch import rank_threads
 
     for key in _LAUNCHER_KEYS:
         monkeypatch.delenv(key, raising=False)
@@ -101,7 +101,7 @@ def test_a_job_whose_ranks_fail_to_connect_is_started_again_with_a_line_saying_s
 
 @pytest.mark.multiproc
 def test_a_job_that_keeps_failing_to_connect_stops_after_the_bounded_retries(tmp_path, capfd) -> None:
-    from portapipe.launch import CONNECT_RETRIES
+    from portapipe.ranks.launch import CONNECT_RETRIES
 
     with pytest.raises(LaunchError) as info:
         run_ranks(dist_checks.connect_failing, 2, str(tmp_path), 100)

@@ -13,7 +13,7 @@ from portapipe.balancing.loads import LoadWindow, Rebalancer
 from portapipe.balancing.migration import migrate_parameters
 from portapipe.balancing.placement import ExpertPlacement
 from portapipe.config import BalancerConfig
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 
 
 def test_window_keeps_the_last_k_steps() -> None:

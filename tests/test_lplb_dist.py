@@ -12,7 +12,7 @@ from portapipe.backends.base import Backend
 from portapipe.balancing.lplb import Planner
 from portapipe.balancing.lplb_map import occurrence_rank
 from portapipe.balancing.topology import cube
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 
 N_LOGICAL, N_PHYSICAL, WORLD = 32, 48, 8  # 4 experts and 2 redundant slots per rank
 SEED = 11

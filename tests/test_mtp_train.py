@@ -66,7 +66,7 @@ def _runs(backend: Any, root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     return run_ranks(_runs, 2, str(tmp_path_factory.mktemp("mtp_train")), wall_timeout_s=600)[0]
 

@@ -18,7 +18,7 @@ import torch
 
 import portapipe.optim.adamw as adamw
 from portapipe.config import ConfigError, load_config
-from portapipe.rules import user_notes
+from portapipe.config.rules import user_notes
 from tests.test_checkpoint_run import raw as run_config
 from tests.test_checkpoint_tried import copy_run, losses, retarget, train
 

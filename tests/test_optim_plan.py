@@ -8,7 +8,7 @@ from portapipe.config import load_config
 from portapipe.plan.memory_model import static_memory
 from portapipe.plan.planner import plan
 from portapipe.plan.published import published
-from portapipe.setup import Setup
+from portapipe.config.setup import Setup
 from portapipe.plan.shape import Shape
 from portapipe.scheduling.executor import build_schedule
 

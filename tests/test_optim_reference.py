@@ -179,7 +179,7 @@ def _saved_moments(log_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], s
 
 @pytest.mark.multiproc
 def test_every_update_equals_adamw_recomputed_by_hand_for_each_zero_stage_and_precision(tmp_path):
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     raws = [config_from_dict(_raw(tmp_path / f"z{z}-{d}-{mst}-{rd}-{mo}", z, d, mst, rd, mo)).to_dict() for z, d, mst, rd, mo in CASES]
     results = run_ranks(train_runs, 2, raws, wall_timeout_s=300)[0]

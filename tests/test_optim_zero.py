@@ -42,7 +42,7 @@ def _raw(log_dir: Path, schedule: str, pp: int, ep: int, dp: int, zero: int, **e
 def _predicted(raw: dict[str, Any]) -> dict[str, float]:
     """The planner's memory model for a config: the largest per-rank static parts."""
     from portapipe.plan.memory_model import static_memory
-    from portapipe.setup import Setup
+    from portapipe.config.setup import Setup
     from portapipe.scheduling.executor import build_schedule
 
     config = config_from_dict(raw)
@@ -73,7 +73,7 @@ def _check(results: list[dict[str, Any]], name: str, raws: list[dict[str, Any]])
 
 @pytest.mark.multiproc
 def test_zero_1_and_2_equal_zero_0_on_dualpipev_and_dualpipe_pp2_dp2(tmp_path):
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     layouts = [("dualpipev", 2, 1, 2), ("dualpipe", 2, 1, 2)]
     raws = [_raw(tmp_path, s, pp, ep, dp, zero) for s, pp, ep, dp in layouts for zero in (0, 1, 2)]
@@ -90,7 +90,7 @@ def test_zero_1_and_2_equal_zero_0_on_dualpipev_and_dualpipe_pp2_dp2(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_zero_1_and_2_equal_zero_0_on_dualpipe_pp2_ep2_dp2_with_eplb_and_a_redundant_slot(tmp_path):
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     balancer = {"balancer": {"kind": "eplb", "redundant": 1, "interval": STEPS + 1, "window": 2}}
     raws = [_raw(tmp_path, "dualpipe", 2, 2, 2, zero, **balancer) for zero in (0, 1, 2)]

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from portapipe import pinning
+from portapipe.ranks import pinning
 from portapipe.config import ConfigError, load_config
-from portapipe.launch import local_rank, local_ranks, rank_threads, run_ranks
+from portapipe.ranks.launch import local_rank, local_ranks, rank_threads, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 _LAUNCHER_KEYS = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK",
@@ -160,7 +160,7 @@ def test_more_ranks_than_cores_are_refused_with_true_before_any_rank_starts_and_
 _TORCHRUN_JOB = """
 import json, os, sys, torch
 sys.path.insert(0, {root!r})
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 
 def where(backend):
     return {{"local_rank": int(os.environ["LOCAL_RANK"]), "cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}}

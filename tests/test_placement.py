@@ -12,7 +12,7 @@ import torch
 from portapipe.balancing.eplb import rebalance_experts
 from portapipe.balancing.migration import MigrationError, migrate, migrate_parameters, plan_migration
 from portapipe.balancing.placement import ExpertPlacement
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 
 E, R, RANKS, D, H = 8, 12, 4, 6, 5  # experts, slots, EP ranks, model dim, hidden dim
 S = R // RANKS

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 from portapipe.plain import PlainStage
 from portapipe.scheduling.overlap import Tape, run
 from portapipe.scheduling.wgrad import WeightGradQueue, split_backward

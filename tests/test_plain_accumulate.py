@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 
 from .test_plain import M, _batch, _loss, _modules
 

@@ -14,7 +14,7 @@ import pytest
 from portapipe.cli import main
 from portapipe.config import load_config
 from portapipe.plan.profile import Profile
-from portapipe.setup import Setup
+from portapipe.config.setup import Setup
 from portapipe.plan.shape import Shape, saved_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def test_profile_measures_every_part_on_two_ranks(capsys: pytest.CaptureFixture[
 
 
 def test_rules_are_printed_and_documented(capsys: pytest.CaptureFixture[str]) -> None:
-    from portapipe.rules import RULES
+    from portapipe.config.rules import RULES
 
     assert main(["plan", EXAMPLE, "--rules"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -20,7 +20,7 @@ from portapipe.models.expert_parallel import ExpertParallel
 from portapipe.models.moe import build_blocks
 from portapipe.plan.measure_parts import PartBytes
 from portapipe.plan.memory_model import MemoryModel, static_memory
-from portapipe.setup import Setup
+from portapipe.config.setup import Setup
 from portapipe.plan.shape import Shape, held_bytes, saved_bytes
 from portapipe.scheduling.executor import build_schedule
 from portapipe.scheduling.overlap import Tape, observing, run
@@ -132,7 +132,7 @@ STEPS = {
 def _step_peaks(backend, raws):
     from portapipe.memory.accounting import SavedActivations
     from portapipe.train import make_sharded_optimizer
-    from portapipe.verify import runtime_for
+    from portapipe.verify.pipelined import runtime_for
 
     out = {}
     for name, raw in raws.items():
@@ -151,7 +151,7 @@ def test_schedule_peaks_and_static_memory_match_a_real_step() -> None:
     """Peak saved bytes per rank (exact with one EP rank, within 5% with two: routing varies
     per rank), and parameters, gradients, master weights and AdamW state (to the byte, but for the
     buckets' padding to equal shards)."""
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     cfgs = {n: load_config(EXAMPLE, o + ["model.seq_len=32"]) for n, o in STEPS.items()}
     per_rank = run_ranks(_step_peaks, 2, {n: c.to_dict() for n, c in cfgs.items()}, wall_timeout_s=300)

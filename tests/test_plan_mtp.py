@@ -14,7 +14,7 @@ from portapipe.plan.programs import Programs, stage_specs
 from portapipe.plan.shape import Shape, block_params, flops
 from portapipe.plan.time_model import TimeModel
 from portapipe.scheduling.executor import build_schedule
-from portapipe.setup import Setup
+from portapipe.config.setup import Setup
 
 from .test_plan_time import MOE, profile
 

@@ -13,8 +13,8 @@ from portapipe.config import load_config
 from portapipe.plan.planner import _Context, enumerate_setups, evaluate, microbatch_counts, plan
 from portapipe.plan.published import published
 from portapipe.plan.report import best_yaml, parse_bytes, row
-from portapipe.rules import broken
-from portapipe.setup import Setup
+from portapipe.config.rules import broken
+from portapipe.config.setup import Setup
 from portapipe.plan.shape import Shape
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from portapipe.config import ConfigError, _cross_checks, load_config
-from portapipe import rules
-from portapipe.setup import Setup
+from portapipe.config import ConfigError, load_config
+from portapipe.config.load import _cross_checks
+from portapipe.config import rules
+from portapipe.config.setup import Setup
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
 

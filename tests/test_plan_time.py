@@ -14,7 +14,7 @@ from portapipe.plan.imbalance import LoadsError, imbalance, read_loads
 from portapipe.plan.profile import FORMAT, Linear, Profile, ProfileError
 from portapipe.plan.programs import Programs, StageSpec, interleave
 from portapipe.plan.published import published
-from portapipe.setup import Setup
+from portapipe.config.setup import Setup
 from portapipe.plan.shape import Shape, flops
 from portapipe.plan.time_model import TimeModel, run_ops
 from portapipe.scheduling.executor import build_schedule

@@ -51,7 +51,7 @@ def _both(backend: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def both() -> list[dict[str, Any]]:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     return run_ranks(_both, EP, wall_timeout_s=120)
 

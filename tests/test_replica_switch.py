@@ -177,7 +177,7 @@ def test_replicas_off_then_on_train_exactly_as_replicas_always_on(tmp_path: Path
     reduced over DP either) and are refilled before they take tokens again. Under ZeRO their
     optimizer rows cannot be refilled, so they are summed while off too: skipping it would leave
     them two steps behind from step 4 on."""
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     configs = {"switched": _config(tmp_path / "switched", True, kind, zero_stage, dp),
                "always": _config(tmp_path / "always", False, kind, zero_stage, dp)}

@@ -24,10 +24,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from portapipe.config import load_config
-from portapipe.launch import run_ranks
+from portapipe.ranks.launch import run_ranks
 from portapipe.models.hf_io import export_hf, init_problems
 from portapipe.scheduling.stage import logical_state
-from portapipe.verify import microbatches, reference, verify_many
+from portapipe.verify import verify_many
+from portapipe.verify.pipelined import microbatches
+from portapipe.verify.reference import reference
 
 from .hf_models import logits, model_section, portapipe_blocks, save, tokens, transformers_model
 from .test_objective import check_exact, verify_config

@@ -285,7 +285,7 @@ def test_a_user_written_overlap_capable_stage_runs_with_expert_parallelism_and_e
     """DualPipeV on pp 2 x ep 2 over stages that are not portapipe's model: the F&B pairs overlap
     their all-to-alls, and loss and gradients equal one process (also on a step whose exchanges
     are not timed, which reports their waits and no totals)."""
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     results = run_ranks(_toy_rank, 4)
     ref_loss, ref = _toy_reference()

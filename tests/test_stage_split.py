@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from portapipe.config import ConfigError, load_config
-from portapipe.setup import Setup, layer_range, split_problem, stage_layers
+from portapipe.config.setup import Setup, layer_range, split_problem, stage_layers
 
 MODEL = {"vocab_size": 32, "hidden": 16, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16,
          "n_experts": 4, "top_k": 2, "seq_len": 8, "n_groups": 2, "topk_groups": 1}
@@ -106,7 +106,7 @@ def test_verify_is_exact_with_uneven_splits_in_every_schedule() -> None:
 
 
 def test_the_single_process_model_does_not_depend_on_the_split() -> None:
-    from portapipe.verify import reference
+    from portapipe.verify.reference import reference
 
     even = reference(_config("dualpipev", 2, None, mtp_layers=1))
     for split in ([1, 1, 2, 0], [0, 3, 1, 0], {"first": 0}):

@@ -160,7 +160,7 @@ _SCRIPT = textwrap.dedent(
     """
     import json, sys
     from portapipe.config import load_config
-    from portapipe.launch import LaunchError
+    from portapipe.ranks.launch import LaunchError
     from portapipe.verify import verify_many
 
     raws = json.loads(open(sys.argv[1]).read())

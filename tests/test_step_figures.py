@@ -70,7 +70,7 @@ def _gather(backend: Any) -> dict[str, Any]:
 
 
 def test_the_tensor_gather_gives_what_the_object_gather_gives() -> None:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     out = run_ranks(_gather, 4, wall_timeout_s=120)
     for r in out:

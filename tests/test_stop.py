@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from portapipe import stop
+from portapipe.ranks import stop
 
 
 def test_first_signal_is_recorded_not_fatal() -> None:
@@ -25,7 +25,7 @@ def test_first_signal_is_recorded_not_fatal() -> None:
 
 
 def test_a_second_signal_ends_the_process() -> None:
-    code = "from portapipe import stop; import os, signal; stop.install(); os.kill(os.getpid(), signal.SIGTERM); print('first', flush=True); os.kill(os.getpid(), signal.SIGINT); print('alive')"
+    code = "from portapipe.ranks import stop; import os, signal; stop.install(); os.kill(os.getpid(), signal.SIGTERM); print('first', flush=True); os.kill(os.getpid(), signal.SIGINT); print('alive')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == -signal.SIGINT
     assert out.stdout.split() == ["first"]

@@ -75,7 +75,7 @@ def _interrupted_then_resumed(backend, four: dict, five: dict) -> tuple[dict, di
 
 @pytest.mark.multiproc
 def test_scalars_equal_the_jsonl_across_a_resume(tmp_path: Path) -> None:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     log_dir = tmp_path / "run"
     check_before_launch(_config(log_dir, 4))

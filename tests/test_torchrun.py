@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from portapipe.launch import launching_rank
+from portapipe.ranks.launch import launching_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cpu.yaml"
@@ -84,14 +84,14 @@ def test_under_mpirun_only_rank_0_prints_the_summary(monkeypatch: pytest.MonkeyP
                                                      tmp_path: Path, rank: int, lines: int) -> None:
     """mpirun is not installed here: its ranks are this process with Open MPI's variables set and
     the ranks' training replaced by its result (each rank returns the same summary)."""
-    import portapipe.launch
+    import portapipe.ranks.launch
     from portapipe.cli import main
 
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "PMI_RANK", "PMIX_RANK"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", str(rank))
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
-    monkeypatch.setattr(portapipe.launch, "run_ranks", lambda *a, **k: [{"final_loss": 2.5, "stopped": {"signal": "SIGTERM", "step": 2, "checkpoint": "c"}}])
+    monkeypatch.setattr(portapipe.ranks.launch, "run_ranks", lambda *a, **k: [{"final_loss": 2.5, "stopped": {"signal": "SIGTERM", "step": 2, "checkpoint": "c"}}])
     assert main(["train", str(EXAMPLE), *_sets(tmp_path / "run")]) == 143
     captured = capsys.readouterr()
     assert len(captured.out.splitlines()) == lines and captured.err.count("stopped by SIGTERM after step 2") == lines

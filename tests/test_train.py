@@ -182,7 +182,7 @@ def _train_interrupt_resume(backend, config_dict: dict) -> dict:
 
 @pytest.mark.multiproc
 def test_training_on_4_ranks_learns_logs_checkpoints_and_resumes_exactly(tmp_path):
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     results = run_ranks(_train_interrupt_resume, 4, _tiny_config(tmp_path), wall_timeout_s=240)
     r0 = results[0]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import portapipe.launch
+import portapipe.ranks.launch
 from portapipe.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
@@ -20,7 +20,7 @@ def no_ranks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("ranks were started although the input was bad")
 
-    monkeypatch.setattr(portapipe.launch, "run_ranks", refuse)
+    monkeypatch.setattr(portapipe.ranks.launch, "run_ranks", refuse)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def test_steps_flag_and_overrides_reach_the_ranks_and_the_summary_is_one_json_li
         seen.update(fn=fn.__name__, world_size=world_size, config=config_dict, plan=plan, kwargs=kwargs)
         return [{"first_loss": 5.5, "final_loss": 2.5, "rank": r} for r in range(world_size)]
 
-    monkeypatch.setattr(portapipe.launch, "run_ranks", fake_run_ranks)
+    monkeypatch.setattr(portapipe.ranks.launch, "run_ranks", fake_run_ranks)
     code = main(["train", str(EXAMPLE), "--steps", "7", "--set", "train.lr=0.01", "--set", f"log.dir={tmp_path}"])
     assert code == 0
     assert seen["fn"] == "train_rank" and seen["world_size"] == 4
@@ -62,9 +62,9 @@ def test_steps_flag_and_overrides_reach_the_ranks_and_the_summary_is_one_json_li
 
 def test_a_failing_rank_exits_1_with_its_traceback(monkeypatch, capsys, tmp_path):
     def failing_run_ranks(fn, world_size, *args, **kwargs):
-        raise portapipe.launch.LaunchError("rank 2 failed:\nTraceback ...\nValueError: boom", rank=2, traceback="ValueError: boom")
+        raise portapipe.ranks.launch.LaunchError("rank 2 failed:\nTraceback ...\nValueError: boom", rank=2, traceback="ValueError: boom")
 
-    monkeypatch.setattr(portapipe.launch, "run_ranks", failing_run_ranks)
+    monkeypatch.setattr(portapipe.ranks.launch, "run_ranks", failing_run_ranks)
     assert main(["train", str(EXAMPLE), "--set", f"log.dir={tmp_path}"]) == 1
     captured = capsys.readouterr()
     assert "rank 2 failed" in captured.err and "ValueError: boom" in captured.err

@@ -34,8 +34,8 @@ def test_train_prints_the_notes_on_keys_the_user_set(tmp_path, capsys, no_traini
 def test_a_default_that_does_nothing_stays_quiet(tmp_path, capsys, no_training) -> None:
     """examples/cpu.yaml writes `overlap: true`, the default: with one EP rank the plan notes it, train does not."""
     from portapipe.config import load_config
-    from portapipe.rules import violations
-    from portapipe.setup import Setup
+    from portapipe.config.rules import violations
+    from portapipe.config.setup import Setup
 
     from .test_attacks_input import EXAMPLE
 

@@ -96,7 +96,7 @@ CASES = [
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world, raws", CASES)
 def test_an_evaluation_gives_the_training_steps_losses_bit_for_bit_without_a_backward(world: int, raws: list[dict[str, Any]]) -> None:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     per_rank = run_ranks(_evaluate, world, raws, wall_timeout_s=300)
     for rank, runs in enumerate(per_rank):

@@ -91,7 +91,7 @@ def _validate(backend: Any, raws: list[dict[str, Any]]) -> list[list[str]]:
 
 @pytest.mark.multiproc
 def test_validation_leaves_every_parameter_buffer_rng_and_balancer_figure_as_it_found_them() -> None:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     lplb = _raw(1, "1f1b", {"kind": "lplb", "redundant": 1, "interval": 1})
     eplb = _raw(2, "dualpipev", {"kind": "eplb", "redundant": 1, "interval": 1, "window": 2})

@@ -17,24 +17,13 @@ import yaml
 
 from portapipe import cli
 from portapipe.config import Config, load_config
-from portapipe.launch import LaunchError
-from portapipe.verify import (
-    EXACT,
-    FLOAT32_UNIT_ROUNDOFF,
-    PRECISIONS,
-    VerifyReport,
-    checked,
-    compare,
-    float32_tolerance,
-    float64,
-    in_dtype,
-    precision_for,
-    recipe_step,
-    reference,
-    rounding_tolerance,
-    run_steps,
-    verify_many,
-)
+from portapipe.ranks.launch import LaunchError
+from portapipe.verify import run_steps, verify_many
+from portapipe.verify.compare import compare
+from portapipe.verify.recipe import recipe_step
+from portapipe.verify.reference import reference
+from portapipe.verify.report import VerifyReport
+from portapipe.verify.tolerance import EXACT, FLOAT32_UNIT_ROUNDOFF, PRECISIONS, checked, float32_tolerance, float64, in_dtype, precision_for, rounding_tolerance
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 

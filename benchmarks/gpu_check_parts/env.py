@@ -13,7 +13,7 @@ from .common import CHECKOUT, Ctx, Record, cli, cuda_reason, gpu_count, tail
 def part_env(rec: Record, ctx: Ctx) -> None:
     import torch
 
-    from portapipe import pinning
+    from portapipe.ranks import pinning
     from portapipe.backends.registry import backend_class
 
     env: dict[str, Any] = {

@@ -14,7 +14,7 @@ def memory_need(raw: dict[str, Any]) -> dict[str, float]:
     from portapipe.config import load_config
     from portapipe.plan.memory_model import MemoryModel
     from portapipe.scheduling.runnable import build_schedule
-    from portapipe.setup import Setup
+    from portapipe.config.setup import Setup
 
     config = load_config(raw)
     r = MemoryModel(Setup.from_config(config), build_schedule(config)).report().ranks[0]
@@ -68,7 +68,7 @@ def memory_rank(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]
 
 
 def part_memory(rec: Record, ctx: Ctx) -> None:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     reason = cuda_reason()
     device = "cuda" if reason is None and not ctx.dry else "cpu"

@@ -124,7 +124,7 @@ def speed_rank(backend: Any, raw: dict[str, Any], deadline: float) -> dict[str, 
 
 
 def ours_speed(raw: dict[str, Any], ctx: Ctx) -> dict[str, Any]:
-    from portapipe.launch import run_ranks
+    from portapipe.ranks.launch import run_ranks
 
     try:
         got = run_ranks(speed_rank, 1, raw, time.time() + ctx.left(40), backend=raw["backend"], wall_timeout_s=ctx.left(20))[0]

@@ -49,7 +49,7 @@ def commands(work: Path, dry: bool) -> dict[str, tuple[float, list[str]]]:
 
 def cores_record() -> dict[str, Any]:
     """The usable cores and each rank's set at 4 and at 8 ranks (None: too few cores to pin)."""
-    from portapipe import pinning
+    from portapipe.ranks import pinning
 
     usable = pinning.usable_cores()
     sets = {n: pinning.plan("auto", n, usable) for n in (4, MOST_RANKS)}

@@ -1,6 +1,6 @@
 """What a backend can do, declared once per backend class and read by everyone else.
 
-Config validation and the rules table (:mod:`portapipe.rules`), the planner, ``portapipe
+Config validation and the rules table (:mod:`portapipe.config.rules`), the planner, ``portapipe
 verify`` and ``portapipe info`` read a backend's :class:`Capabilities` through its class
 (``registry.backend_class(name).capabilities``); none of them names a device. The conformance
 kit (:mod:`portapipe.testing`) checks that a backend behaves as it declares.

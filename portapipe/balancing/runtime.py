@@ -57,8 +57,8 @@ EXPERT_PARAMS = ("gate_up", "down")
 
 def moe_layer_indices(model: Any, blocks: list[int], n_blocks: int, split: Any = None) -> list[int]:
     """Global indices of the MoE layers in ``blocks`` (sorted): the rows of ``StepResult.expert_counts``;
-    ``split``: ``parallel.layers_per_stage`` (:func:`~portapipe.setup.stage_layers`)."""
-    from ..setup import layer_range
+    ``split``: ``parallel.layers_per_stage`` (:func:`~portapipe.config.setup.stage_layers`)."""
+    from ..config.setup import layer_range
 
     out = []
     for b in blocks:

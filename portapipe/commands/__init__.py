@@ -29,12 +29,12 @@ def load_checked_config(args: argparse.Namespace) -> Any:
     """
     from ..backends.registry import get_backend, resolve_name
     from ..config import ConfigError, load_config
-    from ..rules import violations
-    from ..setup import Setup
+    from ..config.rules import violations
+    from ..config.setup import Setup
 
     cfg = load_config(args.config, args.overrides)
     if cfg.log.level == "debug":
-        os.environ["PORTAPIPE_DEBUG"] = "1"  # tracebacks and the launcher's details (portapipe.launch)
+        os.environ["PORTAPIPE_DEBUG"] = "1"  # tracebacks and the launcher's details (portapipe.ranks.launch)
     # Constructing the backend also checks its options (e.g. an EP transport the device lacks).
     try:
         get_backend(cfg.backend, cfg.backend_options)

@@ -38,7 +38,7 @@ def _profile(args: argparse.Namespace, config: Any) -> Any:
         return published(args.profile, Shape.of(config.model))
     if args.profile:
         return Profile.load(args.profile)
-    from ..launch import run_ranks
+    from ..ranks.launch import run_ranks
     from ..plan.measure import profile_rank
 
     print(f"no --profile: measuring one for {config.world_size} {config.backend} ranks first (portapipe profile)", file=sys.stderr)
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from ..plan.report import best_yaml, parse_bytes, plot, row, summary, table
 
     if args.rules:
-        from ..rules import table as rule_table
+        from ..config.rules import table as rule_table
 
         for r in rule_table():
             print(f"{r['name']:<32} {r['scope']:<9} {r['severity']:<6} {r['reason']}")

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         prof.save(args.out)
         print(f"wrote {args.out} ({prof.source})")
         return 0
-    from ..launch import LaunchError, print_launch_error, run_ranks
+    from ..ranks.launch import LaunchError, print_launch_error, run_ranks
     from ..plan.measure import profile_rank
     from ..plan.profile import Profile
 

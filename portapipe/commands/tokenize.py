@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data.shipped import DEFAULT_CORPUS, SHIPPED_TOKENIZER, shipped_eos
     from ..data.tokenizer import load_tokenizer
     from ..data.writer import Options, write_dataset
-    from ..pinning import usable_cores
+    from ..ranks.pinning import usable_cores
 
     *inputs, out_arg = args.paths
     out = Path(out_arg)

@@ -26,7 +26,7 @@ DIVERGED = 3
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..stop import recording
+    from ..ranks.stop import recording
 
     # From the start: a stop asked for before the ranks run is not lost (no rank starts, or they stop after a step).
     with recording():
@@ -34,9 +34,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..launch import LaunchError, launching_rank, print_launch_error
-    from ..rules import user_notes
-    from ..stop import exit_code
+    from ..ranks.launch import LaunchError, launching_rank, print_launch_error
+    from ..config.rules import user_notes
+    from ..ranks.stop import exit_code
     from ..train import train
 
     if args.config is None:

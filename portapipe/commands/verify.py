@@ -27,7 +27,7 @@ from . import add_config_args, load_checked_config
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch import LaunchError, print_launch_error
+    from ..ranks.launch import LaunchError, print_launch_error
     from ..verify import verify
 
     config = load_checked_config(args)
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
-#: portapipe.verify.PRECISIONS (not imported here: the CLI starts without torch)
+#: portapipe.verify.tolerance.PRECISIONS (not imported here: the CLI starts without torch)
 PRECISIONS = ("highest", "model")
 
 

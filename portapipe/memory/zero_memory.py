@@ -26,7 +26,7 @@ scales (:class:`~portapipe.fp8.dispatch.Fp8Rows`): both are dropped, and the re-
 rows through the layer's ``refetch_wire`` (the same quantizer: the same bytes arrive again).
 
 The model calls this module at three points of an MoE layer (see
-:meth:`portapipe.models.moe.Layer.moe_program`): :meth:`ExpertRefetch.dropping` around the
+:meth:`portapipe.models.layer.Layer.moe_program`): :meth:`ExpertRefetch.dropping` around the
 experts' MLP, :meth:`ExpertRefetch.activation` for the activation function, and
 :meth:`ExpertRefetch.issue_early` around the last part of the layer.
 """
@@ -51,7 +51,7 @@ def dispatch_rows(tokens: torch.Tensor, plan: DispatchPlan, top_k: int, rows: sl
     """The rows a dispatch sends (``rows`` ``[:n_remote]``) or keeps (``[n_remote:]``): token
     ``i // top_k`` for each (token, slot) in ``plan.send_order[rows]``.
 
-    Must match what :meth:`portapipe.models.moe.Layer.attention_part` gathers.
+    Must match what :meth:`portapipe.models.layer.Layer.attention_part` gathers.
     """
     return tokens.reshape(-1, tokens.shape[-1]).index_select(0, plan.send_order[rows] // top_k)
 

@@ -13,7 +13,7 @@ program yields while they travel (an F&B pair's other micro-batch computes meanw
 The rows a rank routes to its own experts need no exchange: the dispatch and the combine carry
 only the rows of the other ranks (this rank's split is 0 both ways), and the local rows go to
 the experts without leaving the rank, so their compute can run while an exchange of the remote
-rows travels (see :meth:`portapipe.models.moe.Layer.moe_program`).
+rows travels (see :meth:`portapipe.models.layer.Layer.moe_program`).
 
 Each sent row carries its router weight as one more column (:func:`with_weights`), so the
 weights need no exchange of their own, nor their gradients in the backward; the receiver splits

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
-from ..model_rules import YARN_KEYS
+from ..config.model_rules import YARN_KEYS
 
 HF_ARCHS = {"deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 

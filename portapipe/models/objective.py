@@ -1,7 +1,7 @@
 """The training objective's terms beside the main next-token loss (DeepSeek-V3 report, 2.1.2, 2.2).
 
 - **Multi-token prediction** of depth k = 1..D (``model.mtp_layers``; the modules are
-  :class:`~.moe.MTPLayer`): ``CE_k``, the cross-entropy of predicting token i + k + 1, summed
+  :class:`~.layer.MTPLayer`): ``CE_k``, the cross-entropy of predicting token i + k + 1, summed
   over the rows that have it and divided by all the micro-batch's positions (the report's 1 / T).
   The objective adds ``lambda / D x sum_k CE_k``, lambda being ``train.mtp_loss_weight`` at the
   step (a number, or a schedule of steps -> weight, as DeepSeek-V3 went from 0.3 to 0.1).

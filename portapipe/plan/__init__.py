@@ -1,7 +1,7 @@
 """Planning: which schedule, layout, micro-batch count and memory option fit a memory budget.
 
-- the compatibility rules and :class:`~portapipe.setup.Setup` sit beside the config they
-  validate (:mod:`portapipe.rules`, :mod:`portapipe.setup`); the planner reads them;
+- the compatibility rules and :class:`~portapipe.config.setup.Setup` sit beside the config they
+  validate (:mod:`portapipe.config.rules`, :mod:`portapipe.config.setup`); the planner reads them;
 - :mod:`.shape`: what the model holds and computes per part (parameters, FLOPs, saved bytes);
 - :mod:`.profile`: measured (``portapipe profile``) or published per-part costs of a device;
 - :mod:`.programs`: a stage's forward and backward as the executor runs them, part by part;

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..setup import Setup
+from ..config.setup import Setup
 from .measure_parts import PartTimer
 from .profile import Profile
 from .time_model import TimeModel
@@ -32,7 +32,7 @@ def action_cost(backend: Any, raw: dict[str, Any], profile: Profile, reps: int, 
     from ..config import config_from_dict
     from ..scheduling.executor import build_schedule
     from ..scheduling.overlap import observing
-    from ..verify import runtime_for
+    from ..verify.pipelined import runtime_for
 
     raw = copy.deepcopy(raw)
     plain = config_from_dict(raw)

@@ -119,7 +119,7 @@ def static_memory(setup: Any, schedule: Schedule, rank: int) -> RankMemory:
 def _optimizer_bytes(model_dtype: str, train: Any, moments: str | None = None) -> tuple[int, int]:
     """Bytes of one master weight and of one AdamW moment (``train.master_dtype``; ``moments``, a
     setup's choice, else ``train.moments_dtype``)."""
-    from ..model_shape import ELEMENT_BYTES
+    from ..config.model_shape import ELEMENT_BYTES
     from ..optim.precision import master_dtype, moments_dtype
 
     master_setting = train.master_dtype if train is not None else "auto"
@@ -135,7 +135,7 @@ def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, 
     each (default ``em``); zero_stage 1 shards the master weights and the moments, 2 the gradients
     too, over dp x ep (shared) or dp (experts). The parameters are the master weights when the
     model computes in the master dtype (no copy)."""
-    from ..setup import layer_range
+    from ..config.setup import layer_range
 
     mem = RankMemory()
     elements = experts = 0

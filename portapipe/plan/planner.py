@@ -30,8 +30,8 @@ from .imbalance import imbalance
 from .memory_model import MemoryModel, MemoryReport, static_memory
 from .profile import Profile
 from .programs import Programs, StageSpec, stage_specs
-from ..rules import broken
-from ..setup import Setup, split_problem, stage_layers
+from ..config.rules import broken
+from ..config.setup import Setup, split_problem, stage_layers
 from .time_model import TimeModel, TimeReport, early_bs
 
 PLANNED = ("layout", "schedule", "memory", "balancer")  # rule scopes a candidate can break

@@ -370,7 +370,7 @@ def layer_option(opts: Any) -> str:
 def stage_specs(setup: Any, schedule: Any) -> list[StageSpec]:
     """Every virtual stage's block, as :class:`StageSpec` (layers, options, embedding, head)."""
     from ..memory.policy import plan_layers
-    from ..setup import layer_range
+    from ..config.setup import layer_range
 
     m = setup.model
     n_blocks = schedule.n_blocks

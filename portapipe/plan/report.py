@@ -7,7 +7,7 @@ from typing import Any
 import yaml
 
 from .planner import Candidate, PlanResult, gib
-from ..rules import violations
+from ..config.rules import violations
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model_shape import Shape  # below setup.py and this module; the planner's modules import it from here
+from ..config.model_shape import Shape  # below setup.py and this module; the planner's modules import it from here
 
 INDEX_BYTES = 8  # int64 indices
 PARTS = ("embed", "attention", "dense", "experts", "shared", "combine", "head", "mtp")

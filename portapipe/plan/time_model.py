@@ -269,7 +269,7 @@ class TimeModel:
         (zero_stage 0 / 1) or a reduce-scatter into the shards (2, half the ring's traffic); under
         zero_stage 1 / 2 the updated parameters (model dtype) are all-gathered from the shards (the
         other half of a ring)."""
-        from ..model_shape import ELEMENT_BYTES
+        from ..config.model_shape import ELEMENT_BYTES
         from ..optim.precision import reduce_dtype
 
         x, prof = self.setup, self.profile
@@ -416,7 +416,7 @@ def _block_count(setup: Any, s: Shape, block: int, n_blocks: int) -> Any:
 
 @functools.lru_cache(maxsize=4096)
 def _block_params(s: Shape, block: int, n_blocks: int, local_slots: int, split: Any = None) -> Any:
-    from ..setup import layer_range
+    from ..config.setup import layer_range
 
     first, last = layer_range(s.n_layers, n_blocks, block, split)
     return block_params(s, range(first, last), block == 0, block == n_blocks - 1, local_slots)

@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping
 
 from ..backends.base import ParallelGroups
 from ..config import Config, ConfigError
-from ..setup import paired_blocks, split_problem
+from ..config.setup import paired_blocks, split_problem
 from . import comms, schedules, validate
 from .ir import Schedule
 from .stage import Stage

@@ -31,9 +31,9 @@ from ..backends.capabilities import Capabilities
 from ..backends.fp8_mm import fp8_grouped_mm_emulated, fp8_mm_emulated
 from ..backends.grouped_mm import grouped_mm_reference
 from ..backends.scaled_mm import KIT_CALC_DIFF, KIT_SQNR_DB, calc_diff, probe_operands, sqnr_db
-from ..launch import run_ranks
+from ..ranks.launch import run_ranks
 from ..optim.precision import unit_roundoff
-from ..verify import FLOAT32_SAFETY
+from ..verify.tolerance import FLOAT32_SAFETY
 
 def grouped_mm_tolerance(dtype: str, k: int) -> float:
     """Relative error (2-norm) a grouped matmul in ``dtype`` may show against the float64 reference
@@ -42,7 +42,7 @@ def grouped_mm_tolerance(dtype: str, k: int) -> float:
     Rounding the inputs and the result to ``dtype`` costs about one unit roundoff u (three
     roundings, each of typical size u / sqrt(3)); the sum of k terms, accumulated in ``dtype`` or
     float32 if wider (as every fused kernel does), adds sqrt(k) of its own roundoff (a random walk,
-    Higham and Mary 2019). verify's factor (:data:`portapipe.verify.FLOAT32_SAFETY` typical errors)
+    Higham and Mary 2019). verify's factor (:data:`portapipe.verify.tolerance.FLOAT32_SAFETY` typical errors)
     on top: bfloat16 with k = 8 allows 1.6e-2, where a correct kernel errs by about 3e-3 and one
     that is 2% off fails.
     """
@@ -366,7 +366,7 @@ RANK_LINES: tuple[tuple[str, str, Callable[..., None], str], ...] = (
 
 
 def rank_contracts(be: Backend) -> dict[str, str | None]:
-    """On every rank (run through :func:`portapipe.launch.run_ranks`): line -> failure or None."""
+    """On every rank (run through :func:`portapipe.ranks.launch.run_ranks`): line -> failure or None."""
     device = be.device()
     out: dict[str, str | None] = {}
     for line, _, check, family in RANK_LINES:

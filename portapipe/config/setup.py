@@ -3,7 +3,7 @@ option, plus the config sections a plan does not change (model, balancer, train,
 
 The planner makes thousands of these; a full config is built only for the one it writes out.
 Nothing here imports torch or the planner: config validation reads setups too. The model's
-:class:`~portapipe.model_shape.Shape` (a leaf module below both this one and the planner) is
+:class:`~portapipe.config.model_shape.Shape` (a leaf module below both this one and the planner) is
 made here only for setups that carry a model.
 """
 

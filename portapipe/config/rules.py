@@ -7,7 +7,7 @@ when a combination runs but wastes something (the planner prints them for the us
 ``portapipe train`` those about keys the user set, :func:`user_notes`).
 
 A rule's ``check(setup)`` returns its problem lines (none when the rule holds); ``setup`` is a
-:class:`~portapipe.setup.Setup` (config validation builds one from the config). This module sits
+:class:`~portapipe.config.setup.Setup` (config validation builds one from the config). This module sits
 beside :mod:`portapipe.config` and below :mod:`portapipe.plan`, which reads it; it imports
 neither (backend facts come from the backend classes' declared capabilities).
 """
@@ -195,7 +195,7 @@ def _architecture(x: Setup) -> list[str]:
 
 
 def _lr(x: Setup) -> list[str]:
-    from .optim import lr_schedule
+    from ..optim import lr_schedule
 
     t = x.train
     if t.lr_schedule is None:
@@ -212,7 +212,7 @@ def _lr(x: Setup) -> list[str]:
         return out
     import torch
 
-    from .optim.precision import master_dtype
+    from ..optim.precision import master_dtype
 
     # AdamW's first step scales the update by lr / (1 - beta1) and the weights by 1 - lr x decay,
     # each a number in the dtype of the weights it updates: one that dtype cannot hold fails a rank
@@ -226,7 +226,7 @@ def _lr(x: Setup) -> list[str]:
 
 
 def _known_backend(x: Setup) -> list[str]:
-    from .backends.registry import PluginError, backend_class, known_backends  # built-ins and plug-ins; imports no device code
+    from ..backends.registry import PluginError, backend_class, known_backends  # built-ins and plug-ins; imports no device code
 
     known = known_backends()
     if x.backend == "auto":
@@ -242,7 +242,7 @@ def _known_backend(x: Setup) -> list[str]:
 
 def _declared(x: Setup) -> list[tuple[str, Any]]:
     """(name, capabilities) of the setup's backend; for ``auto``, of every backend it could pick."""
-    from .backends.registry import backend_class, known_backends
+    from ..backends.registry import backend_class, known_backends
 
     names = known_backends() if x.backend == "auto" else [x.backend]
     out = []
@@ -279,7 +279,7 @@ def _reduce_dtype(x: Setup) -> list[str]:
     """The dtype gradients are summed over the replicas in must be one the backend reduces."""
     if x.backend == "auto" or x.train is None or x.model is None or x.replicas == 1:
         return []  # the device is not known yet, or nothing is summed over replicas
-    from .optim.precision import reduce_dtype
+    from ..optim.precision import reduce_dtype
 
     t = x.train
     dtype = reduce_dtype(x.model.dtype, t.master_dtype, t.grad_reduce_dtype)
@@ -337,7 +337,7 @@ def _zero_without_replicas(x: Setup) -> list[str]:
 def _moments_lag(x: Setup) -> list[str]:
     if x.train is None or x.model is None:
         return []
-    from .optim.precision import moments_lag
+    from ..optim.precision import moments_lag
 
     return moments_lag(x)
 

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from .config_text import ConfigError
+from ..config.text import ConfigError
 
 PinMode = Union[bool, Literal["auto"]]
 #: the modes as a command line spells them (the benchmarks' ``--pin-cores``)

@@ -1,21 +1,21 @@
 """Start ``world_size`` ranks on this machine and watch them until they return, fail, stall or stop.
 
-Used by :func:`portapipe.launch.run_ranks` when no outer launcher (torchrun, mpirun) started
+Used by :func:`portapipe.ranks.launch.run_ranks` when no outer launcher (torchrun, mpirun) started
 the ranks. The launcher process hosts the rendezvous store (its port is bound before any rank
 starts, so concurrent jobs cannot race for it) and starts one process per rank, by default from
 multiprocessing's fork server with torch preloaded (a rank starts in milliseconds, not seconds).
 
-Each rank runs in its own process group and is linked to the launcher (:mod:`portapipe.lifeline`):
+Each rank runs in its own process group and is linked to the launcher (:mod:`portapipe.ranks.lifeline`):
 - a rank that dies (an exception, a signal, a crash) ends the job; the launcher names the first
   cause: a rank's own error before a rank killed by a signal or crashing, both before the
   connection errors its peers see because it is gone;
 - a rank whose heartbeat stops for ``stall_timeout_s`` (stopped, frozen) is named and the job ended;
   so is one that beats but whose step takes far longer than the run's median step (and that long);
 - SIGINT / SIGTERM to the launcher are forwarded once to every rank that has not received the
-  signal itself; the ranks finish their step and return (see :mod:`portapipe.stop`), and the
+  signal itself; the ranks finish their step and return (see :mod:`portapipe.ranks.stop`), and the
   launcher returns their results; ranks still running after ``stop_grace_s`` are killed;
 - when the launcher dies, every rank ends itself within a fraction of a second, and so does the
-  fork server (:mod:`portapipe.forkserver_tie`).
+  fork server (:mod:`portapipe.ranks.forkserver_tie`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ STARTUP_S = 60.0
 #: After the first failure, how long other ranks' failures are collected before choosing the cause.
 SETTLE_S = 0.25
 
-_PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.launch", "portapipe.forkserver_tie"]
+_PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.ranks.launch", "portapipe.ranks.forkserver_tie"]
 
 
 class LaunchError(RuntimeError):
@@ -324,7 +324,7 @@ class LocalJob:
             if self.stop_sig is None:
                 self.stop_sig, self.stop_at = sig, now
                 continue
-            # A second signal means now: the ranks get it too (see portapipe.stop) and end at once.
+            # A second signal means now: the ranks get it too (see portapipe.ranks.stop) and end at once.
             self._forward(sig, only_unaware=False)
             return LaunchError(f"stopped by a second {signal_name(sig)}: the ranks were ended at once, without a checkpoint", stop_signal=sig)
         return None

@@ -1,8 +1,8 @@
-"""Start ranks: locally (:mod:`portapipe.local_job`), or join torchrun / mpirun's ranks.
+"""Start ranks: locally (:mod:`portapipe.ranks.local_job`), or join torchrun / mpirun's ranks.
 
 :func:`run_ranks` is the one way portapipe starts a distributed function, for the CLI, the
 tests and the benchmarks. Each rank gets a ready backend (process group initialised, intra-op
-threads set, bound to cores of its own with ``pin_cores`` (:mod:`portapipe.pinning`), SIGINT /
+threads set, bound to cores of its own with ``pin_cores`` (:mod:`portapipe.ranks.pinning`), SIGINT /
 SIGTERM recorded for a graceful stop) and calls ``fn(backend, *args)``; the return values come
 back in rank order.
 
@@ -196,7 +196,7 @@ def _rank_main(
     from . import stop
 
     stop.install()  # first: a stop asked for while this rank starts is not lost
-    from .backends import get_backend
+    from ..backends import get_backend
 
     if cores is not None:
         here = local_rank()
@@ -297,8 +297,8 @@ def run_ranks(
 def refuse_unlaunchable(backend: str, backend_options: dict[str, Any] | None, local_ranks: int) -> None:
     """Before any rank starts: BackendUnavailable (one line, exit 2 from the CLI) where the
     backend cannot run ``local_ranks`` ranks on this machine (NCCL: one rank per GPU)."""
-    from .backends.base import BackendUnavailable
-    from .backends.registry import backend_class, resolve_name
+    from ..backends.base import BackendUnavailable
+    from ..backends.registry import backend_class, resolve_name
 
     problem = backend_class(resolve_name(backend)).launch_problem(local_ranks, backend_options)
     if problem:
@@ -307,7 +307,7 @@ def refuse_unlaunchable(backend: str, backend_options: dict[str, Any] | None, lo
 
 def cap_cpu_isa(say: bool = True) -> None:
     """Before this process or its ranks run a bfloat16 matmul: keep oneDNN below an instruction
-    set the CPU advertises but a process may not use (:mod:`portapipe.cpu_isa`), saying so once
+    set the CPU advertises but a process may not use (:mod:`portapipe.ranks.cpu_isa`), saying so once
     when ``say``. AMX serves only bfloat16 (and int8) matmuls, so the cap changes nothing for a
     run in float32 or float64: it is then set without a word."""
     from .cpu_isa import cap_if_amx_traps

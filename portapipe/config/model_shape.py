@@ -1,6 +1,6 @@
 """The model's shape: the fields of ``ModelConfig`` that decide sizes and work.
 
-A leaf module below both :mod:`portapipe.setup` (a :class:`~portapipe.setup.Setup` carries the
+A leaf module below both :mod:`portapipe.config.setup` (a :class:`~portapipe.config.setup.Setup` carries the
 shape of its model, made once and shared by every candidate a plan makes from it) and
 :mod:`portapipe.plan.shape`, which says what each part of the model holds and computes from it.
 It imports nothing of portapipe.
