@@ -111,3 +111,52 @@ def test_rotary_positions_restart_each_documents_rows_as_if_it_ran_alone() -> No
         packed = rotate(x, pos)
         for b, lo, hi in ((0, 0, 4), (0, 4, 10), (1, 1, 7), (1, 7, 10)):
             assert torch.equal(packed[b : b + 1, :, lo:hi], rotate(x[b : b + 1, :, lo:hi], None)), (b, lo, hi)
+
+
+def _step(block: Any, batch: list[tuple[torch.Tensor, ...]], kept: float | None) -> tuple[float, torch.Tensor]:
+    """One step over ``batch``'s micro-batches as the ranks weigh them: (mean loss, the head's gradient)."""
+    from portapipe.models.objective import keep_targets
+
+    keep_targets([block], kept)
+    block.zero_grad()
+    losses = []
+    for inputs, targets, pos in batch:
+        tape = Tape(record=False, loss_seed=1 / len(batch))
+        loss = run(block.program(tape, inputs, targets, positions=pos))
+        tape.plain_backward(loss, torch.full_like(loss, 1 / len(batch)))
+        losses.append(float(loss.detach()))
+    return sum(losses) / len(losses), block.head.weight.grad.clone()
+
+
+def test_mask_eos_loss_is_the_global_batchs_mean_over_kept_targets_however_it_is_cut() -> None:
+    """data.mask_eos_loss: each micro-batch's summed loss over the step's kept targets per
+    micro-batch makes the step's loss the mean over every kept target of the global batch, the
+    same for one sample per micro-batch as for four; a mean per micro-batch is not."""
+    from portapipe.data.samples import kept_targets
+
+    cfg, block = _model("portapipe")
+    g = torch.Generator().manual_seed(5)
+    windows = torch.randint(0, 64, (4, 25), generator=g).numpy()
+    starts = np.zeros((4, 25), dtype=bool)
+    starts[0, [0, 3, 4, 5, 9, 10, 17, 20]] = True  # many documents in the first sample, one in the others
+    starts[1:, 0] = True
+    kept = kept_targets(starts)
+    assert kept == 4 * 24 - 7
+    with torch.no_grad():  # the mean over kept targets, computed here in one piece
+        inputs, targets, pos = make_microbatches(windows, starts, 1, document_mask=True, mask_eos_loss=True)[0]
+        x = block.embed_part(inputs)
+        for layer in block.main_layers():
+            x = run(layer.program(Tape(record=False), x, pos))
+        logits = block.logits_part(x)
+        flat, wanted = logits.reshape(-1, 64), targets.reshape(-1)
+        keep = wanted != IGNORE
+        want = float(torch.nn.functional.cross_entropy(flat[keep], wanted[keep]))
+    steps = {}
+    for n in (1, 2, 4):  # micro-batches of 4, 2 and 1 samples
+        batch = make_microbatches(windows, starts, n, document_mask=True, mask_eos_loss=True)
+        steps[n] = _step(block, batch, kept / n)
+        assert abs(steps[n][0] - want) <= 1e-12 * want, n
+    for n in (2, 4):
+        assert torch.allclose(steps[n][1], steps[1][1], rtol=1e-10, atol=1e-15), n
+    per_microbatch = _step(block, make_microbatches(windows, starts, 4, document_mask=True, mask_eos_loss=True), None)[0]
+    assert abs(per_microbatch - want) > 1e-6 * want  # the mean per micro-batch weighs the first sample's targets more
