@@ -78,18 +78,21 @@ def test_positions_restart_at_each_document_and_the_eos_targets_leave_the_loss()
 
 
 @pytest.mark.multiproc
-def test_verify_is_exact_with_documents_for_every_schedule() -> None:
+@pytest.mark.parametrize("mtp", [False, True])
+def test_verify_is_exact_with_documents_for_every_schedule(mtp: bool) -> None:
+    """With model.mtp_layers (the prediction modules' rows inside documents too) data.mask_eos_loss
+    is refused (data.rules), so document_mask goes alone there."""
     configs = []
     for name in ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev"):
         mb = 4
         model = {"hidden": 16, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16, "n_experts": 4, "top_k": 2,
-                 "seq_len": 16, "dtype": "float64"}
+                 "seq_len": 16, "dtype": "float64", "mtp_layers": int(mtp)}
         if name == "dualpipev":
             model.update(arch="deepseek_v3", q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
         configs.append(load_config({
             "backend": "cpu", "parallel": {"pp": 2, "ep": 1, "dp": 1}, "schedule": {"name": name, "microbatches": mb},
-            "model": model, "train": {"micro_batch_size": 2},
-            "data": {"format": "tokens", "path": "unused", "document_mask": True, "mask_eos_loss": True},
+            "model": model, "train": {"micro_batch_size": 2, "mtp_loss_weight": 0.3},
+            "data": {"format": "tokens", "path": "unused", "document_mask": True, "mask_eos_loss": not mtp},
         }))
     for report in verify_many(configs):
         assert report.ok and report.loss_diff == 0.0 and report.max_rel_grad_diff < 1e-12, report
@@ -160,3 +163,60 @@ def test_mask_eos_loss_is_the_global_batchs_mean_over_kept_targets_however_it_is
         assert torch.allclose(steps[n][1], steps[1][1], rtol=1e-10, atol=1e-15), n
     per_microbatch = _step(block, make_microbatches(windows, starts, 4, document_mask=True, mask_eos_loss=True), None)[0]
     assert abs(per_microbatch - want) > 1e-6 * want  # the mean per micro-batch weighs the first sample's targets more
+
+
+def _mtp_logits(block: Any, tokens: torch.Tensor, targets: torch.Tensor, pos: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each multi-token prediction depth's logits, its rows inside documents given ``pos``."""
+    from portapipe.models.layer import mtp_positions
+    from portapipe.models.linear import linear
+
+    tape = Tape(record=False)
+    x = block.embed_part(tokens)
+    for layer in block.main_layers():
+        x = run(layer.program(tape, x, pos))
+    h, out, seq = block.final_norm(x), [], targets.shape[1]
+    for mtp in block.mtp_layers():
+        k = mtp.depth
+        y = mtp.mtp_input_part(h, targets[:, k - 1 : seq - 1], block.embed)
+        y = run(mtp.program(tape, y, None if pos is None else mtp_positions(pos, k)[0]))
+        h = mtp.shared_head["norm"](y)
+        out.append(linear(h, block.head_weight()))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "portapipe"])  # qwen3_moe has no prediction modules
+def test_a_packed_samples_multi_token_predictions_are_each_documents_alone(arch: str) -> None:
+    """data.document_mask with model.mtp_layers: each depth's rows inside a document are the
+    document's rows run alone (float64), and the depth's loss is theirs: the rows whose embedded
+    token lies in the next document are left out of it."""
+    cfg = load_config({"model": {"arch": arch, "hidden": 16, "n_layers": 2, "n_dense": 1, "n_heads": 4, "ffn_hidden": 32, "moe_hidden": 16,
+                                 "n_experts": 4, "top_k": 2, "seq_len": 24, "vocab_size": 64, "dtype": "float64", "mtp_layers": 2, **ARCHS[arch]},
+                       "train": {"mtp_loss_weight": 0.3}})
+    block = build_model(cfg, [0], 1, ExpertParallel(CPUBackend()))[0]
+    g = torch.Generator().manual_seed(4)
+    lengths = [5, 1, 9, 3, 6]
+    window = torch.randint(0, 64, (1, 25), generator=g)
+    tokens, targets = window[:, :24], window[:, 1:]
+    starts = np.zeros((1, 24), dtype=bool)
+    starts[0, np.cumsum([0, *lengths[:-1]])] = True
+    pos = torch.from_numpy(positions(starts))
+    with torch.no_grad():
+        packed = _mtp_logits(block, tokens, targets, pos)
+        tape = Tape(record=False)
+        run(block.program(tape, tokens, targets, positions=pos))
+        want = {1: 0.0, 2: 0.0}
+        at = 0
+        for n in lengths:
+            if n > 2:  # a document with rows at both depths
+                alone = _mtp_logits(block, tokens[:, at : at + n], targets[:, at : at + n], None)
+                for k, logits in enumerate(alone, 1):
+                    rows = n - k
+                    scale = float(logits.abs().max())
+                    assert float((packed[k - 1][:, at : at + rows] - logits).abs().max()) <= TOLERANCE[arch] * scale, (arch, at, k)
+                    want[k] += float(torch.nn.functional.cross_entropy(logits[0], targets[0, at + k : at + n], reduction="sum"))
+            at += n
+        for k in (1, 2):  # the report's 1 / T: all the micro-batch's positions
+            assert abs(float(tape.terms[f"mtp.{k}"]) - want[k] / 24) <= TOLERANCE[arch] * want[k] / 24, (arch, k)
+        # without the documents the later rows read the earlier documents: the checks above can fail
+        whole = _mtp_logits(block, tokens, targets, None)
+        assert float((whole[0][:, 6:] - packed[0][:, 6:]).abs().max()) > 1e-3

@@ -149,7 +149,7 @@ class Block(nn.Module):
             loss, h = tape.part(self.loss_part, x, targets)
             weight = self.objective.mtp_weight / self.mtp_depth
             for mtp in self.mtp_layers():
-                h = yield from mtp.predict(tape, h, targets, self.embed, self.head_weight(), weight)
+                h = yield from mtp.predict(tape, h, targets, self.embed, self.head_weight(), weight, positions)
             x = loss
         return x
 
