@@ -80,8 +80,7 @@ def test_positions_restart_at_each_document_and_the_eos_targets_leave_the_loss()
 @pytest.mark.multiproc
 @pytest.mark.parametrize("mtp", [False, True])
 def test_verify_is_exact_with_documents_for_every_schedule(mtp: bool) -> None:
-    """With model.mtp_layers (the prediction modules' rows inside documents too) data.mask_eos_loss
-    is refused (data.rules), so document_mask goes alone there."""
+    """Both options on, and with one multi-token prediction module (its rows inside documents too)."""
     configs = []
     for name in ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev"):
         mb = 4
@@ -92,7 +91,7 @@ def test_verify_is_exact_with_documents_for_every_schedule(mtp: bool) -> None:
         configs.append(load_config({
             "backend": "cpu", "parallel": {"pp": 2, "ep": 1, "dp": 1}, "schedule": {"name": name, "microbatches": mb},
             "model": model, "train": {"micro_batch_size": 2, "mtp_loss_weight": 0.3},
-            "data": {"format": "tokens", "path": "unused", "document_mask": True, "mask_eos_loss": not mtp},
+            "data": {"format": "tokens", "path": "unused", "document_mask": True, "mask_eos_loss": True},
         }))
     for report in verify_many(configs):
         assert report.ok and report.loss_diff == 0.0 and report.max_rel_grad_diff < 1e-12, report
@@ -177,18 +176,21 @@ def _mtp_logits(block: Any, tokens: torch.Tensor, targets: torch.Tensor, pos: to
     h, out, seq = block.final_norm(x), [], targets.shape[1]
     for mtp in block.mtp_layers():
         k = mtp.depth
-        y = mtp.mtp_input_part(h, targets[:, k - 1 : seq - 1], block.embed)
+        embedded = targets[:, k - 1 : seq - 1].clamp(min=0)  # a left-out target is embedded only by rows that straddle: compared nowhere
+        y = mtp.mtp_input_part(h, embedded, block.embed)
         y = run(mtp.program(tape, y, None if pos is None else mtp_positions(pos, k)[0]))
         h = mtp.shared_head["norm"](y)
         out.append(linear(h, block.head_weight()))
     return out
 
 
+@pytest.mark.parametrize("eos", [False, True])
 @pytest.mark.parametrize("arch", ["deepseek_v3", "portapipe"])  # qwen3_moe has no prediction modules
-def test_a_packed_samples_multi_token_predictions_are_each_documents_alone(arch: str) -> None:
+def test_a_packed_samples_multi_token_predictions_are_each_documents_alone(arch: str, eos: bool) -> None:
     """data.document_mask with model.mtp_layers: each depth's rows inside a document are the
     document's rows run alone (float64), and the depth's loss is theirs: the rows whose embedded
-    token lies in the next document are left out of it."""
+    token lies in the next document are left out of it; with data.mask_eos_loss also each row
+    whose target starts the next document (the document's own run leaves it out too)."""
     cfg = load_config({"model": {"arch": arch, "hidden": 16, "n_layers": 2, "n_dense": 1, "n_heads": 4, "ffn_hidden": 32, "moe_hidden": 16,
                                  "n_experts": 4, "top_k": 2, "seq_len": 24, "vocab_size": 64, "dtype": "float64", "mtp_layers": 2, **ARCHS[arch]},
                        "train": {"mtp_loss_weight": 0.3}})
@@ -196,10 +198,10 @@ def test_a_packed_samples_multi_token_predictions_are_each_documents_alone(arch:
     g = torch.Generator().manual_seed(4)
     lengths = [5, 1, 9, 3, 6]
     window = torch.randint(0, 64, (1, 25), generator=g)
-    tokens, targets = window[:, :24], window[:, 1:]
-    starts = np.zeros((1, 24), dtype=bool)
+    starts = np.zeros((1, 25), dtype=bool)
     starts[0, np.cumsum([0, *lengths[:-1]])] = True
-    pos = torch.from_numpy(positions(starts))
+    tokens, targets, pos = make_microbatches(window.numpy(), starts, 1, document_mask=True, mask_eos_loss=eos)[0]
+    assert int((targets == IGNORE).sum()) == (4 if eos else 0)
     with torch.no_grad():
         packed = _mtp_logits(block, tokens, targets, pos)
         tape = Tape(record=False)

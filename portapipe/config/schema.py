@@ -436,7 +436,8 @@ class DataConfig(_Section):
     )
     mask_eos_loss: bool = Field(
         False, description="tokens with document boundaries: leave out of the loss the prediction made at each document's end "
-        "(its EOS) of the next document's first token (Megatron's eod_mask_loss); the loss is the mean over the global batch's kept targets"
+        "(its EOS) of the next document's first token (Megatron's eod_mask_loss); the loss is the mean over the global batch's kept targets; "
+        "with model.mtp_layers it needs document_mask"
     )
     allow_changed_sources: bool = Field(
         False, description="resume a checkpoint whose sources (list, weights, files) differ from these; its later batches then differ "

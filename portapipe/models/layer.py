@@ -212,7 +212,10 @@ class MTPLayer(Layer):
     contract) each row attends within the document of the hidden state it reads
     (:func:`mtp_positions`), as the document's rows would run alone. A row whose embedded token
     lies in a later document mixes two documents and exists in neither run alone: no other row
-    reads it, and its target is left out of the depth's loss.
+    reads it, and its target is left out of the depth's loss. With ``data.mask_eos_loss`` (which
+    needs the document mask here) a target starting a document is left out as well, and the
+    token such a straddling row embeds is read as id 0 (the data hides it; only the experts'
+    load counts see that row).
     """
 
     def __init__(self, cfg: ModelConfig, depth: int, ep: ExpertParallel, dtype: torch.dtype) -> None:
@@ -247,11 +250,14 @@ class MTPLayer(Layer):
         input token's position in its document, when attention stays inside documents."""
         k = self.depth
         batch, seq = targets.shape
-        wanted = targets[:, k:]
+        embedded, wanted = targets[:, k - 1 : seq - 1], targets[:, k:]
         if positions is not None:
             positions, straddle = mtp_positions(positions, k)
             wanted = wanted.masked_fill(straddle, IGNORE)
-        x = tape.part(self.mtp_input_part, h, targets[:, k - 1 : seq - 1], embed)
+            # data.mask_eos_loss leaves out each target that starts a document: such a token is
+            # embedded only by a row that straddles (it reaches no loss and no other row), as id 0
+            embedded = embedded.masked_fill(embedded == IGNORE, 0)
+        x = tape.part(self.mtp_input_part, h, embedded, embed)
         x = yield from (self.program(tape, x, positions) if self.memory is None else self.memory.program(self, tape, x, positions))
         hk, loss = tape.part(self.mtp_output_part, x, wanted, head, batch * seq)
         tape.loss(mtp_term(k), loss, weight)
