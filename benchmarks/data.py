@@ -11,7 +11,10 @@ a 20 GB corpus against a 20 MB one, blend shares and epochs, and what document m
    ``add_special_tokens=False`` with the tokenizers library's thread pool off (``TOKENIZERS_PARALLELISM=false``,
    which portapipe sets in its workers itself), so each side keeps N cores busy. The sides alternate over
    ``--rounds`` rounds (the order swapped each round) so a load from elsewhere hits both alike; MB/s of the
-   jsonl, min and median over the rounds, ours over theirs by the best and by the median round.
+   jsonl, min and median over the rounds, ours over theirs by the best and by the median round. With one
+   worker each side encodes in the process timed, so its processor seconds over the same stretch are given
+   too (ours includes loading the tokenizer, the peer's is loaded before): on a loaded machine the wall clock
+   says how the scheduler shared the cores, the processor time how much work each side did.
 2. Batch making: one rank's share of a step's batch of examples/deepseek_v3.yaml (epochs, with the
    document mask), timed over ``--batches`` steps, against the median step of a training run of
    that config on the tokenized jsonl in the same process tree.
@@ -60,7 +63,7 @@ def make_jsonl(path: Path, mb: float) -> int:
     return path.stat().st_size
 
 
-def ours(jsonl: Path, out: Path, workers: int) -> float:
+def ours(jsonl: Path, out: Path, workers: int) -> tuple[float, float]:
     from portapipe.data.readers import expand
     from portapipe.data.shipped import shipped_eos
     from portapipe.data.tokenizer import load_tokenizer
@@ -69,12 +72,12 @@ def ours(jsonl: Path, out: Path, workers: int) -> float:
     eos = shipped_eos(load_tokenizer(TOKENIZER))
 
     shutil.rmtree(out, ignore_errors=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     write_dataset(expand([str(jsonl)]), out, Options(TOKENIZER, eos=eos, workers=workers))
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def theirs(jsonl: Path, cache: Path, workers: int) -> float:
+def theirs(jsonl: Path, cache: Path, workers: int) -> tuple[float, float]:
     """datasets: the jsonl loaded (arrow cache written) and mapped in batches, as its docs show."""
     import datasets
     from tokenizers import Tokenizer
@@ -86,18 +89,20 @@ def theirs(jsonl: Path, cache: Path, workers: int) -> float:
         return {"input_ids": [e.ids for e in tok.encode_batch_fast(batch["text"], add_special_tokens=False)]}
 
     shutil.rmtree(cache, ignore_errors=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     ds = datasets.load_dataset("json", data_files=str(jsonl), split="train", cache_dir=str(cache))
     ds.map(encode, batched=True, num_proc=workers if workers > 1 else None, remove_columns=["text"])
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def one_side(side: str, jsonl: Path, out: Path, workers: int) -> float:
-    """One round of one side in a fresh process (its imports apart from the time); seconds."""
+def one_side(side: str, jsonl: Path, out: Path, workers: int) -> tuple[float, float]:
+    """One round of one side in a fresh process (its imports apart from the time): (seconds, the
+    processor seconds of that process, all its threads; with one worker both sides encode in it)."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, str(jsonl), str(out), str(workers)]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-    return float(done.stdout.strip().splitlines()[-1])
+    wall, cpu = done.stdout.strip().splitlines()[-1].split()
+    return float(wall), float(cpu)
 
 
 def tokenize_rounds(jsonl: Path, tmp: Path, rounds: int) -> dict[str, Any]:
@@ -106,9 +111,12 @@ def tokenize_rounds(jsonl: Path, tmp: Path, rounds: int) -> dict[str, Any]:
     got: dict[str, Any] = {"jsonl_bytes": size, "rounds": rounds}
     for n in (1, 2):
         times: dict[str, list[float]] = {"ours": [], "datasets": []}
+        cpu: dict[str, list[float]] = {"ours": [], "datasets": []}
         for r in range(rounds):
             for side in ("ours", "datasets") if r % 2 == 0 else ("datasets", "ours"):
-                times[side].append(one_side(side, jsonl, tmp / f"{side}{n}", n))
+                wall, used = one_side(side, jsonl, tmp / f"{side}{n}", n)
+                times[side].append(wall)
+                cpu[side].append(used)
         mb_s = {side: sorted(size / 1e6 / t for t in ts) for side, ts in times.items()}
         got[f"workers_{n}"] = {
             "ours_mb_s": {"best": mb_s["ours"][-1], "median": statistics.median(mb_s["ours"])},
@@ -117,6 +125,9 @@ def tokenize_rounds(jsonl: Path, tmp: Path, rounds: int) -> dict[str, Any]:
             "ours_over_datasets_median": statistics.median(mb_s["ours"]) / statistics.median(mb_s["datasets"]),
             "seconds": times,
         }
+        if n == 1:  # every encoding thread in the timed process: processor time, which a load from elsewhere barely moves
+            got["workers_1"]["processor_s"] = cpu
+            got["workers_1"]["ours_over_datasets_processor_median"] = statistics.median(cpu["datasets"]) / statistics.median(cpu["ours"])
     return got
 
 
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.side:
         side, jsonl, dest, n = args.side
-        print(ours(Path(jsonl), Path(dest), int(n)) if side == "ours" else theirs(Path(jsonl), Path(dest), int(n)))
+        print(*(ours if side == "ours" else theirs)(Path(jsonl), Path(dest), int(n)))
         return 0
     load_before = os.getloadavg()
     out: dict[str, Any] = {"benchmark": "data", "command": "python benchmarks/data.py " + " ".join(sys.argv[1:] if argv is None else argv),
