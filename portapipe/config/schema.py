@@ -466,11 +466,12 @@ class DataConfig(_Section):
     )
     document_mask: bool = Field(
         False, description="tokens with document boundaries: attention stays inside each document of a sample and positions (RoPE) "
-        "restart at each (Megatron's reset_attention_mask + reset_position_ids)"
+        "restart at each (Megatron's reset_attention_mask + reset_position_ids); the multi-token prediction modules' rows too"
     )
     mask_eos_loss: bool = Field(
         False, description="tokens with document boundaries: leave out of the loss the prediction made at each document's end "
-        "(its EOS) of the next document's first token (Megatron's eod_mask_loss)"
+        "(its EOS) of the next document's first token (Megatron's eod_mask_loss); the loss is the mean over the global batch's kept targets; "
+        "with model.mtp_layers it needs document_mask"
     )
     allow_changed_sources: bool = Field(
         False, description="resume a checkpoint whose sources (list, weights, files) differ from these; its later batches then differ "
