@@ -2,10 +2,19 @@
 a 20 GB corpus against a 20 MB one, blend shares and epochs, and what document masking costs.
 
 1. Tokenize: one jsonl (Shakespeare's paragraphs, one per line, repeated to at least ``--mb`` MB) encoded
-   with the shipped tokenizer by ``portapipe tokenize`` (``write_dataset``) and by the peer,
-   ``datasets.load_dataset("json")`` then ``.map(encode_batch, batched=True, num_proc=N)`` with the
-   same tokenizer (its fastest call, ``encode_batch_fast``), at N = 1 and 2 workers, each from a
-   cold cache; MB/s of the jsonl, ours over theirs.
+   with the shipped tokenizer's ``tokenizer.json`` by ``portapipe tokenize`` (``write_dataset``) and by the
+   peer, ``datasets.load_dataset("json")`` then ``.map(encode_batch_fast, batched=True, num_proc=N)``,
+   at N = 1 and 2 workers. Each side runs in a fresh process per round, timed from the call to the end
+   of its output on disk, imports apart: ours reads the jsonl, encodes it and writes the dataset folder
+   (tokens, document index, description, fsync'ed); the peer reads the jsonl into its arrow cache, encodes
+   it and writes the mapped dataset's arrow files (cache emptied before each round). Both encode
+   ``add_special_tokens=False`` with the tokenizers library's thread pool off (``TOKENIZERS_PARALLELISM=false``,
+   which portapipe sets in its workers itself), so each side keeps N cores busy. The sides alternate over
+   ``--rounds`` rounds (the order swapped each round) so a load from elsewhere hits both alike; MB/s of the
+   jsonl, min and median over the rounds, ours over theirs by the best and by the median round. With one
+   worker each side encodes in the process timed, so its processor seconds over the same stretch are given
+   too (ours includes loading the tokenizer, the peer's is loaded before): on a loaded machine the wall clock
+   says how the scheduler shared the cores, the processor time how much work each side did.
 2. Batch making: one rank's share of a step's batch of examples/deepseek_v3.yaml (epochs, with the
    document mask), timed over ``--batches`` steps, against the median step of a training run of
    that config on the tokenized jsonl in the same process tree.
@@ -19,7 +28,7 @@ a 20 GB corpus against a 20 MB one, blend shares and epochs, and what document m
 
 Prints one JSON object.
 
-    python benchmarks/data.py [--mb 8] [--steps 12] [--batches 200] [--big-gb 20]
+    python benchmarks/data.py [--mb 8] [--rounds 5] [--steps 12] [--batches 200] [--big-gb 20] [--only tokenize]
 """
 
 from __future__ import annotations
@@ -54,16 +63,21 @@ def make_jsonl(path: Path, mb: float) -> int:
     return path.stat().st_size
 
 
-def ours(jsonl: Path, out: Path, workers: int, eos: int) -> float:
+def ours(jsonl: Path, out: Path, workers: int) -> tuple[float, float]:
     from portapipe.data.readers import expand
+    from portapipe.data.shipped import shipped_eos
+    from portapipe.data.tokenizer import load_tokenizer
     from portapipe.data.writer import Options, write_dataset
 
-    t0 = time.perf_counter()
+    eos = shipped_eos(load_tokenizer(TOKENIZER))
+
+    shutil.rmtree(out, ignore_errors=True)
+    t0, cpu0 = time.perf_counter(), time.process_time()
     write_dataset(expand([str(jsonl)]), out, Options(TOKENIZER, eos=eos, workers=workers))
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def theirs(jsonl: Path, cache: Path, workers: int) -> float:
+def theirs(jsonl: Path, cache: Path, workers: int) -> tuple[float, float]:
     """datasets: the jsonl loaded (arrow cache written) and mapped in batches, as its docs show."""
     import datasets
     from tokenizers import Tokenizer
@@ -75,10 +89,46 @@ def theirs(jsonl: Path, cache: Path, workers: int) -> float:
         return {"input_ids": [e.ids for e in tok.encode_batch_fast(batch["text"], add_special_tokens=False)]}
 
     shutil.rmtree(cache, ignore_errors=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     ds = datasets.load_dataset("json", data_files=str(jsonl), split="train", cache_dir=str(cache))
     ds.map(encode, batched=True, num_proc=workers if workers > 1 else None, remove_columns=["text"])
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - cpu0
+
+
+def one_side(side: str, jsonl: Path, out: Path, workers: int) -> tuple[float, float]:
+    """One round of one side in a fresh process (its imports apart from the time): (seconds, the
+    processor seconds of that process, all its threads; with one worker both sides encode in it)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, str(jsonl), str(out), str(workers)]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+    wall, cpu = done.stdout.strip().splitlines()[-1].split()
+    return float(wall), float(cpu)
+
+
+def tokenize_rounds(jsonl: Path, tmp: Path, rounds: int) -> dict[str, Any]:
+    """Both sides at 1 and 2 workers, alternating (see the module docstring)."""
+    size = jsonl.stat().st_size
+    got: dict[str, Any] = {"jsonl_bytes": size, "rounds": rounds}
+    for n in (1, 2):
+        times: dict[str, list[float]] = {"ours": [], "datasets": []}
+        cpu: dict[str, list[float]] = {"ours": [], "datasets": []}
+        for r in range(rounds):
+            for side in ("ours", "datasets") if r % 2 == 0 else ("datasets", "ours"):
+                wall, used = one_side(side, jsonl, tmp / f"{side}{n}", n)
+                times[side].append(wall)
+                cpu[side].append(used)
+        mb_s = {side: sorted(size / 1e6 / t for t in ts) for side, ts in times.items()}
+        got[f"workers_{n}"] = {
+            "ours_mb_s": {"best": mb_s["ours"][-1], "median": statistics.median(mb_s["ours"])},
+            "datasets_map_mb_s": {"best": mb_s["datasets"][-1], "median": statistics.median(mb_s["datasets"])},
+            "ours_over_datasets_best": mb_s["ours"][-1] / mb_s["datasets"][-1],
+            "ours_over_datasets_median": statistics.median(mb_s["ours"]) / statistics.median(mb_s["datasets"]),
+            "seconds": times,
+        }
+        if n == 1:  # every encoding thread in the timed process: processor time, which a load from elsewhere barely moves
+            got["workers_1"]["processor_s"] = cpu
+            got["workers_1"]["ours_over_datasets_processor_median"] = statistics.median(cpu["datasets"]) / statistics.median(cpu["ours"])
+    return got
 
 
 def train(folder: Path, data_path: Path, steps: int, mask: bool) -> dict[str, Any]:
@@ -175,25 +225,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="training steps of each deepseek_v3 run [12]")
     ap.add_argument("--batches", type=int, default=200, help="steps' batches made when timing [200]")
     ap.add_argument("--big-gb", type=float, default=20.0, help="size of the big synthetic corpus [20 GB]")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of each tokenizer side [5]")
+    ap.add_argument("--only", choices=("tokenize",), help="measure the tokenizers alone [everything]")
+    ap.add_argument("--side", nargs=4, metavar=("SIDE", "JSONL", "OUT", "WORKERS"), help=argparse.SUPPRESS)  # one round, in its own process
     args = ap.parse_args(argv)
-    from portapipe.data.shipped import shipped_eos
-    from portapipe.data.tokenizer import load_tokenizer
-
+    if args.side:
+        side, jsonl, dest, n = args.side
+        print(*(ours if side == "ours" else theirs)(Path(jsonl), Path(dest), int(n)))
+        return 0
     load_before = os.getloadavg()
-    eos = shipped_eos(load_tokenizer(TOKENIZER))
     out: dict[str, Any] = {"benchmark": "data", "command": "python benchmarks/data.py " + " ".join(sys.argv[1:] if argv is None else argv),
                            "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
                            "load_average_before": load_before}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         jsonl = tmp / "plays.jsonl"
-        size = make_jsonl(jsonl, args.mb)
-        tok: dict[str, Any] = {"jsonl_bytes": size}
-        for n in (1, 2):
-            t_ours = ours(jsonl, tmp / f"ours{n}", n, eos)
-            t_theirs = theirs(jsonl, tmp / f"hf-cache{n}", n)
-            tok[f"workers_{n}"] = {"ours_mb_s": size / 1e6 / t_ours, "datasets_map_mb_s": size / 1e6 / t_theirs, "ours_over_datasets": t_theirs / t_ours}
-        out["tokenize"] = tok
+        make_jsonl(jsonl, args.mb)
+        out["tokenize"] = tokenize_rounds(jsonl, tmp, args.rounds)
+        if args.only == "tokenize":
+            out["load_average_after"] = os.getloadavg()
+            print(json.dumps(out, indent=1))
+            return 0
         dataset = tmp / "ours1"
         plain, masked = train(tmp, dataset, args.steps, False), train(tmp, dataset, args.steps, True)
         per_batch = batch_time(dataset, args.batches)

@@ -2,7 +2,7 @@
 
 One launch of gloo ranks (default pp=1 x ep=2, DualPipeV with its F&B overlap on, so
 micro-batches pair up in F&B). For each option (off, zero-memory level0 / level1, recompute
-moe / full) it builds the same model (same seed) on the same ranks, then:
+moe / full, norms alone and with moe) it builds the same model (same seed) on the same ranks, then:
 
 - saved bytes: one micro-batch's forward through every block, counting with
   :class:`~portapipe.memory.accounting.SavedActivations` the bytes each MoE layer holds for
@@ -23,6 +23,7 @@ moe / full) it builds the same model (same seed) on the same ranks, then:
 Prints one JSON object: the machine, the config, and one entry per option.
 
     python benchmarks/memory.py [--steps 5] [--warmup 1] [--set model.hidden=2048 ...]
+    python benchmarks/memory.py --base deepseek_v3 --options off,recompute_norms   # MLA: norms and up-projections
 """
 
 from __future__ import annotations
@@ -52,7 +53,37 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "level1": {"zero_memory": "level1"},
     "recompute_moe": {"recompute": "moe"},
     "recompute_full": {"recompute": "full"},
+    "recompute_norms": {"recompute": "norms"},
+    "norms_moe": {"recompute": ["norms", "moe"]},
 }
+
+# --fp8-activations: examples/deepseek_v3.yaml widened to multiples of 128 under train.fp8, on one pipeline
+# rank as the options above (ep 2, DualPipeV with its F&B overlap; its kv_a,
+# 128 -> 128 + 32, stays in bfloat16 as DeepSeek-V3's 7168 -> 512 + 64 does), FP8-cached activations
+# against FP8 without; the emulated FP8 GEMMs' processor time is measured apart.
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "deepseek_v3.yaml")
+FP8_WIDE = ["model.hidden=256", "model.ffn_hidden=256", "model.moe_hidden=128", "model.q_lora_rank=128", "model.kv_lora_rank=128",
+            "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=32", "model.dtype=bfloat16",
+            "train.fp8=deepseek", "train.micro_batch_size=2", "data.path=null", "data.format=bytes", "parallel.pp=1"]
+FP8_OPTIONS: dict[str, dict[str, Any]] = {"fp8": {}, "fp8_activations": {"fp8_activations": True}}
+
+
+def _timed_fp8(backend: Any) -> list[float]:
+    """Wrap ``backend``'s FP8 matmuls to add their processor time to the returned one-item list."""
+    spent = [0.0]
+    for name in ("fp8_mm", "fp8_grouped_mm"):
+        fn = getattr(backend, name)
+
+        def timed(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
+            c0 = time.process_time()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[0] += time.process_time() - c0
+
+        setattr(backend, name, timed)
+    return spent
+
 
 # DeepSeek-V3: hidden 7168, routed expert width 2048 (0.29 x hidden), top-8, one shared expert.
 BASE: dict[str, Any] = {
@@ -73,6 +104,20 @@ BASE: dict[str, Any] = {
     },
     "train": {"micro_batch_size": 2},
 }
+
+
+# ``--base deepseek_v3``: examples/deepseek_v3.yaml (multi-head latent attention, DualPipeV) with
+# every width a multiple of 128, as FP8's 1x128 / 128x128 tiles need, on one pipeline rank (the
+# held-bytes pass runs a rank's blocks in order) x 2 EP ranks, as BASE
+DEEPSEEK_V3_WIDE = ["parallel.pp=1", "model.hidden=256", "model.ffn_hidden=512", "model.moe_hidden=128", "model.q_lora_rank=128",
+                    "model.kv_lora_rank=128", "model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64", "model.v_head_dim=128"]
+
+
+def _base(name: str) -> dict[str, Any]:
+    """The config every option starts from: BASE, or the widened DeepSeek-V3 example."""
+    if name == "moe":
+        return json.loads(json.dumps(BASE))
+    return load_config(EXAMPLE, DEEPSEEK_V3_WIDE).to_dict()
 
 
 def _tokens(raw: dict[str, Any], replica: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -130,14 +175,17 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
         tracker = SavedActivations(ignore=rt.parameters())
         with tracker.track():
             rt.step(mbs)
-        out[name] = {"held": held, "peak_saved_bytes": tracker.peak_bytes, "step_s": [], "cpu_s": [], "redispatch": [0.0, 0.0], "a2a": [0.0, 0.0]}
+        out[name] = {"held": held, "peak_saved_bytes": tracker.peak_bytes, "step_s": [], "cpu_s": [], "redispatch": [0.0, 0.0], "a2a": [0.0, 0.0],
+                     "fp8_cpu_s": []}
+    fp8_spent = {name: _timed_fp8(rt.backend) for name, rt in runtimes.items()}
     for i in range(warmup + steps):
         for name, rt in runtimes.items():
             reset_redispatch_stats(rt.blocks.values())
             dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, e0 = time.perf_counter(), time.process_time(), fp8_spent[name][0]
             result = rt.step(mbs)
             dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
+            emulated = fp8_spent[name][0] - e0  # this rank's: the busiest rank's processor time may not be the same rank's
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if i < warmup:
                 continue
@@ -145,6 +193,7 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
             rec = out[name]
             rec["step_s"].append(float(dt[0]))
             rec["cpu_s"].append(float(dt[1]))
+            rec["fp8_cpu_s"].append(emulated)
             rec["redispatch"][0] += st.total_s
             rec["redispatch"][1] += st.wait_s
             rec["a2a"][0] += result.timings["a2a_total_s"]
@@ -157,8 +206,9 @@ def _hidden(total: float, wait: float) -> float | None:
     return None if total <= 0 else max(0.0, min(1.0, 1.0 - wait / total))
 
 
-def summarize(per_rank: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
-    """Rank 0's bytes (every rank holds the same shapes up to routing), times over all ranks."""
+def summarize(per_rank: list[dict[str, Any]], names: list[str], base: str = "off") -> dict[str, Any]:
+    """Rank 0's bytes (every rank holds the same shapes up to routing), times over all ranks;
+    ratios against option ``base``."""
     r0 = per_rank[0]
     # Layer labels are "<index>.<part>"; the embedding and the loss (no layer) are left out.
     layers = sorted({str(label).split(".")[0] for label in r0[names[0]]["held"] if str(label)[:1].isdigit()})
@@ -180,6 +230,7 @@ def summarize(per_rank: list[dict[str, Any]], names: list[str]) -> dict[str, Any
             "saved_bytes_moe_block_per_layer": statistics.mean(moe_block.values()),
             "saved_bytes_by_part": {str(k): v for k, v in sorted(held.items(), key=lambda kv: str(kv[0]))},
             "peak_saved_bytes_step": r0[name]["peak_saved_bytes"],
+            "peak_saved_bytes_per_rank": [r[name]["peak_saved_bytes"] for r in per_rank],
             "step_s_median": statistics.median(r0[name]["step_s"]),
             "step_s_min": min(r0[name]["step_s"]),
             "cpu_s_median": statistics.median(r0[name]["cpu_s"]),
@@ -187,8 +238,9 @@ def summarize(per_rank: list[dict[str, Any]], names: list[str]) -> dict[str, Any
             "redispatch_hidden_frac": _hidden(*red),
             "redispatch_s": red[0],
             "a2a_hidden_frac": _hidden(*a2a),
+            "fp8_emulation_cpu_s_median": statistics.median(r0[name]["fp8_cpu_s"]),
         }
-    off = results["off"]
+    off = results[base]
     for name, res in results.items():
         res["saved_cut_vs_off"] = 1.0 - res["saved_bytes_per_layer"] / off["saved_bytes_per_layer"]
         res["moe_block_cut_vs_off"] = 1.0 - res["saved_bytes_moe_block_per_layer"] / off["saved_bytes_moe_block_per_layer"]
@@ -207,17 +259,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated subset of {', '.join(OPTIONS)}")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. model.hidden=2048")
+    ap.add_argument("--base", choices=("moe", "deepseek_v3"), default="moe",
+                    help="moe: the DeepSeek-like MoE layers above; deepseek_v3: examples/deepseek_v3.yaml widened to multiples of 128")
+    ap.add_argument("--fp8-activations", action="store_true",
+                    help="instead: FP8-cached activations against FP8 without, on examples/deepseek_v3.yaml widened to multiples of 128")
     args = ap.parse_args(argv)
-    names = [n.strip() for n in args.options.split(",") if n.strip()]
-    unknown = [n for n in names if n not in OPTIONS]
-    if unknown or "off" not in names:
-        ap.error(f"--options: unknown {unknown}; choose from {', '.join(OPTIONS)} (off is required as the baseline)")
-    raws = {}
-    for name in names:
-        raw = json.loads(json.dumps(BASE))
-        raw["memory"] = dict(OPTIONS[name])
-        raws[name] = load_config(raw, args.set).to_dict()  # fails here, before ranks start, if invalid
-    cfg = config_from_dict(raws["off"])
+    if args.fp8_activations:
+        names, base = list(FP8_OPTIONS), "fp8"
+        raws = {name: load_config(EXAMPLE, [*FP8_WIDE, *(f"memory.{k}={str(v).lower()}" for k, v in opt.items()), *args.set]).to_dict()
+                for name, opt in FP8_OPTIONS.items()}
+    else:
+        names, base = [n.strip() for n in args.options.split(",") if n.strip()], "off"
+        unknown = [n for n in names if n not in OPTIONS]
+        if unknown or "off" not in names:
+            ap.error(f"--options: unknown {unknown}; choose from {', '.join(OPTIONS)} (off is required as the baseline)")
+        raws = {}
+        for name in names:
+            raw = _base(args.base)
+            raw["memory"] = dict(OPTIONS[name])
+            raws[name] = load_config(raw, args.set).to_dict()  # fails here, before ranks start, if invalid
+    cfg = config_from_dict(raws[base])
     per_rank = run_ranks(_rank, cfg.world_size, raws, args.steps, args.warmup, backend=cfg.backend, wall_timeout_s=1800)
     m = cfg.model
     report = {
@@ -226,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(), "torch": torch.__version__},
         "setup": {
             "ranks": cfg.world_size,
+            "arch": m.arch,
+            "fp8": cfg.train.fp8,
             "pp": cfg.parallel.pp,
             "ep": cfg.parallel.ep,
             "schedule": cfg.schedule.name,
@@ -241,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "warmup": args.warmup,
         },
-        "options": summarize(per_rank, names),
+        "options": summarize(per_rank, names, base),
         "allocator_peak_bytes_rank0": per_rank[0]["allocator_peak_bytes"],
     }
     print(json.dumps(report, indent=2))

@@ -5,8 +5,8 @@ some 10-20% over minutes here, and rounds average the drift out):
 
 1. Profile: ``portapipe profile`` of the base config (examples/cpu.yaml unless ``--config``), on
    its ranks, here and now (``--profile P`` reuses a file).
-2. Accuracy: for each configuration below (the five schedules, memory off / level0 / level1, 2
-   and 4 ranks, F&F pairs once, multi-token prediction twice, all from the base config), the
+2. Accuracy: for each configuration below (the five schedules, memory off / level0 / level1 /
+   recompute norms, 2 and 4 ranks, F&F pairs once, multi-token prediction twice, all from the base config), the
    time model's step time against the median of measured steps (``runtime.step`` plus AdamW's
    update, the slowest rank, each step started at a
    barrier; the configurations of one rank count take turns step by step, so a change in the
@@ -82,7 +82,17 @@ CONFIGS: dict[str, list[str]] = {
     # multi-token prediction (a module on the last stage, its embedding's copy), with the balance loss
     "1f1b-pp2-mtp1": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "model.mtp_layers=1", "train.seq_aux_loss_weight=0.0001"],
     "dualpipev-pp2-ep2-mtp1": ["parallel.pp=2", "parallel.ep=2", "schedule.name=dualpipev", "model.mtp_layers=1"],
+    # recompute norms: alone on 2 ranks, with recompute moe and with level1 on 4
+    "1f1b-pp2-norms": ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "memory.recompute=norms"],
+    "zb1p-pp4-norms-level1": ["parallel.pp=4", "parallel.ep=1", "schedule.name=zb1p", "memory.recompute=norms", "memory.zero_memory=level1"],
+    "dualpipev-pp2-ep2-norms+moe": ["parallel.pp=2", "parallel.ep=2", "schedule.name=dualpipev", "memory.recompute=norms+moe"],
 }
+# FP8-cached activations: the widths multiples of 128 in bfloat16 under train.fp8 (its time is the
+# CPU's FP8 emulation, which the profile of the base config does not price: the bytes are the point)
+FP8_ACTIVATIONS = ["model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=128", "model.dtype=bfloat16", "train.fp8=deepseek",
+                   "memory.fp8_activations=true"]
+CONFIGS["fp8-activations-1f1b-pp2"] = ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", *FP8_ACTIVATIONS]
+CONFIGS["fp8-activations-dualpipev-pp2-ep2"] = ["parallel.pp=2", "parallel.ep=2", "schedule.name=dualpipev", *FP8_ACTIVATIONS]
 
 
 def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from .models.expert_parallel import ExpertParallel
 from .models.fp8_layers import enable_fp8
 from .models.layer import Layer
 from .models.moe import DTYPES, Block, build_blocks, tie_copies
-from .models.objective import Objective, balance_terms, mtp_terms
+from .models.objective import Objective, balance_terms, keep_targets, mtp_terms
 from .optim.buckets import GradBuckets
 from .optim.precision import master_dtype, reduce_dtype
 from .scheduling.executor import PipelineExecutor, build_schedule, placed
@@ -52,7 +52,7 @@ def build_model(config: Config, blocks: Iterable[int], n_blocks: int, ep: Expert
         config.model, list(blocks), n_blocks, ep, config.train.seed, Objective.from_train(config.train), config.stage_split()
     )
     if config.train.fp8 != "off":
-        enable_fp8(built, ep.backend)
+        enable_fp8(built, ep.backend, config.memory.fp8_activations)
     return built
 
 
@@ -116,6 +116,11 @@ class PipelineRuntime(PipelineExecutor):
         """Weigh the objective's terms as optimizer step ``step`` (0-based) does (``train.mtp_loss_weight``'s schedule)."""
         for block in self.blocks.values():
             block.objective.at_step(step)
+
+    def keep_targets(self, kept_per_microbatch: float | None) -> None:
+        """The step's kept targets per micro-batch, which the loss divides by (``data.mask_eos_loss``,
+        :func:`~portapipe.models.objective.next_token_loss`); None: the mean over each micro-batch's."""
+        keep_targets(self.blocks.values(), kept_per_microbatch)
 
     @property
     def balancer(self) -> Any:

@@ -128,8 +128,9 @@ def validation_loss(runtime: Any, data: Batches, config: Config, groups: Any) ->
     for source, (part, name) in enumerate(zip(parts, data.names["val"])):
         losses = []
         for i in range(VAL_BATCHES):
-            batches = data.microbatches(i, replica, replicas, config.schedule.microbatches, config.train.micro_batch_size,
-                                        config.model.seq_len, split="val", source=source)
+            shape = (config.schedule.microbatches, config.train.micro_batch_size, config.model.seq_len)
+            batches = data.microbatches(i, replica, replicas, *shape, split="val", source=source)
+            runtime.keep_targets(data.kept_per_microbatch(i, replicas, *shape, split="val", source=source))
             with runtime.unchanged():
                 losses.append(float(runtime.evaluate(batches).loss))
         by_source[name] = sum(losses) / len(losses)
@@ -283,7 +284,9 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
             t0 = time.perf_counter()
             optimizer.lr = lr_at(step, tc, horizon, phases)
             lr = optimizer.lr
-            batches = data.microbatches(step, replica, replicas, config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
+            shape = (config.schedule.microbatches, tc.micro_batch_size, config.model.seq_len)
+            batches = data.microbatches(step, replica, replicas, *shape)
+            runtime.keep_targets(data.kept_per_microbatch(step, replicas, *shape))  # data.mask_eos_loss: the global batch's mean
             runtime.grad_scale = scale = scaler.scale
             runtime.set_step(step)  # train.mtp_loss_weight's schedule
             result = runtime.step(batches)

@@ -131,6 +131,9 @@ def test_pipelined_loss_equals_transformers_and_verify_is_exact(folders: dict[st
         (ds, _config("deepseek_v3", ds[1], "1f1b", memory={"zero_memory": "level1"}, balancer={"kind": "eplb", "redundant": 1})),
         (qw, _config("qwen3_moe", qw[1], "zb1p", memory={"recompute": "moe"}, balancer={"kind": "lplb", "redundant": 1})),
         (ds, _config("deepseek_v3", ds[1], "dualpipe", memory={"recompute": "full"}, overlap=False)),
+        (ds, _config("deepseek_v3", ds[1], "dualpipe", memory={"recompute": ["norms", "moe"]})),
+        (ds, _config("deepseek_v3", ds[1], "interleaved", memory={"recompute": "norms", "zero_memory": "level0"})),
+        (qw, _config("qwen3_moe", qw[1], "dualpipev", memory={"recompute": "norms"})),
     ]
     reports = verify_many([c for _, c in cases])
     for (hf, config), report in zip(cases, reports):

@@ -26,8 +26,11 @@ def test_each_combination_that_cannot_work_is_one_line() -> None:
     assert _lines(format="tokens", path="a", val_sources=[{"path": "v"}], val_fraction=0.1) == [
         "data.val_fraction: 0.1 has no effect: data.val_sources is the validation data; remove it"]
     assert _lines(format="tokens", path="a", mask_eos_loss=True, mtp=True) == [
-        "data.mask_eos_loss: not supported with multi-token prediction (model.mtp_layers 1): its rows straddle documents; "
-        "set model.mtp_layers: 0 or data.mask_eos_loss: false"]
+        "data.mask_eos_loss: with multi-token prediction (model.mtp_layers 1) it needs data.document_mask: true (the targets it "
+        "leaves out are tokens the prediction modules embed, which only rows kept apart by the document mask may do without)"]
+    for eos in (False, True):
+        assert load_config({"data": {"format": "tokens", "path": "a", "document_mask": True, "mask_eos_loss": eos},
+                            "model": {"mtp_layers": 2}}).data.document_mask
     assert _lines(format="tokens", sources=[{"path": "a", "weight": 0}]) == ["data.sources[0].weight: 0: Input should be greater than 0"]
     assert _lines(format="tokens", sources=[{"weight": 1}]) == ["data.sources[0].path: Field required"]
     assert _lines(format="tokens", sources=[{"path": "a", "weight": "2"}]) == [

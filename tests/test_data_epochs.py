@@ -136,6 +136,22 @@ def test_the_documents_of_each_sample_as_megatrons_eod_rules_find_them(tmp_path:
                 assert [t == IGNORE for t in y] == [t == EOS for t in x]
 
 
+def test_the_kept_targets_are_counted_over_the_whole_global_batch_from_the_index(tmp_path: Path) -> None:
+    """data.mask_eos_loss divides each micro-batch's loss by the step's kept targets per
+    micro-batch: every replica's targets that are not IGNORE, over all micro-batches, the same
+    whatever the layout; a blend, the random sampling and a validation source alike."""
+    a, b = write_dataset(tmp_path / "a", random_docs(6, 80)), write_dataset(tmp_path / "b", random_docs(7, 50))
+    blend = Batches(config(sources=[{"path": str(a), "weight": 2}, {"path": str(b), "weight": 1}], mask_eos_loss=True))
+    random = Batches(config(path=str(a), sampling="random", mask_eos_loss=True))
+    for data, split in ((blend, "train"), (blend, "val"), (random, "train")):
+        for step in range(4):
+            for replicas, mbs, size in ((2, 2, 2), (1, 8, 1), (4, 1, 2)):
+                targets = torch.cat([mb[1] for r in range(replicas) for mb in data.microbatches(step, r, replicas, mbs, size, 8, split=split, source=1)])
+                kept = data.kept_per_microbatch(step, replicas, mbs, size, 8, split=split, source=1)
+                assert kept == int((targets != IGNORE).sum()) / (replicas * mbs) and int((targets == IGNORE).sum()) > 0, (split, step)
+    assert Batches(config(path=str(a))).kept_per_microbatch(0, 2, 2, 2, 8) is None  # every target counts: each micro-batch's mean
+
+
 def test_validation_sources_are_read_one_at_a_time(tmp_path: Path) -> None:
     a = write_dataset(tmp_path / "a", random_docs(4, 30))
     v1 = write_dataset(tmp_path / "v1", [[50] * 20 + [EOS]] * 5)

@@ -1,6 +1,6 @@
 """A step's batch is a function of (seed, sources, global batch, step): 40 steps straight on one
 layout, against 20 steps then a resume to 40 on another, see the same samples and the same
-losses, with a blend, epochs and document masking on (float64, 2 gloo ranks)."""
+losses, with a blend, epochs, document masking and a prediction module on (float64, 2 gloo ranks)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from portapipe.config import load_config
 from .test_data_epochs import random_docs, write_dataset
 
 MODEL = {"hidden": 16, "n_layers": 2, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16, "n_experts": 4, "top_k": 2,
-         "seq_len": 16, "dtype": "float64", "vocab_size": 100}
+         "seq_len": 16, "dtype": "float64", "vocab_size": 100, "mtp_layers": 1}
 LAYOUTS = {  # both a global batch of 8 sequences
     "A": {"parallel": {"pp": 2, "ep": 1, "dp": 1}, "schedule": {"name": "1f1b", "microbatches": 4}, "train": {"micro_batch_size": 2}},
-    "B": {"parallel": {"pp": 1, "ep": 2, "dp": 1}, "schedule": {"name": "1f1b", "microbatches": 2}, "train": {"micro_batch_size": 2}},
+    # micro-batches of 4 samples, not 2: data.mask_eos_loss's mean is the global batch's, however it is cut
+    "B": {"parallel": {"pp": 1, "ep": 2, "dp": 1}, "schedule": {"name": "1f1b", "microbatches": 1}, "train": {"micro_batch_size": 4}},
 }
 
 

@@ -139,12 +139,13 @@ def fp8_config(**sections: dict[str, Any]) -> Any:
 @pytest.mark.multiproc
 def test_every_memory_option_gives_the_plain_fp8_step_bit_for_bit() -> None:
     """Zero-memory level0 / level1 (the FP8 rows and scales dropped and fetched again through the
-    wire), recompute moe (the dispatch replayed in FP8): the loss and every gradient of the plain
+    wire), recompute moe (the dispatch replayed in FP8), recompute norms (with moe, with level1): the loss and every gradient of the plain
     FP8 step, bit for bit; the F&B overlap off changes nothing either."""
     from portapipe.verify.pipelined import rank_step
 
     configs = [fp8_config(), fp8_config(memory={"zero_memory": "level0"}), fp8_config(memory={"zero_memory": "level1"}),
-               fp8_config(memory={"recompute": "moe"}), fp8_config(schedule={"overlap": False})]
+               fp8_config(memory={"recompute": "moe"}), fp8_config(schedule={"overlap": False}),
+               fp8_config(memory={"recompute": ["norms", "moe"]}), fp8_config(memory={"recompute": "norms", "zero_memory": "level1"})]
     per_rank = run_ranks(rank_step, 2, [c.to_dict() for c in configs], False)
     for rank in per_rank:
         plain = rank[0]
@@ -183,18 +184,20 @@ def test_the_pipelined_fp8_step_is_the_one_process_fp8_step() -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_verify_with_fp8_every_schedule_mtp_eplb_lplb() -> None:
+@pytest.mark.parametrize("cached", [False, True], ids=["fp8", "fp8-activations"])
+def test_verify_with_fp8_every_schedule_mtp_eplb_lplb(cached: bool) -> None:
     """``portapipe verify`` of an FP8 config checks the recipe (whatever --precision): the pipelined
     step equals the one-process FP8 step (within the measured noise floor; here bit for bit), every
     schedule on pp 2 x ep 2 with a multi-token prediction module, EPLB's redundant experts and LPLB;
-    the distance from the unquantized float64 step is reported beside."""
+    the distance from the unquantized float64 step is reported beside. The same with FP8-cached
+    activations (``memory.fp8_activations``): the one-process step caches them too."""
     from portapipe.verify import verify_many
 
-    model = {"n_layers": 4, "mtp_layers": 1}
+    model, memory = {"n_layers": 4, "mtp_layers": 1}, {"fp8_activations": cached}
     sched = {"1f1b": {}, "zb1p": {}, "interleaved": {"chunks": 2}, "dualpipe": {"microbatches": 4}, "dualpipev": {"microbatches": 4}}
-    configs = [fp8_config(parallel={"pp": 2, "ep": 2}, schedule={"name": name, "microbatches": 2, **extra}, model=model)
+    configs = [fp8_config(parallel={"pp": 2, "ep": 2}, schedule={"name": name, "microbatches": 2, **extra}, model=model, memory=memory)
                for name, extra in sched.items()]
-    configs += [fp8_config(parallel={"pp": 2, "ep": 2}, schedule={"microbatches": 4}, model=model, balancer=b)
+    configs += [fp8_config(parallel={"pp": 2, "ep": 2}, schedule={"microbatches": 4}, model=model, balancer=b, memory=memory)
                 for b in ({"kind": "eplb", "redundant": 1, "interval": 1000}, {"kind": "lplb", "redundant": 1})]
     for report in verify_many(configs):
         s = report.summary()

@@ -62,8 +62,8 @@ def test_allowed_bfloat16_moments_are_chosen_only_where_the_users_do_not_fit():
     assert roomy.ranked and all(c.setup.moments_dtype == "auto" for c in roomy.ranked)
     user = roomy.user  # pp 4 x dp 1: no zero stage can shard it, only the moments' dtype can make it fit
     tight_budget = user.memory.peak - user.memory.ranks[user.memory.worst_rank].optimizer / 4
-    without = plan(cfg, 4, tight_budget, prof, keep=500)
-    allowed = plan(cfg, 4, tight_budget, prof, keep=500, allow=("moments_dtype",))
+    without = plan(cfg, 4, tight_budget, prof, keep=1000)  # every candidate that fits: none cut by the keep
+    allowed = plan(cfg, 4, tight_budget, prof, keep=1000, allow=("moments_dtype",))
     fit_f32 = {c.setup for c in without.ranked}
     chosen = [c for c in allowed.ranked if c.setup.moments_dtype == "bfloat16"]
     assert chosen and all(c.setup.replace(moments_dtype="auto") not in fit_f32 for c in chosen)  # chosen only where needed

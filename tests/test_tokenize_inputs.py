@@ -152,3 +152,67 @@ def test_a_killed_write_leaves_no_dataset_and_a_second_run_replaces_the_first(co
     assert _run(capsys, str(corpus / "b.txt"), str(stray), "--tokenizer", str(TOKENIZER), "--eos", EOS)[1] == [
         f"portapipe: tokenize: OUT {stray} is a folder holding other files; name a new folder (or an earlier dataset, which is replaced)"]
     assert np.array_equal(np.fromfile(out / "documents.bin", dtype="<i8")[:1], [0])
+
+
+def _reader_state(skip_bad: bool = False) -> None:
+    from portapipe.data import writer
+
+    writer._init(str(TOKENIZER), int(EOS), "uint16", "text", skip_bad)
+
+
+def test_pyarrow_reads_good_jsonl_and_hands_anything_else_to_the_line_reader(tmp_path: Path) -> None:
+    """The fast reader gives json.loads' texts for good lines (escapes, blank lines, CRLF, other
+    fields of any kind, no final newline) and declines every chunk the line reader must judge:
+    its verdict (the error with the line, or the skipped count) is then the one given."""
+    pytest.importorskip("pyarrow")
+    from portapipe.data import writer
+    from portapipe.data.readers import Chunk
+
+    _reader_state()
+    good = (DOCS[0] + "\r\n\n   \n" + json.dumps({"meta": {"a": [1, {"b": None}], "n": 1e300}, "text": "caf\u00e9 \"q\"\n\\"}) + "\n"
+            + '{"text": "\\ud83d\\ude00", "x": NaN}\n' + DOCS[1]).encode()
+    texts = [json.loads(line)["text"] for line in good.split(b"\n") if line.strip()]
+    assert writer._jsonl_arrow(good) == texts  # read by pyarrow, not declined
+    assert writer._jsonl(Chunk(0, "jsonl", "g.jsonl", good, 1), writer.Encoded()) == texts
+    declined = {
+        "two objects on a line": b'{"text": "a"}{"text": "b"}\n',
+        "not UTF-8 in another field": b'{"text": "a", "s": "\xff"}\n',
+        "a number": b'{"text": 5}\n', "null": b'{"text": null}\n', "no field": b'{"body": "a"}\n', "not an object": b'"a"\n',
+        "a lone surrogate": b'{"text": "\\ud800"}\n', "not JSON": b'{not json\n', "the field twice": b'{"text": "a", "text": "b"}\n',
+    }
+    for what, line in declined.items():
+        data = (DOCS[0] + "\n").encode() + line + (DOCS[1] + "\n").encode()
+        assert writer._jsonl_arrow(data) is None, what
+    # the line reader's verdict stands: the line named, or the line skipped and counted
+    with pytest.raises(ValueError, match=r"^t\.jsonl:12: not JSON"):
+        writer._jsonl(Chunk(0, "jsonl", "t.jsonl", (DOCS[0] + '\n{"text": "a"}{"text": "b"}\n').encode(), 11), writer.Encoded())
+    _reader_state(skip_bad=True)
+    skipped = writer.Encoded()
+    both = (DOCS[0] + "\n" + '{"text": 5}\n' + DOCS[1] + "\n").encode()
+    assert writer._jsonl(Chunk(0, "jsonl", "t.jsonl", both, 1), skipped) == [TEXTS[0], TEXTS[1]] and skipped.bad == 1
+    duplicate = writer.Encoded()
+    assert writer._jsonl(Chunk(0, "jsonl", "t.jsonl", b'{"text": "a", "text": "b"}\n', 1), duplicate) == ["b"]  # json.loads: the last
+
+
+def test_every_worker_encodes_on_one_thread_and_the_callers_setting_is_kept(corpus: Path, tmp_path: Path, monkeypatch) -> None:
+    """--workers N keeps N cores busy: the tokenizers library's own thread pool is off while
+    encoding, in the main process with one worker too, and the caller's setting is back after."""
+    from portapipe.data import writer
+    from portapipe.data.readers import expand
+
+    seen = []
+    encode = writer._encode
+
+    def recording(texts: list[str]) -> list[list[int]]:
+        seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+        return encode(texts)
+
+    monkeypatch.setattr(writer, "_encode", recording)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    writer.write_dataset(expand([str(corpus / "a" / "1.jsonl")]), tmp_path / "one", writer.Options(TOKENIZER, eos=int(EOS), workers=1))
+    assert seen and set(seen) == {"false"} and os.environ["TOKENIZERS_PARALLELISM"] == "true"
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    writer.write_dataset(expand([str(corpus / "a" / "1.jsonl")]), tmp_path / "two", writer.Options(TOKENIZER, eos=int(EOS), workers=1))
+    assert "TOKENIZERS_PARALLELISM" not in os.environ
+    writer._init(str(TOKENIZER), int(EOS), "uint16", "text", False)  # what a worker process runs first
+    assert os.environ.pop("TOKENIZERS_PARALLELISM") == "false"

@@ -22,21 +22,22 @@ from portapipe.scheduling.wgrad import WeightGradQueue
 MODEL = {"n_layers": 3, "n_dense": 1, "dtype": "float64", "hidden": 32, "n_heads": 4, "moe_hidden": 16, "top_k": 4, "n_experts": 8, "seq_len": 12}
 
 
-def one_block(memory: dict[str, Any], ep: ExpertParallel | None = None) -> Any:
-    """The whole model as one block in this process (EP size 1 unless ``ep``), with memory options applied."""
-    cfg = load_config({"model": MODEL, "schedule": {"name": "1f1b", "microbatches": 1}, "memory": memory})
+def one_block(memory: dict[str, Any], ep: ExpertParallel | None = None, model: dict[str, Any] | None = None) -> Any:
+    """The whole model (``model``, default MODEL) as one block in this process (EP size 1 unless
+    ``ep``), with memory options applied."""
+    cfg = load_config({"model": model or MODEL, "schedule": {"name": "1f1b", "microbatches": 1}, "memory": memory})
     block = build_blocks(cfg.model, [0], 1, ep or ExpertParallel(CPUBackend()), seed=7)[0]
     configure({0: block}, cfg.memory)
     return block
 
 
-def pipelined_step(memory: dict[str, Any], held_after: int = 0, by_part: bool = False) -> dict[str, Any]:
+def pipelined_step(memory: dict[str, Any], held_after: int = 0, by_part: bool = False, model: dict[str, Any] | None = None) -> dict[str, Any]:
     """Three micro-batches as a zero-bubble rank runs them: F0 F1 B0 F2 B1 W0 B2 W1 W2.
 
     Returns the losses, the parameters' gradients, the expert loads, and the bytes each layer
     (or each ``"<layer>.<part>"``) held for backward after micro-batch ``held_after``'s forward.
     """
-    block = one_block(memory)
+    block = one_block(memory, model=model)
     label_layers([block], by_part=by_part)
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 256, (2, MODEL["seq_len"] + 1), generator=g) for _ in range(3)]
@@ -174,6 +175,9 @@ OPTIONS = {
     "recompute_moe": {"recompute": "moe"},
     "recompute_full": {"recompute": "full"},
     "full1_level1": {"recompute": "full", "recompute_layers": 1, "zero_memory": "level1"},
+    "norms": {"recompute": "norms"},
+    "norms_moe": {"recompute": ["norms", "moe"]},
+    "norms_level1": {"recompute": "norms", "zero_memory": "level1"},
 }
 SCHEDULES = ("dualpipev", "interleaved")
 # Lone-action schedules (every F, B and BW alone: each hides its exchanges behind its own
@@ -185,6 +189,9 @@ LONE = {
     ("zb1p", "level0"): {"name": "zb1p"},
     ("zb1p", "recompute_full"): {"name": "zb1p"},
     ("dualpipev_no_w_split", "recompute_moe"): {"name": "dualpipev", "w_split": False},
+    ("1f1b", "norms"): {"name": "1f1b"},
+    ("zb1p", "norms_moe"): {"name": "zb1p"},
+    ("dualpipev_no_w_split", "norms_level1"): {"name": "dualpipev", "w_split": False},
 }
 
 

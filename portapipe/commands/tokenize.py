@@ -6,8 +6,9 @@ parquet with --field the column; a folder saved by Hugging Face ``datasets.save_
 the Hugging Face tokenizer in DIR (its ``tokenizer.json``, or that file), and writes the dataset
 folder OUT that ``data.format: tokens`` reads: the ids back to back (uint16 when the vocabulary
 has at most 65,536 tokens, else uint32), the EOS id after every document, a document index and
-``dataset.json`` describing it all (docs/training.md). --workers processes encode in parallel;
-the output is the same bytes for any number of them.
+``dataset.json`` describing it all (docs/training.md). --workers processes encode in parallel,
+each on one thread (the tokenizers library's own thread pool is off, so N workers keep N cores
+busy); the output is the same bytes for any number of them.
 
 The EOS is --eos ID, else the tokenizer's own (the ``eos_token`` of a ``tokenizer_config.json``
 beside it, or a special token such as ``<|endoftext|>``); a tokenizer with neither needs --eos.

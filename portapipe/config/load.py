@@ -94,10 +94,10 @@ def _data_rules(c: Config) -> list[str]:
         out.append(f"data.sampling: random draws windows from one source; data.sources has {len(d.sources)} (use sampling epochs for a blend)")
     if d.val_sources is not None and d.val_fraction != _default(DataConfig, "val_fraction"):
         out.append(f"data.val_fraction: {d.val_fraction} has no effect: data.val_sources is the validation data; remove it")
-    for key in ("document_mask", "mask_eos_loss"):
-        if getattr(d, key) and c.model.mtp_layers:
-            out.append(f"data.{key}: not supported with multi-token prediction (model.mtp_layers {c.model.mtp_layers}): its rows "
-                       f"straddle documents; set model.mtp_layers: 0 or data.{key}: false")
+    if d.mask_eos_loss and c.model.mtp_layers and not d.document_mask:
+        out.append(f"data.mask_eos_loss: with multi-token prediction (model.mtp_layers {c.model.mtp_layers}) it needs "
+                   "data.document_mask: true (the targets it leaves out are tokens the prediction modules embed, which only rows "
+                   "kept apart by the document mask may do without)")
     return out
 
 

@@ -125,8 +125,8 @@ def _memory_layers_need_option(x: Setup) -> list[str]:
         f"memory.zero_memory_layers: {x.zero_memory_layers} is set but memory.zero_memory is off (set level0 or level1)",
     )
     return out + _one(
-        x.recompute_layers is not None and x.recompute == "none",
-        f"memory.recompute_layers: {x.recompute_layers} is set but memory.recompute is none (set moe or full)",
+        x.recompute_layers is not None and x.recompute == "none" and not x.recompute_norms,
+        f"memory.recompute_layers: {x.recompute_layers} is set but memory.recompute is none (set norms, moe or full)",
     )
 
 
@@ -260,6 +260,13 @@ def _fp8_matmul(x: Setup) -> list[str]:
     return [problems[0]] if problems and all(problems) else []
 
 
+def _fp8_activations(x: Setup) -> list[str]:
+    """FP8-cached activations keep what the FP8 GEMMs made: without train.fp8 there is none."""
+    off = x.train is None or x.train.fp8 == "off"
+    return _one(x.fp8_activations and off, "memory.fp8_activations: true keeps the FP8 rows the FP8 GEMMs make, "
+                "but train.fp8 is off: set train.fp8: deepseek or memory.fp8_activations: false")
+
+
 def _model_dtype(x: Setup) -> list[str]:
     if x.backend == "auto":
         return []
@@ -363,6 +370,7 @@ RULES: tuple[Rule, ...] = (
     Rule("known-backend", "backend", "backends are built in or registered as plug-ins", _known_backend),
     Rule("ep-transport", "backend", "each backend declares its expert transports (capabilities.ep_transports); every backend has all-to-all", _transport),
     Rule("fp8-matmul", "backend", "train.fp8 runs its GEMMs through the backend's FP8 matmul (capabilities.fp8_matmul: blockwise or emulated)", _fp8_matmul),
+    Rule("fp8-activations-need-fp8", "memory", "FP8-cached activations keep the FP8 values and scales the FP8 GEMMs make (train.fp8)", _fp8_activations),
     Rule("model-dtype", "backend", "the model computes in a dtype the backend's matmul takes (capabilities.compute_dtypes)", _model_dtype),
     Rule("reduce-dtype", "backend", "the replicas' gradients are summed in a dtype the backend's collectives reduce (capabilities.reduce_dtypes)", _reduce_dtype),
     Rule("overlap-needs-pairs", "schedule", "the F&B overlap hides one micro-batch's all-to-all behind another's compute; 1F1B and ZB1P run no pairs", _overlap_needs_pairs, "note"),

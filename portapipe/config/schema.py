@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .kinds import kind_problem
 from .model_rules import ARCH_DEFAULTS, ARCH_KEYS, model_problems
-from .setup import n_model_blocks, split_of
+from .setup import RECOMPUTE_PARTS, n_model_blocks, recompute_norms, recompute_segment, split_of
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
 
@@ -227,8 +227,42 @@ class MemoryConfig(_Section):
         return "off" if v is False else v
 
     zero_memory_layers: int | None = Field(None, ge=1, description="MoE layers per stage using it (default all)")
-    recompute: Literal["none", "moe", "full"] = "none"
+    recompute: Literal["none", "norms", "moe", "full", "norms+moe"] = Field(
+        "none",
+        description="what is recomputed in the backward instead of kept: norms (the RMSNorms' outputs and MLA's "
+        "up-projected queries, keys and values), moe (an MoE layer after its attention), full (whole layers), or "
+        "norms and moe together: the list [norms, moe] (read as norms+moe)",
+    )
     recompute_layers: int | None = Field(None, ge=1, description="layers per stage recomputed (default all)")
+    fp8_activations: bool = Field(
+        False,
+        description="with train.fp8: each FP8 Linear keeps its input for the weight gradient as the FP8 values and 1x128 scales "
+        "its forward made, and each FFN's activation keeps its input in FP8 and remakes its output in the backward "
+        "(DeepSeek-V3's FP8-cached activations; docs/fp8.md)",
+    )
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        # A list of parts is one choice: [norms, moe] in either order (full already drops the norms).
+        if isinstance(v, (list, tuple)):
+            if "full" in v and len(v) > 1:
+                raise ValueError(f"full recomputes whole layers, their norms included: write full alone, not {list(v)}")
+            if not v or len(set(map(str, v))) != len(v) or not set(v) <= set(RECOMPUTE_PARTS):
+                raise ValueError(f"a list of recompute parts holds {' and '.join(RECOMPUTE_PARTS)}, each once; got {list(v)}")
+            return "+".join(p for p in RECOMPUTE_PARTS if p in v)
+        return v
+
+    @property
+    def segment(self) -> str:
+        """The segment recomputed from a layer's input: ``none``, ``moe`` or ``full`` (norms apart)."""
+        return recompute_segment(self.recompute)
+
+    @property
+    def norms(self) -> bool:
+        """Whether the norms' outputs and MLA's up-projections are recomputed."""
+        return recompute_norms(self.recompute)
+
 
 
 class LrPhase(_Section):
@@ -432,11 +466,12 @@ class DataConfig(_Section):
     )
     document_mask: bool = Field(
         False, description="tokens with document boundaries: attention stays inside each document of a sample and positions (RoPE) "
-        "restart at each (Megatron's reset_attention_mask + reset_position_ids)"
+        "restart at each (Megatron's reset_attention_mask + reset_position_ids); the multi-token prediction modules' rows too"
     )
     mask_eos_loss: bool = Field(
         False, description="tokens with document boundaries: leave out of the loss the prediction made at each document's end "
-        "(its EOS) of the next document's first token (Megatron's eod_mask_loss)"
+        "(its EOS) of the next document's first token (Megatron's eod_mask_loss); the loss is the mean over the global batch's kept targets; "
+        "with model.mtp_layers it needs document_mask"
     )
     allow_changed_sources: bool = Field(
         False, description="resume a checkpoint whose sources (list, weights, files) differ from these; its later batches then differ "

@@ -126,6 +126,27 @@ def paired_blocks(pair_forwards: bool, overlap: bool, ep: int, model: Any, n_blo
     return [b for b, (lo, hi) in enumerate(ranges) if hi > max(lo, model.n_dense)]
 
 
+#: the parts a ``memory.recompute`` list may hold, in the order its written form names them
+RECOMPUTE_PARTS = ("norms", "moe")
+
+
+def recompute_segment(recompute: str) -> str:
+    """``memory.recompute`` without its norms: ``none``, ``moe`` or ``full``."""
+    rest = [p for p in recompute.split("+") if p != "norms"]
+    return rest[0] if rest else "none"
+
+
+def recompute_norms(recompute: str) -> bool:
+    return "norms" in recompute.split("+")
+
+
+def recompute_value(segment: str, norms: bool) -> str:
+    """``memory.recompute`` as a config writes it, from its segment and whether norms are recomputed."""
+    if not norms:
+        return segment
+    return "norms" if segment == "none" else f"norms+{segment}"
+
+
 @dataclass(frozen=True)
 class Setup:
     pp: int
@@ -137,8 +158,10 @@ class Setup:
     micro_batch_size: int = 4
     zero_memory: str = "off"
     zero_memory_layers: int | None = None
-    recompute: str = "none"
+    recompute: str = "none"  # the segment (none, moe, full); the norms are recompute_norms
     recompute_layers: int | None = None
+    recompute_norms: bool = False
+    fp8_activations: bool = False  # memory.fp8_activations
     overlap: bool = True
     w_split: bool = True
     pair_forwards: bool = False
@@ -165,10 +188,20 @@ class Setup:
         return cls(
             pp=p.pp, ep=p.ep, dp=p.dp, schedule=s.name, microbatches=s.microbatches, chunks=s.chunks,
             micro_batch_size=c.train.micro_batch_size, zero_memory=mem.zero_memory, zero_memory_layers=mem.zero_memory_layers,
-            recompute=mem.recompute, recompute_layers=mem.recompute_layers, overlap=s.overlap, w_split=s.w_split,
+            recompute=mem.segment, recompute_layers=mem.recompute_layers, recompute_norms=mem.norms, fp8_activations=mem.fp8_activations, overlap=s.overlap, w_split=s.w_split,
             pair_forwards=s.pair_forwards, world_size=p.world_size, zero_stage=c.train.zero_stage, moments_dtype=c.train.moments_dtype, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
             backend_options=c.backend_options, layers_per_stage=split_of(p.layers_per_stage),
         )
+
+    @property
+    def segment(self) -> str:
+        """As ``MemoryConfig.segment`` (the memory policy reads either)."""
+        return self.recompute
+
+    @property
+    def norms(self) -> bool:
+        """As ``MemoryConfig.norms``."""
+        return self.recompute_norms
 
     def replace(self, **changes: Any) -> Setup:
         if "model" in changes:
@@ -215,10 +248,14 @@ class Setup:
         ``recompute moe + zero1`` (the optimizer sharded: ``train.zero_stage``), ``+ bf16 moments``
         (``train.moments_dtype``)."""
         parts = []
+        if self.recompute_norms:
+            parts.append("recompute norms")
         if self.recompute != "none":
             parts.append(f"recompute {self.recompute}" + (f" x{self.recompute_layers}" if self.recompute_layers else ""))
         if self.zero_memory != "off":
             parts.append(self.zero_memory + (f" x{self.zero_memory_layers}" if self.zero_memory_layers else ""))
+        if self.fp8_activations:
+            parts.append("fp8 activations")
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}")
         if self.moments_dtype == "bfloat16":
@@ -233,7 +270,8 @@ class Setup:
             "schedule.overlap": self.overlap, "schedule.w_split": self.w_split, "schedule.pair_forwards": self.pair_forwards,
             "train.micro_batch_size": self.micro_batch_size, "train.zero_stage": self.zero_stage, "train.moments_dtype": self.moments_dtype,
             "memory.zero_memory": self.zero_memory, "memory.zero_memory_layers": self.zero_memory_layers,
-            "memory.recompute": self.recompute, "memory.recompute_layers": self.recompute_layers,
+            "memory.recompute": recompute_value(self.recompute, self.recompute_norms), "memory.recompute_layers": self.recompute_layers,
+            "memory.fp8_activations": self.fp8_activations,
             "parallel.layers_per_stage": split_value(self.layers_per_stage),
         }
 

@@ -32,7 +32,7 @@ import torch
 from .blend import Blend
 from .corpus import Corpus, Part, checked_corpus
 from .epochs import samples_in, window_starts
-from .samples import MicroBatch, make_microbatches
+from .samples import MicroBatch, kept_targets, make_microbatches
 from .sources import Source
 
 Split = Literal["train", "val"]
@@ -62,6 +62,11 @@ def source_names(parts: list[Part]) -> list[str]:
         name = part.source.name
         names.append(name if name not in names else f"{name}#{len(names)}")
     return names
+
+
+def _offsets(part: Part, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """``[n, seq_len + 1]``: the source offsets of the tokens of windows starting at ``starts`` in ``part``."""
+    return (part.lo + starts)[:, None] + np.arange(seq_len + 1, dtype=np.int64)
 
 
 class Batches:
@@ -134,27 +139,52 @@ class Batches:
         ``replicas x n_microbatches x micro_batch_size`` samples; replica r gets the r-th
         contiguous share. ``split="val"`` draws from validation part ``source`` alone.
         """
-        parts = self.parts(split)
         if not 0 <= replica < replicas:
             raise ValueError(f"replica {replica} is outside 0..{replicas - 1}")
         n = n_microbatches * micro_batch_size
-        mine = np.arange(replica * n, (replica + 1) * n, dtype=np.int64)
+        parts = self.parts(split)
+        which, starts = self._chosen(step, np.arange(replica * n, (replica + 1) * n, dtype=np.int64), replicas * n, seq_len, split, source)
+        windows, flags = self._windows(parts, which, starts, seq_len)
+        return make_microbatches(windows, flags, n_microbatches, self.document_mask, self.mask_eos_loss)
+
+    def kept_per_microbatch(
+        self, step: int, replicas: int, n_microbatches: int, micro_batch_size: int, seq_len: int, split: Split = "train", source: int = 0
+    ) -> float | None:
+        """Under ``data.mask_eos_loss``: the targets the loss keeps in step ``step``'s global batch
+        (every replica's share), over its ``replicas x n_microbatches`` micro-batches, which each
+        micro-batch's summed loss is divided by (:mod:`.samples`); None without the option. Read
+        from the document index alone, the tokens untouched."""
+        if not self.mask_eos_loss:
+            return None
+        total = replicas * n_microbatches * micro_batch_size
+        parts = self.parts(split)
+        which, starts = self._chosen(step, np.arange(total, dtype=np.int64), total, seq_len, split, source)
+        kept = 0
+        for d in np.unique(which):
+            at = which == d
+            offsets = _offsets(parts[d], starts[at], seq_len)
+            kept += kept_targets(parts[d].source.document_start(offsets) == offsets)
+        return kept / (replicas * n_microbatches)
+
+    def _chosen(self, step: int, mine: np.ndarray, total: int, seq_len: int, split: Split, source: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the part, the window start) of samples ``mine`` of step ``step``'s ``total``."""
+        parts = self.parts(split)
+        n = len(mine)
         if split == "val":
             if not 0 <= source < len(parts):
                 raise ValueError(f"validation source {source} is outside 0..{len(parts) - 1}")
             which = np.full(n, source, dtype=np.int64)
-            starts = self._starts(parts[source], step * replicas * n + mine, step, replicas * n, seq_len, ("val", source), mine)
+            starts = self._starts(parts[source], step * total + mine, step, total, seq_len, ("val", source), mine)
         elif self.sampling == "random":
             which = np.zeros(n, dtype=np.int64)
-            starts = self._starts(parts[0], None, step, replicas * n, seq_len, ("train", 0), mine)
+            starts = self._starts(parts[0], None, step, total, seq_len, ("train", 0), mine)
         else:
-            which, k = self.blend.assign(step * replicas * n + mine)
+            which, k = self.blend.assign(step * total + mine)
             starts = np.empty(n, dtype=np.int64)
             for d in np.unique(which):
                 at = which == d
-                starts[at] = self._starts(parts[d], k[at], step, replicas * n, seq_len, ("train", int(d)), mine)
-        windows, flags = self._windows(parts, which, starts, seq_len)
-        return make_microbatches(windows, flags, n_microbatches, self.document_mask, self.mask_eos_loss)
+                starts[at] = self._starts(parts[d], k[at], step, total, seq_len, ("train", int(d)), mine)
+        return which, starts
 
     def _starts(self, part: Part, k: np.ndarray | None, step: int, total: int, seq_len: int, tag: tuple[str, int],
                 mine: np.ndarray) -> np.ndarray:
@@ -180,7 +210,7 @@ class Batches:
         for d in np.unique(which):
             at = which == d
             part = parts[d]
-            offsets = (part.lo + starts[at])[:, None] + np.arange(span, dtype=np.int64)
+            offsets = _offsets(part, starts[at], seq_len)
             windows[at] = np.asarray(part.source.tokens)[offsets]  # a plain view: memmap's indexing costs more
             if flags is not None:
                 flags[at] = part.source.document_start(offsets) == offsets

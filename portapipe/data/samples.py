@@ -12,7 +12,12 @@ window comes with a flag on each token that starts a document, and the micro-bat
   (Megatron's ``reset_attention_mask`` and ``reset_position_ids``).
 - ``data.mask_eos_loss``: each target that starts a document (the prediction made at the end of
   the previous document, at its EOS) becomes :data:`IGNORE`, which the cross-entropy leaves out
-  (Megatron's ``eod_mask_loss``). A micro-batch's loss is then the mean over its other targets.
+  (Megatron's ``eod_mask_loss``). The step's loss is then the mean over the *global batch's* kept
+  targets (:func:`kept_targets`), as Megatron's: each micro-batch's summed cross-entropy is divided
+  by the kept targets per micro-batch of the whole step, so the mean over micro-batches and
+  replicas is that global mean, whatever micro-batches and replicas the batch is cut into (a mean
+  per micro-batch would weigh a target by how many others its micro-batch kept, which changes
+  with ``micro_batch_size``).
 """
 
 from __future__ import annotations
@@ -55,3 +60,9 @@ def make_microbatches(
     # each micro-batch in storage of its own: a row slice of the whole batch would keep every
     # micro-batch's tokens alive with the one a stage saves for its backward (and count them there)
     return [tuple(p[m * rows : (m + 1) * rows].clone(memory_format=torch.contiguous_format) for p in parts) for m in range(n_microbatches)]
+
+
+def kept_targets(starts: np.ndarray) -> int:
+    """The targets ``data.mask_eos_loss`` keeps in windows whose document starts are ``starts[n,
+    seq_len + 1]``: every target but those starting a document."""
+    return int(starts[:, 1:].size - np.count_nonzero(starts[:, 1:]))

@@ -6,8 +6,10 @@ special tokens) and the document lengths; the main process writes the results *i
 into the folder (:mod:`.folder`) as they come. At most ``2 x workers + 2`` chunks are in flight,
 so memory stays bounded whatever the corpus, and the output is the same bytes for any number of
 workers (a chunk's tokens depend on the chunk alone). With one worker the chunks are encoded in
-the main process (the tokenizers library then uses its own threads; with several workers each
-runs single-threaded).
+the main process. Every worker runs the tokenizer on one thread (the tokenizers library's own
+thread pool is switched off), so ``workers`` is the number of cores busy encoding. A jsonl chunk
+is parsed by pyarrow's JSON reader; a chunk it does not read as objects with text at the field
+is read again line by line, which names the bad line (see :func:`_jsonl`).
 
 Every document ends with the EOS id. Empty documents (an empty text, a blank jsonl string) are
 left out and counted. A jsonl line that is not JSON, or lacks the field, stops the write with its
@@ -19,12 +21,13 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import io
+import itertools
 import json
 import multiprocessing
 import os
 import sys
 import time
-from array import array
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +39,6 @@ from . import folder
 from .flat import DTYPES, dtype_for_vocab
 from .readers import Chunk, Input, chunks, table_rows
 from .tokenizer import find_eos, load_tokenizer, sha256, tokenizer_file, vocab_size
-
-_CODES = {"uint16": "H", "uint32": "I"}  # array codes of 2 and 4 bytes on every platform torch runs on
 
 
 @dataclass
@@ -55,12 +56,13 @@ class Encoded:
 
 # ---------------------------------------------------------------------------- the workers
 _STATE: dict[str, Any] = {}
+_PARALLELISM = "TOKENIZERS_PARALLELISM"  # the tokenizers library's switch for its thread pool
 
 
-def _init(tokenizer: str, eos: int, dtype: str, text_field: str, skip_bad: bool, single_threaded: bool) -> None:
-    if single_threaded:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core, not a thread pool each
-    _STATE.update(tokenizer=load_tokenizer(Path(tokenizer)), eos=eos, code=_CODES[dtype], field=text_field, skip_bad=skip_bad,
+def _init(tokenizer: str, eos: int, dtype: str, text_field: str, skip_bad: bool) -> None:
+    # one thread per worker: the tokenizers library's own pool would make N workers N x cores threads
+    os.environ[_PARALLELISM] = "false"
+    _STATE.update(tokenizer=load_tokenizer(Path(tokenizer)), eos=eos, dtype=DTYPES[dtype], field=text_field, skip_bad=skip_bad,
                   saved={})
 
 
@@ -70,38 +72,39 @@ def _encode(texts: list[str]) -> list[list[int]]:
     return [e.ids for e in fast(texts, add_special_tokens=False)]
 
 
-def _documents(texts: list[str], out: Encoded, ids: array) -> None:
-    """Append each non-empty text's ids and the EOS to ``ids``; count the empty ones."""
+def _documents(texts: list[str], out: Encoded) -> np.ndarray:
+    """Each non-empty text's ids followed by the EOS, back to back; counts the empty ones."""
     eos = _STATE["eos"]
     kept = [t for t in texts if t]
     out.empty += len(texts) - len(kept)
-    for doc in _encode(kept):
-        ids.extend(doc)
-        ids.append(eos)
-        out.lengths.append(len(doc) + 1)
+    docs = _encode(kept)
+    for doc in docs:
+        doc.append(eos)
+    out.lengths = [len(doc) for doc in docs]
+    # one pass over the ids, straight into the output's dtype (numpy refuses an id it cannot hold)
+    return np.fromiter(itertools.chain.from_iterable(docs), dtype=_STATE["dtype"], count=sum(out.lengths))
 
 
 def encode_chunk(chunk: Chunk) -> Encoded:
     """A chunk as tokens (in a worker, or in the main process with one worker)."""
     out = Encoded(size=chunk.size)
-    ids = array(_STATE["code"])
     try:
         if chunk.kind == "text":
-            _documents([_decode(chunk)], out, ids)
+            ids = _documents([_decode(chunk)], out)
         elif chunk.kind == "lines":
-            _documents(_decode(chunk).splitlines(), out, ids)
+            ids = _documents(_decode(chunk).splitlines(), out)
         elif chunk.kind == "jsonl":
-            _documents(_jsonl(chunk, out), out, ids)
+            ids = _documents(_jsonl(chunk, out), out)
         else:
-            _documents(_table(chunk), out, ids)
+            ids = _documents(_table(chunk), out)
     except ValueError as exc:
         out.error = str(exc)
         return out
     except OverflowError:
-        out.error = f"{chunk.path}: a token id does not fit {'uint16' if _STATE['code'] == 'H' else 'uint32'}"
+        out.error = f"{chunk.path}: a token id does not fit {_STATE['dtype']}"
         return out
     out.ids = ids.tobytes()
-    out.max_id = max(ids) if ids else 0
+    out.max_id = int(ids.max()) if ids.size else 0
     return out
 
 
@@ -115,6 +118,45 @@ def _decode(chunk: Chunk, lo: int = 0, hi: int | None = None) -> str:
 
 
 def _jsonl(chunk: Chunk, out: Encoded) -> list[str]:
+    """The chunk's documents: pyarrow's JSON reader when every line is an object with text at the
+    field, else (a bad line, a missing field, no pyarrow) line by line, which says what is wrong
+    and where, or skips and counts such lines."""
+    texts = _jsonl_arrow(chunk.data)
+    return texts if texts is not None else _jsonl_lines(chunk, out)
+
+
+def _jsonl_arrow(data: bytes) -> list[str] | None:
+    """Each line's text read by pyarrow (C++, several times json.loads' speed), or None when the
+    lines are not all objects holding a string at the field (the line-by-line reader decides)."""
+    try:
+        import pyarrow as pa
+        import pyarrow.json as pj
+    except ImportError:
+        return None
+    if not data.strip():
+        return None
+    try:
+        data.decode("utf-8")  # pyarrow lets bytes that are not UTF-8 pass in a field it skips; json.loads refuses the line
+    except UnicodeDecodeError:
+        return None
+    key = _STATE["field"]
+    # the field alone, typed: any other field is not parsed into columns, a field of another type is an error
+    parse = pj.ParseOptions(explicit_schema=pa.schema([(key, pa.string())]), unexpected_field_behavior="ignore")
+    try:
+        column = pj.read_json(io.BytesIO(data), parse_options=parse,
+                              read_options=pj.ReadOptions(use_threads=False, block_size=len(data) + 1)).column(0)
+    except (pa.ArrowException, UnicodeDecodeError):  # a bad line somewhere, or a field that is not text
+        return None
+    if column.null_count:  # a line without the field, or with null there
+        return None
+    lines = data.count(b"\n") + (not data.endswith(b"\n"))
+    # pyarrow takes two objects on one line as two rows, json.loads refuses the line: count the lines holding something
+    if len(column) != lines and len(column) != sum(1 for raw in data.split(b"\n") if raw.strip()):
+        return None
+    return column.to_pylist()
+
+
+def _jsonl_lines(chunk: Chunk, out: Encoded) -> list[str]:
     texts = []
     key = _STATE["field"]
     for n, raw in enumerate(chunk.data.split(b"\n"), chunk.first_line):
@@ -248,7 +290,7 @@ def write_dataset(inputs: list[Input], out: Path, options: Options) -> dict[str,
     t0 = time.perf_counter()
     output = _Output(tmp, dtype, inputs)
     try:
-        args = (str(options.tokenizer), eos, dtype, options.field, options.skip_bad, options.workers > 1)
+        args = (str(options.tokenizer), eos, dtype, options.field, options.skip_bad)
         with _progress(options.progress, inputs) as bar:
             for chunk, got in _encoded(chunks(inputs, options.field, options.split_lines), options.workers, args):
                 output.add(chunk, got)
@@ -284,9 +326,16 @@ def _encoded(todo: Any, workers: int, args: tuple[Any, ...]) -> Any:
     """(chunk, its tokens) in input order: in this process for one worker, else in ``workers``
     processes with a bounded number in flight."""
     if workers <= 1:
-        _init(*args)
-        for chunk in todo:
-            yield chunk, encode_chunk(chunk)
+        before = os.environ.get(_PARALLELISM)
+        try:
+            _init(*args)
+            for chunk in todo:
+                yield chunk, encode_chunk(chunk)
+        finally:  # this process's setting as it was (the library reads it at each call)
+            if before is None:
+                os.environ.pop(_PARALLELISM, None)
+            else:
+                os.environ[_PARALLELISM] = before
         return
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_init, initargs=args)

@@ -4,7 +4,8 @@
   saturated before the cast;
 - :mod:`.gemm`: the three GEMMs of a Linear (forward, input gradient, weight gradient), each with
   the tiles the report gives it, through the backend's FP8 matmul;
-- :mod:`.saved`: what an FP8 Linear keeps of its input for the weight gradient;
+- :mod:`.saved`: what an FP8 Linear keeps of its input for the weight gradient (under
+  ``memory.fp8_activations``: the forward's FP8 rows, or nothing where the backward remakes it);
 - :mod:`.dispatch`: the routed experts' rows in FP8 on the wire (dispatch and the gradient back to
   the experts), the rest in the compute dtype.
 

@@ -1,7 +1,8 @@
 """Which layers use which memory option, from the config's ``memory`` section.
 
 ``recompute_layers: N`` recomputes the first N layers of every block (stage); with
-``recompute: moe`` only the MoE layers among them. ``zero_memory_layers: N`` applies
+``recompute: moe`` only the MoE layers among them. ``recompute: norms`` (alone or with moe:
+``[norms, moe]``) applies to the same layers, dense and MoE (:class:`~.remake.NormRecompute`). ``zero_memory_layers: N`` applies
 zero-memory to the first N MoE layers of every block that are not recomputed (a recomputed
 layer keeps nothing to drop). Earlier layers come first because, in every schedule here, a
 stage's first layers hold their activations longest.
@@ -21,6 +22,7 @@ import torch
 from ..config import MemoryConfig
 from ..scheduling.exchange import A2AStats
 from .recompute import Recompute
+from .remake import NormRecompute
 from .zero_memory import ZeroMemory
 
 
@@ -30,6 +32,8 @@ class LayerMemory:
 
     zero_memory: ZeroMemory | None = None
     recompute: Recompute | None = None
+    #: read by the layer's parts (:meth:`~portapipe.models.layer.Layer.remaking`)
+    norms: NormRecompute | None = None
 
     def program(self, layer: Any, tape: Any, x: torch.Tensor, positions: torch.Tensor | None = None) -> Generator[Any, None, torch.Tensor]:
         """The layer's forward program with its memory options applied (``positions``: as the layer's)."""
@@ -53,15 +57,17 @@ def plan_layers(memory: MemoryConfig, is_moe: list[bool]) -> list[LayerMemory | 
     n_zero = len(is_moe) if memory.zero_memory_layers is None else memory.zero_memory_layers
     out: list[LayerMemory | None] = []
     zeroed = 0
+    segment = memory.segment
     for i, moe in enumerate(is_moe):
         rec = None
-        if memory.recompute != "none" and i < n_rec and (memory.recompute == "full" or moe):
-            rec = Recompute(memory.recompute)
+        if segment != "none" and i < n_rec and (segment == "full" or moe):
+            rec = Recompute(segment)
         zm = None
         if rec is None and moe and memory.zero_memory != "off" and zeroed < n_zero:
             zm = ZeroMemory(memory.zero_memory)
             zeroed += 1
-        out.append(LayerMemory(zm, rec) if (zm or rec) else None)
+        norms = NormRecompute() if memory.norms and i < n_rec else None
+        out.append(LayerMemory(zm, rec, norms) if (zm or rec or norms) else None)
     return out
 
 

@@ -44,7 +44,7 @@ import torch
 from ..fp8.quantize import Quantized
 from ..models.expert_parallel import DispatchPlan, ExpertParallel
 from ..scheduling.exchange import A2AStats, Pending, Wire, encoded, free_storage
-from . import accounting
+from .remake import Recipes
 
 
 def dispatch_rows(tokens: torch.Tensor, plan: DispatchPlan, top_k: int, rows: slice) -> torch.Tensor:
@@ -72,20 +72,6 @@ class ZeroMemory:
         return ExpertRefetch(self, layer.moe.ep, tokens.detach(), send, plan, layer.top_k, layer.moe.refetch_wire)
 
 
-class _Dropped:
-    """What autograd keeps instead of a dropped tensor: how to make it again."""
-
-    __slots__ = ("remake", "size", "stride", "offset")
-
-    def __init__(self, remake: Callable[[], torch.Tensor], t: torch.Tensor) -> None:
-        self.remake = remake
-        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-
-    def get(self) -> torch.Tensor:
-        base = self.remake()
-        return base.as_strided(self.size, self.stride, self.offset)
-
-
 class ExpertRefetch:
     """One micro-batch of one zero-memory layer: drops the experts' inputs, fetches them back."""
 
@@ -95,7 +81,7 @@ class ExpertRefetch:
     ) -> None:
         self.config, self.ep, self.tokens, self.plan, self.top_k, self.wire = config, ep, tokens, plan, top_k, wire
         self._send: torch.Tensor | None = send
-        self._remakes: dict[Any, Callable[[], torch.Tensor]] = {}
+        self._recipes = Recipes()
         self._pending: Pending | None = None
         self._inputs: Any = None
 
@@ -128,13 +114,8 @@ class ExpertRefetch:
     def recipes(self) -> Iterator[None]:
         """Within this block, saved tensors this layer can remake (see :meth:`activation`) are
         kept as recipes; the shared expert runs in it too, so level1 drops its activation as well."""
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                yield
-        finally:
-            # Packing is over; a watched storage freed later (the exchange buffers are) may have
-            # its address reused by a tensor that must be saved as it is.
-            self._remakes.clear()
+        with self._recipes.active():
+            yield
 
     def activation(self, fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any) -> torch.Tensor:
         """``fn(x, *args)``; at level1 its output is not kept but recomputed in backward.
@@ -190,21 +171,7 @@ class ExpertRefetch:
 
     # ------------------------------------------------------------------- hooks
     def _watch(self, t: torch.Tensor, remake: Callable[[], torch.Tensor]) -> None:
-        key = accounting.storage_key(t)
-        if key is not None:
-            self._remakes[key[0]] = remake
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        key = accounting.storage_key(t)
-        if key is not None and key[0] in self._remakes:
-            return _Dropped(self._remakes[key[0]], t)
-        return accounting.pack_saved(t)
-
-    @staticmethod
-    def _unpack(obj: Any) -> torch.Tensor:
-        if isinstance(obj, _Dropped):
-            return obj.get()
-        return accounting.unpack_saved(obj)
+        self._recipes.watch(t, remake)
 
 
 class _IssueOnBackward(torch.autograd.Function):

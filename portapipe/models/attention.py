@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from . import remake
 from .functions import RMSNorm
 from .linear import Linear
 from .rope import Rotary, apply_rope, rope_tables, softmax_scale
@@ -155,17 +156,37 @@ class LatentAttention(nn.Module):
         self.scale = softmax_scale(qk, cfg.rope_scaling)
 
     def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        if self.wq is not None:
-            q = self.wq(x)
-        else:
-            q = self.q_b(self.q_a_norm(self.q_a(x)))  # type: ignore[misc]
+        q_latent = x if self.wq is not None else self.q_a(x)
+        kv_latent = self.kv_a(x)
+        q, k, v = self.up_projection(q_latent, kv_latent, offset, positions)
+        if remake.active():
+            # The attention keeps q, k and v (v a view of the up-projected keys' and values'
+            # storage); they are made again from the latents, which the latent norms keep anyway
+            # (the queries without a low rank from ``x``, itself a norm's output).
+            q_source, kv_source = remake.later(q_latent), remake.later(kv_latent)
+            again = remake.once(lambda: self._again(q_source(), kv_source(), offset, positions))
+            for i, t in enumerate((q, k, v)):
+                remake.remakes(t, lambda i=i: again()[i])
+        o = attend(q, k, v, self.scale, positions)
+        return self.wo(o, heads=True)
+
+    def up_projection(
+        self, q_latent: torch.Tensor, kv_latent: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's queries, keys and values ``[b, heads, s, *]`` from the query latent (the
+        query projection's low-rank output, or the input itself without one) and the key/value
+        latent with the shared rotary key (``kv_a``'s output)."""
+        b, s, _ = kv_latent.shape
+        q = self.wq(q_latent) if self.wq is not None else self.q_b(self.q_a_norm(q_latent))  # type: ignore[misc]
         q = q.view(b, s, self.n_heads, self.nope + self.rope).transpose(1, 2)
         q_pass, q_rot = q.split([self.nope, self.rope], dim=-1)
-        latent, k_rot = self.kv_a(x).split([self.kv_rank, self.rope], dim=-1)
+        latent, k_rot = kv_latent.split([self.kv_rank, self.rope], dim=-1)
         kv = self.kv_b(self.kv_a_norm(latent)).view(b, s, self.n_heads, self.nope + self.v_dim).transpose(1, 2)
         k_pass, v = kv.split([self.nope, self.v_dim], dim=-1)
         q_rot = self.rotary(q_rot, offset, positions)
         k_rot = self.rotary(k_rot.reshape(b, 1, s, self.rope), offset, positions).expand(b, self.n_heads, s, self.rope)
-        o = attend(torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_pass, k_rot), dim=-1), v, self.scale, positions)
-        return self.wo(o, heads=True)
+        return torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_pass, k_rot), dim=-1), v
+
+    def _again(self, q_latent: torch.Tensor, kv_latent: torch.Tensor, offset: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return self.up_projection(q_latent, kv_latent, offset, positions)

@@ -16,7 +16,7 @@ from ..scheduling.stage import expert_ids, mark_expert
 from .arch import ARCHITECTURES
 from .expert_clock import ExpertClock
 from .expert_parallel import DispatchPlan, ExpertParallel, plan_dispatch
-from .functions import swiglu
+from .functions import swiglu, swiglu_fp8_kept
 from .linear import Linear, grouped_linear
 
 
@@ -28,9 +28,15 @@ class DenseFFN(nn.Module):
         self.width = width
         self.gate_up = Linear(hidden, 2 * width, dtype)
         self.down = Linear(width, hidden, dtype)
+        #: memory.fp8_activations (set by portapipe.models.fp8_layers.enable_fp8): the activation
+        #: keeps its input in FP8 and the down projection remakes its own input from it
+        self.fp8_cache = False
 
     def forward(self, x: torch.Tensor, zm: Any = None) -> torch.Tensor:
         gu = self.gate_up(x)
+        if self.fp8_cache:  # nothing of the activation's output is kept: zero-memory level1 has nothing to drop
+            act, remade = swiglu_fp8_kept(gu, self.width)
+            return self.down(act, source=remade)
         # zm: zero-memory (portapipe.memory.zero_memory) may recompute the activation in backward.
         return self.down(swiglu(gu, self.width) if zm is None else zm.activation(swiglu, gu, self.width))
 
@@ -44,8 +50,8 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(n_local, cfg.hidden, 2 * cfg.moe_hidden, dtype=dtype))
         self.down = nn.Parameter(torch.empty(n_local, cfg.moe_hidden, cfg.hidden, dtype=dtype))
         self.logical = list(range(first, first + n_local)) if logical is None else logical
-        #: the GEMMs in FP8 (set by portapipe.models.fp8_layers.enable_fp8)
-        self.fp8 = False
+        #: the GEMMs in FP8, and memory.fp8_activations (both set by portapipe.models.fp8_layers.enable_fp8)
+        self.fp8 = self.fp8_cache = False
 
     @property
     def logical(self) -> list[int]:
@@ -69,7 +75,11 @@ class Experts(nn.Module):
             rows = weights.rows
             x, weights = split_received(x, weights)
         # the recipe (portapipe.fp8): every row's input and output gradient as FP8 values, as they travel
-        gu = grouped_linear(x, self.gate_up, offs, backend, tiles, self.fp8, rows, fp8_input=True)
+        # zero-memory drops and fetches the input again: an FP8 copy of it would stay
+        gu = grouped_linear(x, self.gate_up, offs, backend, tiles, self.fp8, rows, fp8_input=True, source=self.fp8_cache and zm is None)
+        if self.fp8_cache:  # as DenseFFN's: the activation's input in FP8, the down projection's input remade
+            act, remade = swiglu_fp8_kept(gu, self.width, weights)
+            return grouped_linear(act, self.down, offs, backend, tiles, self.fp8, fp8_grad=True, source=remade)
         # zm: zero-memory (portapipe.memory.zero_memory) may recompute the activation in backward.
         act = swiglu(gu, self.width, weights) if zm is None else zm.activation(swiglu, gu, self.width, weights)
         return grouped_linear(act.contiguous(), self.down, offs, backend, tiles, self.fp8, fp8_grad=True)

@@ -71,9 +71,10 @@ def fp8_linears(blocks: Mapping[int, Any]) -> list[Fp8Linear]:
     return [lin for b in sorted(blocks) for i, layer in blocks[b].layers.items() for lin in _layer_linears(f"layers.{i}", layer)]
 
 
-def enable_fp8(blocks: Mapping[int, Any], backend: Backend) -> list[Fp8Linear]:
+def enable_fp8(blocks: Mapping[int, Any], backend: Backend, cache: bool = False) -> list[Fp8Linear]:
     """Run the eligible Linears of these blocks in FP8 through ``backend``, and their MoE layers'
-    rows as the recipe sends them; returns the Linears left in the compute dtype."""
+    rows as the recipe sends them; with ``cache`` (``memory.fp8_activations``) keep FP8
+    activations for the backward (:func:`cached`); returns the Linears left in the compute dtype."""
     kept = []
     for lin in fp8_linears(blocks):
         if not lin.eligible:
@@ -82,6 +83,9 @@ def enable_fp8(blocks: Mapping[int, Any], backend: Backend) -> list[Fp8Linear]:
             lin.module.fp8 = backend
         else:  # the routed experts: grouped, and their rows travel in FP8
             lin.module.fp8 = True
+    if cache:
+        for module in cached(blocks):
+            module.fp8_cache = True
     for block in blocks.values():
         for layer in block.moe_layers():
             if layer.moe.experts.fp8:
@@ -91,6 +95,39 @@ def enable_fp8(blocks: Mapping[int, Any], backend: Backend) -> list[Fp8Linear]:
                 layer.moe.refetch_wire = DispatchWire(hidden, dtype, weights=False)
                 layer.moe.combine_wire = CombineWire(hidden)
     return kept
+
+
+#: the attention projections that read the layer's normed input (the others read a norm's output or the heads)
+ATTENTION_INPUT = ("wq", "wk", "wv", "q_a", "kv_a")
+
+
+def cached(blocks: Mapping[int, Any]) -> list[nn.Module]:
+    """The modules of these blocks (their FP8 already switched on) that keep FP8 activations
+    under ``memory.fp8_activations``.
+
+    Every FP8 Linear keeps its input's 1x128 FP8 rows instead of the compute-dtype tensor where
+    that tensor would then not be kept at all, and every FFN in FP8 (dense, shared, routed)
+    keeps its activation's input in FP8 and remakes the down projection's input from it. Where
+    the tensor is kept anyway an FP8 copy would only add bytes, so these keep it as it is: the
+    attention output projection's input (kept by the attention core; the report's E5M6 has no
+    torch dtype), the attention's input when a projection reading it stays in the compute dtype
+    (MLA's ``kv_a``, 576 wide in DeepSeek-V3), and the shared expert's input (kept by the router).
+    """
+    out: list[nn.Module] = []
+    for block in blocks.values():
+        for layer in block.layers.values():
+            projections = [(n, m) for n, m in layer.attn.named_children() if isinstance(m, Linear)]
+            readers_fp8 = all(m.fp8 is not None for n, m in projections if n in ATTENTION_INPUT)
+            out += [m for n, m in projections if m.fp8 is not None and n != "wo" and (n not in ATTENTION_INPUT or readers_fp8)]
+            if layer.ffn is not None and layer.ffn.gate_up.fp8 is not None:
+                out += [layer.ffn, layer.ffn.gate_up]
+            if layer.moe is not None:
+                shared = layer.moe.shared
+                if shared is not None and shared.gate_up.fp8 is not None:
+                    out.append(shared)
+                if layer.moe.experts.fp8:
+                    out.append(layer.moe.experts)
+    return out
 
 
 def summary(kept: Iterable[Fp8Linear]) -> str:

@@ -8,10 +8,15 @@ formulas, so values and gradients are those of the formulas bit for bit.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
+
+from . import remake
+from ..fp8.quantize import Quantized, dequantize_rows, quantize_rows
+from ..fp8.saved import Remake, keep, restore
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -35,18 +40,23 @@ class SwiGLU(torch.autograd.Function):
     instead of the expert's output is the same function (the down projection is linear), and
     the weight's gradient then needs only ``gu``, where weighting the output would keep the
     output (hidden-sized, top-k rows per token) for it.
+
+    With ``kept`` (``gu``'s 1x128 FP8 rows, under ``memory.fp8_activations``) those are saved
+    instead of ``gu``, and the backward reads their dequantization: the forward is unchanged, the
+    gradients are the formula's at the FP8 values of ``gu``.
     """
 
     @staticmethod
-    def forward(ctx: Any, gu: torch.Tensor, width: int, scale: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(gu, scale)
-        ctx.width = width
-        out = silu(gu[..., :width]) * gu[..., width:]
-        return out if scale is None else out * scale.unsqueeze(-1)
+    def forward(ctx: Any, gu: torch.Tensor, width: int, scale: torch.Tensor | None, kept: Quantized | None = None) -> torch.Tensor:
+        saved, _ = keep(gu, kept)
+        ctx.save_for_backward(scale, *saved)
+        ctx.width, ctx.dtype = width, gu.dtype
+        return swiglu_value(gu, width, scale)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None]:
-        gu, scale = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor | None, None]:
+        scale, *saved = ctx.saved_tensors
+        gu, _ = restore(saved, None, ctx.dtype)
         g, u = gu[..., : ctx.width], gu[..., ctx.width :]
         e = torch.exp(-g)
         d = 1 + e
@@ -58,13 +68,33 @@ class SwiGLU(torch.autograd.Function):
         grad_u = grad * (g / d)  # mul: d(s*u)/du = s
         grad_d = -grad_s * ((g / d) / d)  # div, denominator: -grad * (a / b) / b
         grad_g = grad_s / d + (grad_d * e).neg()  # div numerator + exp(-g) through exp and neg
-        return torch.cat([grad_g, grad_u], dim=-1), None, grad_scale
+        return torch.cat([grad_g, grad_u], dim=-1), None, grad_scale, None
 
 
-def swiglu(gu: torch.Tensor, width: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_value(gu: torch.Tensor, width: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The formula :class:`SwiGLU` computes, without autograd's bookkeeping."""
+    out = silu(gu[..., :width]) * gu[..., width:]
+    return out if scale is None else out * scale.unsqueeze(-1)
+
+
+def swiglu(gu: torch.Tensor, width: int, scale: torch.Tensor | None = None, kept: Quantized | None = None) -> torch.Tensor:
     """silu(gate) * up of a fused gate/up projection output, each row times ``scale`` when given
-    (saves only ``gu`` and ``scale`` for backward)."""
-    return SwiGLU.apply(gu, width, scale)
+    (saves only ``gu``, or its FP8 rows ``kept``, and ``scale`` for backward)."""
+    return SwiGLU.apply(gu, width, scale, kept)
+
+
+def swiglu_fp8_kept(gu: torch.Tensor, width: int, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, Remake]:
+    """:func:`swiglu` keeping ``gu``'s 1x128 FP8 rows (``memory.fp8_activations``), and how the
+    down projection remakes its input from them in the backward instead of keeping it (the same
+    tensors: one copy is kept)."""
+    kept = quantize_rows(gu.detach())  # values only: autograd would keep the quantizer's intermediates
+    out = swiglu(gu, width, scale, kept)
+    tensors = (kept.data, kept.scale) if scale is None else (kept.data, kept.scale, scale)
+    return out, Remake(functools.partial(_swiglu_of_rows, width, gu.dtype), tensors)
+
+
+def _swiglu_of_rows(width: int, dtype: torch.dtype, data: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    return swiglu_value(dequantize_rows(Quantized(data, scale)).to(dtype), width, weights)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -118,4 +148,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, x, self.weight, self.eps, self.precision or x.dtype)
+        out = _RMSNorm.apply(x, x, self.weight, self.eps, self.precision or x.dtype)
+        if remake.active():  # the output can be made again from x, which the norm keeps anyway
+            source = remake.later(x)
+            remake.remakes(out, remake.once(lambda: self._again(source())))
+        return out
+
+    def _again(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return _RMSNorm.apply(x, x, self.weight, self.eps, self.precision or x.dtype)

@@ -19,6 +19,23 @@ from .ffn import DenseFFN, MoE
 from .expert_parallel import DispatchPlan, ExpertParallel, split_weights, with_weights
 from .linear import Linear, linear
 from .objective import balance_term, mtp_term, sequence_balance_loss
+from ..data.samples import IGNORE
+
+
+def mtp_positions(positions: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of multi-token prediction depth ``depth`` inside documents, from the input tokens'
+    ``positions[b, seq]`` (0 where a document starts): (each row's position, ``[b, seq - depth]``;
+    True where the row straddles two documents).
+
+    Row p reads the hidden state of token p and embeds token p + depth: it straddles when a
+    document starts at one of tokens p + 1 .. p + depth. Each row takes token p's position, so a
+    document's rows are numbered from 0 as they are alone (RoPE sees the same distances between
+    them as at the embedded tokens' positions, p + depth). The rows that straddle are the last
+    ``depth`` of their document's: no row of it attends to them (attention is causal) and the next
+    document's rows start afresh, so they change no other row; their targets leave the loss."""
+    seq = positions.shape[1]
+    started = torch.cumsum(positions == 0, dim=1)
+    return positions[:, : seq - depth], started[:, depth:] != started[:, : seq - depth]
 
 
 def _given(positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -46,10 +63,17 @@ class Layer(nn.Module):
         #: the position of the layer's first row (a multi-token prediction module's: its depth)
         self.position_offset = 0
 
+    def remaking(self) -> contextlib.AbstractContextManager[Any]:
+        """The block a part's forward runs in: with ``memory.recompute: norms`` what the layer can
+        make again (:mod:`.remake`: norms' outputs, MLA's up-projections) is kept as recipes."""
+        norms = None if self.memory is None else self.memory.norms
+        return contextlib.nullcontext() if norms is None else norms.recipes()
+
     # ----------------------------------------------------------------- parts
     def dense_part(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attn(self.norm1(x), self.position_offset, positions)
-        return h + self.ffn(self.norm2(h))
+        with self.remaking():
+            h = x + self.attn(self.norm1(x), self.position_offset, positions)
+            return h + self.ffn(self.norm2(h))
 
     def attention_part(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[Any, ...]:
         """Attention + residual, FFN norm, routing, and the rows to send with their router
@@ -61,7 +85,8 @@ class Layer(nn.Module):
         layer's sequence-wise balance loss follows as a seventh element. ``positions``: each
         token's position in its document (:mod:`portapipe.data.samples`), None for one per row."""
         moe = self.moe
-        h = x + self.attn(self.norm1(x), self.position_offset, positions)
+        with self.remaking():  # the FFN norm's output stays: the tape, the router and the dispatch hold it
+            h = x + self.attn(self.norm1(x), self.position_offset, positions)
         hn = self.norm2(h)
         flat = hn.reshape(-1, hn.shape[-1])
         w, idx, affinity = moe.router.route(flat, affinities=bool(self.balance_weight))
@@ -190,6 +215,15 @@ class MTPLayer(Layer):
     (as transformers' ``MtpModel`` chains them; depth 0's is the main model's normed last hidden
     state). Depth k has ``seq - k`` rows. Its loss is the report's: the cross-entropy summed over
     those rows, divided by all ``batch x seq`` positions (1 / T).
+
+    With the documents of each sample (``data.document_mask``, the ``positions`` of the stage
+    contract) each row attends within the document of the hidden state it reads
+    (:func:`mtp_positions`), as the document's rows would run alone. A row whose embedded token
+    lies in a later document mixes two documents and exists in neither run alone: no other row
+    reads it, and its target is left out of the depth's loss. With ``data.mask_eos_loss`` (which
+    needs the document mask here) a target starting a document is left out as well, and the
+    token such a straddling row embeds is read as id 0 (the data hides it; only the experts'
+    load counts see that row).
     """
 
     def __init__(self, cfg: ModelConfig, depth: int, ep: ExpertParallel, dtype: torch.dtype) -> None:
@@ -215,15 +249,24 @@ class MTPLayer(Layer):
         return hk, loss
 
     def predict(
-        self, tape: Any, h: torch.Tensor, targets: torch.Tensor, embed: nn.Embedding, head: torch.Tensor, weight: float
+        self, tape: Any, h: torch.Tensor, targets: torch.Tensor, embed: nn.Embedding, head: torch.Tensor, weight: float,
+        positions: torch.Tensor | None = None,
     ) -> Generator[Any, None, torch.Tensor]:
         """Program: this depth over the previous depth's output ``h`` (``targets``: the micro-batch's
         next tokens, from which the tokens it embeds are read); records its loss with ``weight``
-        (lambda / D) as a loss term of the stage; returns its normed output."""
+        (lambda / D) as a loss term of the stage; returns its normed output. ``positions``: each
+        input token's position in its document, when attention stays inside documents."""
         k = self.depth
         batch, seq = targets.shape
-        x = tape.part(self.mtp_input_part, h, targets[:, k - 1 : seq - 1], embed)
-        x = yield from (self.program(tape, x) if self.memory is None else self.memory.program(self, tape, x))
-        hk, loss = tape.part(self.mtp_output_part, x, targets[:, k:], head, batch * seq)
+        embedded, wanted = targets[:, k - 1 : seq - 1], targets[:, k:]
+        if positions is not None:
+            positions, straddle = mtp_positions(positions, k)
+            wanted = wanted.masked_fill(straddle, IGNORE)
+            # data.mask_eos_loss leaves out each target that starts a document: such a token is
+            # embedded only by a row that straddles (it reaches no loss and no other row), as id 0
+            embedded = embedded.masked_fill(embedded == IGNORE, 0)
+        x = tape.part(self.mtp_input_part, h, embedded, embed)
+        x = yield from (self.program(tape, x, positions) if self.memory is None else self.memory.program(self, tape, x, positions))
+        hk, loss = tape.part(self.mtp_output_part, x, wanted, head, batch * seq)
         tape.loss(mtp_term(k), loss, weight)
         return hk

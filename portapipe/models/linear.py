@@ -23,7 +23,7 @@ from torch import nn
 from ..backends.base import Backend
 from ..fp8 import gemm
 from ..fp8.quantize import Quantized, dequantize_rows, quantize_rows
-from ..fp8.saved import keep, restore
+from ..fp8.saved import Remake, Source, keep, restore, rows_once
 from ..scheduling.wgrad import accumulate_weight_grad, defer_weight_grad
 
 
@@ -146,31 +146,40 @@ class Fp8LinearFunction(torch.autograd.Function):
     ``backend``'s FP8 matmul; outputs and gradients in the compute dtype."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, heads: bool, backend: Backend) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, heads: bool, backend: Backend, source: Source = None) -> torch.Tensor:
+        """``source``: what is kept of ``x`` for the weight gradient (:mod:`portapipe.fp8.saved`);
+        a :class:`~portapipe.fp8.quantize.Quantized` one is ``x``'s 1x128 quantization, which the
+        forward GEMM then reads too."""
         rows = merge_heads(x) if heads else x
-        ctx.save_for_backward(*keep(x, None), weight)
-        ctx.param, ctx.heads, ctx.backend = weight, heads, backend  # ctx.param: see LinearFunction.forward
-        y = gemm.forward(backend, quantize_rows(rows.reshape(-1, weight.shape[1])), gemm.weight_blocks(weight), x.dtype)
+        if heads and source is not None:
+            raise ValueError("the attention output projection keeps its input in the compute dtype (the attention keeps it anyway)")
+        saved, ctx.remake = keep(x, source)
+        ctx.save_for_backward(*saved, weight)
+        ctx.param, ctx.heads, ctx.backend, ctx.shape = weight, heads, backend, x.shape  # ctx.param: see LinearFunction.forward
+        xq = source if isinstance(source, Quantized) else quantize_rows(rows)
+        xq = Quantized(xq.data.reshape(-1, weight.shape[1]), xq.scale.reshape(-1, xq.scale.shape[-1]))
+        y = gemm.forward(backend, xq, gemm.weight_blocks(weight), x.dtype)
         return y.view(*rows.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         *kept, weight = ctx.saved_tensors
-        x, _ = restore(kept, weight.dtype)
         backend: Backend = ctx.backend
+        shape = ctx.shape
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = gemm.input_grad(backend, quantize_rows(g2), gemm.weight_blocks(weight), grad_out.dtype)
             if ctx.heads:  # back to [..., heads, seq, head_dim], as LinearFunction gives it
-                grad_x = grad_x.view(*x.shape[:-3], x.shape[-2], x.shape[-3], x.shape[-1]).transpose(-3, -2)
+                grad_x = grad_x.view(*shape[:-3], shape[-2], shape[-3], shape[-1]).transpose(-3, -2)
             else:
-                grad_x = grad_x.view(x.shape)
+                grad_x = grad_x.view(shape)
         grad_w = None
         if ctx.needs_input_grad[1]:
+            x, _ = restore(kept, ctx.remake, weight.dtype)  # under fp8_activations: dequantized 1x128 rows, re-tiled 128x1 below
             x2 = (merge_heads(x) if ctx.heads else x).reshape(-1, weight.shape[1])
             grad_w = defer_weight_grad(ctx.param, lambda: gemm.weight_grad(backend, g2, x2, weight.dtype))
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
@@ -182,17 +191,21 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     ``fp8_input``: the weight gradient reads the input's FP8 values, as the rows that travel
     carry them (the routed experts' up projection: every row, travelled or not, so any layout
     computes what one process does). ``fp8_grad``: the same for the output's gradient (the down
-    projection, whose output gradient travels in FP8 too).
+    projection, whose output gradient travels in FP8 too). ``source``
+    (:mod:`portapipe.fp8.saved`, without ``rows``): what is kept of ``x`` under
+    ``memory.fp8_activations``: its 1x128 quantization (``True``: the one the forward makes) or a
+    :class:`~portapipe.fp8.saved.Remake` (the down projection's input, from the SwiGLU's).
     """
 
     @staticmethod
     def forward(
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: Sequence[int],
-        rows: Quantized | None, fp8_input: bool, fp8_grad: bool,
+        rows: Quantized | None, fp8_input: bool, fp8_grad: bool, source: Remake | bool | None = None,
     ) -> torch.Tensor:
-        ctx.save_for_backward(*keep(x, rows), weight, offs)
-        ctx.backend, ctx.tiles, ctx.param, ctx.flags = backend, tiles, weight, (fp8_input, fp8_grad)
         xq = quantize_rows(x) if rows is None else rows
+        saved, ctx.remake = keep(x, rows if rows is not None else xq if source is True else source or None)
+        ctx.save_for_backward(*saved, weight, offs)
+        ctx.backend, ctx.tiles, ctx.param, ctx.flags = backend, tiles, weight, (fp8_input, fp8_grad)
         wq = gemm.weight_blocks(weight)
 
         def mm(r: slice, tile_offs: torch.Tensor) -> torch.Tensor:
@@ -203,7 +216,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         *kept, weight, offs = ctx.saved_tensors
-        x, rows = restore(kept, weight.dtype)
+        x, rows = restore(kept, ctx.remake, weight.dtype)
         backend: Backend = ctx.backend
         tiles, (fp8_input, fp8_grad) = ctx.tiles, ctx.flags
         grad_out = grad_out.contiguous()
@@ -230,36 +243,43 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
                 return torch.zeros_like(weight) if total is None else total
 
             grad_w = defer_weight_grad(ctx.param, weight_grad)
-        return grad_x, grad_w, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, heads: bool = False, fp8: Backend | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, heads: bool = False, fp8: Backend | None = None, source: Source = None) -> torch.Tensor:
     """``x @ weight.T``; with ``heads``, over the merged heads of ``x[..., heads, seq, head_dim]``;
-    with ``fp8`` (a backend), its GEMMs in FP8 through that backend's FP8 matmul."""
+    with ``fp8`` (a backend), its GEMMs in FP8 through that backend's FP8 matmul, keeping
+    ``source`` of ``x`` (:class:`Fp8LinearFunction`)."""
     if fp8 is not None:
-        return Fp8LinearFunction.apply(x, weight, heads, fp8)
+        return Fp8LinearFunction.apply(x, weight, heads, fp8, source)
     return LinearFunction.apply(x, weight, heads)
 
 
 def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, backend: Backend, tiles: Sequence[int] = (), fp8: bool = False,
-    rows: Quantized | None = None, fp8_input: bool = False, fp8_grad: bool = False,
+    rows: Quantized | None = None, fp8_input: bool = False, fp8_grad: bool = False, source: Remake | bool | None = None,
 ) -> torch.Tensor:
     """Grouped ``x @ weight[g]``; with ``fp8``, in FP8 (:class:`Fp8GroupedLinearFunction`'s ``rows``,
-    ``fp8_input``, ``fp8_grad``)."""
+    ``fp8_input``, ``fp8_grad``, ``source``)."""
     if fp8:
-        return Fp8GroupedLinearFunction.apply(x, weight, offs, backend, tiles, rows, fp8_input, fp8_grad)
+        return Fp8GroupedLinearFunction.apply(x, weight, offs, backend, tiles, rows, fp8_input, fp8_grad, source)
     return GroupedLinearFunction.apply(x, weight, offs, backend, tiles)
 
 
 class Linear(nn.Module):
     """Bias-free linear layer (``weight[out, in]``) with a deferrable weight gradient; ``fp8`` (a
-    backend, set by :func:`portapipe.models.fp8_layers.enable_fp8`): its GEMMs run in FP8."""
+    backend, set by :func:`portapipe.models.fp8_layers.enable_fp8`): its GEMMs run in FP8, and
+    with ``fp8_cache`` (``memory.fp8_activations``) it keeps its input's FP8 rows, shared with the
+    other Linears reading the same tensor, for the weight gradient."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.fp8: Backend | None = None
+        self.fp8_cache = False
 
-    def forward(self, x: torch.Tensor, heads: bool = False) -> torch.Tensor:
-        return linear(x, self.weight, heads, self.fp8)
+    def forward(self, x: torch.Tensor, heads: bool = False, source: Source = None) -> torch.Tensor:
+        """``source``: what to keep of ``x`` instead of ``x`` (:mod:`portapipe.fp8.saved`; FP8 only)."""
+        if source is None and self.fp8 is not None and self.fp8_cache:
+            source = rows_once(x)
+        return linear(x, self.weight, heads, self.fp8, source)

@@ -40,7 +40,6 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -52,7 +51,7 @@ from .attention import Attention
 from .expert_parallel import ExpertParallel
 from .functions import RMSNorm
 from .linear import Linear, linear
-from .objective import Objective
+from .objective import Objective, next_token_loss
 from .rope import apply_rope, rope_tables
 from .routing import Router
 
@@ -119,7 +118,7 @@ class Block(nn.Module):
         """The main next-token loss; with multi-token prediction also the normed hidden state it read."""
         hn = self.final_norm(x)
         logits = linear(hn, self.head_weight())
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = next_token_loss(logits, targets, self.objective.kept_per_microbatch)
         return (loss, hn) if self.mtp_depth else loss
 
     def main_layers(self) -> list[Layer]:
@@ -150,7 +149,7 @@ class Block(nn.Module):
             loss, h = tape.part(self.loss_part, x, targets)
             weight = self.objective.mtp_weight / self.mtp_depth
             for mtp in self.mtp_layers():
-                h = yield from mtp.predict(tape, h, targets, self.embed, self.head_weight(), weight)
+                h = yield from mtp.predict(tape, h, targets, self.embed, self.head_weight(), weight, positions)
             x = loss
         return x
 

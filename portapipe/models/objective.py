@@ -14,6 +14,12 @@
   times it, for every MoE layer. It is 1 when every expert gets its share of tokens and
   affinity, more when the router favours the experts it routes to.
 
+The **main next-token loss** (:func:`next_token_loss`) is the mean cross-entropy over a
+micro-batch's targets, or, where ``data.mask_eos_loss`` leaves some out, their sum over the step's
+kept targets per micro-batch (:attr:`Objective.kept_per_microbatch`): the mean over the step's
+micro-batches and replicas is then the mean over the global batch's kept targets
+(:mod:`portapipe.data.samples`).
+
 Each term is recorded where it is produced (:meth:`~portapipe.scheduling.overlap.Tape.loss`), so
 its gradient enters that stage's backward; the reported values (:func:`term_figures`) are the
 terms themselves, unweighted, each the mean over the step's micro-batches and replicas.
@@ -23,8 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 BALANCE = "balance"
 MTP = "mtp"
@@ -58,6 +66,9 @@ class Objective:
     mtp_schedule: float | Mapping[int, float] = 0.0
     #: lambda of the step running (:meth:`at_step`)
     mtp_weight: float = 0.0
+    #: the targets the loss keeps in the step's global batch over its micro-batches (replicas x
+    #: micro-batches), where ``data.mask_eos_loss`` leaves some out; None: every target counts
+    kept_per_microbatch: float | None = None
 
     def __post_init__(self) -> None:
         self.at_step(0)
@@ -69,6 +80,23 @@ class Objective:
     def at_step(self, step: int) -> None:
         """Weigh the terms as optimizer step ``step`` (0-based) does."""
         self.mtp_weight = mtp_weight_at(self.mtp_schedule, step)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor, kept_per_microbatch: float | None = None) -> torch.Tensor:
+    """A micro-batch's cross-entropy of ``logits[..., vocab]`` against ``targets`` (the
+    :data:`~portapipe.data.samples.IGNORE` ones left out): the mean, or given the step's
+    ``kept_per_microbatch``, the sum over it (0 when the step keeps no target)."""
+    flat, wanted = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if kept_per_microbatch is None:
+        return F.cross_entropy(flat, wanted)
+    total = F.cross_entropy(flat, wanted, reduction="sum")
+    return total / kept_per_microbatch if kept_per_microbatch > 0 else total
+
+
+def keep_targets(blocks: Iterable[Any], kept_per_microbatch: float | None) -> None:
+    """Tell the blocks' loss the step's kept targets per micro-batch (None: every target counts)."""
+    for block in blocks:
+        block.objective.kept_per_microbatch = kept_per_microbatch
 
 
 def sequence_balance_loss(affinity: torch.Tensor, idx: torch.Tensor, batch: int) -> torch.Tensor:

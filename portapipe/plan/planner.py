@@ -5,7 +5,9 @@ own micro-batches, so a layout with ``r`` = dp x ep replicas runs ``m`` micro-ba
 sequences with ``r * m * b`` equal to the user's. Enumerated: pp x ep x dp layouts of the
 devices, the five schedules (interleaved with the user's chunk count), every micro-batch count
 that divides a replica's share, and the memory options (off, zero-memory level0 / level1,
-recompute moe / full, and full recompute of each stage's first layer with level1 on the rest); per
+recompute moe / full, full recompute of each stage's first layer with level1 on the rest, and
+the recompute of norms alone, with recompute moe and with level1; under ``train.fp8`` each also with
+FP8-cached activations, ``memory.fp8_activations``); per
 candidate, the least ``train.zero_stage`` whose memory fits the budget (and, with ``allow``
 ``moments_dtype``, the user's moments dtype first, then bfloat16 moments, at each stage).
 
@@ -30,6 +32,7 @@ from .imbalance import imbalance
 from .memory_model import MemoryModel, MemoryReport, static_memory
 from .profile import Profile
 from .programs import Programs, StageSpec, stage_specs
+from .shape import portapipe_only_options
 from ..config.rules import broken
 from ..config.setup import Setup, split_problem, stage_layers
 from .time_model import TimeModel, TimeReport, early_bs
@@ -45,6 +48,9 @@ MEMORY_OPTIONS: tuple[dict[str, Any], ...] = (
     {"recompute": "moe"},
     {"recompute": "full"},
     {"recompute": "full", "recompute_layers": 1, "zero_memory": "level1"},
+    {"recompute_norms": True},
+    {"recompute": "moe", "recompute_norms": True},
+    {"zero_memory": "level1", "recompute_norms": True},
 )
 
 
@@ -120,7 +126,9 @@ def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
     g = user.global_batch
     m = user.model
     moe = m.n_layers > m.n_dense
-    options = MEMORY_OPTIONS if moe else (MEMORY_OPTIONS[0], MEMORY_OPTIONS[4])
+    options = MEMORY_OPTIONS if moe else (MEMORY_OPTIONS[0], MEMORY_OPTIONS[4], MEMORY_OPTIONS[6])
+    modelled = portapipe_only_options(user.shape)  # norms' recompute, FP8-cached activations: portapipe's attention only
+    options = tuple(o for o in options if modelled or not o.get("recompute_norms"))
     chunks = sorted({2, user.chunks})
     for pp in _divisors(devices):
         for ep in _divisors(devices // pp):
@@ -138,13 +146,24 @@ def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
                                 pp=pp, ep=ep, dp=dp, world_size=None, schedule=name, chunks=v, microbatches=mb,
                                 micro_batch_size=share // mb, zero_memory=opt.get("zero_memory", "off"),
                                 zero_memory_layers=None, recompute=opt.get("recompute", "none"),
-                                recompute_layers=opt.get("recompute_layers"), pair_forwards=False, layers_per_stage=None,
+                                recompute_layers=opt.get("recompute_layers"), recompute_norms=opt.get("recompute_norms", False),
+                                pair_forwards=False, layers_per_stage=None,
                             )
-                            for x in (even, *lighter_last(even)):
+                            for x in with_fp8_activations((even, *lighter_last(even))) if modelled else (even, *lighter_last(even)):
                                 yield x
                                 paired = x.replace(pair_forwards=True)
                                 if paired.paired_blocks:  # F&F pairs change something: both are candidates
                                     yield paired
+
+
+def with_fp8_activations(setups: tuple[Setup, ...]) -> list[Setup]:
+    """Each setup, and under ``train.fp8`` the same with FP8-cached activations
+    (``memory.fp8_activations``) where the user's setup keeps them in the compute dtype."""
+    out = list(setups)
+    for x in setups:
+        if x.train is not None and x.train.fp8 != "off" and not x.fp8_activations:
+            out.append(x.replace(fp8_activations=True))
+    return out
 
 
 def lighter_last(x: Setup) -> list[Setup]:
@@ -180,7 +199,8 @@ class _Context:
 
     def specs(self, x: Setup, sched: Schedule) -> list[StageSpec]:
         """Each virtual stage's layers and memory options (placement and option decide them)."""
-        key = (x.schedule, x.pp, x.chunks, x.zero_memory, x.zero_memory_layers, x.recompute, x.recompute_layers, x.layers_per_stage)
+        key = (x.schedule, x.pp, x.chunks, x.zero_memory, x.zero_memory_layers, x.recompute, x.recompute_layers, x.layers_per_stage,
+               x.recompute_norms)
         if key not in self._specs:
             self._specs[key] = stage_specs(x, sched)
         return self._specs[key]
@@ -216,7 +236,7 @@ class _Context:
         return self._placements[key]
 
     def programs(self, x: Setup) -> Programs:
-        key = (x.micro_batch_size, x.ep)
+        key = (x.micro_batch_size, x.ep, x.fp8_activations)
         if key not in self._programs:
             self._programs[key] = Programs.of(x, self.imb(x.ep))
         return self._programs[key]

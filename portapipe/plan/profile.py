@@ -51,8 +51,9 @@ TIMED_OPTIONS = ("off", "level0", "level1")
 # the parts whose work a memory option changes; every other part costs what it costs with ``off``
 CHANGED_PARTS = {"level0": ("experts", "combine"), "level1": ("experts", "shared", "combine")}
 #: a part a profile may lack (measured on a model without it) -> the measured part whose pace per
-#: FLOP prices it: the multi-token prediction input is a norm and a projection, as attention's are
-BORROWED = {"mtp": "attention"}
+#: FLOP prices it: the multi-token prediction input is a norm and a projection, as attention's are;
+#: a norm made again in the backward (memory.recompute: norms) moves data, as the combine does
+BORROWED = {"mtp": "attention", "norms": "combine"}
 
 
 class ProfileError(ValueError):

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from typing import Any
 from dataclasses import dataclass
 
+from . import norm_recompute
+from .fp8_bytes import saved_delta
 from .shape import Shape, dispatch_row_bytes, held_bytes, saved_bytes
 
 Op = tuple
@@ -44,6 +46,10 @@ class StageSpec:
     options: tuple[str, ...]  # per layer: off, level0, level1, recompute_moe, recompute_full
     first: bool  # holds the embedding
     last: bool  # holds the head and the loss
+    norms: tuple[bool, ...] = ()  # per layer: its norms' outputs recomputed (memory.recompute: norms); empty: none
+
+    def normed(self, layer: int) -> bool:
+        return bool(self.norms) and self.norms[self.layers.index(layer)]
 
 
 class Programs:
@@ -56,8 +62,11 @@ class Programs:
     combine travels; the rest arrive by the dispatch. With one EP rank every row is local and
     a layer exchanges nothing."""
 
-    def __init__(self, shape: Shape, tokens: float, rows: float, slots: int | None = None, *, ep: int, depth: int = 0) -> None:
+    def __init__(
+        self, shape: Shape, tokens: float, rows: float, slots: int | None = None, *, ep: int, depth: int = 0, fp8: tuple[bool, bool] = (False, False)
+    ) -> None:
         self.s, self.T, self.R, self.slots, self.ep = shape, tokens, rows, slots, ep
+        self.fp8 = fp8  # (train.fp8 on, memory.fp8_activations): what the parts keep in FP8 (.fp8_bytes)
         self.depth = depth  # a multi-token prediction depth's programs: its share of the tokens
         self.local_rows = min(rows, tokens * shape.top_k / ep)
         self._depths: dict[int, Programs] = {}
@@ -73,15 +82,21 @@ class Programs:
         tokens = setup.micro_batch_size * m.seq_len
         bal = getattr(setup, "balancer", None)
         slots = m.n_experts + bal.redundant * setup.ep if bal is not None and bal.kind != "none" else None
-        return cls(setup.shape, tokens, tokens * m.top_k * imbalance, slots, ep=setup.ep)
+        train = getattr(setup, "train", None)
+        fp8 = train is not None and getattr(train, "fp8", "off") != "off"
+        return cls(setup.shape, tokens, tokens * m.top_k * imbalance, slots, ep=setup.ep, fp8=(fp8, fp8 and getattr(setup, "fp8_activations", False)))
 
     # ------------------------------------------------------------------ parts
-    def _c(self, part: str, phase: str, option: str, sign: int, units: float | None = None, memory: bool = True) -> Op:
+    def _c(self, part: str, phase: str, option: str, sign: int, units: float | None = None, memory: bool = True, norms: bool = False) -> Op:
         """A part's op, for ``units`` (default the part's whole: tokens, or all routed rows);
         ``memory`` False: the bytes the part keeps are another op's (the experts' two calls
         count theirs once, on the received rows' call)."""
         s, T, R = self.s, self.T, self.R
-        saved = saved_bytes(s, part, option, T, R, self.slots, seq=s.seq_len - self.depth, received=R - self.local_rows) if memory else 0
+        saved = saved_bytes(s, part, option, T, R, self.slots, seq=s.seq_len - self.depth) if memory else 0
+        if norms and memory:
+            saved -= norm_recompute.dropped_bytes(s, part, T, self.fp8[1])
+        if memory and self.fp8[0]:
+            saved += saved_delta(s, self.fp8[1], part, option, T, R, R - self.local_rows)
         held = held_bytes(s, part, option, T, R, ep=self.ep) if memory else 0
         if units is None:
             units = R if part == "experts" else T
@@ -143,34 +158,40 @@ class Programs:
         ]
         return ops
 
-    def _attention(self, layer: int, option: str) -> list[Op]:
+    def _attention(self, layer: int, option: str, norms: bool = False) -> list[Op]:
         """The attention part, then the routing's exchange of per-expert row counts, which the
         program yields at (an F&B pair's other program runs while it travels) and waits for."""
         counts = ("n", layer)
-        return [self._c("attention", "F", option, 1), ("I", counts, self.s.n_experts * 8), ("Y", counts), ("A", counts)]
+        return [self._c("attention", "F", option, 1, norms=norms), ("I", counts, self.s.n_experts * 8), ("Y", counts), ("A", counts)]
 
     def _at_depth(self, layer: int) -> Programs:
         """The programs of the multi-token prediction module whose layer is ``layer``."""
         k = layer - self.s.n_layers + 1
         if k not in self._depths:
             share = (self.s.seq_len - k) / self.s.seq_len
-            self._depths[k] = Programs(self.s, self.T * share, self.R * share, self.slots, ep=self.ep, depth=k)
+            self._depths[k] = Programs(self.s, self.T * share, self.R * share, self.slots, ep=self.ep, depth=k, fp8=self.fp8)
         return self._depths[k]
 
-    def _layer_forward(self, layer: int, option: str) -> list[Op]:
+    def _layer_forward(self, layer: int, option: str, norms: bool = False) -> list[Op]:
+        """``norms``: the layer's norms' outputs are recomputed (not saved)."""
         if layer >= self.s.n_layers and not self.depth:  # a prediction module: its input, layer and head
             d = self._at_depth(layer)
-            return [d._c("mtp", "F", "off", 1), *d._layer_forward(layer, option), d._c("head", "F", "off", 1)]
+            return [d._c("mtp", "F", "off", 1), *d._layer_forward(layer, option, norms), d._c("head", "F", "off", 1)]
         if not self.s.is_moe(layer):
-            return [self._c("dense", "F", option, 1)]
-        return self._attention(layer, option) + self._moe_forward(layer, option)
+            return [self._c("dense", "F", option, 1, norms=norms)]
+        return self._attention(layer, option, norms) + self._moe_forward(layer, option)
 
-    def _layer_backward(self, layer: int, option: str, phase: str) -> tuple[list[Op], list[Op], list[Op]]:
+    def _part_backward(self, part: str, phase: str, option: str, norms: bool) -> list[Op]:
+        """An attention or dense part's backward, after its norms' recompute when they were not saved."""
+        op = self._c(part, phase, option, -1, norms=norms)
+        return [norm_recompute.recompute_op(part, phase, self.T), op] if norms else [op]
+
+    def _layer_backward(self, layer: int, option: str, phase: str, norms: bool = False) -> tuple[list[Op], list[Op], list[Op]]:
         """A layer's backward as (replay, recomputed backward, the rest): a recomputed layer's
         replay needs no gradient, so the stage's backward may run it early (see :meth:`backward`)."""
         if layer >= self.s.n_layers and not self.depth:  # a prediction module: its head, layer and input
             d = self._at_depth(layer)
-            replay, custom, ops = d._layer_backward(layer, option, phase)
+            replay, custom, ops = d._layer_backward(layer, option, phase, norms)
             head, mtp = d._c("head", phase, "off", -1), d._c("mtp", phase, "off", -1)
             if custom:  # recomputed: the head's backward comes before its replay's
                 return replay, [head, *custom], [*ops, mtp]
@@ -189,14 +210,14 @@ class Programs:
             option = "off"
         ops: list[Op] = []
         if not s.is_moe(layer):
-            ops.append(self._c("dense", phase, option, -1))
+            ops += self._part_backward("dense", phase, option, norms)
         else:
             if option == "recompute_moe":
                 replay += self._moe_forward(layer, option, replay=True)
                 custom = self._moe_backward(layer, option, phase)
             else:
                 ops += self._moe_backward(layer, option, phase)
-            ops.append(self._c("attention", phase, option, -1))
+            ops += self._part_backward("attention", phase, option, norms)
         if full:  # the rotary tables and the layer input, kept for the replay, are let go
             custom, ops = ops, []
             kept = held_bytes(s, "attention", "recompute_full", self.T, self.R, ep=self.ep)
@@ -208,7 +229,7 @@ class Programs:
         the next recomputed layer's replay beside the recomputed backward above it (switching
         at every exchange, as an F&B pair), or, below a layer that is not recomputed, before
         that layer's first wait."""
-        segs = [self._layer_backward(layer, option, phase) for layer, option in reversed(list(zip(stage.layers, stage.options)))]
+        segs = [self._layer_backward(layer, option, phase, stage.normed(layer)) for layer, option in reversed(list(zip(stage.layers, stage.options)))]
         ahead = [i for i, (replay, _, _) in enumerate(segs) if replay]
         prepared: int | None = None
         ops: list[Op] = []
@@ -239,11 +260,11 @@ class Programs:
             ops: list[Op] = [self._c("embed", "F", "off", 1)] if stage.first else []
             main = [(layer, option) for layer, option in zip(stage.layers, stage.options) if layer < self.s.n_layers]
             for layer, option in main:
-                ops += self._layer_forward(layer, option)
+                ops += self._layer_forward(layer, option, stage.normed(layer))
             if stage.last:
                 ops.append(self._c("head", "F", "off", 1))
                 for layer, option in zip(stage.layers[len(main):], stage.options[len(main):]):
-                    ops += self._layer_forward(layer, option)
+                    ops += self._layer_forward(layer, option, stage.normed(layer))
             else:  # the stage output, held until the backward
                 ops.append(("C", "output", "F", self.T, 0, self.T * self.s.hidden * self.s.e, "off"))
             self._cache[key] = ops
@@ -383,7 +404,9 @@ def stage_specs(setup: Any, schedule: Any) -> list[StageSpec]:
             # the last block's multi-token prediction modules after its layers (memory options as
             # portapipe.memory.policy.configure gives them: counted after the block's layers)
             layers = tuple(range(first, last)) + (tuple(range(m.n_layers, m.n_layers + m.mtp_layers)) if b == n_blocks - 1 else ())
-            options = tuple(layer_option(o) for o in plan_layers(setup, [i >= m.n_dense for i in layers]))
-            specs[b] = StageSpec(layers, options, b == 0, b == n_blocks - 1)
+            planned = plan_layers(setup, [i >= m.n_dense for i in layers])
+            options = tuple(layer_option(o) for o in planned)
+            norms = tuple(o is not None and o.norms is not None for o in planned)
+            specs[b] = StageSpec(layers, options, b == 0, b == n_blocks - 1, norms if any(norms) else ())
         out.append(specs[b])
     return out

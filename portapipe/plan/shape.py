@@ -48,12 +48,23 @@ PHASES = ("F", "B", "W")  # forward, input-gradient backward, weight-gradient ba
 OPTIONS = ("off", "level0", "level1", "recompute_moe", "recompute_full")
 
 
-def unmodelled(s: Shape) -> str | None:
-    """Why the planner cannot model this shape (one line), or None."""
+def unmodelled(s: Shape, recompute_norms: bool = False, fp8_activations: bool = False) -> str | None:
+    """Why the planner cannot model this shape (one line), or None. ``recompute_norms`` /
+    ``fp8_activations``: the memory options whose bytes (:mod:`.norm_recompute`, :mod:`.fp8_bytes`)
+    follow the portapipe architecture's attention only (the planner does not offer them elsewhere)."""
     if s.arch != "portapipe" and s.dtype == "float64":
         return (f"model.dtype: float64 with model.arch {s.arch} runs transformers' eager attention, whose saved bytes the "
                 "planner does not model; plan it in float32 or bfloat16")
+    if s.arch != "portapipe" and (recompute_norms or fp8_activations):
+        key = "memory.recompute: norms" if recompute_norms else "memory.fp8_activations: true"
+        return (f"{key} with model.arch {s.arch}: the planner models its bytes for the portapipe architecture's attention "
+                "only, not this one's; plan without it")
     return None
+
+
+def portapipe_only_options(s: Shape) -> bool:
+    """Whether the planner may offer the memory options :func:`unmodelled` names (portapipe's attention)."""
+    return s.arch == "portapipe"
 
 
 def norm_scale_bytes(s: Shape) -> int:
@@ -114,17 +125,14 @@ def _routing(s: Shape, tokens: int) -> float:
     return tokens * per + fixed
 
 
-def saved_bytes(
-    s: Shape, part: str, option: str, tokens: int, rows: float, slots: int | None = None, seq: int | None = None, received: float = 0.0,
-) -> float:
-    """Bytes ``part`` saves for backward for one micro-batch under the layer's ``option``.
+def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slots: int | None = None, seq: int | None = None) -> float:
+    """Bytes ``part`` saves for backward for one micro-batch under the layer's ``option``, in the
+    compute dtype (what ``train.fp8`` keeps as FP8 instead: :mod:`.fp8_bytes`).
 
-    ``rows``: routed rows this EP rank's experts receive, of which ``received`` came from other EP
-    ranks (under ``train.fp8`` those arrive, and are kept, as FP8; a rank's own rows are kept in the
-    compute dtype); ``slots``: grouped-matmul groups (EP ranks x local expert slots; default the
-    experts); ``seq``: the rows' sequence length (default ``seq_len``; a multi-token prediction
-    depth's is shorter). Recomputed parts save nothing here (their replay saves ``off``'s bytes
-    during the backward).
+    ``rows``: routed rows this EP rank's experts receive; ``slots``: grouped-matmul groups
+    (EP ranks x local expert slots; default the experts); ``seq``: the rows' sequence length
+    (default ``seq_len``; a multi-token prediction depth's is shorter). Recomputed parts save
+    nothing here (their replay saves ``off``'s bytes during the backward).
     """
     e, h, k, T = s.e, s.hidden, s.top_k, tokens
     seq = s.seq_len if seq is None else seq
@@ -145,8 +153,7 @@ def saved_bytes(
         return T * _attention_core(s, seq) + _routing(s, T)
     if part == "experts":  # input rows, gate/up output, router weight, activation; group offsets
         per_row = {"off": h + 3 * s.moe_hidden, "level0": 3 * s.moe_hidden, "level1": 2 * s.moe_hidden}[option] * e + e
-        fp8_rows = received * (dispatch_row_bytes(s, weights=False) - h * e) if option == "off" and fp8_dispatch(s) else 0
-        return rows * per_row + fp8_rows + (s.n_experts if slots is None else slots) * INDEX_BYTES
+        return rows * per_row + (s.n_experts if slots is None else slots) * INDEX_BYTES
     if part == "shared":
         if s.n_shared == 0:
             return 0
@@ -227,6 +234,7 @@ def flops(s: Shape, part: str, phase: str) -> float:
         "combine": {"F": (s.top_k + 2) * h * s.e, "B": (s.top_k + 2) * h * s.e, "W": 0},
         "embed": {"F": h * s.e, "B": h * s.e, "W": 0},
         "mtp": dict.fromkeys(PHASES, 4 * h * h),  # the projection of [embedding; hidden]
+        "norms": {"F": 2 * h * s.e, "B": 2 * h * s.e, "W": 0},  # one norm made again: bytes moved (plan.norm_recompute)
     }
     if part not in table:
         raise ValueError(f"unknown part {part!r}; known: {', '.join(PARTS)}")

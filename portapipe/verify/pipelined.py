@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..config import Config, config_from_dict
-from ..data.samples import make_microbatches
+from ..data.samples import IGNORE, make_microbatches
 from ..compose import PipelineRuntime
 from ..metrics import everywhere
 from ..models.routing import ForcedRouting
@@ -37,6 +37,17 @@ def microbatches(config: Config, replica: int) -> list[tuple[torch.Tensor, ...]]
     return make_microbatches(torch.cat(windows).numpy(), flags, config.schedule.microbatches, d.document_mask, d.mask_eos_loss)
 
 
+def kept_per_microbatch(config: Config) -> float | None:
+    """Under ``data.mask_eos_loss``: the targets kept in the step's global batch (every replica's
+    micro-batches) over its micro-batches, as training tells the loss
+    (:meth:`~portapipe.data.batches.Batches.kept_per_microbatch`); None without the option."""
+    if not config.data.mask_eos_loss:
+        return None
+    replicas = config.parallel.dp * config.parallel.ep
+    kept = sum(int((mb[1] != IGNORE).sum()) for r in range(replicas) for mb in microbatches(config, r))
+    return kept / (replicas * config.schedule.microbatches)
+
+
 # ------------------------------------------------------------------------------ ranks
 def runtime_for(backend: Any, raw: dict[str, Any], by_position: bool = False) -> tuple[PipelineRuntime, Any]:
     """This rank's runtime for one raw config, and its data: the micro-batches of its replica.
@@ -51,6 +62,7 @@ def runtime_for(backend: Any, raw: dict[str, Any], by_position: bool = False) ->
     runtime = PipelineRuntime(config, be, groups)
     if by_position:
         route_by_position(config, runtime.moe_layers())
+    runtime.keep_targets(kept_per_microbatch(config))
     return runtime, microbatches(config, groups.dp_rank * p.ep + groups.ep_rank)
 
 

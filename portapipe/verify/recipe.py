@@ -13,10 +13,11 @@ from ..compose import build_model
 from ..models.expert_parallel import ExpertParallel
 from ..optim.precision import master_dtype, reduce_dtype
 from ..models.moe import DTYPES
+from ..models.objective import keep_targets
 from ..scheduling.executor import mean_loss
 from ..scheduling.overlap import Tape, run
 from ..scheduling.stage import is_expert
-from .pipelined import microbatches, route_by_position, term_means, threads, updated_biases
+from .pipelined import kept_per_microbatch, microbatches, route_by_position, term_means, threads, updated_biases
 
 
 # ------------------------------------------------------ the one-process step under the run's recipe
@@ -95,6 +96,7 @@ def recipe_step(config: Config, by_position: bool = False, scale: float = 1.0, r
     ep = ExpertParallel(backend)
     ep.balancer = replay
     blocks = build_model(config, range(n_blocks), n_blocks, ep)
+    keep_targets(blocks.values(), kept_per_microbatch(config))
     device = backend.device(0)  # the ranks' kind of device: their kernels, their rounding
     for block in blocks.values():
         block.to(device)

@@ -9,9 +9,10 @@ from ..config import Config
 from ..compose import build_model
 from ..models.expert_parallel import ExpertParallel
 from ..models.moe import tie_copies
+from ..models.objective import keep_targets
 from ..scheduling.executor import mean_loss
 from ..scheduling.overlap import Tape, run
-from .pipelined import microbatches, route_by_position, term_means, threads, updated_biases
+from .pipelined import kept_per_microbatch, microbatches, route_by_position, term_means, threads, updated_biases
 
 
 # -------------------------------------------------------------------------- reference
@@ -34,6 +35,7 @@ def reference_step(config: Config, by_position: bool = False) -> tuple[float, di
     scale = 1.0 / (m * replicas)
     blocks = build_model(config, range(n_blocks), n_blocks, ExpertParallel(CPUBackend()))
     tie_copies(blocks)  # one process holds one of each shared weight (the pipeline's copies are summed)
+    keep_targets(blocks.values(), kept_per_microbatch(config))
     if by_position:
         route_by_position(config, [layer for b in range(n_blocks) for layer in blocks[b].moe_layers()])
     losses, terms = [], []

@@ -146,12 +146,14 @@ def checked(config: Config, precision: str = "highest") -> tuple[Config, Toleran
 def in_dtype(config: Config, dtype: str, backend: str | None = None) -> Config:
     """The config with the model in ``dtype``, its master weights and gradients' reduction too
     (``train.master_dtype`` and ``train.grad_reduce_dtype`` auto), on ``backend`` when given;
-    unquantized (``train.fp8`` off) in any dtype but bfloat16, which FP8 runs on."""
+    unquantized (``train.fp8`` off, and with it ``memory.fp8_activations``) in any dtype but
+    bfloat16, which FP8 runs on."""
     raw = config.to_dict()
     raw["model"]["dtype"] = dtype
     raw["train"]["master_dtype"] = raw["train"]["grad_reduce_dtype"] = "auto"
     if dtype != "bfloat16":
         raw["train"]["fp8"] = "off"
+        raw["memory"]["fp8_activations"] = False
     if backend is not None:
         raw["backend"], raw["backend_options"] = backend, {}
     return config_from_dict(raw)
