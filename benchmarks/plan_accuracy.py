@@ -60,7 +60,7 @@ from portapipe.config.setup import Setup
 from portapipe.plan.time_model import TimeModel
 from portapipe.scheduling.executor import build_schedule
 from portapipe.train import make_sharded_optimizer
-from portapipe.verify.pipelined import runtime_for
+from portapipe.verify.pipelined import runtime_for, tracked_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,11 +147,8 @@ def _saved_peaks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any
     """On every rank: one tracked step of each config, its peak saved bytes."""
     out = {}
     for name, raw in raws.items():
-        rt, data = runtime_for(backend, raw)
-        tracker = SavedActivations(ignore=rt.parameters())
-        with tracker.step():
-            rt.step(data)
-        out[name] = {"pp_rank": rt.groups.pp_rank, "ep_rank": rt.groups.ep_rank, "saved_peak": tracker.peak_bytes}
+        rt, peak = tracked_step(backend, raw)
+        out[name] = {"pp_rank": rt.groups.pp_rank, "ep_rank": rt.groups.ep_rank, "saved_peak": peak}
     return out
 
 

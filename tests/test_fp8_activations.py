@@ -289,7 +289,6 @@ def test_the_planner_enumerates_fp8_activations_where_fp8_is_on() -> None:
     from portapipe.config.setup import Setup
     from portapipe.plan.planner import _Context, enumerate_setups, evaluate
     from portapipe.plan.published import published
-    from portapipe.plan.shape import Shape
 
     example = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
     cfg = load_config(example, WIDE)
@@ -297,7 +296,7 @@ def test_the_planner_enumerates_fp8_activations_where_fp8_is_on() -> None:
     cached = [x for x in setups if x.fp8_activations]
     assert cached and len(cached) * 2 == len(setups) and set(setups) >= {x.replace(fp8_activations=False) for x in cached}
     assert all("fp8 activations" in x.memory_label() and x.overrides()["memory.fp8_activations"] is True for x in cached)
-    ctx = _Context(published("h800", Shape.of(cfg.model)), lambda ep: 1.0)
+    ctx = _Context(published("h800", Setup.from_config(cfg).shape), lambda ep: 1.0)  # the planner's shape: train.fp8 priced
     x = next(x for x in cached if x.schedule == "1f1b" and x.pp == 2 and x.memory_label() == "fp8 activations")
     a, b = evaluate(x.replace(fp8_activations=False), None, ctx, search_zero=False), evaluate(x, None, ctx, search_zero=False)
     assert b.memory.ranks[0].saved_peak < a.memory.ranks[0].saved_peak and b.memory.peak <= a.memory.peak

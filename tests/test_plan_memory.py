@@ -175,19 +175,15 @@ STEPS = {
 
 
 def _step_peaks(backend, raws):
-    from portapipe.memory.accounting import SavedActivations
     from portapipe.train import make_sharded_optimizer
-    from portapipe.verify.pipelined import runtime_for
+    from portapipe.verify.pipelined import tracked_step
 
     out = {}
     for name, raw in raws.items():
-        rt, data = runtime_for(backend, raw)
-        tracker = SavedActivations(ignore=rt.parameters())
-        with tracker.step():
-            rt.step(data)
+        rt, peak = tracked_step(backend, raw)
         params = sum(p.numel() * p.element_size() for p in {id(p): p for p in rt.parameters()}.values())  # one tensor held twice counts once
         held = make_sharded_optimizer(rt, load_config(raw), rt.backend).memory()
-        out[name] = {"pp_rank": rt.groups.pp_rank, "saved_peak": tracker.peak_bytes, "params": params, "grads": rt.grads.memory(), **held}
+        out[name] = {"pp_rank": rt.groups.pp_rank, "saved_peak": peak, "params": params, "grads": rt.grads.memory(), **held}
     return out
 
 

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..backends.fp8_mm import TILE, n_tiles
 from ..config.model_shape import Shape  # below setup.py and this module; the planner's modules import it from here
+from .fp8_bytes import TILE, fp8_eligible, fp8_rows
 
 INDEX_BYTES = 8  # int64 indices
 F32 = 4  # float32: the Hugging Face architectures' norm scales and router scores, torch's math attention
@@ -269,15 +269,9 @@ def attention_linears(s: Shape) -> list[tuple[str, int, int]]:
     return [("wq", h, h), ("wk", h, h), ("wv", h, h), ("wo", h, h)]
 
 
-def _eligible(*widths: int) -> bool:
-    """A Linear runs in FP8 when every width of it is a multiple of the 128-wide tile
-    (:mod:`portapipe.models.fp8_layers`)."""
-    return all(w % TILE == 0 for w in widths)
-
-
 def fp8_dispatch(s: Shape) -> bool:
     """The routed rows travel (and the experts keep their inputs) in FP8: ``train.fp8`` with FP8 experts."""
-    return s.fp8 and s.n_experts > 0 and _eligible(s.hidden, s.moe_hidden)
+    return s.fp8 and s.n_experts > 0 and fp8_eligible(s.hidden, s.moe_hidden)
 
 
 def dispatch_row_bytes(s: Shape, weights: bool = True) -> float:
@@ -286,7 +280,7 @@ def dispatch_row_bytes(s: Shape, weights: bool = True) -> float:
     compute dtype (:func:`portapipe.fp8.dispatch.row_bytes`)."""
     h, e = s.hidden, s.e
     if fp8_dispatch(s):
-        return h + 4 * n_tiles(h) + (e if weights else 0)
+        return fp8_rows(1, h) + (e if weights else 0)
     return (h + (1 if weights else 0)) * e
 
 
@@ -295,8 +289,8 @@ def _fp8_gemms(s: Shape, part: str) -> list[tuple[int, int]]:
     if not s.fp8:
         return []
     h = s.hidden
-    attn = [(i, o) for _, i, o in attention_linears(s) if _eligible(i, o)]
-    ffn = lambda w: [(h, 2 * w), (w, h)] if _eligible(h, w) else []  # noqa: E731  gate / up, down
+    attn = [(i, o) for _, i, o in attention_linears(s) if fp8_eligible(i, o)]
+    ffn = lambda w: [(h, 2 * w), (w, h)] if fp8_eligible(h, w) else []  # noqa: E731  gate / up, down
     return {"attention": attn, "dense": attn + ffn(s.ffn_hidden), "experts": ffn(s.moe_hidden),
             "shared": ffn(s.shared_width) if s.n_shared else []}.get(part, [])
 

@@ -66,6 +66,18 @@ def runtime_for(backend: Any, raw: dict[str, Any], by_position: bool = False) ->
     return runtime, microbatches(config, groups.dp_rank * p.ep + groups.ep_rank)
 
 
+def tracked_step(backend: Any, raw: dict[str, Any]) -> tuple[PipelineRuntime, int]:
+    """This rank's runtime for ``raw`` after one step whose saved activations were counted
+    (:class:`~portapipe.memory.accounting.SavedActivations`), and their peak in bytes."""
+    from ..memory.accounting import SavedActivations
+
+    rt, data = runtime_for(backend, raw)
+    tracker = SavedActivations(ignore=rt.parameters())
+    with tracker.step():
+        rt.step(data)
+    return rt, tracker.peak_bytes
+
+
 def route_by_position(config: Config, moe_layers: list[Any]) -> None:
     """Every router sends token t of a micro-batch to experts (t k + j) mod E, j < k: the same on
     the ranks and in the reference, whatever the order of their calls."""
