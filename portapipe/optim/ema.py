@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -43,6 +44,7 @@ class HostEMA:
             st.ema = torch.zeros(n, dtype=torch.float32)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portapipe-ema")
         self._pending: Future | None = None
+        self.update_s = 0.0
         self.reset()
 
     # ------------------------------------------------------------------ steps
@@ -55,12 +57,15 @@ class HostEMA:
             st.ema.copy_(staged)
 
     def update(self) -> None:
-        """After an optimizer step: copy the updated weights out and fold them in on the background thread."""
+        """After an optimizer step: copy the updated weights out and fold them in on the background
+        thread; ``update_s``: the training thread's time in it (the wait for the previous fold, the copy out)."""
+        t0 = time.perf_counter()
         self.wait()
         self._stage()
         done = self.backend.event()
         done.record()
         self._pending = self._pool.submit(self._fold, done)
+        self.update_s = time.perf_counter() - t0
 
     def wait(self) -> None:
         """Wait for the fold in flight (its error, if any, raised here)."""
