@@ -78,6 +78,9 @@ def test_the_run_reports_the_host_bytes_and_the_emas_validation_loss(run):
     # per element of the rank's shard: the moments 2 x 8 bytes (float64), the EMA 4 (float32) and its staging copy 8
     assert memory["ema_host"] * 16 == memory["optimizer"] * (4 + 8)
     assert summary["val_loss_ema"] is not None and summary["val_loss_ema"] != summary["val_loss"]
+    # each step's row: the training thread's time in the EMA's update, a part of the iteration
+    steps = [r for r in run["rows"] if r["kind"] == "train"]
+    assert steps and all(0.0 < r["ema_s"] < r["iter_s"] for r in steps)
 
 
 @pytest.mark.multiproc

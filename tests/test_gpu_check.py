@@ -77,6 +77,12 @@ def test_the_dry_run_runs_every_part_and_prints_the_table_last(dry, bench_module
     # j: the FP8 GEMM and its agreement with the emulation ran (on the CPU: the emulation itself)
     j = parts["j"]["results"]
     assert j["path"] == "emulated" and j["gemm"][0]["fp8_s"] > 0 and j["within_kit_bounds"] is True
+    # j: the FP8 step against the bfloat16 step, every Linear in FP8, both times and their ratio
+    step = j["step"]
+    assert step["kept_linears"] == [] and step["fp8_linears"] > 0 and step["model"]["dtype"] == "bfloat16"
+    assert step["fp8"]["median_step_s"] > 0 and step["bfloat16"]["median_step_s"] > 0
+    assert step["fp8_over_bfloat16_step_time"] == step["fp8"]["median_step_s"] / step["bfloat16"]["median_step_s"]
+    assert "x); " in parts["j"]["summary"] and parts["j"]["summary"].startswith("step FP8 ")
     # i: the GPU run's benchmarks ran small, ranks pinned where each can have a core, and their JSON
     # held everything the claims are read from
     i = parts["i"]["results"]
@@ -328,3 +334,17 @@ def test_with_too_few_cores_for_the_step_claims_their_commands_are_still_checked
     assert rec["status"] == "skipped" and "4 usable cores" in rec["reason"], rec
     assert r["step_vs_torch"]["flags_missing"] == r["balance_e2e"]["flags_missing"] == [] and r["step_vs_torch"]["help_rc"] == 0
     assert "--pin-cores true" in r["step_vs_torch"]["command"] and "--layouts ep4" in r["balance_e2e"]["command"]
+
+
+def test_the_fp8_steps_model_runs_every_linear_in_fp8_where_part_es_would_not(bench_module) -> None:
+    """Part j times the FP8 step on part e's architecture with every width a multiple of 128: at the
+    GPU run's sizes no Linear stays in bfloat16, where part e's own model keeps its dense FFN
+    (10944) and MLA's compressed keys and values (576) out of FP8."""
+    from portapipe.config import config_from_dict
+    from portapipe.models.fp8_layers import plan
+
+    fp8, speed = bench_module("gpu_check_parts.fp8"), bench_module("gpu_check_parts.speed")
+    eligible, kept = plan(config_from_dict(fp8.step_raw(True, "cuda", False)).model)
+    assert eligible and not kept, [lin.name for lin in kept]
+    _, kept_e = plan(config_from_dict(speed.speed_raw(speed.SPEED_MODELS[-1], "cuda", False)).model)
+    assert kept_e

@@ -5,7 +5,9 @@ One launch of 2 gloo ranks, float64, the balance loss on, D = 1 and a lambda sch
 
 - A: pp 2, 1F1B, 4 steps, a checkpoint at step 2;
 - B: pp 1, ep 2, DualPipeV (the embedding and its copy on one rank), loaded from A's step-2
-  checkpoint, steps 3 and 4.
+  checkpoint, steps 3 and 4;
+- single: pp 2, DualPipeV, tied embeddings, 4 steps, a checkpoint at step 2 (the single embedding:
+  the first and last stages share rank 0); apart: pp 2, 1F1B, loaded from it, steps 3 and 4.
 
 Each metrics row reports the main loss, the module's loss and the balance loss apart; B's steps
 equal A's (every weight, the module's and the embedding's copy included, made the trip through
@@ -29,12 +31,12 @@ MODEL = {"hidden": 16, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 
          "seq_len": 16, "dtype": "float64"}
 
 
-def _config(root: Path, log: str, layout: dict[str, Any], depth: int = 1, weight: Any = None, **checkpoint: Any) -> dict[str, Any]:
+def _config(root: Path, log: str, layout: dict[str, Any], depth: int = 1, weight: Any = None, tied: bool = False, **checkpoint: Any) -> dict[str, Any]:
     train = {"steps": 4, "lr": 1e-2, "warmup_steps": 1, "micro_batch_size": layout.pop("mbs"), "seq_aux_loss_weight": 0.01}
     if depth:
         train["mtp_loss_weight"] = {0: 0.3, 2: 0.1} if weight is None else weight
     return load_config({
-        "backend": "cpu", "model": {**MODEL, "mtp_layers": depth}, **layout, "train": train, "data": {"val_fraction": 0.2},
+        "backend": "cpu", "model": {**MODEL, "mtp_layers": depth, "tie_word_embeddings": tied}, **layout, "train": train, "data": {"val_fraction": 0.2},
         "log": {"dir": str(root / log), "progress": False}, "checkpoint": {"keep": 5, **checkpoint},
     }).to_dict()
 
@@ -51,14 +53,21 @@ def _runs(backend: Any, root: str) -> dict[str, Any]:
     a = {"parallel": {"pp": 2}, "schedule": {"name": "1f1b", "microbatches": 2}, "mbs": 2}
     b = {"parallel": {"pp": 1, "ep": 2}, "schedule": {"name": "dualpipev", "microbatches": 2}, "mbs": 1}
     plain = {"parallel": {"pp": 2}, "schedule": {"name": "1f1b", "microbatches": 2}, "mbs": 2}
-    for log, layout, depth, weight, extra in (
-        ("A", a, 1, None, {"every": 2}),
-        ("B", b, 1, None, {"load": str(base / "A" / "checkpoints" / "step_00000002")}),
-        ("plain", plain, 0, None, {}),
-        ("constant", a, 1, 0.3, {}),  # A's layout at A's first weight throughout
+    # the single embedding: DualPipeV at pp 2 puts the first and last stages on rank 0, so the
+    # embedding, the tied head and the module's embedding and head are one tensor there; 1F1B at
+    # pp 2 holds them on two ranks. The same micro-batches (one replica, 4 of 1 sequence) in both.
+    single = {"parallel": {"pp": 2}, "schedule": {"name": "dualpipev", "microbatches": 4}, "mbs": 1}
+    apart = {"parallel": {"pp": 2}, "schedule": {"name": "1f1b", "microbatches": 4}, "mbs": 1}
+    for log, layout, depth, weight, tied, extra in (
+        ("A", a, 1, None, False, {"every": 2}),
+        ("B", b, 1, None, False, {"load": str(base / "A" / "checkpoints" / "step_00000002")}),
+        ("plain", plain, 0, None, False, {}),
+        ("constant", a, 1, 0.3, False, {}),  # A's layout at A's first weight throughout
+        ("single", single, 1, None, True, {"every": 2}),
+        ("apart", apart, 1, None, True, {"load": str(base / "single" / "checkpoints" / "step_00000002")}),
     ):
         fresh = type(backend)(backend.options)
-        summary = train_rank(fresh, _config(base, log, dict(layout), depth, weight, **extra))
+        summary = train_rank(fresh, _config(base, log, dict(layout), depth, weight, tied, **extra))
         if torch.distributed.get_rank() == 0:
             out[log] = {"summary": summary, "rows": _rows(base / log)}
     return out
@@ -88,6 +97,20 @@ def test_a_checkpoint_carries_the_module_to_another_layout(runs: dict[str, Any])
     for step in (3, 4):
         for key in ("loss", "mtp_loss_1", "balance_loss", "grad_norm"):
             assert abs(b[step][key] - a[step][key]) <= 1e-9 * abs(a[step][key]), (step, key)
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_the_single_embedding_resumes_where_the_copies_sit_on_two_ranks(runs: dict[str, Any]) -> None:
+    """Written by DualPipeV with the tied head and the module's embedding and head one tensor on
+    rank 0, resumed by 1F1B with them on two ranks: the next step's losses are the straight run's
+    bit for bit (the same weights through the same arithmetic), the one after to rounding (the
+    gradients of the copies are summed in another order than the one tensor's)."""
+    straight, resumed = runs["single"]["rows"], runs["apart"]["rows"]
+    assert sorted(straight) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    for key in ("loss", "mtp_loss_1", "balance_loss"):
+        assert resumed[3][key] == straight[3][key], key
+        assert abs(resumed[4][key] - straight[4][key]) <= 1e-12 * abs(straight[4][key]), key
+    assert straight[3]["loss"] != straight[2]["loss"]
 
 
 @pytest.mark.multiproc

@@ -36,7 +36,7 @@ class Part:
 
 PARTS = [
     Part("a", "environment", part_env, 30, 60),
-    Part("b", "the suite, cuda tests, conformance kit", part_suite, 270, 120),
+    Part("b", "the suite, cuda tests, conformance kit", part_suite, 225, 120),
     Part("c", "verify: every schedule on the GPU", part_verify, 90, 120),
     Part("d", "portability CPU <-> CUDA, bf16 vs float32", part_portability, 100, 180),
     Part("e", "speed: tokens/s, MFU, vs transformers", part_speed, 100, 120),
@@ -44,6 +44,6 @@ PARTS = [
     Part("g", "allocator peak vs memory model", part_memory, 25, 90),
     Part("h", "LPLB Triton kernels", part_lplb, 15, 60),
     Part("i", "step_vs_torch, balance_e2e, a core set per rank", part_step_claims, 60, 150),
-    Part("j", "FP8: blockwise GEMM vs bf16, against the emulation", part_fp8, 35, 60),
+    Part("j", "FP8: blockwise GEMM vs bf16, against the emulation, the FP8 step vs bf16", part_fp8, 80, 120),
 ]
 BY_KEY = {p.key: p for p in PARTS}

@@ -17,6 +17,8 @@ less than a step. Nothing of it stays on the device.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -37,10 +39,12 @@ class HostEMA:
         for st in optimizer.states:
             n = st.span.stop - st.span.start
             dtype = st.master.dtype if st.master is not None else optimizer.model_dtype
-            self._staging.append(torch.empty(n, dtype=dtype, pin_memory=pin))
+            # zeros: the padding past the parameters stays zero (only their ranges are copied)
+            self._staging.append(torch.zeros(n, dtype=dtype, pin_memory=pin))
             st.ema = torch.zeros(n, dtype=torch.float32)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portapipe-ema")
         self._pending: Future | None = None
+        self.update_s = 0.0
         self.reset()
 
     # ------------------------------------------------------------------ steps
@@ -53,12 +57,15 @@ class HostEMA:
             st.ema.copy_(staged)
 
     def update(self) -> None:
-        """After an optimizer step: copy the updated weights out and fold them in on the background thread."""
+        """After an optimizer step: copy the updated weights out and fold them in on the background
+        thread; ``update_s``: the training thread's time in it (the wait for the previous fold, the copy out)."""
+        t0 = time.perf_counter()
         self.wait()
         self._stage()
         done = self.backend.event()
         done.record()
         self._pending = self._pool.submit(self._fold, done)
+        self.update_s = time.perf_counter() - t0
 
     def wait(self) -> None:
         """Wait for the fold in flight (its error, if any, raised here)."""
@@ -78,9 +85,17 @@ class HostEMA:
             if st.master is not None:
                 staged.copy_(st.master, non_blocking=True)
                 continue
-            staged.zero_()  # padding
-            for p, start, at, n in bucket.segments(st.span):  # the parameters are the master weights
-                staged[at : at + n].copy_(p.detach().reshape(-1)[start : start + n], non_blocking=True)
+            # the parameters are the master weights: on the host, their ranges in one call where they
+            # tile the span from its start (one kernel on the training thread, not one per parameter)
+            segments = bucket.segments(st.span)
+            views = [p.detach().reshape(-1)[start : start + n] for p, start, _, n in segments]
+            ats = [at for _, _, at, _ in segments]
+            end = sum(n for *_, n in segments)
+            if views and views[0].device == staged.device and ats == list(itertools.accumulate([0] + [n for *_, n in segments[:-1]])):
+                torch.cat(views, out=staged[:end])
+                continue
+            for view, (_, _, at, n) in zip(views, segments):
+                staged[at : at + n].copy_(view, non_blocking=True)
 
     def _fold(self, done: Any) -> None:
         done.synchronize()  # the copies have landed

@@ -34,7 +34,9 @@ replicas). Data are random tokens drawn from the seed per (replica, micro-batch)
 
 Why the loss can match bit for bit: every token's arithmetic is the same in both runs. Each
 micro-batch passes through the same shapes (a rank sees exactly one replica's micro-batch),
-the expert matmuls are row-independent (``a[rows] @ w``), the SwiGLU activation is written
+the expert matmuls are row-independent (in float64 the CPU's grouped matmul sums each row over k
+in order, :func:`~portapipe.backends.grouped_mm.rowwise_grouped_mm`: a BLAS matmul rounds a row by
+the size of its group, which a balancer's replicas change), the SwiGLU activation is written
 with position-independent operations, and both sides add the per-micro-batch losses in the
 same order (:func:`portapipe.scheduling.executor.mean_loss`). Gradients are sums of the same
 terms in different orders (micro-batches, replicas, DualPipe's copies), so they agree to
