@@ -160,6 +160,23 @@ def _reader_state(skip_bad: bool = False) -> None:
     writer._init(str(TOKENIZER), int(EOS), "uint16", "text", skip_bad)
 
 
+def test_without_pyarrow_jsonl_is_read_line_by_line_the_same_and_one_line_says_so(corpus: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """pyarrow is the data extra's: without it the line reader reads every chunk, the dataset is
+    the same bytes, and one line names the extra that brings the faster reader."""
+    jsonl = corpus / "a" / "1.jsonl"
+    code, lines = _run(capsys, str(jsonl), str(tmp_path / "arrow"), "--tokenizer", str(TOKENIZER), "--eos", EOS, "--workers", "1")
+    assert code == 0 and not any("pyarrow is not installed" in line for line in lines), lines
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.json", None)
+    code, lines = _run(capsys, str(jsonl), str(tmp_path / "lines"), "--tokenizer", str(TOKENIZER), "--eos", EOS, "--workers", "1")
+    assert code == 0, lines
+    assert [line for line in lines if "pyarrow is not installed" in line] == [
+        "portapipe: tokenize: pyarrow is not installed, so jsonl is read line by line, several times slower (pip install 'portapipe[data]' for its JSON reader)"
+    ]
+    for name in ("tokens.bin", "documents.bin"):
+        assert (tmp_path / "arrow" / name).read_bytes() == (tmp_path / "lines" / name).read_bytes()
+
+
 def test_pyarrow_reads_good_jsonl_and_hands_anything_else_to_the_line_reader(tmp_path: Path) -> None:
     """The fast reader gives json.loads' texts for good lines (escapes, blank lines, CRLF, other
     fields of any kind, no final newline) and declines every chunk the line reader must judge:

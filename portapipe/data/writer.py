@@ -125,6 +125,14 @@ def _jsonl(chunk: Chunk, out: Encoded) -> list[str]:
     return texts if texts is not None else _jsonl_lines(chunk, out)
 
 
+def _have_arrow() -> bool:
+    try:
+        import pyarrow.json  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _jsonl_arrow(data: bytes) -> list[str] | None:
     """Each line's text read by pyarrow (C++, several times json.loads' speed), or None when the
     lines are not all objects holding a string at the field (the line-by-line reader decides)."""
@@ -286,6 +294,9 @@ def write_dataset(inputs: list[Input], out: Path, options: Options) -> dict[str,
     dtype, eos, eos_from, vocab = resolve(options)
     if not inputs:
         raise ValueError("no input: name files, folders or globs")
+    if any(item.kind == "jsonl" for item in inputs) and not _have_arrow():
+        print("portapipe: tokenize: pyarrow is not installed, so jsonl is read line by line, several times slower "
+              "(pip install 'portapipe[data]' for its JSON reader)", file=sys.stderr)
     tmp = folder.temporary(out)
     t0 = time.perf_counter()
     output = _Output(tmp, dtype, inputs)
