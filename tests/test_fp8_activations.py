@@ -207,12 +207,11 @@ def test_each_fp8_part_saves_what_the_memory_model_says(shape: list[str], option
     from pathlib import Path
 
     from portapipe.config import MemoryConfig
-    from portapipe.memory.accounting import SavedActivations
     from portapipe.memory.policy import configure
     from portapipe.plan.fp8_bytes import saved_delta
-    from portapipe.plan.measure_parts import PartBytes
     from portapipe.plan.shape import Shape, saved_bytes
-    from portapipe.scheduling.overlap import Tape, observing, run
+    from portapipe.scheduling.overlap import run
+    from tests.test_plan_memory import part_bytes
 
     example = Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"
     cfg = load_config(example, ["parallel.pp=1", "parallel.ep=1", "schedule.name=1f1b", "train.micro_batch_size=2", "model.seq_len=16",
@@ -224,19 +223,13 @@ def test_each_fp8_part_saves_what_the_memory_model_says(shape: list[str], option
     configure(blocks, MemoryConfig(**PART_OPTIONS[option]))
     block = blocks[0]
     x = torch.randint(0, m.vocab_size, (2, m.seq_len), generator=torch.Generator().manual_seed(0))
-    obs, tracker = PartBytes(), SavedActivations(ignore=block.parameters())
-    with tracker.track(), observing(obs):
-        tape = Tape()
-        out = run(block.program(tape, x, x.clone()))
-    measured = {label: n for (label, _), n in tracker.live_by_region.items() if label in obs.units}
+    parts, tape, out = part_bytes(block, x, x.clone())
     checked = 0
-    for label, (part, units) in obs.units.items():
-        if part == "other":
-            continue
+    for part, units, got in parts:
         want = saved_bytes(s, part, option, units, units) + saved_delta(s, cached, part, option, units, units, 0)  # one EP rank: no row travels
         if part in ("attention", "dense"):
             want += s.rope_bytes()
-        assert measured.get(label, 0) == want, (part, option, measured.get(label, 0), want)
+        assert got == want, (part, option, got, want)
         checked += 1
     assert checked >= 4
     run(tape.backward(out, torch.ones_like(out)))

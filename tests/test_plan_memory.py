@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -83,26 +84,30 @@ def test_each_part_of_mla_and_gqa_saves_what_the_formula_says(name: str, option:
     _check_parts(example, BYTES + shape, option)
 
 
-def _check_parts(example: Path, shape: list[str], option: str) -> None:
-    cfg = load_config(example, SMALL + shape)
-    s = setup_shape(cfg)
-    block, x, y = _forward(cfg, option)
+def part_bytes(block: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[list[tuple[str, float, int]], Tape, torch.Tensor]:
+    """One block's forward under the accounting: each part's (kind, units, bytes it saved), and
+    the tape and output its backward runs from."""
     obs = PartBytes()
     tracker = accounting.SavedActivations(ignore=block.parameters())
     with tracker.track(), observing(obs):
         tape = Tape()
         out = run(block.program(tape, x, y))
     measured = {label: n for (label, _), n in tracker.live_by_region.items() if label in obs.units}
+    return [(part, units, measured.get(label, 0)) for label, (part, units) in obs.units.items() if part != "other"], tape, out
+
+
+def _check_parts(example: Path, shape: list[str], option: str) -> None:
+    cfg = load_config(example, SMALL + shape)
+    s = setup_shape(cfg)
+    block, x, y = _forward(cfg, option)
+    parts, tape, out = part_bytes(block, x, y)
     layer_of = iter(range(cfg.model.n_layers))
     checked = 0
-    for label, (part, units) in obs.units.items():
-        if part == "other":
-            continue
+    for part, units, got in parts:
         # experts: units are the rows received; a prediction depth's rows are shorter sequences
         want = saved_bytes(s, part, option, units, units, seq=units // cfg.train.micro_batch_size if part != "experts" else None)
         if part in ("attention", "dense") and option != "recompute_full":
             want += s.rope_bytes()
-        got = measured.get(label, 0)
         # a recomputed part runs without saving; its replay (in the backward) is checked below
         assert got == want, (part, option, got, want, next(layer_of, None))
         checked += 1

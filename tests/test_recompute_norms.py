@@ -139,36 +139,27 @@ def test_each_part_saves_the_formula_less_the_norms(memory: dict[str, Any], opti
     dropped bytes (attention also keeps the rotary tables, counted once per layer)."""
     from portapipe.backends.cpu import CPUBackend
     from portapipe.config import MemoryConfig
-    from portapipe.memory import accounting
     from portapipe.memory.policy import configure
     from portapipe.models.expert_parallel import ExpertParallel
     from portapipe.models.moe import build_blocks
-    from portapipe.plan.measure_parts import PartBytes
     from portapipe.plan.norm_recompute import dropped_bytes
     from portapipe.plan.shape import Shape, saved_bytes
-    from portapipe.scheduling.overlap import Tape, observing, run
-    from tests.test_plan_memory import EXAMPLE, SMALL
+    from portapipe.scheduling.overlap import run
+    from tests.test_plan_memory import EXAMPLE, SMALL, part_bytes
 
     cfg = load_config(EXAMPLE, SMALL + shape)
     s = Shape.of(cfg.model)
     block = build_blocks(cfg.model, [0], 1, ExpertParallel(CPUBackend()), 1)[0]
     configure({0: block}, MemoryConfig(**memory))
     x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_len), generator=torch.Generator().manual_seed(0))
-    obs = PartBytes()
-    tracker = accounting.SavedActivations(ignore=block.parameters())
-    with tracker.track(), observing(obs):
-        tape = Tape()
-        out = run(block.program(tape, x, x.clone()))
-    measured = {label: n for (label, _), n in tracker.live_by_region.items() if label in obs.units}
+    parts, tape, out = part_bytes(block, x, x.clone())
     checked = 0
-    for label, (part, units) in obs.units.items():
-        if part == "other":
-            continue
+    for part, units, got in parts:
         want = saved_bytes(s, part, option, units, units) - dropped_bytes(s, part, units)
         if part in ("attention", "dense"):
             want += s.rope_bytes()
             checked += 1
-        assert measured.get(label, 0) == want, (part, measured.get(label, 0), want)
+        assert got == want, (part, got, want)
     assert checked >= 2
     run(tape.backward(out, torch.ones_like(out)))
 
