@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any, Literal
+from typing import Any
 
 
 # ------------------------------------------------------------------ what a key's type takes

@@ -3,7 +3,6 @@ with its type, default and bounds. Loading and the checks across sections are in
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
