@@ -58,7 +58,7 @@ def make_jsonl(path: Path, mb: float) -> int:
     paragraphs = [p for p in gzip.decompress(DEFAULT_CORPUS.read_bytes()).decode().split("\n\n") if p.strip()]
     lines = "".join(json.dumps({"text": p}) + "\n" for p in paragraphs)
     with open(path, "w") as f:
-        for _ in range(max(1, round(mb * 1e6 / len(lines)))):
+        for _ in range(max(1, -(-int(mb * 1e6) // len(lines)))):  # at least mb MB
             f.write(lines)
     return path.stat().st_size
 

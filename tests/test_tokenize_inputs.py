@@ -91,6 +91,37 @@ def test_one_worker_and_three_write_the_same_bytes(corpus: Path, tmp_path: Path,
     assert one["tokens_blake2b"] == three["tokens_blake2b"] and one["documents"] == three["documents"] == 202
 
 
+def test_a_chunk_is_encoded_in_calls_of_bounded_size_with_the_same_ids(tmp_path: Path, monkeypatch) -> None:
+    """The tokenizer gets a chunk's texts a few at a time (its time per character grows with the
+    call), each call about BATCH_CHARS characters, a longer text alone; the ids are each text's own."""
+    from tokenizers import Tokenizer
+
+    from portapipe.data import writer
+
+    tok = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    writer._init(str(TOKENIZER), int(EOS), "uint16", "text", False)
+    os.environ.pop("TOKENIZERS_PARALLELISM")
+    calls: list[list[str]] = []
+    real = writer._STATE["tokenizer"]
+
+    class Recording:
+        def encode_batch_fast(self, texts: list[str], add_special_tokens: bool) -> list:
+            calls.append(list(texts))
+            return real.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+        encode_batch = encode_batch_fast  # the older library's name
+
+    writer._STATE["tokenizer"] = Recording()
+    monkeypatch.setattr(writer, "BATCH_CHARS", 400)
+    texts = TEXTS[:60] + ["x" * 1000] + TEXTS[60:63]
+    assert writer._encode(texts) == [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    assert [t for call in calls for t in call] == texts and len(calls) > 10
+    for call in calls:  # under the bound but for the text that crosses it
+        assert sum(map(len, call[:-1])) < 400
+    assert ["x" * 1000] in calls or any(call[-1] == "x" * 1000 for call in calls)
+    assert writer._encode([]) == []
+
+
 def test_bad_input_is_one_line_exit_2_and_nothing_written(corpus: Path, tmp_path: Path, capsys) -> None:
     tok = ["--tokenizer", str(TOKENIZER), "--eos", EOS, "--workers", "1"]
     bad = tmp_path / "bad.jsonl"

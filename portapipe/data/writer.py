@@ -66,10 +66,24 @@ def _init(tokenizer: str, eos: int, dtype: str, text_field: str, skip_bad: bool)
                   saved={})
 
 
+#: characters of text per call to the tokenizer: its time per character grows with the batch
+#: (a call keeps every document's encoding until it returns), about 20% slower at 1 MiB than at
+#: 64 Ki characters, and is flat below that (see benchmarks/data.py)
+BATCH_CHARS = 1 << 16
+
+
 def _encode(texts: list[str]) -> list[list[int]]:
+    """Each text's ids, in calls of about :data:`BATCH_CHARS` characters (a longer text alone)."""
     tok = _STATE["tokenizer"]
     fast = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    return [e.ids for e in fast(texts, add_special_tokens=False)]
+    ids: list[list[int]] = []
+    start = size = 0
+    for end, text in enumerate(texts, 1):
+        size += len(text)
+        if size >= BATCH_CHARS or end == len(texts):
+            ids.extend(e.ids for e in fast(texts[start:end], add_special_tokens=False))
+            start, size = end, 0
+    return ids
 
 
 def _documents(texts: list[str], out: Encoded) -> np.ndarray:
@@ -349,7 +363,10 @@ def _encoded(todo: Any, workers: int, args: tuple[Any, ...]) -> Any:
                 os.environ[_PARALLELISM] = before
         return
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method), initializer=_init, initargs=args)
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":  # the server imports the workers' modules once, each worker is forked with them
+        context.set_forkserver_preload(["portapipe.data.writer", "tokenizers"])  # no effect once a server runs
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init, initargs=args)
     pending: collections.deque[tuple[Chunk, Future[Encoded]]] = collections.deque()
     try:
         for chunk in todo:
