@@ -364,8 +364,9 @@ def _encoded(todo: Any, workers: int, args: tuple[Any, ...]) -> Any:
         return
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     context = multiprocessing.get_context(method)
-    if method == "forkserver":  # the server imports the workers' modules once, each worker is forked with them
-        context.set_forkserver_preload(["portapipe.data.writer", "tokenizers"])  # no effect once a server runs
+    if method == "forkserver":  # the server imports the workers' modules once, each worker is forked with them;
+        # it is tied to this process's life as the ranks' server is (no effect once a server runs)
+        context.set_forkserver_preload(["portapipe.data.writer", "tokenizers", "portapipe.ranks.forkserver_tie"])
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init, initargs=args)
     pending: collections.deque[tuple[Chunk, Future[Encoded]]] = collections.deque()
     try:
