@@ -46,7 +46,7 @@ class LayerMemory:
         routed = layer.routed(tape, x, positions)
         if self.recompute is not None:
             return (yield from self.recompute.moe(tape, layer, *routed))
-        h, hn, send, plan = routed[0], routed[1], routed[2], routed[-1]
+        hn, send, plan = routed[1], routed[2], routed[-1]
         zm = self.zero_memory.begin(layer, hn, send, plan) if self.zero_memory is not None else None
         return (yield from layer.moe_program(tape, *routed, zm))
 
