@@ -330,7 +330,7 @@ def _train(backend: Any, config: Config, groups: Any, run: RunPlan, runtime: Any
                     figures.add(stats)
                 row = step_record(step + 1, lr, result, stats, coef, iter_s)
                 if optimizer.ema is not None:
-                    row["ema_s"] = optimizer.ema.update_s
+                    row["ema_s"], row["ema_fold_s"] = optimizer.ema.update_s, optimizer.ema.fold_s
                 if config.model.mtp_layers:  # the weight in force (a schedule switches it)
                     row["mtp_loss_weight"] = mtp_weight_at(tc.mtp_loss_weight, step)
                 row.update(consumed(data.consumed(step + 1)))

@@ -81,6 +81,8 @@ def test_the_run_reports_the_host_bytes_and_the_emas_validation_loss(run):
     # each step's row: the training thread's time in the EMA's update, a part of the iteration
     steps = [r for r in run["rows"] if r["kind"] == "train"]
     assert steps and all(0.0 < r["ema_s"] < r["iter_s"] for r in steps)
+    # and the background thread's processor time in the previous step's fold (none before the first)
+    assert steps[0]["ema_fold_s"] == 0.0 and all(0.0 < r["ema_fold_s"] < r["iter_s"] for r in steps[1:])
 
 
 @pytest.mark.multiproc

@@ -45,6 +45,8 @@ class HostEMA:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="portapipe-ema")
         self._pending: Future | None = None
         self.update_s = 0.0
+        self.fold_s = 0.0  # the background thread's processor time in the previous step's fold
+        self._folded_s = 0.0  # ... in the last fold it finished (set by that thread)
         self.reset()
 
     # ------------------------------------------------------------------ steps
@@ -58,9 +60,11 @@ class HostEMA:
 
     def update(self) -> None:
         """After an optimizer step: copy the updated weights out and fold them in on the background
-        thread; ``update_s``: the training thread's time in it (the wait for the previous fold, the copy out)."""
+        thread; ``update_s``: the training thread's time in it (the wait for the previous fold, the copy out);
+        ``fold_s`` then holds the previous step's fold's processor time on the background thread."""
         t0 = time.perf_counter()
         self.wait()
+        self.fold_s, self._folded_s = self._folded_s, 0.0
         self._stage()
         done = self.backend.event()
         done.record()
@@ -99,9 +103,11 @@ class HostEMA:
 
     def _fold(self, done: Any) -> None:
         done.synchronize()  # the copies have landed
+        t0 = time.thread_time()  # this thread's processor time: what the fold takes from the host's cores
         with torch.no_grad():
             for st, staged in zip(self.optimizer.states, self._staging):
                 st.ema.lerp_(staged.to(torch.float32), 1.0 - self.decay)
+        self._folded_s = time.thread_time() - t0
 
     # ---------------------------------------------------------------- reading
     def host_bytes(self) -> int:
