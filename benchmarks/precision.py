@@ -21,8 +21,9 @@ Three parts, each a series of ``portapipe train`` runs (gloo ranks, temporary fo
   (step, optimizer, the EMA's copy out) of each run, each round's ratio and their min and median,
   the share of the iteration the training thread spends in the EMA's update (``ema_s``), and with
   the background thread's processor time in the fold (``ema_fold_s``) what the EMA takes from the
-  cores in all (a bound on its cost where ranks and the fold share the host's cores, whatever the
-  load), the host bytes per rank and the validation losses of the weights and the EMA.
+  cores in all (its cost to the step where the ranks and the fold share the host's cores, measured
+  as processor time, which the machine's load barely moves; on a device, the fold runs beside the
+  device's work), the host bytes per rank and the validation losses of the weights and the EMA.
 
 Prints one JSON object; ``--png`` draws the loss curves.
 
