@@ -154,9 +154,9 @@ def ema(steps: int, rounds: int, tmp: Path) -> dict[str, Any]:
             medians[name] = statistics.median(run)
             if name == "on":  # the training thread's own time in the EMA's update (the copy out), per step, and
                 # with the background thread's processor time in the fold: all the EMA takes from the cores
-                steps = [row for row in rows if row["kind"] == "train"][1:]
-                shares += [row["ema_s"] / row["iter_s"] for row in steps]
-                cpu_shares += [(row["ema_s"] + row["ema_fold_s"]) / row["iter_s"] for row in steps[1:]]
+                trained = [row for row in rows if row["kind"] == "train"][1:]
+                shares += [row["ema_s"] / row["iter_s"] for row in trained]
+                cpu_shares += [(row["ema_s"] + row["ema_fold_s"]) / row["iter_s"] for row in trained[1:]]
             record = next(row for row in rows if row["kind"] == "memory")
             out[name] = {"val_loss": summary["val_loss"], "val_loss_ema": summary.get("val_loss_ema"), "ema_host_bytes_per_rank": record.get("ema_host", 0)}
         out["rounds"].append({"median_iter_off_s": medians["off"], "median_iter_on_s": medians["on"], "on_vs_off": medians["on"] / medians["off"]})
