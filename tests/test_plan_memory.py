@@ -38,9 +38,13 @@ OPTIONS = {"off": {}, "level0": {"zero_memory": "level0"}, "level1": {"zero_memo
            "recompute_moe": {"recompute": "moe"}, "recompute_full": {"recompute": "full"}}
 
 
-def _forward(cfg, option: str):
+def _forward(cfg, option: str, ep: int = 1):
+    """The model as one block of one rank; ``ep`` 2: one process playing both EP ranks (every
+    exchange delivers what was sent)."""
+    from tests.test_overlap import _LoopbackBackend
+
     m = cfg.model
-    blocks = build_blocks(m, [0], 1, ExpertParallel(CPUBackend()), 1)
+    blocks = build_blocks(m, [0], 1, ExpertParallel(CPUBackend()) if ep == 1 else ExpertParallel(_LoopbackBackend(), size=2, rank=1), 1)
     if cfg.train.fp8 != "off":
         enable_fp8(blocks, CPUBackend())
     configure(blocks, MemoryConfig(**OPTIONS[option]))
@@ -120,13 +124,18 @@ def setup_shape(cfg) -> Shape:
     return Setup.from_config(cfg).shape
 
 
-def test_the_tape_holds_what_held_bytes_says() -> None:
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_tape_holds_what_held_bytes_says(ep: int) -> None:
     """Beyond what autograd saves, the storages alive after a forward are the formula's part
-    outputs and exchange buffers (counted with every tensor object, as an allocator would)."""
+    outputs and exchange buffers (counted with every tensor object, as an allocator would); with
+    a peer (one process playing both EP ranks) the rows sent and the rows the combine brought
+    back are released in the forward too."""
     cfg = load_config(EXAMPLE, SMALL + ["model.moe_hidden=24"])
     s = Shape.of(cfg.model)
-    for option in ("off", "level0", "recompute_moe", "recompute_full"):
-        block, x, y = _forward(cfg, option)
+    # with a peer, zero-memory and a recomputed MoE block keep index buffers (a few per expert,
+    # some per routed row, by the routing) that the formula does not follow exactly yet
+    for option in ("off", "level0", "level1", "recompute_moe", "recompute_full") if ep == 1 else ("off", "recompute_full"):
+        block, x, y = _forward(cfg, option, ep)
         gc.collect()
         before = {k for k in _storages()}
         tracker = accounting.SavedActivations(ignore=block.parameters())
@@ -140,7 +149,7 @@ def test_the_tape_holds_what_held_bytes_says() -> None:
         extra = sum(n for k, n in alive.items() if k not in saved)
         T = x.numel()
         rows = T * s.top_k  # one EP rank receives every routed row
-        want = sum(held_bytes(s, part, option, T, rows, ep=1) for part, _ in obs.units.values() if part != "other")
+        want = sum(held_bytes(s, part, option, T, rows, ep=ep) for part, _ in obs.units.values() if part != "other")
         if option == "recompute_full":  # the recomputed layers' inputs: the parts do not run under the tape
             want = s.n_layers * T * s.hidden * s.e
         want += s.e  # the loss

@@ -38,6 +38,17 @@ def mtp_positions(positions: torch.Tensor, depth: int) -> tuple[torch.Tensor, to
     return positions[:, : seq - depth], started[:, depth:] != started[:, : seq - depth]
 
 
+def _released(result: torch.Tensor, *done: Any) -> torch.Tensor:
+    """``result``, with the memory of ``done`` released: tensors the combine part has summed (the
+    experts' and the shared expert's outputs, the rows the combine brought back), which no
+    backward reads (neither their parts' nor the combine's keeps them: their gradients need only
+    their shapes), so they need not stay until the layer's backward as the tape's roots."""
+    for t in done:
+        if isinstance(t, torch.Tensor):
+            free_storage(t)
+    return result
+
+
 def _given(positions: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """The parts' extra argument: the positions when the data has documents, else none (the parts' calls stay as they were)."""
     return () if positions is None else (positions,)
@@ -176,7 +187,7 @@ class Layer(nn.Module):
         if moe.ep.size == 1:  # every row is local: nothing to exchange
             shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
             mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)
-            return tape.part(last, h, shared, None, mine, plan)
+            return _released(tape.part(last, h, shared, None, mine, plan), shared, mine)
         counts = plan.counts_exchange
         if counts is not None and counts.in_flight:
             # the other ranks' row counts travel (the routing started them): an F&B pair's other
@@ -194,11 +205,13 @@ class Layer(nn.Module):
         # reverse exchange.
         shared = tape.part(self.shared_part, hn, zm) if moe.shared is not None else None
         got = dispatch.wait()
+        free_storage(send)  # sent: the attention part's backward needs only its gradient
         out = tape.part(self.experts_part, *((got.standin, got) if isinstance(got, Fp8Rows) else (got, None)), plan, zm)
         combine = tape.all_to_all(moe.ep, out, plan.remote_send_splits, plan.remote_recv_splits, moe.combine_wire)
         yield combine
         mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)
-        return tape.part(last, h, shared, combine.wait(), mine, plan)
+        back = combine.wait()
+        return _released(tape.part(last, h, shared, back, mine, plan), shared, mine, back, out)
 
 
 class MTPLayer(Layer):

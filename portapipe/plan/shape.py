@@ -167,35 +167,25 @@ def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slot
 def held_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, *, ep: int) -> float:
     """Bytes the tape keeps for ``part`` until its backward besides what autograd saves.
 
-    Part outputs stay referenced as the roots of the part's backward: the rows to send and
-    their router weights, the experts' output, the rows combined back from the other ``ep - 1``
-    EP ranks (a rank's own rows, ``1 / ep`` of them, are not exchanged) and the shared expert's
-    output. The rows to send and the local rows are one buffer (as are their router weights):
-    the experts save the local rows, so only the ``(ep - 1) / ep`` sent to other ranks count
-    here. Zero-memory frees the sent rows but keeps the dispatch plan for the re-dispatch; a
-    recomputed MoE block keeps its router weights and dispatch plan (for the replay) and a
-    recomputed layer its input.
+    The MoE layer releases its part outputs and exchange buffers as soon as nothing reads them
+    (:meth:`portapipe.models.layer.Layer.moe_program`): the rows sent (with their router weights)
+    once the dispatch has delivered them, the experts' and the shared expert's outputs and the
+    rows the combine brought back once the combine part has summed them; the backward needs
+    only their gradients. What stays: zero-memory keeps the dispatch plan for the re-dispatch
+    (counts, offsets and, with other EP ranks, the expert order apart from the send order) and
+    the sent rows' router weights; a recomputed MoE block keeps its router weights and dispatch
+    plan (for the replay) and a recomputed layer its input.
     """
-    e, h, k, T = s.e, s.hidden, s.top_k, tokens
+    k, T = s.top_k, tokens
     if option == "recompute_full":
-        return T * h * e if part in ("attention", "dense") else 0
+        return T * s.hidden * s.e if part in ("attention", "dense") else 0
     if part == "attention":
-        remote = (ep - 1) / ep  # the share of the rows sent to other ranks
-        sent = 0 if option in ("level0", "level1", "recompute_moe") else T * k * remote * h * e
         if option == "recompute_moe":  # the replay's dispatch plan: the expert order and (with other EP
             # ranks) the send order apart; counts, offsets of all rows, and of the local and received ones
-            sent += T * k * (2 if ep > 1 else 1) * INDEX_BYTES + 3 * s.n_experts * INDEX_BYTES
-        return sent + T * k * (1 if option == "recompute_moe" else remote) * e
-    if option == "recompute_moe":
-        return 0
-    if part == "experts":  # its output, and the combine exchange's output
-        out = rows * h * e + T * k * (ep - 1) / ep * h * e
-        if option in ("level0", "level1"):  # the dispatch plan kept for the re-dispatch: counts, offsets and
-            # (with other EP ranks) the expert order apart from the send order
-            out += (T * k if ep > 1 else 0) * INDEX_BYTES + 2 * s.n_experts * INDEX_BYTES
-        return out
-    if part == "shared" and s.n_shared:
-        return T * h * e
+            return T * k * (2 if ep > 1 else 1) * INDEX_BYTES + 3 * s.n_experts * INDEX_BYTES + T * k * s.e
+        return T * k * (ep - 1) / ep * s.e if option in ("level0", "level1") else 0
+    if part == "experts" and option in ("level0", "level1"):
+        return (T * k if ep > 1 else 0) * INDEX_BYTES + 2 * s.n_experts * INDEX_BYTES
     return 0
 
 
