@@ -26,7 +26,9 @@ measured medians. Then DeepSeek-V3: ``portapipe plan examples/plan/deepseek_v3.y
 memory model's DualPipe figures for that shape (parameters against 1F1B's, micro-batches in
 flight). Last, the Hugging Face architectures (``architectures``): the memory model's peak saved
 bytes per rank against the accounting on one step of examples/deepseek_v3.yaml (MLA) and
-examples/qwen3_moe.yaml (GQA), DualPipeV on 2 ranks (pp2) and 4 (pp2 x ep2); goal within 1%.
+examples/qwen3_moe.yaml (GQA), DualPipeV on 2 ranks (pp2) and 4 (pp2 x ep2), and DeepSeek-V3's
+memory recipe all together on MLA (FP8, FP8-cached activations, recompute norms, bfloat16
+moments; 2 and 4 ranks, ``--only recipe`` alone); goal within 1%.
 
 Prints one JSON object (machine, load average before and after, every figure).
 
@@ -141,6 +143,18 @@ ARCHITECTURES: dict[str, tuple[str, list[str]]] = {
     for arch in ("deepseek_v3", "qwen3_moe")
     for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]))
 }
+# DeepSeek-V3's memory recipe all together on MLA (``recipe``): FP8 with FP8-cached activations,
+# the norms' and the up-projection's recompute, bfloat16 moments; widths of 128 where the recipe
+# runs a Linear in FP8 (q_b, kv_b, wo, the FFNs), kv_a 136 wide as DeepSeek-V3's 576 (in bfloat16,
+# so the normed input stays so); the fused attention's widths (query / key = value)
+RECIPE = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=256", "model.q_lora_rank=128",
+          "model.kv_lora_rank=128", "model.qk_nope_head_dim=24", "model.qk_rope_head_dim=8", "model.v_head_dim=32",
+          "train.fp8=deepseek", "train.moments_dtype=bfloat16", "memory.fp8_activations=true", "memory.recompute=norms"]
+ARCHITECTURES.update({
+    f"deepseek_v3-recipe-{layout}": ("examples/deepseek_v3.yaml", ["data.format=bytes", "data.path=null", *over, *RECIPE])
+    for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]),
+                         ("1f1b-pp2-ep2-level1", ["parallel.pp=2", "parallel.ep=2", "schedule.name=1f1b", "memory.zero_memory=level1"]))
+})
 
 
 def _saved_peaks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -152,11 +166,11 @@ def _saved_peaks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any
     return out
 
 
-def architectures() -> dict[str, Any]:
-    """Per config and rank: predicted and measured peak saved bytes, and the relative error."""
+def architectures(names: list[str]) -> dict[str, Any]:
+    """Per config of ``names`` and rank: predicted and measured peak saved bytes, and the relative error."""
     out: dict[str, Any] = {}
     for ranks in (2, 4):
-        cfgs = {n: load_config(ROOT / path, over) for n, (path, over) in ARCHITECTURES.items()}
+        cfgs = {n: load_config(ROOT / path, over) for n, (path, over) in ARCHITECTURES.items() if n in names}
         cfgs = {n: c for n, c in cfgs.items() if c.world_size == ranks}
         got = run_ranks(_saved_peaks, ranks, {n: c.to_dict() for n, c in cfgs.items()}, wall_timeout_s=1800)
         for name, cfg in cfgs.items():
@@ -313,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of profile + measurements [3]")
     ap.add_argument("--profile", help="reuse this profile in every round instead of measuring one")
     ap.add_argument("--save-profile", help="write the first round's profile here")
-    ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan', 'deepseek', 'architectures')")
+    ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan', 'deepseek', 'architectures'; "
+                    "'recipe': of the architectures, DeepSeek-V3's memory recipe on MLA only)")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
     base = load_config(args.config, args.set)
@@ -390,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     if only is None or "deepseek" in only:
         report["deepseek_v3"] = deepseek()
     if only is None or "architectures" in only:
-        report["architectures"] = architectures()
+        report["architectures"] = architectures(list(ARCHITECTURES))
+    elif "recipe" in only:
+        report["architectures"] = architectures([n for n in ARCHITECTURES if "-recipe-" in n])
     report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     return 0
