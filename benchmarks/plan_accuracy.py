@@ -24,7 +24,9 @@ A configuration's error is its median prediction over the rounds against the med
 measured medians. Then DeepSeek-V3: ``portapipe plan examples/plan/deepseek_v3.yaml --devices
 2048 --memory 80GiB --profile h800`` timed as a command (interpreter start included), and the
 memory model's DualPipe figures for that shape (parameters against 1F1B's, micro-batches in
-flight). Last, the Hugging Face architectures (``architectures``): the memory model's peak saved
+flight), and (``fit``) DeepSeek's own setup with each piece of its memory recipe added in turn:
+every rank's bytes by kind and the step the time model gives it on the published H800. Last,
+the Hugging Face architectures (``architectures``): the memory model's peak saved
 bytes per rank against the accounting on one step of examples/deepseek_v3.yaml (MLA) and
 examples/qwen3_moe.yaml (GQA), DualPipeV on 2 ranks (pp2) and 4 (pp2 x ep2), and DeepSeek-V3's
 memory recipe all together on MLA (FP8, FP8-cached activations, recompute norms, bfloat16
@@ -318,6 +320,43 @@ def deepseek() -> dict[str, Any]:
     }
 
 
+#: DeepSeek-V3's memory recipe piece by piece on its own setup (``fit``), each row adding its ``--set``s to the ones above
+FIT = [("no ZeRO", []), ("+ ZeRO-1", ["train.zero_stage=1"]), ("+ bfloat16 moments", ["train.moments_dtype=bfloat16"]),
+       ("+ FP8", ["train.fp8=deepseek"]), ("+ FP8-cached activations", ["memory.fp8_activations=true"]),
+       ("+ recompute norms and MLA up-projection", ["memory.recompute=norms"])]
+
+
+def fit() -> dict[str, Any]:
+    """examples/plan/deepseek_v3.yaml (DualPipe PP16 x EP64 x DP2) with each piece of the recipe
+    added in turn: every pipeline rank's bytes by kind (rank 0 and the fullest), and the time
+    model's step on the published H800 (the setup priced as if it fitted) against DeepSeek's
+    ~1,540 tokens per GPU-second."""
+    from portapipe.config.setup import shape_of
+    from portapipe.plan.published import published
+
+    gib = 2**30
+    path = ROOT / "examples" / "plan" / "deepseek_v3.yaml"
+    rows, sets = [], []
+
+    def kinds(r: Any) -> dict[str, float]:
+        return {"params": r.params / gib, "grads": r.grads / gib, "master": r.master / gib, "moments": r.optimizer / gib,
+                "saved_activations": r.saved_peak / gib, "held_besides": (r.held_peak - r.saved_peak) / gib, "total": r.total / gib}
+
+    for label, more in FIT:
+        sets = sets + more
+        cfg = load_config(path, sets)
+        setup, sched = Setup.from_config(cfg), build_schedule(cfg)
+        report = MemoryModel(setup, sched).report()
+        prof = published("h800", shape_of(cfg.model, cfg.train, cfg.backend))
+        step = TimeModel(setup, prof, sched, imbalance(prof.loads, setup.ep, cfg.balancer, cfg.model.n_groups)).predict().step_s
+        per_gpu = setup.global_batch * cfg.model.seq_len / step / (setup.pp * setup.ep * setup.dp)
+        rows.append({"row": label, "set": list(sets), "rank0": kinds(report.ranks[0]), "fullest_rank": report.worst_rank,
+                     "fullest": kinds(report.ranks[report.worst_rank]), "totals_gib": [r.total / gib for r in report.ranks],
+                     "fits_80gib": report.peak <= 80 * gib, "step_s": step, "tokens_per_gpu_s": per_gpu,
+                     "over_published": per_gpu / (14.8e12 / (2.664e6 * 3600))})
+    return {"config": str(path.relative_to(ROOT)), "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "examples" / "cpu.yaml"), help="base config [examples/cpu.yaml]")
@@ -327,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of profile + measurements [3]")
     ap.add_argument("--profile", help="reuse this profile in every round instead of measuring one")
     ap.add_argument("--save-profile", help="write the first round's profile here")
-    ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan', 'deepseek', 'architectures'; "
+    ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan', 'deepseek', 'fit', 'architectures'; "
                     "'recipe': of the architectures, DeepSeek-V3's memory recipe on MLA only)")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
@@ -404,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     if only is None or "deepseek" in only:
         report["deepseek_v3"] = deepseek()
+    if only is None or "fit" in only:
+        report["deepseek_v3_fit"] = fit()
     if only is None or "architectures" in only:
         report["architectures"] = architectures(list(ARCHITECTURES))
     elif "recipe" in only:
