@@ -146,15 +146,17 @@ ARCHITECTURES: dict[str, tuple[str, list[str]]] = {
     for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]))
 }
 # DeepSeek-V3's memory recipe all together on MLA (``recipe``): FP8 with FP8-cached activations,
-# the norms' and the up-projection's recompute, bfloat16 moments; widths of 128 where the recipe
-# runs a Linear in FP8 (q_b, kv_b, wo, the FFNs), kv_a 136 wide as DeepSeek-V3's 576 (in bfloat16,
-# so the normed input stays so); the fused attention's widths (query / key = value)
+# the norms' and the up-projection's recompute, bfloat16 moments; as in DeepSeek-V3, q_b, kv_b, wo
+# and the FFNs in FP8 (widths of 128: 128 -> 256, 128 -> 384, 256 -> 128) and kv_a not (160 wide
+# as DeepSeek-V3's 576, so the normed input stays bfloat16); query / key width = value width (64),
+# so that the CPU runs the fused attention kernel as an H800 would
 RECIPE = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=256", "model.q_lora_rank=128",
-          "model.kv_lora_rank=128", "model.qk_nope_head_dim=24", "model.qk_rope_head_dim=8", "model.v_head_dim=32",
+          "model.kv_lora_rank=128", "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
           "train.fp8=deepseek", "train.moments_dtype=bfloat16", "memory.fp8_activations=true", "memory.recompute=norms"]
 ARCHITECTURES.update({
     f"deepseek_v3-recipe-{layout}": ("examples/deepseek_v3.yaml", ["data.format=bytes", "data.path=null", *over, *RECIPE])
     for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]),
+                         ("1f1b-pp2-level1", ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "memory.zero_memory=level1"]),
                          ("1f1b-pp2-ep2-level1", ["parallel.pp=2", "parallel.ep=2", "schedule.name=1f1b", "memory.zero_memory=level1"]))
 })
 

@@ -101,6 +101,8 @@ MLA_RECIPE_SHAPES = {
     "mla-fp8-kva": MLA_FP8 + ["model.kv_lora_rank=120"],
     # kv_b in FP8 (256 wide), q_b (192) not; the math attention
     "mla-fp8-kvb": MLA_FP8 + ["model.qk_nope_head_dim=32", "model.qk_rope_head_dim=16"],
+    # as DeepSeek-V3: q_b (128 -> 256), kv_b (128 -> 384) and wo in FP8, kv_a (160) not; the fused kernel
+    "mla-fp8-as-published": MLA_FP8 + ["model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=64"],
 }
 RECIPE_MEMORY = {  # name: (the memory section, the layers' option)
     "norms": ({"recompute": "norms"}, "off"),
