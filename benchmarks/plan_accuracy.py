@@ -153,6 +153,13 @@ ARCHITECTURES: dict[str, tuple[str, list[str]]] = {
 RECIPE = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=256", "model.q_lora_rank=128",
           "model.kv_lora_rank=128", "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
           "train.fp8=deepseek", "train.moments_dtype=bfloat16", "memory.fp8_activations=true", "memory.recompute=norms"]
+# and on GQA: wq 256, wk / wv 128 wide, all in FP8
+QWEN_RECIPE = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.head_dim=64", "train.fp8=deepseek",
+               "train.moments_dtype=bfloat16", "memory.fp8_activations=true", "memory.recompute=norms"]
+ARCHITECTURES.update({
+    f"qwen3_moe-recipe-{layout}": ("examples/qwen3_moe.yaml", ["data.format=bytes", "data.path=null", *over, *QWEN_RECIPE])
+    for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]))
+})
 ARCHITECTURES.update({
     f"deepseek_v3-recipe-{layout}": ("examples/deepseek_v3.yaml", ["data.format=bytes", "data.path=null", *over, *RECIPE])
     for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]),
@@ -369,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", help="reuse this profile in every round instead of measuring one")
     ap.add_argument("--save-profile", help="write the first round's profile here")
     ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan', 'deepseek', 'fit', 'architectures'; "
-                    "'recipe': of the architectures, DeepSeek-V3's memory recipe on MLA only)")
+                    "'recipe': of the architectures, DeepSeek-V3's memory recipe on MLA and GQA only)")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
     base = load_config(args.config, args.set)

@@ -105,23 +105,16 @@ QWEN_FP8 = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", 
 
 
 @pytest.mark.parametrize("option", ["memory.recompute=norms", "memory.fp8_activations=true"])
-def test_memory_options_not_modelled_for_grouped_query_attention_are_refused_there(capsys: pytest.CaptureFixture[str], option: str) -> None:
-    """The norms' recompute and FP8-cached activations are modelled for the portapipe and MLA
-    attentions: a qwen3_moe config asking for one is refused in one line and the planner offers
-    neither there; on deepseek_v3 the same config plans, and the planner offers both."""
+@pytest.mark.parametrize("example, fp8", [(DEEPSEEK, FP8), (QWEN, QWEN_FP8)], ids=["deepseek_v3", "qwen3_moe"])
+def test_the_hugging_face_attentions_plan_the_norms_recompute_and_fp8_activations(example: Path, fp8: list[str], option: str) -> None:
+    """MLA and GQA: a config asking for the norms' recompute or FP8-cached activations plans, and
+    the planner offers both among its candidates."""
     from portapipe.plan.planner import enumerate_setups
 
     data = ["data.format=bytes", "data.path=null"]
-    argv = ["plan", str(QWEN), "--devices", "4", "--profile", "h800", *sum((["--set", o] for o in data + QWEN_FP8 + [option]), [])]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and option.split("=")[0] in err[0] and "qwen3_moe" in err[0]
-    offered = list(enumerate_setups(Setup.from_config(load_config(QWEN, data + QWEN_FP8)), 4))
-    assert offered and not any(x.recompute_norms or x.fp8_activations for x in offered)
-
-    argv = ["plan", str(DEEPSEEK), "--devices", "4", "--profile", "h800", "--top", "1", *sum((["--set", o] for o in data + FP8 + [option]), [])]
+    argv = ["plan", str(example), "--devices", "4", "--profile", "h800", "--top", "1", *sum((["--set", o] for o in data + fp8 + [option]), [])]
     assert main(argv) == 0
-    offered = list(enumerate_setups(Setup.from_config(load_config(DEEPSEEK, data + FP8)), 4))
+    offered = list(enumerate_setups(Setup.from_config(load_config(example, data + fp8)), 4))
     assert any(x.recompute_norms for x in offered) and any(x.fp8_activations for x in offered)
 
 

@@ -90,19 +90,26 @@ def test_each_part_of_mla_and_gqa_saves_what_the_formula_says(name: str, option:
 #: MLA in FP8 with FP8-cached activations (bfloat16, widths of 128 where the case needs them)
 MLA_FP8 = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=128", "train.fp8=deepseek",
            "model.q_lora_rank=128", "model.kv_lora_rank=128", "model.qk_nope_head_dim=24", "model.qk_rope_head_dim=8", "model.v_head_dim=32"]
-MLA_RECIPE_SHAPES = {
-    **{n: shape for n, (example, shape) in HF_SHAPES.items() if example == DEEPSEEK},
+GQA_FP8 = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.head_dim=64", "train.fp8=deepseek"]
+RECIPE_SHAPES = {
+    **HF_SHAPES,
     # the fused kernel; q_b in FP8 (its input cached), kv_a (136 wide) and kv_b (224) not: the normed input stays
-    "mla-fp8-qb": MLA_FP8,
-    "mla-fp8-qb-mtp": MLA_FP8 + ["model.mtp_layers=1"],
+    "mla-fp8-qb": (DEEPSEEK, MLA_FP8),
+    "mla-fp8-qb-mtp": (DEEPSEEK, MLA_FP8 + ["model.mtp_layers=1"]),
     # a full-rank query: wq in FP8 beside kv_a in bfloat16, so the normed input is kept as it is
-    "mla-fp8-full-rank-q": MLA_FP8 + ["model.q_lora_rank=0"],
+    "mla-fp8-full-rank-q": (DEEPSEEK, MLA_FP8 + ["model.q_lora_rank=0"]),
     # kv_a 128 wide: every reader of the normed input in FP8, one FP8 copy kept for both
-    "mla-fp8-kva": MLA_FP8 + ["model.kv_lora_rank=120"],
+    "mla-fp8-kva": (DEEPSEEK, MLA_FP8 + ["model.kv_lora_rank=120"]),
     # kv_b in FP8 (256 wide), q_b (192) not; the math attention
-    "mla-fp8-kvb": MLA_FP8 + ["model.qk_nope_head_dim=32", "model.qk_rope_head_dim=16"],
+    "mla-fp8-kvb": (DEEPSEEK, MLA_FP8 + ["model.qk_nope_head_dim=32", "model.qk_rope_head_dim=16"]),
     # as DeepSeek-V3: q_b (128 -> 256), kv_b (128 -> 384) and wo in FP8, kv_a (160) not; the fused kernel
-    "mla-fp8-as-published": MLA_FP8 + ["model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=64"],
+    "mla-fp8-as-published": (DEEPSEEK, MLA_FP8 + ["model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=64"]),
+    # GQA: wq 256, wk / wv 128 wide, every reader of the normed input in FP8
+    "gqa-fp8": (QWEN, GQA_FP8),
+    # one key / value head: wk / wv 64 wide stay bfloat16, so the normed input is kept as it is
+    "gqa-fp8-one-kv-head": (QWEN, GQA_FP8 + ["model.n_kv_heads=1"]),
+    # a dense layer (its FFN in FP8) before the MoE ones
+    "gqa-fp8-dense": (QWEN, GQA_FP8 + ["model.n_dense=1", "model.ffn_hidden=128"]),
 }
 RECIPE_MEMORY = {  # name: (the memory section, the layers' option)
     "norms": ({"recompute": "norms"}, "off"),
@@ -118,15 +125,17 @@ RECIPE_MEMORY = {  # name: (the memory section, the layers' option)
 }
 
 
-@pytest.mark.parametrize("name, memory", [(n, m) for n, shape in MLA_RECIPE_SHAPES.items() for m, (section, _) in RECIPE_MEMORY.items()
+@pytest.mark.parametrize("name, memory", [(n, m) for n, (_, shape) in RECIPE_SHAPES.items() for m, (section, _) in RECIPE_MEMORY.items()
                                           if "train.fp8=deepseek" in shape or not section.get("fp8_activations")])  # those need train.fp8
-def test_each_part_of_mla_saves_the_formula_under_the_norms_recompute_and_fp8_activations(name: str, memory: str) -> None:
+def test_each_part_of_mla_and_gqa_saves_the_formula_under_the_norms_recompute_and_fp8_activations(name: str, memory: str) -> None:
     """deepseek_v3's latent attention under ``memory.recompute: norms`` (its latent norms' outputs,
     and the up-projected q, k, v where the fused kernel keeps them) and FP8-cached activations (the
-    inputs of q_b / kv_b, and the normed input only where every reader of it runs in FP8), alone,
-    together, with recompute moe and zero-memory: byte for byte, part by part."""
+    inputs of q_b / kv_b, and the normed input only where every reader of it runs in FP8), and
+    qwen3_moe's grouped-query attention (the normed input; the per-head norms' outputs are not
+    kept), alone, together, with recompute moe and zero-memory: byte for byte, part by part."""
     section, option = RECIPE_MEMORY[memory]
-    _check_parts(DEEPSEEK, BYTES + MLA_RECIPE_SHAPES[name], option, section)
+    example, shape = RECIPE_SHAPES[name]
+    _check_parts(example, BYTES + shape, option, section)
 
 
 def part_bytes(block: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[list[tuple[str, float, int]], Tape, torch.Tensor]:
@@ -254,8 +263,7 @@ def test_schedule_peaks_and_static_memory_match_a_real_step(example: str) -> Non
     from portapipe.ranks.launch import run_ranks
 
     path, extra = {"portapipe": (EXAMPLE, []), "deepseek_v3": (DEEPSEEK, BYTES), "qwen3_moe": (QWEN, BYTES)}[example]
-    # qwen3_moe has no prediction modules; the norms' recompute is not modelled for its attention (plan refuses it)
-    steps = {n: o for n, o in STEPS.items() if example != "qwen3_moe" or not ("norms" in " ".join(o) or "mtp" in n)}
+    steps = {n: o for n, o in STEPS.items() if example != "qwen3_moe" or "mtp" not in n}  # qwen3_moe has no prediction modules
     cfgs = {n: load_config(path, o + extra + ["model.seq_len=32", "parallel.dp=1"]) for n, o in steps.items()}
     per_rank = run_ranks(_step_peaks, 2, {n: c.to_dict() for n, c in cfgs.items()}, wall_timeout_s=300)
     for name, cfg in cfgs.items():

@@ -194,15 +194,15 @@ def test_the_memory_model_counts_the_norms_and_the_planner_offers_them() -> None
 
 
 TIMED = {"portapipe": ("cpu.yaml", [], "cpu"), "mla-math": ("deepseek_v3.yaml", [], "cpu"), "mla-fused": ("deepseek_v3.yaml", [], "cuda"),
-         "mla-fused-full-rank-q": ("deepseek_v3.yaml", ["model.q_lora_rank=0"], "cuda")}
+         "mla-fused-full-rank-q": ("deepseek_v3.yaml", ["model.q_lora_rank=0"], "cuda"), "gqa": ("qwen3_moe.yaml", [], "cpu")}
 
 
 @pytest.mark.parametrize("name", list(TIMED))
 def test_the_time_model_prices_the_norms_and_mlas_up_projection_again_in_the_backward(name: str) -> None:
     """A layer whose norms are recomputed: its forward costs what it did, its backward the part's
     own time plus its norms made again (one for an MoE layer's attention, two for a dense layer;
-    MLA's latent norms besides), priced by the bytes they move at the measured combine's pace per
-    byte, plus, where the fused kernel kept them (cuda), MLA's queries, keys and values made again:
+    MLA's latent norms besides; GQA's per-head norms keep nothing to drop), priced by the bytes they
+    move at the measured combine's pace per byte, plus, where the fused kernel kept them (cuda), MLA's queries, keys and values made again:
     q_b's (wq's) and kv_b's GEMMs, at the attention's pace per FLOP."""
     from pathlib import Path
 

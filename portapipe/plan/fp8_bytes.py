@@ -15,9 +15,8 @@ how much each part's bytes change, byte for byte what
   activation's output (the down projection remakes it).
 
 A part runs in FP8 when every width of its Linears is a multiple of 128, as
-:mod:`portapipe.models.fp8_layers` decides. The attention is the portapipe architecture's
-multi-head attention or deepseek_v3's latent attention (qwen3_moe's is not modelled here: the
-planner refuses FP8-cached activations there, :func:`~portapipe.plan.shape.unmodelled`).
+:mod:`portapipe.models.fp8_layers` decides, for each architecture's attention (portapipe's,
+qwen3_moe's grouped-query and deepseek_v3's latent attention).
 """
 
 from __future__ import annotations
@@ -40,11 +39,14 @@ def fp8_eligible(*widths: int) -> bool:
 def attention_cached(s: Shape) -> dict[str, int]:
     """Under ``memory.fp8_activations``, the attention's inputs kept as FP8 rows instead of the
     compute dtype, name -> width: ``x`` (the normed input) when every projection reading it runs
-    in FP8 (else it is kept as it is, and an FP8 copy would only add bytes); deepseek_v3's
+    in FP8 (else it is kept as it is, and an FP8 copy would only add bytes: qwen3_moe's wk / wv
+    are ``n_kv_heads x head_dim`` wide); deepseek_v3's
     ``q_latent`` and ``kv_latent`` (the latent norms' outputs) where ``q_b`` / ``kv_b`` run in
     FP8. ``kv_a`` (``kv_lora_rank + qk_rope_head_dim``, 576 in DeepSeek-V3) is rarely a multiple
     of 128, so there the normed input stays in the compute dtype; ``wo``'s input always does."""
     h = s.hidden
+    if s.arch == "qwen3_moe":  # wq, and wk / wv over the key / value heads
+        return {"x": h} if fp8_eligible(h, s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim) else {}
     if s.arch != "deepseek_v3":
         return {"x": h} if fp8_eligible(h) else {}
     heads = s.n_heads

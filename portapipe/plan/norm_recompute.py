@@ -3,7 +3,9 @@ backward, and the work the backward does again.
 
 A dense layer's part drops its two RMSNorms' outputs, an MoE layer's attention part its
 attention norm's (the FFN norm's output stays: the tape, the router and the dispatch hold it),
-``hidden`` elements per token each (:mod:`portapipe.memory.remake`). deepseek_v3's latent
+``hidden`` elements per token each (:mod:`portapipe.memory.remake`). qwen3_moe's per-head q / k
+norms drop nothing: their outputs go through the rotary embedding, which keeps none of them, and
+the attention kernel keeps the rotated copies. deepseek_v3's latent
 attention drops besides its latent norms' outputs (``q_lora_rank`` and ``kv_lora_rank`` wide)
 and, where a fused attention kernel keeps them (:func:`~portapipe.plan.shape.math_attention`
 false), the up-projected queries, keys and values: ``heads x (2 (nope + rope) + nope + v)``

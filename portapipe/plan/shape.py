@@ -16,7 +16,11 @@ routed rows:
 - :func:`flops`: floating-point work per part and phase, to scale measured times to a shape;
 - :func:`parameter_bytes`: parameters of a block (gradients and AdamW's state follow from them);
 - :func:`fp8_flops`, :func:`quantize_bytes`, :func:`dispatch_row_bytes`: what ``train.fp8`` runs
-  in FP8, the memory traffic of its quantization and the bytes of a routed row on the wire.
+  in FP8, the memory traffic of its quantization and the bytes of a routed row on the wire;
+- :func:`up_projection_flops`: MLA's up-projection, made again under ``memory.recompute: norms``.
+
+What ``memory.recompute: norms`` and ``memory.fp8_activations`` change in these bytes, for every
+architecture's attention, is :mod:`.norm_recompute`'s and :mod:`.fp8_bytes`'s.
 
 Each architecture's attention is modelled as :mod:`portapipe.models.attention` runs it: the
 portapipe model's multi-head attention, qwen3_moe's grouped-query attention (q / k norms per
@@ -48,24 +52,12 @@ PHASES = ("F", "B", "W")  # forward, input-gradient backward, weight-gradient ba
 OPTIONS = ("off", "level0", "level1", "recompute_moe", "recompute_full")
 
 
-def unmodelled(s: Shape, recompute_norms: bool = False, fp8_activations: bool = False) -> str | None:
-    """Why the planner cannot model this shape (one line), or None. ``recompute_norms`` /
-    ``fp8_activations``: the memory options whose bytes (:mod:`.norm_recompute`, :mod:`.fp8_bytes`)
-    follow the portapipe architecture's and deepseek_v3's attention, not qwen3_moe's (whose per-head
-    q / k norms and repeated key / value heads they do not count; the planner does not offer them there)."""
+def unmodelled(s: Shape) -> str | None:
+    """Why the planner cannot model this shape (one line), or None."""
     if s.arch != "portapipe" and s.dtype == "float64":
         return (f"model.dtype: float64 with model.arch {s.arch} runs transformers' eager attention, whose saved bytes the "
                 "planner does not model; plan it in float32 or bfloat16")
-    if not memory_options_modelled(s) and (recompute_norms or fp8_activations):
-        key = "memory.recompute: norms" if recompute_norms else "memory.fp8_activations: true"
-        return (f"{key} with model.arch {s.arch}: the planner models its bytes for the portapipe and deepseek_v3 "
-                "attentions only, not this one's grouped-query attention; plan without it")
     return None
-
-
-def memory_options_modelled(s: Shape) -> bool:
-    """Whether the planner may offer the memory options :func:`unmodelled` names (portapipe's and MLA's attention)."""
-    return s.arch in ("portapipe", "deepseek_v3")
 
 
 def norm_scale_bytes(s: Shape) -> int:
