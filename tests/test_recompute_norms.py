@@ -262,3 +262,19 @@ def test_documents_and_prediction_modules_change_nothing_either(model: dict[str,
     assert loss_a == loss_b and grads_a.keys() == grads_b.keys() and len(grads_a) > 10
     for name, g in grads_a.items():
         assert torch.equal(g, grads_b[name]), name
+
+
+def test_with_every_norm_output_kept_as_fp8_rows_nothing_is_made_again() -> None:
+    """Under FP8-cached activations an MoE layer's attention norm output is kept as FP8 rows (the
+    projections reading it all run in FP8): the norms' recompute drops nothing there and adds no op
+    to the backward (not even a fixed cost), while a dense layer still remakes its FFN norm only
+    when its FFN stays in the compute dtype."""
+    from portapipe.plan.norm_recompute import dropped_bytes, moved_bytes, recompute_ops
+    from portapipe.plan.shape import Shape
+    from tests.test_plan_memory import EXAMPLE
+
+    cfg = load_config(EXAMPLE, ["model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=192", "model.dtype=bfloat16", "train.fp8=deepseek"])
+    s = Shape.of(cfg.model)
+    assert dropped_bytes(s, "attention", 64, fp8_cached=True) == 0 and recompute_ops(s, "attention", "B", 64, fp8_cached=True) == []
+    assert moved_bytes(s, "dense", fp8_cached=True) == 2 * 128 * 2  # the FFN (192 wide) in bfloat16 keeps its norm's output
+    assert [op[1] for op in recompute_ops(s, "attention", "B", 64)] == ["norms"]

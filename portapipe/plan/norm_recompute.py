@@ -73,7 +73,8 @@ def recompute_ops(s: Shape, part: str, phase: str, tokens: float, fp8_cached: bo
     """The backward's recompute before ``part``'s backward, as program ops: the norms (units:
     ``hidden``-wide norms x tokens) and MLA's up-projection (units: tokens,
     :func:`~portapipe.plan.shape.up_projection_flops` each)."""
-    ops = [("C", "norms", phase, tokens * sum(_norm_widths(s, part, fp8_cached)) / s.hidden, 0, 0, "off")]
+    widths = sum(_norm_widths(s, part, fp8_cached))
+    ops = [("C", "norms", phase, tokens * widths / s.hidden, 0, 0, "off")] if widths else []  # none made again: no op to pay for
     if part in NORM_PARTS and remade_up_projection(s):
         ops.append(("C", "up_projection", phase, tokens, 0, 0, "off"))
     return ops
