@@ -24,9 +24,13 @@ A configuration's error is its median prediction over the rounds against the med
 measured medians. Then DeepSeek-V3: ``portapipe plan examples/plan/deepseek_v3.yaml --devices
 2048 --memory 80GiB --profile h800`` timed as a command (interpreter start included), and the
 memory model's DualPipe figures for that shape (parameters against 1F1B's, micro-batches in
-flight). Last, the Hugging Face architectures (``architectures``): the memory model's peak saved
+flight), and (``fit``) DeepSeek's own setup with each piece of its memory recipe added in turn:
+every rank's bytes by kind and the step the time model gives it on the published H800. Last,
+the Hugging Face architectures (``architectures``): the memory model's peak saved
 bytes per rank against the accounting on one step of examples/deepseek_v3.yaml (MLA) and
-examples/qwen3_moe.yaml (GQA), DualPipeV on 2 ranks (pp2) and 4 (pp2 x ep2); goal within 1%.
+examples/qwen3_moe.yaml (GQA), DualPipeV on 2 ranks (pp2) and 4 (pp2 x ep2), and DeepSeek-V3's
+memory recipe all together on MLA (FP8, FP8-cached activations, recompute norms, bfloat16
+moments; 2 and 4 ranks, ``--only recipe`` alone); goal within 1%.
 
 Prints one JSON object (machine, load average before and after, every figure).
 
@@ -141,6 +145,27 @@ ARCHITECTURES: dict[str, tuple[str, list[str]]] = {
     for arch in ("deepseek_v3", "qwen3_moe")
     for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]))
 }
+# DeepSeek-V3's memory recipe all together on MLA (``recipe``): FP8 with FP8-cached activations,
+# the norms' and the up-projection's recompute, bfloat16 moments; as in DeepSeek-V3, q_b, kv_b, wo
+# and the FFNs in FP8 (widths of 128: 128 -> 256, 128 -> 384, 256 -> 128) and kv_a not (160 wide
+# as DeepSeek-V3's 576, so the normed input stays bfloat16); query / key width = value width (64),
+# so that the CPU runs the fused attention kernel as an H800 would
+RECIPE = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=256", "model.q_lora_rank=128",
+          "model.kv_lora_rank=128", "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
+          "train.fp8=deepseek", "train.moments_dtype=bfloat16", "memory.fp8_activations=true", "memory.recompute=norms"]
+# and on GQA: wq 256, wk / wv 128 wide, all in FP8
+QWEN_RECIPE = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.head_dim=64", "train.fp8=deepseek",
+               "train.moments_dtype=bfloat16", "memory.fp8_activations=true", "memory.recompute=norms"]
+ARCHITECTURES.update({
+    f"qwen3_moe-recipe-{layout}": ("examples/qwen3_moe.yaml", ["data.format=bytes", "data.path=null", *over, *QWEN_RECIPE])
+    for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]))
+})
+ARCHITECTURES.update({
+    f"deepseek_v3-recipe-{layout}": ("examples/deepseek_v3.yaml", ["data.format=bytes", "data.path=null", *over, *RECIPE])
+    for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]),
+                         ("1f1b-pp2-level1", ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "memory.zero_memory=level1"]),
+                         ("1f1b-pp2-ep2-level1", ["parallel.pp=2", "parallel.ep=2", "schedule.name=1f1b", "memory.zero_memory=level1"]))
+})
 
 
 def _saved_peaks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -152,11 +177,11 @@ def _saved_peaks(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any
     return out
 
 
-def architectures() -> dict[str, Any]:
-    """Per config and rank: predicted and measured peak saved bytes, and the relative error."""
+def architectures(names: list[str]) -> dict[str, Any]:
+    """Per config of ``names`` and rank: predicted and measured peak saved bytes, and the relative error."""
     out: dict[str, Any] = {}
     for ranks in (2, 4):
-        cfgs = {n: load_config(ROOT / path, over) for n, (path, over) in ARCHITECTURES.items()}
+        cfgs = {n: load_config(ROOT / path, over) for n, (path, over) in ARCHITECTURES.items() if n in names}
         cfgs = {n: c for n, c in cfgs.items() if c.world_size == ranks}
         got = run_ranks(_saved_peaks, ranks, {n: c.to_dict() for n, c in cfgs.items()}, wall_timeout_s=1800)
         for name, cfg in cfgs.items():
@@ -304,6 +329,43 @@ def deepseek() -> dict[str, Any]:
     }
 
 
+#: DeepSeek-V3's memory recipe piece by piece on its own setup (``fit``), each row adding its ``--set``s to the ones above
+FIT = [("no ZeRO", []), ("+ ZeRO-1", ["train.zero_stage=1"]), ("+ bfloat16 moments", ["train.moments_dtype=bfloat16"]),
+       ("+ FP8", ["train.fp8=deepseek"]), ("+ FP8-cached activations", ["memory.fp8_activations=true"]),
+       ("+ recompute norms and MLA up-projection", ["memory.recompute=norms"])]
+
+
+def fit() -> dict[str, Any]:
+    """examples/plan/deepseek_v3.yaml (DualPipe PP16 x EP64 x DP2) with each piece of the recipe
+    added in turn: every pipeline rank's bytes by kind (rank 0 and the fullest), and the time
+    model's step on the published H800 (the setup priced as if it fitted) against DeepSeek's
+    ~1,540 tokens per GPU-second."""
+    from portapipe.config.setup import shape_of
+    from portapipe.plan.published import published
+
+    gib = 2**30
+    path = ROOT / "examples" / "plan" / "deepseek_v3.yaml"
+    rows, sets = [], []
+
+    def kinds(r: Any) -> dict[str, float]:
+        return {"params": r.params / gib, "grads": r.grads / gib, "master": r.master / gib, "moments": r.optimizer / gib,
+                "saved_activations": r.saved_peak / gib, "held_besides": (r.held_peak - r.saved_peak) / gib, "total": r.total / gib}
+
+    for label, more in FIT:
+        sets = sets + more
+        cfg = load_config(path, sets)
+        setup, sched = Setup.from_config(cfg), build_schedule(cfg)
+        report = MemoryModel(setup, sched).report()
+        prof = published("h800", shape_of(cfg.model, cfg.train, cfg.backend))
+        step = TimeModel(setup, prof, sched, imbalance(prof.loads, setup.ep, cfg.balancer, cfg.model.n_groups)).predict().step_s
+        per_gpu = setup.global_batch * cfg.model.seq_len / step / (setup.pp * setup.ep * setup.dp)
+        rows.append({"row": label, "set": list(sets), "rank0": kinds(report.ranks[0]), "fullest_rank": report.worst_rank,
+                     "fullest": kinds(report.ranks[report.worst_rank]), "totals_gib": [r.total / gib for r in report.ranks],
+                     "fits_80gib": report.peak <= 80 * gib, "step_s": step, "tokens_per_gpu_s": per_gpu,
+                     "over_published": per_gpu / (14.8e12 / (2.664e6 * 3600))})
+    return {"config": str(path.relative_to(ROOT)), "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "examples" / "cpu.yaml"), help="base config [examples/cpu.yaml]")
@@ -313,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of profile + measurements [3]")
     ap.add_argument("--profile", help="reuse this profile in every round instead of measuring one")
     ap.add_argument("--save-profile", help="write the first round's profile here")
-    ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan', 'deepseek', 'architectures')")
+    ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan', 'deepseek', 'fit', 'architectures'; "
+                    "'recipe': of the architectures, DeepSeek-V3's memory recipe on MLA and GQA only)")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
     base = load_config(args.config, args.set)
@@ -389,8 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         }
     if only is None or "deepseek" in only:
         report["deepseek_v3"] = deepseek()
+    if only is None or "fit" in only:
+        report["deepseek_v3_fit"] = fit()
     if only is None or "architectures" in only:
-        report["architectures"] = architectures()
+        report["architectures"] = architectures(list(ARCHITECTURES))
+    elif "recipe" in only:
+        report["architectures"] = architectures([n for n in ARCHITECTURES if "-recipe-" in n])
     report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     return 0

@@ -101,20 +101,21 @@ def test_float64_hugging_face_attention_is_refused_in_one_line(capsys: pytest.Ca
     assert len(err) == 1 and "model.dtype: float64" in err[0] and "qwen3_moe" in err[0]
 
 
+QWEN_FP8 = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.head_dim=64", "train.fp8=deepseek"]
+
+
 @pytest.mark.parametrize("option", ["memory.recompute=norms", "memory.fp8_activations=true"])
-def test_memory_options_modelled_for_portapipe_attention_only_are_refused_elsewhere(capsys: pytest.CaptureFixture[str], option: str) -> None:
-    """The norms' recompute and FP8-cached activations are modelled for the portapipe attention:
-    a deepseek_v3 config asking for one is refused in one line, and the planner offers neither."""
+@pytest.mark.parametrize("example, fp8", [(DEEPSEEK, FP8), (QWEN, QWEN_FP8)], ids=["deepseek_v3", "qwen3_moe"])
+def test_the_hugging_face_attentions_plan_the_norms_recompute_and_fp8_activations(example: Path, fp8: list[str], option: str) -> None:
+    """MLA and GQA: a config asking for the norms' recompute or FP8-cached activations plans, and
+    the planner offers both among its candidates."""
     from portapipe.plan.planner import enumerate_setups
 
-    argv = ["plan", str(DEEPSEEK), "--devices", "4", "--profile", "h800", "--set", "data.format=bytes", "--set", "data.path=null",
-            *sum((["--set", o] for o in FP8), []), "--set", option]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and option.split("=")[0] in err[0] and "deepseek_v3" in err[0]
-    user = Setup.from_config(load_config(DEEPSEEK, ["data.format=bytes", "data.path=null", *FP8]))
-    offered = list(enumerate_setups(user, 4))
-    assert offered and not any(x.recompute_norms or x.fp8_activations for x in offered)
+    data = ["data.format=bytes", "data.path=null"]
+    argv = ["plan", str(example), "--devices", "4", "--profile", "h800", "--top", "1", *sum((["--set", o] for o in data + fp8 + [option]), [])]
+    assert main(argv) == 0
+    offered = list(enumerate_setups(Setup.from_config(load_config(example, data + fp8)), 4))
+    assert any(x.recompute_norms for x in offered) and any(x.fp8_activations for x in offered)
 
 
 def test_mla_on_the_cpu_runs_the_math_attention_and_on_cuda_the_fused_one() -> None:

@@ -23,6 +23,8 @@ from portapipe.models.moe import build_blocks
 from portapipe.plan.measure_parts import PartBytes
 from portapipe.plan.memory_model import MemoryModel, static_memory
 from portapipe.config.setup import Setup
+from portapipe.plan.fp8_bytes import saved_delta
+from portapipe.plan.norm_recompute import dropped_bytes
 from portapipe.plan.shape import Shape, held_bytes, saved_bytes
 from portapipe.scheduling.executor import build_schedule
 from portapipe.scheduling.overlap import Tape, observing, run
@@ -38,16 +40,17 @@ OPTIONS = {"off": {}, "level0": {"zero_memory": "level0"}, "level1": {"zero_memo
            "recompute_moe": {"recompute": "moe"}, "recompute_full": {"recompute": "full"}}
 
 
-def _forward(cfg, option: str, ep: int = 1):
-    """The model as one block of one rank; ``ep`` 2: one process playing both EP ranks (every
+def _forward(cfg, option: str, memory: dict[str, Any] | None = None, ep: int = 1):
+    """One block of ``cfg`` under ``option`` (or the memory section ``memory``; with the config's
+    FP8-cached activations), on one rank; ``ep`` 2: one process playing both EP ranks (every
     exchange delivers what was sent)."""
     from tests.test_overlap import _LoopbackBackend
 
     m = cfg.model
     blocks = build_blocks(m, [0], 1, ExpertParallel(CPUBackend()) if ep == 1 else ExpertParallel(_LoopbackBackend(), size=2, rank=1), 1)
     if cfg.train.fp8 != "off":
-        enable_fp8(blocks, CPUBackend())
-    configure(blocks, MemoryConfig(**OPTIONS[option]))
+        enable_fp8(blocks, CPUBackend(), cfg.memory.fp8_activations)
+    configure(blocks, MemoryConfig(**(OPTIONS[option] if memory is None else memory)))
     block = blocks[0]
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, m.vocab_size, (cfg.train.micro_batch_size, m.seq_len), generator=g)
@@ -88,6 +91,57 @@ def test_each_part_of_mla_and_gqa_saves_what_the_formula_says(name: str, option:
     _check_parts(example, BYTES + shape, option)
 
 
+#: MLA in FP8 with FP8-cached activations (bfloat16, widths of 128 where the case needs them)
+MLA_FP8 = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=128", "train.fp8=deepseek",
+           "model.q_lora_rank=128", "model.kv_lora_rank=128", "model.qk_nope_head_dim=24", "model.qk_rope_head_dim=8", "model.v_head_dim=32"]
+GQA_FP8 = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.head_dim=64", "train.fp8=deepseek"]
+RECIPE_SHAPES = {
+    **HF_SHAPES,
+    # the fused kernel; q_b in FP8 (its input cached), kv_a (136 wide) and kv_b (224) not: the normed input stays
+    "mla-fp8-qb": (DEEPSEEK, MLA_FP8),
+    "mla-fp8-qb-mtp": (DEEPSEEK, MLA_FP8 + ["model.mtp_layers=1"]),
+    # a full-rank query: wq in FP8 beside kv_a in bfloat16, so the normed input is kept as it is
+    "mla-fp8-full-rank-q": (DEEPSEEK, MLA_FP8 + ["model.q_lora_rank=0"]),
+    # kv_a 128 wide: every reader of the normed input in FP8, one FP8 copy kept for both
+    "mla-fp8-kva": (DEEPSEEK, MLA_FP8 + ["model.kv_lora_rank=120"]),
+    # kv_b in FP8 (256 wide), q_b (192) not; the math attention
+    "mla-fp8-kvb": (DEEPSEEK, MLA_FP8 + ["model.qk_nope_head_dim=32", "model.qk_rope_head_dim=16"]),
+    # as DeepSeek-V3: q_b (128 -> 256), kv_b (128 -> 384) and wo in FP8, kv_a (160) not; the fused kernel
+    "mla-fp8-as-published": (DEEPSEEK, MLA_FP8 + ["model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=64"]),
+    # GQA: wq 256, wk / wv 128 wide, every reader of the normed input in FP8
+    "gqa-fp8": (QWEN, GQA_FP8),
+    # one key / value head: wk / wv 64 wide stay bfloat16, so the normed input is kept as it is
+    "gqa-fp8-one-kv-head": (QWEN, GQA_FP8 + ["model.n_kv_heads=1"]),
+    # a dense layer (its FFN in FP8) before the MoE ones
+    "gqa-fp8-dense": (QWEN, GQA_FP8 + ["model.n_dense=1", "model.ffn_hidden=128"]),
+}
+RECIPE_MEMORY = {  # name: (the memory section, the layers' option)
+    "norms": ({"recompute": "norms"}, "off"),
+    "norms+moe": ({"recompute": ["norms", "moe"]}, "recompute_moe"),
+    "norms+level0": ({"recompute": "norms", "zero_memory": "level0"}, "level0"),
+    "norms+level1": ({"recompute": "norms", "zero_memory": "level1"}, "level1"),
+    "fp8_activations": ({"fp8_activations": True}, "off"),
+    "fp8_activations+level0": ({"fp8_activations": True, "zero_memory": "level0"}, "level0"),
+    "fp8_activations+level1": ({"fp8_activations": True, "zero_memory": "level1"}, "level1"),
+    "both": ({"fp8_activations": True, "recompute": "norms"}, "off"),
+    "both+moe": ({"fp8_activations": True, "recompute": ["norms", "moe"]}, "recompute_moe"),
+    "both+level1": ({"fp8_activations": True, "recompute": "norms", "zero_memory": "level1"}, "level1"),
+}
+
+
+@pytest.mark.parametrize("name, memory", [(n, m) for n, (_, shape) in RECIPE_SHAPES.items() for m, (section, _) in RECIPE_MEMORY.items()
+                                          if "train.fp8=deepseek" in shape or not section.get("fp8_activations")])  # those need train.fp8
+def test_each_part_of_mla_and_gqa_saves_the_formula_under_the_norms_recompute_and_fp8_activations(name: str, memory: str) -> None:
+    """deepseek_v3's latent attention under ``memory.recompute: norms`` (its latent norms' outputs,
+    and the up-projected q, k, v where the fused kernel keeps them) and FP8-cached activations (the
+    inputs of q_b / kv_b, and the normed input only where every reader of it runs in FP8), and
+    qwen3_moe's grouped-query attention (the normed input; the per-head norms' outputs are not
+    kept), alone, together, with recompute moe and zero-memory: byte for byte, part by part."""
+    section, option = RECIPE_MEMORY[memory]
+    example, shape = RECIPE_SHAPES[name]
+    _check_parts(example, BYTES + shape, option, section)
+
+
 def part_bytes(block: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[list[tuple[str, float, int]], Tape, torch.Tensor]:
     """One block's forward under the accounting: each part's (kind, units, bytes it saved), and
     the tape and output its backward runs from."""
@@ -100,10 +154,14 @@ def part_bytes(block: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[list[tuple
     return [(part, units, measured.get(label, 0)) for label, (part, units) in obs.units.items() if part != "other"], tape, out
 
 
-def _check_parts(example: Path, shape: list[str], option: str) -> None:
-    cfg = load_config(example, SMALL + shape)
+def _check_parts(example: Path, shape: list[str], option: str, memory: dict[str, Any] | None = None) -> None:
+    """``memory``: a memory section whose layer option is ``option``, with the norms' recompute
+    (its dropped bytes, plan.norm_recompute) and FP8-cached activations (plan.fp8_bytes) from it."""
+    cfg = load_config(example, SMALL + shape + ([f"memory.fp8_activations={str(bool(memory.get('fp8_activations'))).lower()}"] if memory else []))
     s = setup_shape(cfg)
-    block, x, y = _forward(cfg, option)
+    norms = memory is not None and "norms" in str(memory.get("recompute", ""))
+    cached = cfg.memory.fp8_activations
+    block, x, y = _forward(cfg, option, None if memory is None else {k: v for k, v in memory.items() if k != "fp8_activations"})
     parts, tape, out = part_bytes(block, x, y)
     layer_of = iter(range(cfg.model.n_layers))
     checked = 0
@@ -112,6 +170,10 @@ def _check_parts(example: Path, shape: list[str], option: str) -> None:
         want = saved_bytes(s, part, option, units, units, seq=units // cfg.train.micro_batch_size if part != "experts" else None)
         if part in ("attention", "dense") and option != "recompute_full":
             want += s.rope_bytes()
+        if norms:
+            want -= dropped_bytes(s, part, units, cached)
+        if s.fp8:
+            want += saved_delta(s, cached, part, option, units, units, 0)  # one EP rank: no row travels
         # a recomputed part runs without saving; its replay (in the backward) is checked below
         assert got == want, (part, option, got, want, next(layer_of, None))
         checked += 1
@@ -135,7 +197,7 @@ def test_the_tape_holds_what_held_bytes_says(ep: int) -> None:
     # with a peer, zero-memory and a recomputed MoE block keep index buffers (a few per expert,
     # some per routed row, by the routing) that the formula does not follow exactly yet
     for option in ("off", "level0", "level1", "recompute_moe", "recompute_full") if ep == 1 else ("off", "recompute_full"):
-        block, x, y = _forward(cfg, option, ep)
+        block, x, y = _forward(cfg, option, ep=ep)
         gc.collect()
         before = {k for k in _storages()}
         tracker = accounting.SavedActivations(ignore=block.parameters())
@@ -210,10 +272,7 @@ def test_schedule_peaks_and_static_memory_match_a_real_step(example: str) -> Non
     from portapipe.ranks.launch import run_ranks
 
     path, extra = {"portapipe": (EXAMPLE, []), "deepseek_v3": (DEEPSEEK, BYTES), "qwen3_moe": (QWEN, BYTES)}[example]
-    # qwen3_moe has no prediction modules; the norms' recompute and FP8-cached activations are
-    # modelled for portapipe's attention only (plan refuses them elsewhere)
-    steps = {n: o for n, o in STEPS.items() if example == "portapipe" or not (
-        "norms" in " ".join(o) or "fp8_activations" in " ".join(o) or (example == "qwen3_moe" and "mtp" in n))}
+    steps = {n: o for n, o in STEPS.items() if example != "qwen3_moe" or "mtp" not in n}  # qwen3_moe has no prediction modules
     cfgs = {n: load_config(path, o + extra + ["model.seq_len=32", "parallel.dp=1"]) for n, o in steps.items()}
     per_rank = run_ranks(_step_peaks, 2, {n: c.to_dict() for n, c in cfgs.items()}, wall_timeout_s=300)
     for name, cfg in cfgs.items():

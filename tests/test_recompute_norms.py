@@ -193,32 +193,53 @@ def test_the_memory_model_counts_the_norms_and_the_planner_offers_them() -> None
     assert {"recompute_norms": True} in MEMORY_OPTIONS and {"recompute": "moe", "recompute_norms": True} in MEMORY_OPTIONS
 
 
-def test_the_time_model_prices_the_norms_again_in_the_backward_at_the_combines_pace_per_byte() -> None:
+TIMED = {"portapipe": ("cpu.yaml", [], "cpu"), "mla-math": ("deepseek_v3.yaml", [], "cpu"), "mla-fused": ("deepseek_v3.yaml", [], "cuda"),
+         "mla-fused-full-rank-q": ("deepseek_v3.yaml", ["model.q_lora_rank=0"], "cuda"), "gqa": ("qwen3_moe.yaml", [], "cpu")}
+
+
+@pytest.mark.parametrize("name", list(TIMED))
+def test_the_time_model_prices_the_norms_and_mlas_up_projection_again_in_the_backward(name: str) -> None:
     """A layer whose norms are recomputed: its forward costs what it did, its backward the part's
-    own time plus the norm made again (one for an MoE layer's attention, two for a dense layer),
-    priced by the bytes it moves at the measured combine's pace per byte."""
+    own time plus its norms made again (one for an MoE layer's attention, two for a dense layer;
+    MLA's latent norms besides; GQA's per-head norms keep nothing to drop), priced by the bytes they
+    move at the measured combine's pace per byte, plus, where the fused kernel kept them (cuda), MLA's queries, keys and values made again:
+    q_b's (wq's) and kv_b's GEMMs, at the attention's pace per FLOP."""
+    from pathlib import Path
+
+    from portapipe.config.setup import shape_of
     from portapipe.plan.norm_recompute import moved_bytes
     from portapipe.plan.programs import Programs, StageSpec
-    from portapipe.plan.shape import Shape, flops
+    from portapipe.plan.shape import flops
     from portapipe.plan.time_model import run_ops
-    from tests.test_plan_time import EXAMPLE, MOE, profile
+    from tests.test_plan_time import MOE, profile
 
-    cfg = load_config(EXAMPLE, ["parallel.pp=1", "model.n_layers=2", "model.n_dense=1"])
-    s = Shape.of(cfg.model)
-    per_byte = 1e-9
-    parts = {**MOE, "combine": {"F": (0.0, per_byte * flops(s, "combine", "F")), "B": (0.0, per_byte * flops(s, "combine", "B"))},
+    example, extra, backend = TIMED[name]
+    path = Path(__file__).resolve().parents[1] / "examples" / example
+    cfg = load_config(path, ["parallel.pp=1", "model.n_layers=2", "model.n_dense=1", "data.format=bytes", "data.path=null", *extra])
+    s = shape_of(cfg.model, cfg.train, backend)
+    m = cfg.model
+    per_byte, per_flop = 1e-9, 1e-12
+    attention = {ph: (0.0, per_flop * flops(s, "attention", ph)) for ph in ("F", "B", "W")}
+    parts = {**MOE, "attention": attention, "combine": {"F": (0.0, per_byte * flops(s, "combine", "F")), "B": (0.0, per_byte * flops(s, "combine", "B"))},
              "dense": {"F": 5.0, "B": 5.0, "W": 2.0}}
     prof = profile(s, parts, a2a=2.0)
     progs = Programs(s, 256, 512, ep=2)
     tokens = 256
-    for layer, norms in ((1, 1), (0, 2)):
+    latent = (m.q_lora_rank or 0) + (m.kv_lora_rank or 0)
+    qk, up = (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0), 0.0
+    if backend == "cuda":  # the up-projection's GEMMs, written out: (q_lora_rank or hidden) -> heads x qk, kv_lora_rank -> heads x (nope + v)
+        up = 2 * m.n_heads * ((m.q_lora_rank or m.hidden) * qk + m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim))
+    for layer, part, norms in ((1, "attention", 1), (0, "dense", 2)):
+        assert moved_bytes(s, part) == 2 * (norms * m.hidden + latent) * s.e
         plain, normed = StageSpec((layer,), ("off",), False, False), StageSpec((layer,), ("off",), False, False, (True,))
         assert run_ops([(0, op) for op in progs.forward(normed)], prof, ep=2).compute == pytest.approx(
             run_ops([(0, op) for op in progs.forward(plain)], prof, ep=2).compute)
         for phase in ("B", "BW"):
             t0 = run_ops([(0, op) for op in progs.backward(plain, phase)], prof, ep=2).compute
             t1 = run_ops([(0, op) for op in progs.backward(normed, phase)], prof, ep=2).compute
-            assert t1 - t0 == pytest.approx(norms * tokens * moved_bytes(s) * per_byte), (layer, phase)
+            assert t1 - t0 == pytest.approx(tokens * (moved_bytes(s, part) * per_byte + up * per_flop)), (layer, phase)
+        if backend == "cuda":
+            assert up > 0
 
 
 @pytest.mark.parametrize("model", [{**MLA, "mtp_layers": 1}, QWEN], ids=["deepseek_v3-mtp", "qwen3_moe"])
@@ -241,3 +262,19 @@ def test_documents_and_prediction_modules_change_nothing_either(model: dict[str,
     assert loss_a == loss_b and grads_a.keys() == grads_b.keys() and len(grads_a) > 10
     for name, g in grads_a.items():
         assert torch.equal(g, grads_b[name]), name
+
+
+def test_with_every_norm_output_kept_as_fp8_rows_nothing_is_made_again() -> None:
+    """Under FP8-cached activations an MoE layer's attention norm output is kept as FP8 rows (the
+    projections reading it all run in FP8): the norms' recompute drops nothing there and adds no op
+    to the backward (not even a fixed cost), while a dense layer still remakes its FFN norm only
+    when its FFN stays in the compute dtype."""
+    from portapipe.plan.norm_recompute import dropped_bytes, moved_bytes, recompute_ops
+    from portapipe.plan.shape import Shape
+    from tests.test_plan_memory import EXAMPLE
+
+    cfg = load_config(EXAMPLE, ["model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=192", "model.dtype=bfloat16", "train.fp8=deepseek"])
+    s = Shape.of(cfg.model)
+    assert dropped_bytes(s, "attention", 64, fp8_cached=True) == 0 and recompute_ops(s, "attention", "B", 64, fp8_cached=True) == []
+    assert moved_bytes(s, "dense", fp8_cached=True) == 2 * 128 * 2  # the FFN (192 wide) in bfloat16 keeps its norm's output
+    assert [op[1] for op in recompute_ops(s, "attention", "B", 64)] == ["norms"]

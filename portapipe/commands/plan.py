@@ -74,9 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from ..plan.shape import unmodelled
 
     shape = shape_of(config.model, config.train, config.backend)
-    from ..config.setup import recompute_norms
-
-    if (why := unmodelled(shape, recompute_norms(config.memory.recompute), config.memory.fp8_activations)) is not None:
+    if (why := unmodelled(shape)) is not None:
         return _fail(why)
     try:
         loads = read_loads(args.loads) if args.loads else None

@@ -1,38 +1,80 @@
 """``memory.recompute: norms`` in the plan's terms: what a layer's parts no longer keep for the
 backward, and the work the backward does again.
 
-The planner's shape is the portapipe architecture's (multi-head attention over the hidden
-width): a dense layer's part drops its two RMSNorms' outputs, an MoE layer's attention part its
+A dense layer's part drops its two RMSNorms' outputs, an MoE layer's attention part its
 attention norm's (the FFN norm's output stays: the tape, the router and the dispatch hold it),
-``hidden`` elements per token each (:mod:`portapipe.memory.remake`). The backward makes each
-again from the norm's input: it reads the input and writes the output once more, work the
-plan prices as the bytes it moves, at the pace of a part that only moves data (``combine``).
+``hidden`` elements per token each (:mod:`portapipe.memory.remake`). qwen3_moe's per-head q / k
+norms drop nothing: their outputs go through the rotary embedding, which keeps none of them, and
+the attention kernel keeps the rotated copies. deepseek_v3's latent
+attention drops besides its latent norms' outputs (``q_lora_rank`` and ``kv_lora_rank`` wide)
+and, where a fused attention kernel keeps them (:func:`~portapipe.plan.shape.math_attention`
+false), the up-projected queries, keys and values: ``heads x (2 (nope + rope) + nope + v)``
+per token (the values are a view of the key / value up-projection's whole output). torch's math
+attention keeps float32 copies of them instead, which stay. With FP8-cached activations a norm
+output kept as FP8 rows (:func:`~portapipe.plan.fp8_bytes.attention_cached`) is not kept in the
+compute dtype: there is nothing more to drop.
+
+The backward makes each norm again from its input: it reads the input and writes the output
+once more, work the plan prices as the bytes it moves, at the pace of a part that only moves
+data (``combine``). MLA's up-projection runs its two GEMMs (``q_b``, ``kv_b``; ``wq`` with a
+full-rank query) again, priced by their FLOPs at the attention part's pace per FLOP (the norms
+and rotary inside it, a few elements per token against thousands of multiply-adds, left out).
 """
 
 from __future__ import annotations
 
-from .fp8_bytes import fp8_eligible
-from .shape import Shape
+from .fp8_bytes import attention_cached, fp8_eligible
+from .shape import Shape, math_attention
 
-#: RMSNorms whose outputs a part drops: the attention norm, and a dense layer's FFN norm
-NORMS = {"dense": 2, "attention": 1}
+#: the parts whose norms (and MLA up-projection) the option drops
+NORM_PARTS = ("attention", "dense")
+
+
+def _norm_widths(s: Shape, part: str, fp8_cached: bool) -> list[int]:
+    """Widths of the norm outputs ``part`` no longer keeps, per token."""
+    if part not in NORM_PARTS:
+        return []
+    cached = attention_cached(s) if fp8_cached else {}
+    norms = [("x", s.hidden)]
+    if s.arch == "deepseek_v3":
+        norms += [("q_latent", s.q_lora_rank)] * bool(s.q_lora_rank) + [("kv_latent", s.kv_lora_rank)]
+    widths = [w for name, w in norms if name not in cached]
+    if part == "dense" and not (fp8_cached and fp8_eligible(s.hidden, s.ffn_hidden)):
+        widths.append(s.hidden)  # the FFN norm's output, unless the gate / up projection keeps FP8 rows of it
+    return widths
+
+
+def remade_up_projection(s: Shape) -> bool:
+    """Whether MLA's up-projected queries, keys and values are dropped and made again (the fused kernel keeps them)."""
+    return s.arch == "deepseek_v3" and not math_attention(s)
+
+
+def _up_projection_width(s: Shape) -> int:
+    """Per token, the elements of MLA's up-projected q, k and v a fused kernel keeps."""
+    if not remade_up_projection(s):
+        return 0
+    return s.n_heads * (2 * (s.qk_nope_head_dim + s.qk_rope_head_dim) + s.qk_nope_head_dim + s.v_head_dim)
 
 
 def dropped_bytes(s: Shape, part: str, tokens: float, fp8_cached: bool = False) -> float:
-    """Bytes ``part`` no longer saves for one micro-batch of ``tokens`` tokens. With FP8-cached
-    activations (``fp8_cached``) a norm whose output only FP8 Linears read is kept as their FP8
-    rows already (:mod:`.fp8_bytes`), not in the compute dtype: there is nothing more to drop."""
-    if not fp8_cached:
-        return tokens * NORMS.get(part, 0) * s.hidden * s.e
-    readers = {"attention": [(s.hidden,)], "dense": [(s.hidden,), (s.hidden, s.ffn_hidden)]}.get(part, [])
-    return tokens * sum(not fp8_eligible(*w) for w in readers) * s.hidden * s.e
+    """Bytes ``part`` no longer saves for one micro-batch of ``tokens`` tokens; ``fp8_cached``:
+    under ``memory.fp8_activations`` (what is kept as FP8 rows is not dropped)."""
+    if part not in NORM_PARTS:
+        return 0.0
+    return tokens * (sum(_norm_widths(s, part, fp8_cached)) + _up_projection_width(s)) * s.e
 
 
-def moved_bytes(s: Shape) -> float:
-    """Bytes one norm's recompute moves per token: its input read, its output written."""
-    return 2.0 * s.hidden * s.e
+def moved_bytes(s: Shape, part: str, fp8_cached: bool = False) -> float:
+    """Bytes ``part``'s norms' recompute moves per token: each input read, each output written."""
+    return 2.0 * sum(_norm_widths(s, part, fp8_cached)) * s.e
 
 
-def recompute_op(part: str, phase: str, tokens: float) -> tuple:
-    """The backward's recompute before ``part``'s backward, as a program op (units: norms x tokens)."""
-    return ("C", "norms", phase, tokens * NORMS.get(part, 0), 0, 0, "off")
+def recompute_ops(s: Shape, part: str, phase: str, tokens: float, fp8_cached: bool = False) -> list[tuple]:
+    """The backward's recompute before ``part``'s backward, as program ops: the norms (units:
+    ``hidden``-wide norms x tokens) and MLA's up-projection (units: tokens,
+    :func:`~portapipe.plan.shape.up_projection_flops` each)."""
+    widths = sum(_norm_widths(s, part, fp8_cached))
+    ops = [("C", "norms", phase, tokens * widths / s.hidden, 0, 0, "off")] if widths else []  # none made again: no op to pay for
+    if part in NORM_PARTS and remade_up_projection(s):
+        ops.append(("C", "up_projection", phase, tokens, 0, 0, "off"))
+    return ops

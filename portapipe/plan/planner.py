@@ -32,7 +32,6 @@ from .imbalance import imbalance
 from .memory_model import MemoryModel, MemoryReport, static_memory
 from .profile import Profile
 from .programs import Programs, StageSpec, stage_specs
-from .shape import portapipe_only_options
 from ..config.rules import broken
 from ..config.setup import Setup, split_problem, stage_layers
 from .time_model import TimeModel, TimeReport, early_bs
@@ -127,8 +126,6 @@ def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
     m = user.model
     moe = m.n_layers > m.n_dense
     options = MEMORY_OPTIONS if moe else (MEMORY_OPTIONS[0], MEMORY_OPTIONS[4], MEMORY_OPTIONS[6])
-    modelled = portapipe_only_options(user.shape)  # norms' recompute, FP8-cached activations: portapipe's attention only
-    options = tuple(o for o in options if modelled or not o.get("recompute_norms"))
     chunks = sorted({2, user.chunks})
     for pp in _divisors(devices):
         for ep in _divisors(devices // pp):
@@ -149,7 +146,7 @@ def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
                                 recompute_layers=opt.get("recompute_layers"), recompute_norms=opt.get("recompute_norms", False),
                                 pair_forwards=False, layers_per_stage=None,
                             )
-                            for x in with_fp8_activations((even, *lighter_last(even))) if modelled else (even, *lighter_last(even)):
+                            for x in with_fp8_activations((even, *lighter_last(even))):
                                 yield x
                                 paired = x.replace(pair_forwards=True)
                                 if paired.paired_blocks:  # F&F pairs change something: both are candidates

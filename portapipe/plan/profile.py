@@ -52,8 +52,9 @@ TIMED_OPTIONS = ("off", "level0", "level1")
 CHANGED_PARTS = {"level0": ("experts", "combine"), "level1": ("experts", "shared", "combine")}
 #: a part a profile may lack (measured on a model without it) -> the measured part whose pace per
 #: FLOP prices it: the multi-token prediction input is a norm and a projection, as attention's are;
-#: a norm made again in the backward (memory.recompute: norms) moves data, as the combine does
-BORROWED = {"mtp": "attention", "norms": "combine"}
+#: a norm made again in the backward (memory.recompute: norms) moves data, as the combine does;
+#: MLA's up-projection made again is the attention's GEMMs
+BORROWED = {"mtp": "attention", "norms": "combine", "up_projection": "attention"}
 
 
 class ProfileError(ValueError):

@@ -184,7 +184,7 @@ class Programs:
     def _part_backward(self, part: str, phase: str, option: str, norms: bool) -> list[Op]:
         """An attention or dense part's backward, after its norms' recompute when they were not saved."""
         op = self._c(part, phase, option, -1, norms=norms)
-        return [norm_recompute.recompute_op(part, phase, self.T), op] if norms else [op]
+        return [*norm_recompute.recompute_ops(self.s, part, phase, self.T, self.fp8[1]), op] if norms else [op]
 
     def _layer_backward(self, layer: int, option: str, phase: str, norms: bool = False) -> tuple[list[Op], list[Op], list[Op]]:
         """A layer's backward as (replay, recomputed backward, the rest): a recomputed layer's

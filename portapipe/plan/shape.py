@@ -16,7 +16,11 @@ routed rows:
 - :func:`flops`: floating-point work per part and phase, to scale measured times to a shape;
 - :func:`parameter_bytes`: parameters of a block (gradients and AdamW's state follow from them);
 - :func:`fp8_flops`, :func:`quantize_bytes`, :func:`dispatch_row_bytes`: what ``train.fp8`` runs
-  in FP8, the memory traffic of its quantization and the bytes of a routed row on the wire.
+  in FP8, the memory traffic of its quantization and the bytes of a routed row on the wire;
+- :func:`up_projection_flops`: MLA's up-projection, made again under ``memory.recompute: norms``.
+
+What ``memory.recompute: norms`` and ``memory.fp8_activations`` change in these bytes, for every
+architecture's attention, is :mod:`.norm_recompute`'s and :mod:`.fp8_bytes`'s.
 
 Each architecture's attention is modelled as :mod:`portapipe.models.attention` runs it: the
 portapipe model's multi-head attention, qwen3_moe's grouped-query attention (q / k norms per
@@ -48,23 +52,12 @@ PHASES = ("F", "B", "W")  # forward, input-gradient backward, weight-gradient ba
 OPTIONS = ("off", "level0", "level1", "recompute_moe", "recompute_full")
 
 
-def unmodelled(s: Shape, recompute_norms: bool = False, fp8_activations: bool = False) -> str | None:
-    """Why the planner cannot model this shape (one line), or None. ``recompute_norms`` /
-    ``fp8_activations``: the memory options whose bytes (:mod:`.norm_recompute`, :mod:`.fp8_bytes`)
-    follow the portapipe architecture's attention only (the planner does not offer them elsewhere)."""
+def unmodelled(s: Shape) -> str | None:
+    """Why the planner cannot model this shape (one line), or None."""
     if s.arch != "portapipe" and s.dtype == "float64":
         return (f"model.dtype: float64 with model.arch {s.arch} runs transformers' eager attention, whose saved bytes the "
                 "planner does not model; plan it in float32 or bfloat16")
-    if s.arch != "portapipe" and (recompute_norms or fp8_activations):
-        key = "memory.recompute: norms" if recompute_norms else "memory.fp8_activations: true"
-        return (f"{key} with model.arch {s.arch}: the planner models its bytes for the portapipe architecture's attention "
-                "only, not this one's; plan without it")
     return None
-
-
-def portapipe_only_options(s: Shape) -> bool:
-    """Whether the planner may offer the memory options :func:`unmodelled` names (portapipe's attention)."""
-    return s.arch == "portapipe"
 
 
 def norm_scale_bytes(s: Shape) -> int:
@@ -72,8 +65,9 @@ def norm_scale_bytes(s: Shape) -> int:
     return F32 if s.arch != "portapipe" or s.dtype == "float16" else s.e
 
 
-def _math_attention(s: Shape) -> bool:
-    """MLA on a device whose fused attention does not take its value width: torch's math path."""
+def math_attention(s: Shape) -> bool:
+    """MLA on a device whose fused attention does not take its value width: torch's math path
+    (which keeps float32 copies of the queries, keys and values, not the tensors themselves)."""
     return s.arch == "deepseek_v3" and s.qk_nope_head_dim + s.qk_rope_head_dim != s.v_head_dim and not s.fused_unequal_heads
 
 
@@ -91,7 +85,7 @@ def _attention_module(s: Shape, seq: int) -> int:
         out = (s.kv_lora_rank + s.qk_rope_head_dim + s.kv_lora_rank) * e + F32  # the latent (norm input), its scale, norm output
         if s.q_lora_rank:
             out += 2 * s.q_lora_rank * e + F32  # the query's latent, its scale and norm output
-        if _math_attention(s):  # float32 copies of the scaled q and k and of v, the probabilities; the output
+        if math_attention(s):  # float32 copies of the scaled q and k and of v, the probabilities; the output
             return out + H * (2 * qk + v + seq) * F32 + H * v * e
         # the fused kernel's q, k, v (a view of the key / value up-projection: its whole output), output, log-sum-exp
         return out + H * (2 * qk + s.qk_nope_head_dim + 2 * v) * e + H * s.lse_bytes
@@ -225,6 +219,7 @@ def flops(s: Shape, part: str, phase: str) -> float:
         "embed": {"F": h * s.e, "B": h * s.e, "W": 0},
         "mtp": dict.fromkeys(PHASES, 4 * h * h),  # the projection of [embedding; hidden]
         "norms": {"F": 2 * h * s.e, "B": 2 * h * s.e, "W": 0},  # one norm made again: bytes moved (plan.norm_recompute)
+        "up_projection": {"F": up_projection_flops(s), "B": up_projection_flops(s), "W": 0},  # MLA's q / k / v made again (plan.norm_recompute)
     }
     if part not in table:
         raise ValueError(f"unknown part {part!r}; known: {', '.join(PARTS)}")
@@ -235,6 +230,15 @@ def attention_core_flops(s: Shape) -> float:
     """softmax(QK^T)V per token, forward: QK^T and AV over (seq + 1) / 2 keys on average (causal)."""
     qk, v = _head_widths(s)
     return float((s.seq_len + 1) * s.n_heads * (qk + v))
+
+
+def up_projection_flops(s: Shape) -> float:
+    """MLA's up-projection per token: the query's (``q_b``, or ``wq`` without a low rank) and the
+    key / value's (``kv_b``) GEMMs; 0 for the other architectures."""
+    if s.arch != "deepseek_v3":
+        return 0.0
+    widths = {name: (i, o) for name, i, o in attention_linears(s)}
+    return float(sum(2 * i * o for name, (i, o) in widths.items() if name in ("q_b", "wq", "kv_b")))
 
 
 def _head_widths(s: Shape) -> tuple[int, int]:
