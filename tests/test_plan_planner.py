@@ -107,6 +107,21 @@ def test_the_users_own_config_is_judged_even_when_it_does_not_fit(cfg, prof) -> 
     assert other.user.setup.devices == 2 and other.user.time is not None
 
 
+def test_the_users_own_config_over_the_budget_names_its_fullest_rank(prof) -> None:
+    """A setup the planner makes stops at its first rank over the budget; the user's own is seen
+    whole: with the prediction modules on the last stage, rank 1 holds more than rank 0, both over."""
+    from portapipe.plan.memory_model import MemoryModel
+    from portapipe.scheduling.executor import build_schedule
+
+    cfg = load_config(EXAMPLE, ["schedule.name=1f1b", "model.mtp_layers=3"])
+    every = MemoryModel(Setup.from_config(cfg), build_schedule(cfg)).report()
+    budget = (max(r.static for r in every.ranks) + min(r.total for r in every.ranks)) / 2  # the states fit, no rank does
+    assert every.worst_rank == 1 and min(r.total for r in every.ranks) > budget
+    user = plan(cfg, 4, budget, prof, keep=3).user
+    assert user.memory.over == 1 and user.memory.over_total == every.ranks[1].total
+    assert user.problems[0].startswith("memory: pipeline rank 1 needs ")
+
+
 def test_the_best_is_written_as_a_complete_config_that_loads_back(cfg, prof, tmp_path: Path) -> None:
     result = plan(cfg, 4, None, prof, keep=3)
     best = result.ranked[0]
