@@ -168,7 +168,9 @@ def held_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, *, ep
     only their gradients. What stays: zero-memory keeps the dispatch plan for the re-dispatch
     (counts, offsets and, with other EP ranks, the expert order apart from the send order) and
     the sent rows' router weights; a recomputed MoE block keeps its router weights and dispatch
-    plan (for the replay) and a recomputed layer its input.
+    plan (for the replay) and a recomputed layer its input. Exact on one EP rank; with peers,
+    these two options' index buffers (a few per expert and per routed row, by the routing) are
+    not followed exactly yet (tests/test_plan_memory.py says which setups are checked).
     """
     k, T = s.top_k, tokens
     if option == "recompute_full":
