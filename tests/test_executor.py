@@ -133,3 +133,66 @@ def test_without_w_split_every_backward_is_full() -> None:
     s = build_schedule(_config(name="zb1p", w_split=False))
     kinds = {h.kind.value for acts in s.actions for a in acts for h in a.halves()}
     assert "W" not in kinds and "B" not in kinds and "BW" in kinds
+
+
+def test_a_completed_send_is_let_go_after_the_next_compute_and_its_error_still_raised() -> None:
+    """The step keeps a sent tensor only while its send is in flight (the executor looks after
+    each compute action); a completed send is waited on (which raises what it raised), and a
+    work that cannot say whether it completed is kept to the step's end, as before."""
+    from portapipe.scheduling.step_run import StepRun
+
+    class Work:
+        def __init__(self, done: bool, error: Exception | None = None) -> None:
+            self.done, self.error, self.waited = done, error, False
+
+        def is_completed(self) -> bool:
+            return self.done
+
+        def wait(self) -> bool:
+            self.waited = True
+            if self.error is not None:
+                raise self.error
+            return True
+
+    class Opaque:  # a transport's work without is_completed
+        def wait(self) -> bool:
+            return True
+
+    run = object.__new__(StepRun)
+    done, flying, opaque = Work(True), Work(False), Opaque()
+    run.sends = [(done, "a"), (flying, "b"), (opaque, "c")]
+    run._release_sent()
+    assert [t for _, t in run.sends] == ["b", "c"] and done.waited and not flying.waited
+    flying.done = True
+    run._release_sent()
+    assert [t for _, t in run.sends] == ["c"]
+    run.sends = [(Work(True, RuntimeError("peer gone")), "d")]
+    with pytest.raises(RuntimeError, match="peer gone"):
+        run._release_sent()
+
+
+def _count_releases(backend: Any, raw: dict[str, Any]) -> tuple[int, int]:
+    from portapipe.config import config_from_dict
+    from portapipe.scheduling.step_run import StepRun
+
+    config = config_from_dict(raw)
+    runtime = PipelineRuntime(config, backend, backend.parallel_groups(2, 1, 1))
+    calls = [0]
+    release = StepRun._release_sent
+
+    def counted(self: StepRun) -> None:
+        calls[0] += 1
+        release(self)
+
+    StepRun._release_sent = counted  # type: ignore[method-assign]
+    try:
+        step_report(runtime, microbatches(config, 0))
+    finally:
+        StepRun._release_sent = release  # type: ignore[method-assign]
+    return calls[0], sum(not a.kind.is_comm for a in runtime.actions)
+
+
+@pytest.mark.multiproc
+def test_the_step_looks_at_its_sends_after_every_compute_action() -> None:
+    results = run_ranks(_count_releases, 2, _config().to_dict())
+    assert all(calls == computes > 0 for calls, computes in results), results

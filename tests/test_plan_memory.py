@@ -345,3 +345,17 @@ def test_the_shape_sizes_every_model_dtype_as_torch_does() -> None:
 
     for dtype in typing.get_args(ModelConfig.model_fields["dtype"].annotation):
         assert Shape.of(ModelConfig(dtype=dtype)).e == torch.empty(0, dtype=getattr(torch, dtype)).element_size(), dtype
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_what_a_rank_holds_besides_does_not_grow_with_the_micro_batches(schedule: str) -> None:
+    """The step lets a completed send go (tests/test_executor.py): a sent input gradient at the
+    end of the next compute action, a sent stage output with its tape at the stage's backward.
+    So what a rank holds besides the saved activations is the same for 4 micro-batches as for 16
+    (kept to the step's end, each one sent would add its bytes)."""
+    held = []
+    for m in (4, 16):
+        cfg = load_config(EXAMPLE, [f"schedule.name={schedule}", f"schedule.microbatches={m}", "train.micro_batch_size=1"])
+        report = MemoryModel(Setup.from_config(cfg), build_schedule(cfg)).report()
+        held.append([r.held_peak - r.saved_peak for r in report.ranks])
+    assert held[0] == held[1] and all(h > 0 for h in held[0])

@@ -17,8 +17,9 @@ executor does. Two running totals:
   block while any micro-batch of it is held, as the accounting's storage de-duplication does);
   recompute's replays count while they last;
 - ``held``: ``saved`` plus what only an allocator sees: part outputs and exchange buffers the
-  tape keeps until the backward, posted receive buffers, every tensor sent (the executor keeps
-  them until the step ends), deferred weight gradients between B and W (an estimate).
+  tape keeps until the backward, posted receive buffers, the input gradients sent until their
+  sends complete (the step looks after each compute action: modelled as the end of the next
+  one), deferred weight gradients between B and W (an estimate).
 
 The step's peak is the larger of the walk's peak and what is left at its end plus a gradient
 bucket's temporaries and the parameters' refresh after the optimizer step.
@@ -219,8 +220,8 @@ class MemoryModel:
                 nxt = sched.next_stage(half.stage)
                 if nxt is not None and sched.stage_rank[nxt] == r:
                     continue  # handed to this rank's next stage, which saves it: counted there
-                if op[5] < 0:
-                    continue  # the send list keeps the stage output until the step ends
+                # a sent stage output is let go with its tape at the stage's backward (its send has
+                # completed long before: the step lets completed sends go)
             saved += op[4]
             held += op[5]
             top_s = max(top_s, saved)
@@ -246,21 +247,26 @@ class MemoryModel:
         wq: list[tuple[int, int, float]] = []  # (step, stage column, +1 queued / -1 run)
         inflight = [0] * len(blocks)
         pending = 0.0
+        sent = 0.0  # input gradients sent since the last compute action
         held_mbs = most = 0
         for a in self.lists[r]:
             k = a[0] if a.__class__ is tuple else a.kind  # posts may come as (Kind, stage, mb)
             if k is Kind.RECV_F or k is Kind.RECV_B or k is Kind.SEND_B:
-                pending += 1  # a posted receive; a sent input gradient (kept until the step ends)
+                pending += 1  # a posted receive; a sent input gradient
+                sent += k is Kind.SEND_B
                 continue
             if k is Kind.SEND_F:
                 continue  # the stage output, already held
             i = len(tid)
             posts.append(pending)
             pending = 0.0
+            # a sent input gradient is let go once its send completes, which the executor looks
+            # at after each compute action: modelled as done by the end of the next one
+            done, sent = sent, 0.0
             if k is Kind.W:
                 tid.append(0)
                 consume.append(0.0)
-                release.append(0.0)
+                release.append(-done)
                 wq.append((i, vcol[a.stage], -1.0))
                 continue
             halves = a.pair if a.pair is not None else (a,)
@@ -285,7 +291,7 @@ class MemoryModel:
                     if h.kind is Kind.B:
                         wq.append((i, vcol[h.stage], 1.0))
             consume.append(took)
-            release.append(gave)
+            release.append(gave - done)
         posts.append(pending)  # trailing posts, after the last step
         tid.append(0)
         consume.append(0.0)

@@ -62,6 +62,7 @@ class StepRun:
                 i = j
                 continue
             self._compute(acts[i])
+            self._release_sent()
             sync = None if self.forward_only else self.rt.grad_sync
             if sync is not None:
                 for block in self.rt.grads_final.get(i, ()):
@@ -75,6 +76,18 @@ class StepRun:
                 f"schedule {self.s.name}, rank {self.rt.groups.pp_rank}: the step ended with work left over: "
                 f"{left + [str(k) for k in list(self.outbox) + list(self.recvs) + list(self.local)]}"
             )
+
+    def _release_sent(self) -> None:
+        """Let go of the sends that have completed: a stage's input gradient is held by nothing
+        else, and kept to the step's end, DualPipe's hundreds of them would hold gigabytes. A
+        work that cannot say whether it completed is kept until the step's end, as before."""
+        kept = []
+        for work, t in self.sends:
+            if _completed(work):
+                work.wait()  # returns at once; raises what the send raised
+            else:
+                kept.append((work, t))
+        self.sends = kept
 
     def _compute(self, a: Action) -> None:
         t0 = time.perf_counter()
@@ -213,3 +226,9 @@ class StepRun:
         work.wait()
         self.p2p_wait_s += time.perf_counter() - t0
         return buf
+
+
+def _completed(work: Any) -> bool:
+    """Whether a point-to-point work has completed (False when it cannot tell)."""
+    done = getattr(work, "is_completed", None)
+    return bool(done()) if done is not None else False
