@@ -218,10 +218,11 @@ class MemoryModel:
             if op[1] == "output":
                 half = halves[prog]
                 nxt = sched.next_stage(half.stage)
+                # handed to this rank's next stage, which saves it: counted there; a stage output sent
+                # to another rank is let go with its tape at the stage's backward (its send completed
+                # long before: the step lets completed sends go)
                 if nxt is not None and sched.stage_rank[nxt] == r:
-                    continue  # handed to this rank's next stage, which saves it: counted there
-                # a sent stage output is let go with its tape at the stage's backward (its send has
-                # completed long before: the step lets completed sends go)
+                    continue
             saved += op[4]
             held += op[5]
             top_s = max(top_s, saved)
@@ -314,7 +315,7 @@ class MemoryModel:
         )
 
     def rank(self, r: int) -> RankMemory:
-        s, sched = self.shape, self.schedule
+        sched = self.schedule
         mem = dataclasses.replace(static_memory(self.setup, sched, r))  # a copy: the static part is cached
         walk = self.walks.get((id(sched), r))
         if walk is None:
@@ -363,16 +364,20 @@ class MemoryModel:
     def _block_spec(self, block: int) -> StageSpec:
         return next(spec for v, spec in enumerate(self.specs) if self.schedule.stage_block[v] == block)
 
-    def report(self, budget: float | None = None) -> MemoryReport:
+    def report(self, budget: float | None = None, first_over: bool = True) -> MemoryReport:
         """Every pipeline rank's memory. With a ``budget``, stop at the first rank over it (the
-        report then holds the ranks seen)."""
+        report then holds the ranks seen); with ``first_over`` False, walk every rank and name the
+        fullest when it is over (a user's own config: its report says which rank needs the most)."""
         order = list(range(self.schedule.n_ranks))  # the first ranks hold the most in the 1F1B family
         ranks: dict[int, RankMemory] = {}
         for r in order:
             ranks[r] = self.rank(r)
-            if budget is not None and ranks[r].total > budget:
+            if budget is not None and first_over and ranks[r].total > budget:
                 return MemoryReport([ranks[q] for q in sorted(ranks)], over=r, over_total=ranks[r].total)
-        return MemoryReport([ranks[q] for q in range(self.schedule.n_ranks)])
+        report = MemoryReport([ranks[q] for q in range(self.schedule.n_ranks)])
+        if budget is not None and report.peak > budget:
+            report.over, report.over_total = report.worst_rank, report.peak
+        return report
 
 
 __all__ = ["MemoryModel", "MemoryReport", "RankMemory", "static_memory", "block_params"]

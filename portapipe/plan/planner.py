@@ -315,9 +315,7 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: b
         # whole, so that its report names the fullest rank, not the first one over
         c.memory = MemoryModel(
             x, sched, ctx.imb(x.ep), programs=ctx.programs(x), walks=ctx.walks, lists=lists, specs=ctx.specs(x, sched)
-        ).report(memory_bytes if search_zero else None)
-        if not search_zero and memory_bytes is not None and c.memory.peak > memory_bytes:
-            c.memory.over, c.memory.over_total = c.memory.worst_rank, c.memory.peak
+        ).report(memory_bytes, first_over=search_zero)
         if c.memory.over is None:
             break
         c.problems.append(f"memory: pipeline rank {c.memory.over} needs {gib(c.memory.over_total)} > budget {gib(memory_bytes)}")
