@@ -52,12 +52,15 @@ class Shape:
     #: the device's fused attention takes a value head width other than the query / key's (else
     #: such an attention, MLA's, runs torch's math path, which saves the attention probabilities)
     fused_unequal_heads: bool = False
+    #: ``train.seq_aux_loss_weight`` is on: each MoE layer's routing also computes the
+    #: sequence-wise balance loss (what its backward keeps: :func:`portapipe.plan.shape.saved_bytes`)
+    seq_aux: bool = False
 
     @classmethod
     def of(cls, model: Any, **extra: Any) -> Shape:
         """From a ``ModelConfig`` (or any object / dict with these fields; the ones with a default may
         be missing, and an architecture's keys another architecture leaves None are 0); ``extra``
-        sets the fields that are not the model's (``fp8``, ``fused_unequal_heads``)."""
+        sets the fields that are not the model's (``fp8``, ``fused_unequal_heads``, ``seq_aux``)."""
         get = model.get if isinstance(model, dict) else lambda name: getattr(model, name, None)
         values = {f.name: get(f.name) for f in fields(cls)}
         values = {k: (0 if v is None and isinstance(cls.__dataclass_fields__[k].default, int) else v) for k, v in values.items()}

@@ -34,11 +34,13 @@ def declared_capabilities(backend: str) -> list[tuple[str, Any]]:
 
 def shape_of(model: Any, train: Any = None, backend: str = "auto") -> Shape:
     """The model's :class:`Shape` with what the rest of the config decides of its work: ``train.fp8``,
-    and whether the backend's fused attention takes MLA's value width (``auto``: only where every
-    backend it could pick does, the larger memory otherwise)."""
+    the sequence-wise balance loss (``train.seq_aux_loss_weight``), and whether the backend's fused
+    attention takes MLA's value width (``auto``: only where every backend it could pick does, the
+    larger memory otherwise)."""
     caps = [c for _, c in declared_capabilities(backend)]
     fused = bool(caps) and all(c.fused_attention_unequal_heads for c in caps)
-    return Shape.of(model, fp8=getattr(train, "fp8", "off") != "off", fused_unequal_heads=fused)
+    return Shape.of(model, fp8=getattr(train, "fp8", "off") != "off", fused_unequal_heads=fused,
+                    seq_aux=bool(getattr(train, "seq_aux_loss_weight", 0.0)))
 
 
 def n_model_blocks(schedule: str, pp: int, chunks: int) -> int:

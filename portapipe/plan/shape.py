@@ -119,6 +119,18 @@ def _routing(s: Shape, tokens: int) -> float:
     return tokens * per + fixed
 
 
+def _balance(s: Shape, tokens: int, seq: int) -> float:
+    """The sequence-wise balance loss's saved bytes (``train.seq_aux_loss_weight``), in the
+    router's score dtype: the product ``f_i P_i`` keeps the per-sequence load fractions ``f``
+    (sequences x experts); the sigmoid routers' affinities, the scores over their per-token sum,
+    keep that sum (the softmax router's probabilities are its affinities, kept already)."""
+    if not s.seq_aux:
+        return 0.0
+    score = s.e if s.arch == "portapipe" else F32
+    per_token = score if s.arch != "qwen3_moe" else 0
+    return tokens * per_token + tokens / seq * s.n_experts * score
+
+
 def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slots: int | None = None, seq: int | None = None) -> float:
     """Bytes ``part`` saves for backward for one micro-batch under the layer's ``option``, in the
     compute dtype (what ``train.fp8`` keeps as FP8 instead: :mod:`.fp8_bytes`).
@@ -144,7 +156,7 @@ def saved_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, slot
     if part == "dense":
         return T * (_attention_core(s, seq) + 3 * s.ffn_hidden * e)
     if part == "attention":
-        return T * _attention_core(s, seq) + _routing(s, T)
+        return T * _attention_core(s, seq) + _routing(s, T) + _balance(s, T, seq)
     if part == "experts":  # input rows, gate/up output, router weight, activation; group offsets
         per_row = {"off": h + 3 * s.moe_hidden, "level0": 3 * s.moe_hidden, "level1": 2 * s.moe_hidden}[option] * e + e
         return rows * per_row + (s.n_experts if slots is None else slots) * INDEX_BYTES
