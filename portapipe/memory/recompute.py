@@ -66,6 +66,8 @@ class _Replay(Tape):
     """A recording tape whose parts leave the module's buffers as they found them. Its loss terms
     are seeded as the stage's (``loss_seed``), not reported again."""
 
+    replay = True
+
     def __init__(self, module: torch.nn.Module, loss_seed: float) -> None:
         super().__init__(record=True, loss_seed=loss_seed)
         self._buffers = list(module.buffers())

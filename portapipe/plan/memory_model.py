@@ -44,7 +44,7 @@ from .time_model import _block_params
 class _Walk:
     """One rank's action list as arrays over its compute steps (see :meth:`MemoryModel._compile`)."""
 
-    keys: list[tuple]  # per step type: the halves' (kind, stage); type 0 runs no ops
+    keys: list[tuple]  # per step type: the halves' (kind, stage, micro-batch: 0 without a routing); type 0 runs no ops
     tid: torch.Tensor  # step -> type
     posts: torch.Tensor  # stage-sized buffers posted before the step (receives, sent gradients)
     consume: torch.Tensor  # received inputs that become a stage's saved input (negative counts)
@@ -166,11 +166,20 @@ class MemoryModel:
     def __init__(
         self, setup: Any, schedule: Schedule, imbalance: float = 1.0, programs: Programs | None = None,
         walks: dict | None = None, lists: list[list[Any]] | None = None, specs: list[StageSpec] | None = None,
+        routing: dict[tuple[int, int], tuple[tuple[int, float, float], ...]] | None = None,
     ) -> None:
         """``schedule`` is lowered, or its lowered ``lists`` are given (a
         :func:`~portapipe.scheduling.comms.plan`, posts as light tuples). ``programs`` may be shared
         by setups with the same micro-batch size and imbalance, and ``walks`` (compiled action
-        lists, by schedule and rank) by setups with the same schedule."""
+        lists, by schedule and rank) by setups with the same schedule.
+
+        ``routing``: one EP rank's routing in a run, to set the model against that run: per
+        (stage, micro-batch), per MoE layer ``(layer, rows, own)``: the rows its experts ran on
+        and of them the rows it routed to itself, each over its even share
+        (:func:`portapipe.verify.pipelined.routed_rows`). Without it every micro-batch routes the
+        mean (times ``imbalance``): what a plan can know before the run."""
+        self.routing = routing
+        self._routed: dict[tuple[tuple[int, float, float], ...], Programs] = {}
         self.walks: dict = {} if walks is None else walks
         self.lists = lists if lists is not None else schedule.actions
         self.setup, self.schedule = setup, schedule
@@ -196,16 +205,25 @@ class MemoryModel:
             self._rope[spec] = float(len(kept) * self.shape.rope_bytes())
         return self._rope[spec]
 
+    def _programs_of(self, stage: int, mb: int) -> Programs:
+        """The programs of micro-batch ``mb`` on ``stage``: under ``routing``, its own rows."""
+        routed = None if self.routing is None else self.routing.get((stage, mb))
+        if routed is None:  # no routing given, or a stage without MoE layers
+            return self.programs
+        if routed not in self._routed:
+            self._routed[routed] = Programs.of(self.setup, routed={layer: (rows, own) for layer, rows, own in routed})
+        return self._routed[routed]
+
     def _program_stats(self, r: int, halves: tuple[Any, ...]) -> tuple[float, float, float, float]:
         """(saved delta, held delta, highest saved, highest saved + held) over the ops of one
         compute action on rank ``r``, relative to where it starts."""
         sched = self.schedule
 
         def ops_of(half: Any) -> list[tuple]:
-            spec = self.specs[half.stage]
+            spec, programs = self.specs[half.stage], self._programs_of(half.stage, half.mb)
             if half.kind is Kind.F:
-                return self.programs.forward(spec)
-            return self.programs.backward(spec, "B" if half.kind is Kind.B else "BW")
+                return programs.forward(spec)
+            return programs.backward(spec, "B" if half.kind is Kind.B else "BW")
 
         if len(halves) == 2:
             merged = interleave(ops_of(halves[0]), ops_of(halves[1]), self.switching)
@@ -271,7 +289,8 @@ class MemoryModel:
                 wq.append((i, vcol[a.stage], -1.0))
                 continue
             halves = a.pair if a.pair is not None else (a,)
-            key = tuple((h.kind, h.stage) for h in halves)
+            # a run's routing differs per micro-batch: then each is a step type of its own
+            key = tuple((h.kind, h.stage, h.mb if self.routing is not None else 0) for h in halves)
             tid.append(keys.setdefault(key, len(keys)))
             took = gave = 0.0
             for h in halves:
@@ -317,9 +336,10 @@ class MemoryModel:
     def rank(self, r: int) -> RankMemory:
         sched = self.schedule
         mem = dataclasses.replace(static_memory(self.setup, sched, r))  # a copy: the static part is cached
-        walk = self.walks.get((id(sched), r))
+        at = (id(sched), r, self.routing is not None)
+        walk = self.walks.get(at)
         if walk is None:
-            walk = self.walks[(id(sched), r)] = self._compile(r)
+            walk = self.walks[at] = self._compile(r)
         # what becomes of a stage's output: loss (last stage), handed over on this rank, or sent
         out_mode = {
             v: "last" if sched.is_last(v) else "cross" if sched.stage_rank[sched.next_stage(v)] != r else "here" for v in walk.stages
@@ -330,10 +350,11 @@ class MemoryModel:
             if not halves:
                 table.append((0.0, 0.0, 0.0, 0.0))
                 continue
-            key = tuple((kind, self.specs[v], out_mode[v]) for kind, v in halves) + (self.switching,)
+            routed = tuple(self.routing.get((v, mb)) for _, v, mb in halves) if self.routing is not None else ()
+            key = tuple((kind, self.specs[v], out_mode[v]) for kind, v, _ in halves) + (self.switching,) + routed
             st = stats.get(key)
             if st is None:
-                st = stats[key] = self._program_stats(r, tuple(Action(kind, v, 0) for kind, v in halves))
+                st = stats[key] = self._program_stats(r, tuple(Action(kind, v, mb) for kind, v, mb in halves))
             table.append(st)
         f64 = torch.float64
         st = torch.tensor(table, dtype=f64)[walk.tid]  # per step: saved delta, held delta, top saved, top total

@@ -63,28 +63,36 @@ class Programs:
     a layer exchanges nothing."""
 
     def __init__(
-        self, shape: Shape, tokens: float, rows: float, slots: int | None = None, *, ep: int, depth: int = 0, fp8: tuple[bool, bool] = (False, False)
+        self, shape: Shape, tokens: float, rows: float, slots: int | None = None, *, ep: int, depth: int = 0,
+        fp8: tuple[bool, bool] = (False, False), local: float | None = None, routed: dict[int, tuple[float, float]] | None = None,
     ) -> None:
         self.s, self.T, self.R, self.slots, self.ep = shape, tokens, rows, slots, ep
         self.fp8 = fp8  # (train.fp8 on, memory.fp8_activations): what the parts keep in FP8 (.fp8_bytes)
         self.depth = depth  # a multi-token prediction depth's programs: its share of the tokens
-        self.local_rows = min(rows, tokens * shape.top_k / ep)
+        # ``local``: the rows a routing sent to this rank's own experts (default: its even share)
+        self.local_rows = min(rows, tokens * shape.top_k / ep) if local is None else local
+        # a run's routing: per MoE layer, its rows and its own rows over their even shares (:meth:`_routed_at`)
+        self.routed = routed
+        self._layers: dict[int, Programs] = {}
         self._depths: dict[int, Programs] = {}
         self._cache: dict[tuple[StageSpec, str], list[Op]] = {}
         self.stats: dict[tuple, tuple[float, float, float, float]] = {}  # the memory model's, per program
         self.wqueue: dict[StageSpec, float] = {}  # the memory model's, per stage
 
     @classmethod
-    def of(cls, setup: Any, imbalance: float = 1.0) -> Programs:
+    def of(cls, setup: Any, imbalance: float = 1.0, routed: dict[int, tuple[float, float]] | None = None) -> Programs:
         """The programs of ``setup``'s model and micro-batch, the busiest EP rank receiving
-        ``imbalance`` times the mean routed rows."""
+        ``imbalance`` times the mean routed rows; ``routed``: a run's own routing instead, per
+        MoE layer the rows the rank's experts ran on and of them the rows it routed to itself,
+        each over its even share (the micro-batch's tokens x top_k, and that over the EP ranks)."""
         m = setup.model
         tokens = setup.micro_batch_size * m.seq_len
         bal = getattr(setup, "balancer", None)
         slots = m.n_experts + bal.redundant * setup.ep if bal is not None and bal.kind != "none" else None
         train = getattr(setup, "train", None)
         fp8 = train is not None and getattr(train, "fp8", "off") != "off"
-        return cls(setup.shape, tokens, tokens * m.top_k * imbalance, slots, ep=setup.ep, fp8=(fp8, fp8 and getattr(setup, "fp8_activations", False)))
+        return cls(setup.shape, tokens, tokens * m.top_k * imbalance, slots, ep=setup.ep,
+                   fp8=(fp8, fp8 and getattr(setup, "fp8_activations", False)), routed=routed)
 
     # ------------------------------------------------------------------ parts
     def _c(self, part: str, phase: str, option: str, sign: int, units: float | None = None, memory: bool = True, norms: bool = False) -> Op:
@@ -169,8 +177,20 @@ class Programs:
         k = layer - self.s.n_layers + 1
         if k not in self._depths:
             share = (self.s.seq_len - k) / self.s.seq_len
-            self._depths[k] = Programs(self.s, self.T * share, self.R * share, self.slots, ep=self.ep, depth=k, fp8=self.fp8)
+            self._depths[k] = Programs(self.s, self.T * share, self.R * share, self.slots, ep=self.ep, depth=k, fp8=self.fp8,
+                                       local=self.local_rows * share, routed=self.routed)
         return self._depths[k]
+
+    def _routed_at(self, layer: int) -> Programs:
+        """The programs of MoE layer ``layer`` under ``routed`` (itself without)."""
+        if not self.routed or layer not in self.routed:
+            return self
+        if layer not in self._layers:
+            rows, own = self.routed[layer]
+            even = self.T * self.s.top_k
+            self._layers[layer] = Programs(self.s, self.T, even * rows, self.slots, ep=self.ep, depth=self.depth, fp8=self.fp8,
+                                           local=even / self.ep * own)
+        return self._layers[layer]
 
     def _layer_forward(self, layer: int, option: str, norms: bool = False) -> list[Op]:
         """``norms``: the layer's norms' outputs are recomputed (not saved)."""
@@ -179,7 +199,8 @@ class Programs:
             return [d._c("mtp", "F", "off", 1), *d._layer_forward(layer, option, norms), d._c("head", "F", "off", 1)]
         if not self.s.is_moe(layer):
             return [self._c("dense", "F", option, 1, norms=norms)]
-        return self._attention(layer, option, norms) + self._moe_forward(layer, option)
+        p = self._routed_at(layer)
+        return p._attention(layer, option, norms) + p._moe_forward(layer, option)
 
     def _part_backward(self, part: str, phase: str, option: str, norms: bool) -> list[Op]:
         """An attention or dense part's backward, after its norms' recompute when they were not saved."""
@@ -196,6 +217,8 @@ class Programs:
             if custom:  # recomputed: the head's backward comes before its replay's
                 return replay, [head, *custom], [*ops, mtp]
             return replay, custom, [head, *ops, mtp]
+        if self._routed_at(layer) is not self:
+            return self._routed_at(layer)._layer_backward(layer, option, phase, norms)
         s = self.s
         replay: list[Op] = []
         custom: list[Op] = []

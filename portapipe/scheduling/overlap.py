@@ -106,6 +106,8 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 class Tape:
     """Records one micro-batch's forward through a stage, part by part, for a part-wise backward."""
 
+    replay = False  # a recompute's replay of a forward that already ran (which counts its work once)
+
     def __init__(self, record: bool = True, input_grad: bool = True, loss_seed: float = 1.0) -> None:
         self.record = record
         self.input_grad = input_grad  # False: the stage input's gradient is not wanted (a first stage)

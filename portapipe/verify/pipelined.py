@@ -17,6 +17,7 @@ from ..metrics import everywhere
 from ..models.routing import ForcedRouting
 from ..optim.precision import LossScaler
 from ..scheduling.executor import mean_loss
+from ..scheduling.ir import Kind
 from ..scheduling.stage import is_expert
 
 
@@ -69,13 +70,78 @@ def runtime_for(backend: Any, raw: dict[str, Any], by_position: bool = False) ->
 def tracked_step(backend: Any, raw: dict[str, Any]) -> tuple[PipelineRuntime, int]:
     """This rank's runtime for ``raw`` after one step whose saved activations were counted
     (:class:`~portapipe.memory.accounting.SavedActivations`), and their peak in bytes."""
+    rt, peak, _ = routed_step(backend, raw)
+    return rt, peak
+
+
+def routed_step(backend: Any, raw: dict[str, Any]) -> tuple[PipelineRuntime, int, dict[tuple[int, int], tuple[float, float]]]:
+    """:func:`tracked_step`, and the routing of that step on this rank (:func:`routed_rows`)."""
     from ..memory.accounting import SavedActivations
 
     rt, data = runtime_for(backend, raw)
     tracker = SavedActivations(ignore=rt.parameters())
-    with tracker.step():
+    with recording_rows(rt) as calls, tracker.step():
         rt.step(data)
-    return rt, tracker.peak_bytes
+    return rt, tracker.peak_bytes, routed_rows(rt, calls)
+
+
+@contextlib.contextmanager
+def recording_rows(runtime: PipelineRuntime) -> Iterator[dict[int, list[tuple[float, float]]]]:
+    """Records, while open, per MoE layer (by index) and forward in call order, the rows its
+    experts ran on and of them the rows this rank routed to itself, each over its even share (the
+    micro-batch's tokens x top_k, and that over the EP ranks); a recompute's replay is not a
+    forward of its own."""
+    calls: dict[int, list[tuple[float, float]]] = {}
+
+    def recording(layer: Any, program: Any) -> Any:
+        top_k, ep = layer.top_k, layer.moe.ep.size
+
+        def moe_program(tape: Any, h: torch.Tensor, hn: torch.Tensor, send: torch.Tensor, local: torch.Tensor, *rest: Any) -> Any:
+            plan = rest[1]
+            own = local.shape[0]
+            out = yield from program(tape, h, hn, send, local, *rest)
+            if tape.replay:  # a recompute's replay routes as its forward did
+                return out
+            # read once the program ran: the received counts travel while it starts
+            rows = own + (sum(plan.remote_recv_splits) if ep > 1 else 0)
+            even = h.shape[:-1].numel() * top_k
+            calls.setdefault(layer.index, []).append((rows / even, own / (even / ep)))
+            return out
+
+        return moe_program
+
+    layers = runtime.moe_layers()
+    for layer in layers:
+        layer.moe_program = recording(layer, layer.moe_program)
+    try:
+        yield calls
+    finally:
+        for layer in layers:
+            del layer.moe_program  # the class's again
+
+
+def routed_rows(runtime: PipelineRuntime, calls: dict[int, list[tuple[float, float]]]) -> dict[tuple[int, int], tuple[tuple[int, float, float], ...]]:
+    """One step's :func:`recording_rows` by (stage, micro-batch) of this rank, per MoE layer
+    ``(layer, rows, own)``: the ``routing`` of :class:`~portapipe.plan.memory_model.MemoryModel`.
+    A stage's layers ran once per forward of the step (ValueError otherwise: a replay, a second
+    step), in the order of the rank's forwards."""
+    sched = runtime.schedule
+    stage_of = {sched.stage_block[v]: v for v in sched.stages_of(runtime.groups.pp_rank)}
+    forwards: dict[int, list[int]] = {}  # stage -> its micro-batches, in the order they ran
+    for a in runtime.actions:
+        for h in a.pair if a.pair is not None else (a,):
+            if h.kind is Kind.F:
+                forwards.setdefault(h.stage, []).append(h.mb)
+    per: dict[tuple[int, int], list[tuple[int, float, float]]] = {}
+    for b, block in runtime.blocks.items():
+        v = stage_of[b]
+        for layer in block.moe_layers():
+            got = calls.get(layer.index, [])
+            if len(got) != len(forwards.get(v, [])):
+                raise ValueError(f"layer {layer.index} ran {len(got)} forwards, stage {v} has {len(forwards.get(v, []))} in the step")
+            for mb, (rows, own) in zip(forwards[v], got):
+                per.setdefault((v, mb), []).append((layer.index, rows, own))
+    return {k: tuple(sorted(layers)) for k, layers in per.items()}
 
 
 def route_by_position(config: Config, moe_layers: list[Any]) -> None:
