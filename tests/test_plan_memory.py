@@ -192,37 +192,76 @@ def setup_shape(cfg) -> Shape:
     return Setup.from_config(cfg).shape
 
 
+def _held(block, cfg, x, y, option: str, ep: int, ignore=None) -> tuple[int, float]:
+    """The storages a forward of ``block`` leaves alive besides what autograd saves (counted with
+    every tensor object, as an allocator would), and what held_bytes says of it; then its backward."""
+    s = Shape.of(cfg.model)
+    gc.collect()
+    before = {k for k in _storages()}
+    tracker = accounting.SavedActivations(ignore=block.parameters() if ignore is None else ignore)
+    obs = PartBytes()
+    with tracker.track(), observing(obs):
+        tape = Tape()
+        out = run(block.program(tape, x, y))
+    gc.collect()
+    alive = {k: n for k, n in _storages().items() if k not in before}
+    saved = set(tracker._refs)
+    extra = sum(n for k, n in alive.items() if k not in saved)
+    T = x.numel()
+    rows = T * s.top_k  # what the formula's terms read: every routed row of the micro-batch
+    parts = [part for part, _ in obs.units.values() if part not in ("other", "experts")]
+    # with other EP ranks a layer runs its experts twice (received rows, own rows): held_bytes's
+    # ``experts`` is one per MoE layer
+    moe = sum(1 for part in parts if part == "attention") if s.n_experts else 0
+    want = sum(held_bytes(s, part, option, T, rows, ep=ep) for part in parts) + moe * held_bytes(s, "experts", option, T, rows, ep=ep)
+    if option == "recompute_full":  # the recomputed layers' inputs: the parts do not run under the tape
+        want = s.n_layers * T * s.hidden * s.e
+    want += s.e  # the loss
+    run(tape.backward(out, torch.ones_like(out)))
+    return extra, want
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_the_tape_holds_what_held_bytes_says(ep: int) -> None:
     """Beyond what autograd saves, the storages alive after a forward are the formula's part
-    outputs and exchange buffers (counted with every tensor object, as an allocator would); with
-    a peer (one process playing both EP ranks) the rows sent and the rows the combine brought
-    back are released in the forward too."""
-    cfg = load_config(EXAMPLE, SMALL + ["model.moe_hidden=24"])
-    s = Shape.of(cfg.model)
-    # with a peer, zero-memory and a recomputed MoE block keep index buffers (a few per expert,
-    # some per routed row, by the routing) that the formula does not follow exactly yet
-    for option in ("off", "level0", "level1", "recompute_moe", "recompute_full") if ep == 1 else ("off", "recompute_full"):
-        block, x, y = _forward(cfg, option, ep=ep)
-        gc.collect()
-        before = {k for k in _storages()}
-        tracker = accounting.SavedActivations(ignore=block.parameters())
-        obs = PartBytes()
-        with tracker.track(), observing(obs):
-            tape = Tape()
-            out = run(block.program(tape, x, y))
-        gc.collect()
-        alive = {k: n for k, n in _storages().items() if k not in before}
-        saved = set(tracker._refs)
-        extra = sum(n for k, n in alive.items() if k not in saved)
-        T = x.numel()
-        rows = T * s.top_k  # one EP rank receives every routed row
-        want = sum(held_bytes(s, part, option, T, rows, ep=ep) for part, _ in obs.units.values() if part != "other")
-        if option == "recompute_full":  # the recomputed layers' inputs: the parts do not run under the tape
-            want = s.n_layers * T * s.hidden * s.e
-        want += s.e  # the loss
-        assert extra == want, (option, extra, want)
-        del tape, out
+    outputs and exchange buffers, under every memory option; with a peer (one process playing
+    both EP ranks) the rows sent and the rows the combine brought back are released in the
+    forward too, and zero-memory's and a recomputed block's dispatch plans keep their index
+    buffers."""
+    for shape in ([], ["model.top_k=1", "model.n_experts=4"], ["train.micro_batch_size=3"]):
+        cfg = load_config(EXAMPLE, SMALL + ["model.moe_hidden=24"] + shape)
+        for option in ("off", "level0", "level1", "recompute_moe", "recompute_full"):
+            block, x, y = _forward(cfg, option, ep=ep)
+            extra, want = _held(block, cfg, x, y, option, ep)
+            assert extra == want, (shape, option, extra, want)
+
+
+def _held_on_ranks(backend, raws):
+    from portapipe.verify.pipelined import runtime_for
+
+    out = {}
+    for name, raw in raws.items():
+        cfg = load_config(raw)
+        rt, data = runtime_for(backend, raw)
+        option = cfg.memory.zero_memory if cfg.memory.zero_memory != "off" else "recompute_moe"
+        out[name] = _held(rt.blocks[0], cfg, data[0][0], data[0][1], option, cfg.parallel.ep, rt.parameters())
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("ep", [2, 4])
+def test_held_bytes_hold_on_every_ep_rank_whatever_its_routing(ep: int) -> None:
+    """The index buffers zero-memory and a recomputed MoE block keep are the same on every EP rank
+    (real ranks, each with its own routing), as held_bytes says."""
+    from portapipe.ranks.launch import run_ranks
+
+    base = [f"parallel.ep={ep}", "parallel.pp=1", "parallel.dp=1", "schedule.name=1f1b", "train.micro_batch_size=2", "model.seq_len=16",
+            "model.moe_hidden=24"]
+    cases = {"level1": ["memory.zero_memory=level1"], "recompute_moe": ["memory.recompute=moe", "model.top_k=1"]}
+    raws = {n: load_config(EXAMPLE, base + o).to_dict() for n, o in cases.items()}
+    for rank in run_ranks(_held_on_ranks, ep, raws, wall_timeout_s=300):
+        for name, (extra, want) in rank.items():
+            assert extra == want, (name, extra, want)
 
 
 def _storages() -> dict:

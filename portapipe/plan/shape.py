@@ -178,22 +178,21 @@ def held_bytes(s: Shape, part: str, option: str, tokens: int, rows: float, *, ep
     once the dispatch has delivered them, the experts' and the shared expert's outputs and the
     rows the combine brought back once the combine part has summed them; the backward needs
     only their gradients. What stays: zero-memory keeps the dispatch plan for the re-dispatch
-    (counts, offsets and, with other EP ranks, the expert order apart from the send order) and
-    the sent rows' router weights; a recomputed MoE block keeps its router weights and dispatch
-    plan (for the replay) and a recomputed layer its input. Exact on one EP rank; with peers,
-    these two options' index buffers (a few per expert and per routed row, by the routing) are
-    not followed exactly yet (tests/test_plan_memory.py says which setups are checked).
+    (per expert two index buffers, three with other EP ranks, and then the send order, one per
+    routed row); a recomputed MoE block keeps its router weights and dispatch plan for the
+    replay (the expert order, and with other EP ranks the send order apart; per expert three
+    buffers, four with other EP ranks) and a recomputed layer its input. The same on every EP
+    rank whatever the routing (tests/test_plan_memory.py, on 1, 2 and 4 EP ranks). With other
+    EP ranks an MoE layer runs its experts twice (the received rows, its own rows): ``experts``
+    here is the received rows' call, the other keeps nothing apart.
     """
-    k, T = s.top_k, tokens
+    k, T, E = s.top_k, tokens, s.n_experts
     if option == "recompute_full":
         return T * s.hidden * s.e if part in ("attention", "dense") else 0
-    if part == "attention":
-        if option == "recompute_moe":  # the replay's dispatch plan: the expert order and (with other EP
-            # ranks) the send order apart; counts, offsets of all rows, and of the local and received ones
-            return T * k * (2 if ep > 1 else 1) * INDEX_BYTES + 3 * s.n_experts * INDEX_BYTES + T * k * s.e
-        return T * k * (ep - 1) / ep * s.e if option in ("level0", "level1") else 0
+    if part == "attention" and option == "recompute_moe":
+        return T * k * (2 if ep > 1 else 1) * INDEX_BYTES + (4 if ep > 1 else 3) * E * INDEX_BYTES + T * k * s.e
     if part == "experts" and option in ("level0", "level1"):
-        return (T * k if ep > 1 else 0) * INDEX_BYTES + 2 * s.n_experts * INDEX_BYTES
+        return (T * k + 3 * E) * INDEX_BYTES if ep > 1 else 2 * E * INDEX_BYTES
     return 0
 
 
