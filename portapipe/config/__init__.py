@@ -1,7 +1,8 @@
 """Configuration: YAML in, a validated and typed :class:`Config` out, and what decides which
 settings combine.
 
-- :mod:`.schema`: the sections, one class per concern, every key documented where declared;
+- :mod:`.schema`: the sections, one class per concern, every key documented where declared
+  (:mod:`.train_section`: the ``train`` section; :mod:`.section`: what every section is);
 - :mod:`.kinds`: the typing rule every key follows;
 - :mod:`.load`: reading YAML, ``--set`` overrides, and the checks across sections
   (:func:`load_config`; every problem one line naming the key path);
@@ -20,15 +21,14 @@ from .schema import (
     DataConfig,
     LaunchConfig,
     LogConfig,
-    LrPhase,
     MemoryConfig,
     ModelConfig,
     ParallelConfig,
     ScheduleConfig,
     SourceConfig,
-    TrainConfig,
     WandbConfig,
 )
+from .train_section import LrPhase, TrainConfig
 from .text import ConfigError, apply_overrides
 
 __all__ = [
