@@ -251,7 +251,6 @@ class MemoryConfig(Section):
         return recompute_norms(self.recompute)
 
 
-
 class SourceConfig(Section):
     """One source of a blend (``data.sources``, ``data.val_sources``)."""
 
