@@ -26,6 +26,7 @@ from portapipe.plan.memory_model import MemoryModel, static_memory
 from portapipe.config.setup import Setup
 from portapipe.plan.fp8_bytes import saved_delta
 from portapipe.plan.norm_recompute import dropped_bytes
+from portapipe.plan.programs import stage_specs
 from portapipe.plan.shape import Shape, held_bytes, saved_bytes
 from portapipe.scheduling.executor import build_schedule
 from portapipe.scheduling.overlap import Tape, observing, run
@@ -354,12 +355,16 @@ def test_a_routing_of_even_shares_is_the_mean_routing(name: str) -> None:
     m = cfg.model
     moe = [layer for layer in range(m.n_layers + m.mtp_layers) if setup.shape.is_moe(layer)]
 
+    stage_moe = [[layer for layer in spec.layers if layer in moe] for spec in stage_specs(setup, sched)]
+
     def routing(rows: float, own: float = 1.0) -> dict:
-        return {(v, mb): tuple((layer, rows, own) for layer in moe) for v in range(sched.n_stages) for mb in range(cfg.schedule.microbatches)}
+        return {(v, mb): tuple((layer, rows, own) for layer in stage_moe[v]) for v in range(sched.n_stages) for mb in range(cfg.schedule.microbatches)}
 
     even = routing(1.0)
     for r in range(sched.n_ranks):
         assert MemoryModel(setup, sched, routing=even).rank(r).saved_peak == plain.ranks[r].saved_peak
+    with pytest.raises(ValueError, match="routing: stage"):  # a layer's rows missing: refused, not the mean
+        MemoryModel(setup, sched, routing={k: v[1:] for k, v in even.items()}).report()
     more, fewer = MemoryModel(setup, sched, routing=routing(1.5)), MemoryModel(setup, sched, routing=routing(0.5))
     for r in range(sched.n_ranks):
         assert fewer.rank(r).saved_peak < plain.ranks[r].saved_peak < more.rank(r).saved_peak

@@ -207,8 +207,14 @@ class MemoryModel:
 
     def _programs_of(self, stage: int, mb: int) -> Programs:
         """The programs of micro-batch ``mb`` on ``stage``: under ``routing``, its own rows."""
-        routed = None if self.routing is None else self.routing.get((stage, mb))
-        if routed is None:  # no routing given, or a stage without MoE layers
+        if self.routing is None:
+            return self.programs
+        moe = {layer for layer in self.specs[stage].layers if self.shape.is_moe(layer)}
+        routed = self.routing.get((stage, mb), ())
+        if {layer for layer, _, _ in routed} != moe:  # a silent mean for a missing layer would hide it
+            raise ValueError(f"routing: stage {stage}, micro-batch {mb} gives the rows of MoE layers "
+                             f"{sorted(layer for layer, _, _ in routed)}, the stage has {sorted(moe)}")
+        if not routed:  # a stage without MoE layers
             return self.programs
         if routed not in self._routed:
             self._routed[routed] = Programs.of(self.setup, routed={layer: (rows, own) for layer, rows, own in routed})
