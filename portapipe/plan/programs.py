@@ -217,8 +217,9 @@ class Programs:
             if custom:  # recomputed: the head's backward comes before its replay's
                 return replay, [head, *custom], [*ops, mtp]
             return replay, custom, [head, *ops, mtp]
-        if self._routed_at(layer) is not self:
-            return self._routed_at(layer)._layer_backward(layer, option, phase, norms)
+        routed = self._routed_at(layer)
+        if routed is not self:
+            return routed._layer_backward(layer, option, phase, norms)
         s = self.s
         replay: list[Op] = []
         custom: list[Op] = []

@@ -74,7 +74,7 @@ def tracked_step(backend: Any, raw: dict[str, Any]) -> tuple[PipelineRuntime, in
     return rt, peak
 
 
-def routed_step(backend: Any, raw: dict[str, Any]) -> tuple[PipelineRuntime, int, dict[tuple[int, int], tuple[float, float]]]:
+def routed_step(backend: Any, raw: dict[str, Any]) -> tuple[PipelineRuntime, int, dict[tuple[int, int], tuple[tuple[int, float, float], ...]]]:
     """:func:`tracked_step`, and the routing of that step on this rank (:func:`routed_rows`)."""
     from ..memory.accounting import SavedActivations
 
@@ -123,8 +123,8 @@ def recording_rows(runtime: PipelineRuntime) -> Iterator[dict[int, list[tuple[fl
 def routed_rows(runtime: PipelineRuntime, calls: dict[int, list[tuple[float, float]]]) -> dict[tuple[int, int], tuple[tuple[int, float, float], ...]]:
     """One step's :func:`recording_rows` by (stage, micro-batch) of this rank, per MoE layer
     ``(layer, rows, own)``: the ``routing`` of :class:`~portapipe.plan.memory_model.MemoryModel`.
-    A stage's layers ran once per forward of the step (ValueError otherwise: a replay, a second
-    step), in the order of the rank's forwards."""
+    A stage's layers ran once per forward of the step, in the order of the rank's forwards
+    (ValueError otherwise: no step or a second one recorded)."""
     sched = runtime.schedule
     stage_of = {sched.stage_block[v]: v for v in sched.stages_of(runtime.groups.pp_rank)}
     forwards: dict[int, list[int]] = {}  # stage -> its micro-batches, in the order they ran
@@ -139,7 +139,7 @@ def routed_rows(runtime: PipelineRuntime, calls: dict[int, list[tuple[float, flo
             got = calls.get(layer.index, [])
             if len(got) != len(forwards.get(v, [])):
                 raise ValueError(f"layer {layer.index} ran {len(got)} forwards, stage {v} has {len(forwards.get(v, []))} in the step")
-            for mb, (rows, own) in zip(forwards[v], got):
+            for mb, (rows, own) in zip(forwards.get(v, []), got):
                 per.setdefault((v, mb), []).append((layer.index, rows, own))
     return {k: tuple(sorted(layers)) for k, layers in per.items()}
 
