@@ -129,17 +129,18 @@ def routed_rows(runtime: PipelineRuntime, calls: dict[int, list[tuple[float, flo
     stage_of = {sched.stage_block[v]: v for v in sched.stages_of(runtime.groups.pp_rank)}
     forwards: dict[int, list[int]] = {}  # stage -> its micro-batches, in the order they ran
     for a in runtime.actions:
-        for h in a.pair if a.pair is not None else (a,):
+        for h in a.halves():
             if h.kind is Kind.F:
                 forwards.setdefault(h.stage, []).append(h.mb)
     per: dict[tuple[int, int], list[tuple[int, float, float]]] = {}
     for b, block in runtime.blocks.items():
         v = stage_of[b]
+        mbs = forwards.get(v, [])
         for layer in block.moe_layers():
             got = calls.get(layer.index, [])
-            if len(got) != len(forwards.get(v, [])):
-                raise ValueError(f"layer {layer.index} ran {len(got)} forwards, stage {v} has {len(forwards.get(v, []))} in the step")
-            for mb, (rows, own) in zip(forwards.get(v, []), got):
+            if len(got) != len(mbs):
+                raise ValueError(f"layer {layer.index} ran {len(got)} forwards, stage {v} has {len(mbs)} in the step")
+            for mb, (rows, own) in zip(mbs, got):
                 per.setdefault((v, mb), []).append((layer.index, rows, own))
     return {k: tuple(sorted(layers)) for k, layers in per.items()}
 
