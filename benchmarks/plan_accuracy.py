@@ -253,6 +253,7 @@ def measure(configs: dict[str, Config], steps: int, warmup: int) -> dict[str, An
             "others_cpu_s": max(0.0, machine["busy_s"] - machine["ranks_s"]), "steal_s": machine["steal_s"],
         }
         for name, c in group.items():
+            setup, schedule = Setup.from_config(c), build_schedule(c)
             saved: dict[int, list[int]] = {}
             for r in per_rank:
                 saved.setdefault(r[name]["pp_rank"], []).append(r[name]["saved_peak"])
@@ -270,8 +271,7 @@ def measure(configs: dict[str, Config], steps: int, warmup: int) -> dict[str, An
                 "saved_peak_per_rank": [r[name]["saved_peak"] for r in per_rank],
                 # the memory model given each rank's own routing in the tracked step
                 "saved_peak_routed_predicted_per_rank": [
-                    MemoryModel(Setup.from_config(c), build_schedule(c), routing=r[name]["routing"]).rank(r[name]["pp_rank"]).saved_peak
-                    for r in per_rank
+                    MemoryModel(setup, schedule, routing=r[name]["routing"]).rank(r[name]["pp_rank"]).saved_peak for r in per_rank
                 ],
             }
     return out
