@@ -160,7 +160,7 @@ def test_router_weights_travel_as_a_column_of_the_rows_and_come_back_exactly() -
 @pytest.mark.parametrize("n", [0, 1, 2])
 def test_split_rows_and_weights_own_their_memory_so_the_received_buffer_can_be_freed(n: int) -> None:
     # one row's slices count as contiguous: a view would die with the freed buffer
-    from portapipe.scheduling.exchange import free_storage
+    from portapipe.tensors.storage import free_storage
 
     received = torch.arange(n * 5, dtype=torch.float64).view(n, 5)
     want_rows, want_weights = received[:, :4].clone(), received[:, 4].clone()

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..backends.fp8_mm import E4M3, n_tiles
-from ..scheduling.exchange import free_storage
+from ..tensors.storage import free_storage
 from .quantize import Quantized, dequantize_rows, quantize_rows
 
 

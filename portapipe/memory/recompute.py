@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from ..models.expert_parallel import ExpertParallel, with_weights
-from ..scheduling.exchange import Pending, Wire, encoded, free_storage
+from ..scheduling.exchange import Pending, Wire, encoded
 from ..scheduling.overlap import Custom, Program, Tape
+from ..tensors.storage import free_storage
 from ..scheduling.wgrad import WeightGradQueue
 from .zero_memory import dispatch_rows
 

@@ -43,7 +43,8 @@ import torch
 
 from ..fp8.quantize import Quantized
 from ..models.expert_parallel import DispatchPlan, ExpertParallel
-from ..scheduling.exchange import A2AStats, Pending, Wire, encoded, free_storage
+from ..scheduling.exchange import A2AStats, Pending, Wire, encoded
+from ..tensors.storage import free_storage
 from .remake import Recipes
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..fp8.dispatch import Fp8Rows
-from ..scheduling.exchange import free_storage
+from ..tensors.storage import free_storage
 from .arch import ARCHITECTURES, norm
 from .ffn import DenseFFN, MoE
 from .expert_parallel import DispatchPlan, ExpertParallel, split_weights, with_weights

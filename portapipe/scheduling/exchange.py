@@ -159,14 +159,6 @@ class Pending:
         return self.output
 
 
-def free_storage(t: torch.Tensor) -> None:
-    """Release ``t``'s memory now, keeping the tensor object (shape and autograd links stay):
-    an exchange buffer nothing reads again, still named by whoever recorded the exchange."""
-    storage = t.untyped_storage()
-    if storage.nbytes() > 0:
-        storage.resize_(0)
-
-
 def exchange(
     group: ExchangeGroup,
     x: torch.Tensor,
