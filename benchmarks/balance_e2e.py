@@ -141,9 +141,9 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int) -> dict[str
     from portapipe.compose import PipelineRuntime
     from portapipe.config import config_from_dict
     from portapipe.data.batches import Batches, replica_of
-    from portapipe.metrics import ep_step_figures, gather_step_stats
+    from portapipe.metrics.step import ep_step_figures, gather_step_stats
     from portapipe.models.routing import force_routing
-    from portapipe.train import counted_blocks, make_sharded_optimizer
+    from portapipe.training.update import counted_blocks, make_sharded_optimizer
 
     runs = {}
     first = config_from_dict(next(iter(raws.values()))).parallel  # every variant has the same layout

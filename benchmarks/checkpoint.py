@@ -44,7 +44,7 @@ from portapipe.checkpoint.run import RunPlan  # noqa: E402
 from portapipe.config import config_from_dict, load_config  # noqa: E402
 from portapipe.data.batches import Batches, replica_of  # noqa: E402
 from portapipe.ranks.launch import run_ranks  # noqa: E402
-from portapipe.train import make_sharded_optimizer  # noqa: E402
+from portapipe.training.update import make_sharded_optimizer  # noqa: E402
 
 
 def _timed(backend: Any, fn: Any) -> tuple[float, Any]:

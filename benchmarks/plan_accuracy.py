@@ -65,7 +65,7 @@ from portapipe.plan.profile import Profile
 from portapipe.config.setup import Setup
 from portapipe.plan.time_model import TimeModel
 from portapipe.scheduling.executor import build_schedule
-from portapipe.train import make_sharded_optimizer
+from portapipe.training.update import make_sharded_optimizer
 from portapipe.verify.pipelined import recording_rows, routed_rows, routed_step, runtime_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
 The end of a training run evaluates ``VAL_BATCHES`` steps' worth of validation micro-batches.
 Before, each ran the whole training step (forwards, backwards, gradient reduction, the routers'
 end of step) under :meth:`~portapipe.compose.PipelineRuntime.unchanged` and threw the gradients
-away (the peer here, written as it was); now :func:`portapipe.train.validation_loss` runs the
+away (the peer here, written as it was); now :func:`portapipe.training.validation.validation_loss` runs the
 schedule's forwards alone, without gradients. On the config's ranks (examples/cpu.yaml: 4 gloo
 ranks, DualPipeV pp 2 x ep 2) the two take turns ``--rounds`` times on the same model; reported
 are the medians of each rank's wall time and processor time for the whole validation (the
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _full_steps(runtime: Any, data: Any, config: Any, groups: Any) -> float:
     """The validation as it was: every batch a training step whose effects are undone."""
     from portapipe.data.batches import replica_of
-    from portapipe.train import VAL_BATCHES
+    from portapipe.training.validation import VAL_BATCHES
 
     replica, replicas = replica_of(groups)
     losses = []
@@ -52,7 +52,7 @@ def _rank(backend: Any, raw: dict[str, Any], rounds: int) -> dict[str, Any]:
     from portapipe.compose import PipelineRuntime
     from portapipe.config import config_from_dict
     from portapipe.data.batches import Batches
-    from portapipe.train import validation_loss
+    from portapipe.training.validation import validation_loss
 
     config = config_from_dict(raw)
     groups = backend.parallel_groups(config.parallel.pp, config.parallel.dp, config.parallel.ep)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from portapipe.config import load_config
     from portapipe.ranks.launch import rank_threads, run_ranks
-    from portapipe.train import VAL_BATCHES
+    from portapipe.training.validation import VAL_BATCHES
 
     config = load_config(args.config, args.set)
     load_before = os.getloadavg()

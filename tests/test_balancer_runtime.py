@@ -103,7 +103,7 @@ def test_merge_gives_the_step_rows_rank_balancedness_over_dp_replicas() -> None:
     metrics.ep_step_figures over every rank); the loads summed over the replicas would give another."""
     from types import SimpleNamespace
 
-    from portapipe.metrics import ep_step_figures
+    from portapipe.metrics.step import ep_step_figures
     from portapipe.models.expert_clock import ExpertClock
 
     routed = {0: [[[3, 1]], [[2, 0]]], 1: [[[0, 2]], [[1, 1]]]}  # dp rank -> each EP rank's rows routed to EP ranks 0, 1 (one layer)

@@ -296,7 +296,7 @@ def _load_on_other_device(backend: Any, raw: dict[str, Any]) -> dict[str, Any]:
     from portapipe.checkpoint.state import capture
     from portapipe.config import config_from_dict
     from portapipe.compose import PipelineRuntime
-    from portapipe.train import make_sharded_optimizer
+    from portapipe.training.update import make_sharded_optimizer
 
     other = OtherDevice(backend.options)
     cfg = config_from_dict(raw)

@@ -81,6 +81,11 @@ def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
     once = {"checkpoint__every": 0}  # the final checkpoint is the one resumed
     diverging = raw(base / "diverged", steps=8, train__lr=1e30, train__warmup_steps=0, train__grad_clip=0.0, checkpoint__every=1)
     diverging["model"]["dtype"] = "float32"
+    # train.lr_schedule's second phase diverges where train.lr would not: the hint names the phase
+    phased = raw(base / "phase_diverged", steps=8, train__grad_clip=0.0, train__lr_schedule=[
+        {"kind": "constant", "steps": 2, "lr": 1e-3}, {"kind": "constant", "steps": 6, "lr": 1e30}])
+    phased["model"]["dtype"] = "float32"
+    del phased["train"]["warmup_steps"], phased["train"]["min_lr"]  # the phases say it all
     # float16, one step whose update leaves float32 master weights of 1e5, which the parameters cannot hold (inf);
     # one that leaves weights of 3e4, finite, on which the validation's forward overflows
     weights_inf = raw(base / "weights_inf", steps=1, train__lr=1e5, train__warmup_steps=0, train__grad_clip=0.0, data__val_fraction=0.05)
@@ -101,6 +106,7 @@ def _one_rank_runs(backend: Any, root: str) -> dict[str, Any]:
         "asked": raw(base / "asked", steps=40, train__lr_schedule_steps=40, checkpoint__load=str(base / "short" / "checkpoints" / "step_00000020"), **once),
         "short_40": raw(base / "short", steps=40, **once),
         "diverged": diverging,
+        "phase_diverged": phased,
         "weights_inf": weights_inf,
         "weights_inf_every": weights_inf_every,
         "val_nan": val_nan,
@@ -368,6 +374,32 @@ def test_a_non_finite_loss_stops_the_run_at_that_step_with_no_checkpoint_of_it(o
 
 
 @pytest.mark.multiproc
+def test_a_divergence_names_the_lr_setting_in_force(one_rank):
+    """A phase of train.lr_schedule set the step's learning rate, not train.lr: the record names it
+    (train.lr here is 1e-2, the first phase's 1e-3 trains, the second's 1e30 diverges)."""
+    record = one_rank["phase_diverged"]["diverged"]
+    assert record["step"] >= 3 and record["lr_key"] == "train.lr_schedule[1].lr (constant to 1e+30)"
+    assert one_rank["diverged"]["diverged"]["lr_key"] == "train.lr"  # the default schedule's
+    diverged_row = rows(one_rank["root"] / "phase_diverged")[-2]
+    assert diverged_row["kind"] == "diverged" and diverged_row["lr_key"] == record["lr_key"] and diverged_row["lr"] == 1e30
+
+
+@pytest.mark.multiproc
+def test_a_loaded_runs_summary_is_of_its_own_steps(one_rank):
+    """checkpoint.load starts a new run from the checkpoint's step: its first loss, the average of
+    its last five, its tokens and seconds are its own steps' (21 to 40), none of the parent's."""
+    summary, own = one_rank["asked"], train_rows(one_rank["root"] / "asked")
+    parent = train_rows(one_rank["root"] / "short")
+    assert summary["loaded_from"].endswith("step_00000020") and [r["step"] for r in own] == list(range(21, 41))
+    assert summary["first_loss"] == own[0]["loss"] != parent[0]["loss"]
+    assert summary["final_loss_avg5"] == sum(r["loss"] for r in own[-5:]) / 5
+    assert summary["tokens"] == sum(r["tokens"] for r in own)
+    assert summary["train_s"] == pytest.approx(sum(r["iter_s"] for r in own))
+    resumed = one_rank["short_40"]  # a resume, by contrast, covers the whole run
+    assert resumed["first_loss"] == parent[0]["loss"] and resumed["tokens"] == sum(r["tokens"] for r in parent)
+
+
+@pytest.mark.multiproc
 def test_weights_that_stopped_being_finite_are_never_saved_and_a_non_finite_validation_loss_is_a_divergence(one_rank):
     """No run ends with a nan / inf model or a null validation loss and exit 0: the last update's
     weights are checked before every checkpoint, the validation loss after it."""
@@ -442,6 +474,15 @@ def test_a_diverged_run_exits_3_with_one_line(monkeypatch, tmp_path, capsys):
         "portapipe: training stopped at step 8: loss 125851, gradient norm not finite; that step was not applied and no checkpoint was "
         "written of it (last checkpoint: c7); lower train.lr"
     )
+
+    def phased(config: Any, wall_timeout_s: float = 0.0) -> dict[str, Any]:
+        return {"run_id": "r", "checkpoint": None, "val_loss": None,
+                "diverged": {"step": 3, "loss": None, "grad_norm": None, "lr_key": "train.lr_schedule[1].lr (constant to 5)"}}
+
+    monkeypatch.setattr(portapipe.train, "train", phased)
+    assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path))]) == 3
+    assert capsys.readouterr().err.strip().endswith("(last checkpoint: none); lower train.lr_schedule[1].lr (constant to 5)")
+    monkeypatch.setattr(portapipe.train, "train", diverged)
     # the hint names grad_clip only where it is off
     assert main(["train", write_config(tmp_path / "c.yaml", raw(tmp_path, train__grad_clip=0.0))]) == 3
     assert capsys.readouterr().err.strip().endswith("; lower train.lr or turn train.grad_clip on (it is 0: off)")

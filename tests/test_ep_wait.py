@@ -109,7 +109,7 @@ def test_step_figures_against_the_closed_form(monkeypatch: pytest.MonkeyPatch) -
     import torch
     from types import SimpleNamespace
 
-    from portapipe.metrics import gather_step_stats
+    from portapipe.metrics.step import gather_step_stats
 
     def result(step_s: float) -> Any:
         return SimpleNamespace(timings={"step_s": step_s, "bubble_frac": 0.25 * step_s})

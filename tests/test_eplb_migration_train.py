@@ -79,7 +79,7 @@ def _ep_expert_state(rt: Any, optimizer: Any) -> dict[tuple[int, str, str, int],
 
 def _train(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     from portapipe.compose import PipelineRuntime
-    from portapipe.train import make_sharded_optimizer
+    from portapipe.training.update import make_sharded_optimizer
     from portapipe.verify.pipelined import microbatches
 
     out: dict[str, Any] = {}

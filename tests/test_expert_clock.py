@@ -49,7 +49,7 @@ def test_ep_step_figures_against_the_closed_form() -> None:
     """wait = sum over layers of (slowest peer - own), balancedness = mean / max rows, from one gather."""
     from types import SimpleNamespace
 
-    from portapipe.metrics import ep_step_figures
+    from portapipe.metrics.step import ep_step_figures
 
     peer = torch.tensor([[3.0, 300.0], [1.0, 0.0]])  # the other EP rank: (seconds, rows) of layers 0 and 1
 

@@ -18,7 +18,7 @@ import pytest
 
 from portapipe.config import ConfigError, TrainConfig, load_config
 from portapipe.optim.lr_schedule import Phase, default_phases, describe, lr_at, resolve
-from portapipe.train import lr_at as train_lr_at
+from portapipe.training.update import lr_at as train_lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from portapipe.config import load_config
-from portapipe.train import _show
+from portapipe.training.record import show as _show
 
 MODEL = {"hidden": 16, "n_layers": 4, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16, "n_experts": 4, "top_k": 2,
          "seq_len": 16, "dtype": "float64"}

@@ -81,7 +81,7 @@ def _reference(config: Any) -> dict[str, Any]:
     from portapipe.data.batches import Batches
     from portapipe.models.expert_parallel import ExpertParallel
     from portapipe.scheduling.overlap import Tape, run
-    from portapipe.train import VAL_BATCHES
+    from portapipe.training.validation import VAL_BATCHES
 
     torch.set_num_threads(1)
     moments = torch.bfloat16 if config.train.moments_dtype == "bfloat16" else None

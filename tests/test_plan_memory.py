@@ -299,7 +299,7 @@ STEPS = {
 
 
 def _step_peaks(backend, raws):
-    from portapipe.train import make_sharded_optimizer
+    from portapipe.training.update import make_sharded_optimizer
     from portapipe.verify.pipelined import routed_step
 
     out = {}

@@ -49,7 +49,7 @@ def _train_steps(backend: Any, raw: dict[str, Any], steps: int) -> dict[str, Any
     """A few optimizer steps on the verify data; then the copies' check, before and after one copy moves."""
     from portapipe.compose import PipelineRuntime
     from portapipe.config import config_from_dict
-    from portapipe.train import counted_blocks, make_sharded_optimizer
+    from portapipe.training.update import counted_blocks, make_sharded_optimizer
 
     config = config_from_dict(raw)
     groups = backend.parallel_groups(config.parallel.pp, config.parallel.dp, config.parallel.ep)

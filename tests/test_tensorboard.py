@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from portapipe.config import ConfigError, load_config
-from portapipe.metrics_tb import TB_DIR, log_problems, scalars
+from portapipe.metrics.tensorboard_sink import TB_DIR, log_problems, scalars
 from portapipe.train import check_before_launch
 
 event_file_loader = pytest.importorskip("tensorboard.backend.event_processing.event_file_loader")

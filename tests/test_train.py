@@ -10,8 +10,8 @@ import pytest
 
 from portapipe.config import TrainConfig, load_config
 from portapipe.checkpoint.files import atomic_write
-from portapipe.metrics import MetricsLog, strict
-from portapipe.train import clip_coefficient, lr_at
+from portapipe.metrics.log import MetricsLog, strict
+from portapipe.training.update import clip_coefficient, lr_at
 
 
 # ------------------------------------------------------------------------------- LR schedule
@@ -129,7 +129,7 @@ def test_a_manifest_is_strict_json_whatever_floats_it_is_given(tmp_path):
 
 
 def test_a_skipped_steps_loss_is_not_progress():
-    from portapipe.metrics import Progress
+    from portapipe.training.summary import Progress
 
     p = Progress()
     p.record(1, None, 64, 0.1)

@@ -58,7 +58,7 @@ def _raw(pp: int, ep: int, dp: int, name: str, m: int, **sections: Any) -> dict[
 def _evaluate(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per config, on every rank: a validation batch's training step and its evaluation."""
     from portapipe.data.batches import Batches, replica_of
-    from portapipe.train import validation_loss
+    from portapipe.training.validation import validation_loss
 
     from .test_validation_state import runtimes
 

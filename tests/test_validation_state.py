@@ -68,7 +68,8 @@ def runtimes(backend: Any, raws: list[dict[str, Any]]) -> Any:
 def _validate(backend: Any, raws: list[dict[str, Any]]) -> list[list[str]]:
     """On every rank, per config: one training step, then the validation; what it changed."""
     from portapipe.data.batches import Batches, replica_of
-    from portapipe.train import make_sharded_optimizer, validation_loss
+    from portapipe.training.update import make_sharded_optimizer
+    from portapipe.training.validation import validation_loss
 
     out = []
     for config, be, groups, runtime in runtimes(backend, raws):

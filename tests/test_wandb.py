@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from portapipe.config import ConfigError, load_config
-from portapipe.metrics import MetricsLog
-from portapipe.metrics_tb import scalars
+from portapipe.metrics.log import MetricsLog
+from portapipe.metrics.tensorboard_sink import scalars
 
 MODEL = {"hidden": 16, "n_layers": 2, "n_dense": 1, "n_heads": 2, "ffn_hidden": 32, "moe_hidden": 16, "n_experts": 4, "top_k": 2,
          "seq_len": 16, "dtype": "float64"}
@@ -56,7 +56,7 @@ LINES = [
 
 
 def test_the_run_gets_each_lines_numbers_at_its_step_as_tensorboard_does(tmp_path, wandb_double) -> None:
-    from portapipe.metrics_wandb import WandbLog
+    from portapipe.metrics.wandb_sink import WandbLog
 
     settings = load_config({"log": {"wandb": {"mode": "offline", "project": "p", "entity": "e"}}}).log.wandb
     sink = WandbLog(tmp_path, "run-1", settings, {"a": 1})
@@ -74,7 +74,7 @@ def test_the_run_gets_each_lines_numbers_at_its_step_as_tensorboard_does(tmp_pat
 
 
 def test_without_the_package_the_run_is_refused_in_one_line(monkeypatch) -> None:
-    from portapipe.metrics_wandb import wandb_problems
+    from portapipe.metrics.wandb_sink import wandb_problems
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     c = load_config({"log": {"wandb": {"mode": "offline"}}})

@@ -95,7 +95,7 @@ def speed_rank(backend: Any, raw: dict[str, Any], deadline: float) -> dict[str, 
 
     from portapipe.compose import PipelineRuntime
     from portapipe.config import config_from_dict
-    from portapipe.train import make_sharded_optimizer
+    from portapipe.training.update import make_sharded_optimizer
 
     config = config_from_dict(raw)
     p, m, t = config.parallel, config.model, config.train

@@ -81,7 +81,7 @@ SUMMED = ("slots_changed", "rows_moved", "rows_inter_node", "bytes_moved", "byte
 def merge_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One record from every rank's figures.
 
-    ``rank_balancedness`` is the step row's figure (:func:`portapipe.metrics.ep_step_figures`):
+    ``rank_balancedness`` is the step row's figure (:func:`portapipe.metrics.step.ep_step_figures`):
     the mean over MoE layers and EP groups of mean / max of the rows each EP rank of the group
     computed. An EP group (one pipeline rank of one DP replica) waits for its own slowest rank,
     so each group's balancedness counts, not that of the loads summed over DP replicas or

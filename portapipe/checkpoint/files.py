@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..metrics import strict
+from ..metrics.log import strict
 
 FORMAT = "portapipe-dcp/1"
 MANIFEST = "manifest.json"

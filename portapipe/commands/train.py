@@ -71,7 +71,8 @@ def _run(args: argparse.Namespace) -> int:
         if speaks:
             what = d.get("reason") or (f"loss {_figure(d['loss'])}, gradient norm {_figure(d['grad_norm'])}; that step was not "
                                        "applied and no checkpoint was written of it")
-            hint = "lower train.lr" if config.train.grad_clip > 0 else "lower train.lr or turn train.grad_clip on (it is 0: off)"
+            key = d.get("lr_key", "train.lr")  # the setting that gave the step its learning rate
+            hint = f"lower {key}" if config.train.grad_clip > 0 else f"lower {key} or turn train.grad_clip on (it is 0: off)"
             print(
                 f"portapipe: training stopped at step {d['step']}: {what} (last checkpoint: {summary['checkpoint'] or 'none'}); {hint}",
                 file=sys.stderr,

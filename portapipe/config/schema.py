@@ -301,7 +301,7 @@ class DataConfig(Section):
 
 
 class WandbConfig(Section):
-    """``log.wandb``: the metrics as a Weights & Biases run (:mod:`portapipe.metrics_wandb`)."""
+    """``log.wandb``: the metrics as a Weights & Biases run (:mod:`portapipe.metrics.wandb_sink`)."""
 
     mode: Literal["off", "online", "offline"] = Field(
         "off", description="off; online: to the W&B server (wandb login first); offline: into <log.dir>/wandb/, no network (wandb sync sends it later)"

@@ -1,79 +1,14 @@
-"""Training metrics: the JSONL metrics file, per-step figures gathered over ranks, run summary."""
+"""One step's figures gathered over the ranks (gradient norm, bubble, all-to-all hidden, EP wait)
+and the run's medians of them; the memory record."""
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-
-METRICS_FILE = "metrics.jsonl"
-
-
-class MetricsLog:
-    """Appends one JSON object per line to ``<dir>/metrics.jsonl`` (rank 0 only).
-
-    Resuming from step ``resume_step`` drops the lines of later steps that an interrupted run
-    left and the summaries of earlier launches, and keeps every other line (each kind: train,
-    overflow, memory, balancer figures...), so the file reads as one run. ``tensorboard_run`` (a
-    run id): the same figures also go to TensorBoard under that run name (:mod:`portapipe.metrics_tb`);
-    ``sinks``: other writers (``write(record)``, ``close()``) each line goes to after it is written
-    (a W&B run, :mod:`portapipe.metrics_wandb`).
-    """
-
-    def __init__(self, directory: Path, resume_step: int | None, tensorboard_run: str | None = None, sinks: list[Any] | None = None,
-                 every: int = 1) -> None:
-        self._sinks = list(sinks or [])
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / METRICS_FILE
-        kept: list[str] = []
-        if resume_step is not None and self.path.is_file():
-            bad, stepped = 0, set()
-            for line in self.path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    bad += 1  # a line cut short by a crash, or edited
-                    continue
-                if rec.get("kind") != "summary" and rec.get("step", 0) <= resume_step:
-                    kept.append(line)
-                    if rec.get("kind") in ("train", "overflow"):
-                        stepped.add(rec.get("step"))
-            if bad:
-                _say(f"{self.path}: {bad} line{'s' * (bad > 1)} that {'are' if bad > 1 else 'is'} not JSON dropped on resume "
-                     "(cut short by a crash, or edited)")
-            missing = [step for step in range(every, resume_step + 1, every) if step not in stepped]
-            if missing:
-                _say(f"{self.path}: no row for {len(missing)} of the steps up to {resume_step} that log.every {every} writes "
-                     f"(steps {_spans(missing, every)}); the file reads as the run from there on")
-        self.path.write_text("".join(k + "\n" for k in kept))
-        self._file = open(self.path, "a")
-        self._tb = None
-        if tensorboard_run is not None:
-            from .metrics_tb import TensorBoardLog
-
-            self._tb = TensorBoardLog(directory, tensorboard_run, [json.loads(k) for k in kept])
-
-    def write(self, record: dict[str, Any]) -> None:
-        record = strict(record)
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            self._tb.write(record)
-        for sink in self._sinks:
-            sink.write(record)
-
-    def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-        for sink in self._sinks:
-            sink.close()
 
 
 @dataclass
@@ -98,31 +33,6 @@ class StepStats:
     counts_a2a_hidden_frac: float | None = None
     #: bytes the expert exchanges (dispatch, combine and their backwards) sent, summed over ranks
     a2a_bytes: float = 0.0
-
-
-@dataclass
-class Progress:
-    """What a checkpoint carries besides weights, so a resumed run's summary covers the whole run."""
-
-    step: int = 0
-    first_loss: float | None = None
-    tokens: int = 0
-    train_s: float = 0.0
-    losses: list[float] = field(default_factory=list)
-
-    def record(self, step: int, loss: float | None, tokens: int, seconds: float) -> None:
-        """Step ``step`` done; ``loss`` None for a step that was not applied (float16's skipped
-        steps: their losses may be inf or nan, and describe no model the run kept)."""
-        self.step = step
-        self.tokens += tokens
-        self.train_s += seconds
-        if loss is not None:
-            self.first_loss = loss if self.first_loss is None else self.first_loss
-            self.losses.append(loss)
-
-    def checkpoint(self) -> dict[str, Any]:
-        """What a checkpoint keeps (the summary needs only the last losses)."""
-        return {"step": self.step, "first_loss": self.first_loss, "tokens": self.tokens, "train_s": self.train_s, "losses": self.losses[-5:]}
 
 
 @dataclass
@@ -167,33 +77,6 @@ class Figures:
             "ep_wait_pct": percent(med(self.ep_wait)),
             "median_grad_sync_exposed_s": med(self.grad_sync_exposed),
         }
-
-
-def _say(line: str) -> None:
-    print(f"portapipe: {line}", file=sys.stderr, flush=True)
-
-
-def _spans(steps: list[int], stride: int) -> str:
-    """Sorted steps ``stride`` apart at the least, as runs: ``1-3, 7, 9-12`` (the first five runs)."""
-    spans: list[list[int]] = []
-    for s in steps:
-        if spans and s == spans[-1][1] + stride:
-            spans[-1][1] = s
-        else:
-            spans.append([s, s])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans[:5])
-    return text + (", ..." if len(spans) > 5 else "")
-
-
-def strict(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None: strict JSON (no NaN, no Infinity)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict(v) for v in value]
-    return value
 
 
 def percent(frac: float | None) -> float | None:

@@ -1,7 +1,7 @@
 """The metrics of ``metrics.jsonl`` as a Weights & Biases run (``log.wandb``, extra ``wandb``).
 
 Rank 0 logs the numbers of each metrics line as TensorBoard gets them (the same tags, from
-:func:`portapipe.metrics_tb.scalars`: ``train/loss``, ``train/lr``, ..., ``balancer/...``,
+:func:`portapipe.metrics.tensorboard_sink.scalars`: ``train/loss``, ``train/lr``, ..., ``balancer/...``,
 ``val/loss``) at the line's step, to a W&B run whose id and name are the run id, with the config
 as the run's config. ``mode: offline`` writes the run into ``<log.dir>/wandb/`` without a
 network (``wandb sync`` sends it later); ``online`` needs ``wandb login``. A resumed run continues
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .metrics_tb import scalars
+from .tensorboard_sink import scalars
 
 EXTRA = "pip install 'portapipe[wandb]'"
 
@@ -31,7 +31,7 @@ def wandb_problems(settings: Any) -> list[str]:
 
 
 class WandbLog:
-    """Rank 0's W&B run for one portapipe run: a sink of :class:`~portapipe.metrics.MetricsLog`."""
+    """Rank 0's W&B run for one portapipe run: a sink of :class:`~portapipe.metrics.log.MetricsLog`."""
 
     def __init__(self, log_dir: Path, run_id: str, settings: Any, config: dict[str, Any]) -> None:
         import wandb

@@ -2,7 +2,7 @@
 
 Every EP rank of a layer waits at the combine (and, in backward, at the gradient's dispatch)
 for the slowest rank of the group, so the spread of these times over the group is the time an
-imbalanced router costs: :func:`portapipe.metrics.ep_step_figures` gathers them once per step.
+imbalanced router costs: :func:`portapipe.metrics.step.ep_step_figures` gathers them once per step.
 
 :meth:`ExpertClock.run` times the experts' forward, and marks the part's output and input so
 that autograd stamps the start and the end of its backward (the tape runs each part's backward

@@ -84,6 +84,16 @@ def lr_at(step: int, phases: Sequence[Phase], start: float) -> float:
     return level
 
 
+def phase_index(step: int, phases: Sequence[Phase]) -> int:
+    """The phase optimizer step ``step`` (0-based) runs in; past the end, the last (its lr stays)."""
+    first = 0
+    for i, p in enumerate(phases):
+        if step - first < p.steps:
+            return i
+        first += p.steps
+    return len(phases) - 1
+
+
 def peak(phases: Sequence[Phase], start: float) -> float:
     """The largest learning rate the schedule gives."""
     return max([start, *(p.lr for p in phases)])

@@ -13,7 +13,7 @@ import torch
 from ..config import Config, config_from_dict
 from ..data.samples import IGNORE, make_microbatches
 from ..compose import PipelineRuntime
-from ..metrics import everywhere
+from ..metrics.step import everywhere
 from ..models.routing import ForcedRouting
 from ..optim.precision import LossScaler
 from ..scheduling.executor import mean_loss
