@@ -82,6 +82,33 @@ def test_without_the_package_the_run_is_refused_in_one_line(monkeypatch) -> None
     assert wandb_problems(load_config({}).log.wandb) == []
 
 
+def test_online_without_a_login_is_refused_before_launch_in_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """wandb's own lookup of credentials (environment, netrc, its settings) without the network:
+    none found, the run is refused before any rank starts; a key in WANDB_API_KEY passes."""
+    pytest.importorskip("wandb")
+    import portapipe.ranks.launch
+    from portapipe.cli import main
+    from portapipe.metrics.wandb_sink import wandb_problems
+
+    for key in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_CONFIG_DIR", "NETRC"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    online = load_config({"log": {"wandb": {"mode": "online"}}}).log.wandb
+    problems = wandb_problems(online)
+    assert len(problems) == 1 and problems[0].startswith("log.wandb.mode: online needs a W&B login and none is configured here: "
+                                                         "run `wandb login` (or set WANDB_API_KEY), or use log.wandb.mode: offline")
+    assert wandb_problems(load_config({"log": {"wandb": {"mode": "offline"}}}).log.wandb) == []  # offline needs none
+    monkeypatch.setattr(portapipe.ranks.launch, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"backend": "cpu", "log": {"dir": str(tmp_path / "run"), "wandb": {"mode": "online"}}}))
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "log.wandb.mode: online needs a W&B login" in err and "wandb:" not in err  # wandb's own lines stay out
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # a key wandb finds (not checked against the server)
+    assert wandb_problems(online) == []
+
+
 def test_the_modes_keys() -> None:
     assert load_config({}, ["log.wandb.mode=off"]).log.wandb.mode == "off"  # YAML 1.1's off is the word
     with pytest.raises(ConfigError) as info:

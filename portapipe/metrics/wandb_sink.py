@@ -11,6 +11,8 @@ its checkpoint keep their first values there; ``metrics.jsonl`` stays the source
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +22,31 @@ EXTRA = "pip install 'portapipe[wandb]'"
 
 
 def wandb_problems(settings: Any) -> list[str]:
-    """What stops ``log.wandb`` from working here (checked before any rank starts)."""
+    """What stops ``log.wandb`` from working here (checked before any rank starts): the package, and
+    for ``online`` a login (``wandb login``'s key, or ``WANDB_API_KEY``), looked up without the network."""
     if settings.mode == "off":
         return []
     try:
-        import wandb as _  # noqa: F401
+        import wandb
     except ImportError:
         return [f"log.wandb.mode: {settings.mode} needs the wandb package: {EXTRA}"]
+    if settings.mode == "online" and not _logged_in(wandb):
+        return ["log.wandb.mode: online needs a W&B login and none is configured here: run `wandb login` (or set WANDB_API_KEY), "
+                "or use log.wandb.mode: offline, which writes the run into <log.dir>/wandb/ for `wandb sync` later"]
     return []
+
+
+def _logged_in(wandb: Any) -> bool:
+    """Whether wandb finds credentials (environment, netrc, its settings), never prompting; its own
+    lines about where it found them stay out of portapipe's output."""
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        try:
+            return bool(wandb.login(verify=False, prompt=False))
+        except TypeError:  # a wandb without ``prompt``: it raises UsageError where it would have to ask
+            try:
+                return bool(wandb.login(verify=False))
+            except wandb.errors.UsageError:
+                return False
 
 
 class WandbLog:
