@@ -178,18 +178,22 @@ def test_cuda_backend_zeroes_empty_weight_gradient_groups_on_blackwell(monkeypat
 def test_a_float64_rows_product_does_not_depend_on_the_rows_beside_it() -> None:
     """A balancer splits an expert's rows among its replicas: each row of a float64 group comes out
     bit for bit as in any other group (a BLAS matmul rounds by the group's size: checked here
-    too, so that the test keeps a case where grouping matters), and equals float64 k-ordered sums."""
+    too, so that the test keeps a case where grouping matters), and equals float64 k-ordered sums.
+    Where a BLAS rounds by the group's size depends on its kernels: with AVX2 at k = 16 already, with
+    AVX-512 on one thread from about k = 512 (one- and two-row products take another path), so both
+    widths are run."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(64, 16, generator=g, dtype=torch.float64)
-    w = torch.randn(2, 16, 32, generator=g, dtype=torch.float64)
-    whole = CPUBackend().grouped_mm(a, w, torch.tensor([40, 64]))
     blas_differs = False
-    for cut in range(1, 40):  # expert 0's rows split in two groups, as between two replicas of it
-        split = CPUBackend().grouped_mm(a[:40], torch.stack([w[0], w[0]]), torch.tensor([cut, 40]))
-        assert torch.equal(split, whole[:40]), cut
-        blas_differs |= not torch.equal(a[:cut] @ w[0], (a[:40] @ w[0])[:cut])
+    for k in (16, 512):
+        a = torch.randn(64, k, generator=g, dtype=torch.float64)
+        w = torch.randn(2, k, 32, generator=g, dtype=torch.float64)
+        whole = CPUBackend().grouped_mm(a, w, torch.tensor([40, 64]))
+        for cut in range(1, 40):  # expert 0's rows split in two groups, as between two replicas of it
+            split = CPUBackend().grouped_mm(a[:40], torch.stack([w[0], w[0]]), torch.tensor([cut, 40]))
+            assert torch.equal(split, whole[:40]), (k, cut)
+            blas_differs |= not torch.equal(a[:cut] @ w[0], (a[:40] @ w[0])[:cut])
+        want = torch.zeros(64, 32, dtype=torch.float64)
+        for i in range(k):
+            want += a[:, i : i + 1] * torch.cat([w[0, i : i + 1].expand(40, -1), w[1, i : i + 1].expand(24, -1)])
+        assert torch.equal(whole, want), k
     assert blas_differs
-    want = torch.zeros(64, 32, dtype=torch.float64)
-    for k in range(16):
-        want += a[:, k : k + 1] * torch.cat([w[0, k : k + 1].expand(40, -1), w[1, k : k + 1].expand(24, -1)])
-    assert torch.equal(whole, want)
