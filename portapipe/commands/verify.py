@@ -37,11 +37,12 @@ def run(args: argparse.Namespace) -> int:
     from ..verify import verify
 
     config = load_checked_config(args)
+    data = unread_data_problems(config)
     try:
         result = verify(config, args.precision)
     except LaunchError as err:
         return print_launch_error(err)
-    if data := unread_data_problems(config):
+    if data:
         print(f"portapipe: verify ran on a generated batch, not on the config's data, which training refuses: {'; '.join(data)}",
               file=sys.stderr)
     if result["changed"]:

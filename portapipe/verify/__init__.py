@@ -30,7 +30,10 @@ The pipelined step runs on ``pp x dp x ep`` ranks (:func:`portapipe.ranks.launch
 the configured schedule, overlap and W split; the reference builds the whole model in this
 process (same seed, so the same weights), runs every replica's micro-batches through it as one
 plain autograd graph each, and seeds each backward with the same 1 / (micro-batches x
-replicas). Data are random tokens drawn from the seed per (replica, micro-batch).
+replicas). Data are random tokens drawn from the seed per (replica, micro-batch): the config's
+data are not read (the report's ``batch`` says so). Before any rank starts, a config is refused
+where training refuses its model (:func:`portapipe.models.checks.model_problems`: the weights to
+start from, ``train.fp8`` with no Linear able to run in FP8) or its schedule, with training's lines.
 
 Why the loss can match bit for bit: every token's arithmetic is the same in both runs. Each
 micro-batch passes through the same shapes (a rank sees exactly one replica's micro-batch),
