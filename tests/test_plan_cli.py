@@ -81,6 +81,19 @@ def test_plan_json_and_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
     assert "no setup fits" in captured.err and "your config is dropped: memory" in captured.out
 
 
+def test_a_profile_written_to_a_folder_is_refused_before_anything_is_measured(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import portapipe.ranks.launch
+
+    monkeypatch.setattr(portapipe.ranks.launch, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    for extra in ([], ["--published", "h800"]):
+        _one_line_error(capsys, ["profile", EXAMPLE, "--out", str(tmp_path), *extra],
+                        f"portapipe profile: --out: '{tmp_path}' is a folder; give the profile file to write, e.g. {tmp_path / 'profile.json'}")
+        _one_line_error(capsys, ["profile", EXAMPLE, "--out", str(tmp_path / "no" / "p.json"), *extra],
+                        f"portapipe profile: --out: the folder '{tmp_path / 'no'}' does not exist")
+
+
 def test_nothing_fits_names_the_closest_setup_and_what_it_breaks_or_exceeds(capsys: pytest.CaptureFixture[str]) -> None:
     """Seven devices for a 4-layer model and a batch of 32: pp 7 has too few layers, the batch and
     the 8 experts do not split 7 ways; under a budget, the setup that needs the least over it."""
