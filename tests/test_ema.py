@@ -4,6 +4,7 @@ A float64 run on dp 2 with zero_stage 1 (the EMA sharded like the master weights
 checkpoint after every step: the EMA of the last one equals the average recomputed here from the
 initial weights and every step's weights, ``ema = d x ema + (1 - d) x w``. A resume continues it
 bit for bit; a checkpoint without one starts it from its weights and says so; ``--ema`` exports it.
+In one process, a bfloat16 model's EMA is the float32 average of its float32 master weights.
 """
 
 from __future__ import annotations
@@ -138,3 +139,38 @@ def test_a_resume_without_the_ema_says_it_drops_it(run, tmp_path, capsys):
     assert "portapipe: ema: the checkpoint holds an EMA of the weights that this run does not keep (train.ema_decay is not set); " \
         "its checkpoints will hold none" in lines, lines
     assert _saved(step_dir(again, STEPS), "ema") == {}
+
+
+def test_a_bfloat16_models_ema_is_the_float32_average_of_its_float32_master_weights() -> None:
+    """A bfloat16 model with float32 master weights: the EMA folds in the master weights as they
+    are, not their bfloat16 copies in the model (which round each step's small update away)."""
+    from types import SimpleNamespace
+
+    from portapipe.backends.cpu import CPUBackend
+    from portapipe.optim.buckets import GradBuckets
+    from portapipe.optim.ema import HostEMA
+    from portapipe.optim.sharded import ShardedAdamW
+
+    torch.manual_seed(0)
+    block = torch.nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    one = SimpleNamespace(rank=0, dp=1, ep=1, dp_group=None, replica_group=None)
+    grads = GradBuckets({0: block}, one, None, master_dtype=torch.float32, reduce_dtype=torch.float32, zero_stage=0,
+                        bucket_mb=1.0, overlap=False, copy_sum=lambda h, t: t)
+    opt = ShardedAdamW(grads, model_dtype=torch.bfloat16, zero_stage=0, betas=(0.9, 0.95), weight_decay=0.0, backend=CPUBackend())
+    ema = HostEMA(opt, DECAY, CPUBackend())
+    (master,) = [st.master for st in opt.states]
+    want = master.double().clone()  # the average, written here in float64 from the master weights alone
+    opt.lr = 1e-4  # a step far below bfloat16's spacing of the weights: the model's copy barely moves
+    for _ in range(STEPS):
+        grads.start()
+        block(torch.randn(4, 16, dtype=torch.bfloat16)).pow(2).sum().backward()
+        grads.block_done(0)
+        grads.finish()
+        opt.step()
+        ema.update()
+        want = DECAY * want + (1 - DECAY) * master.double()
+    ema.close()
+    (got,) = [st.ema for st in opt.states]
+    assert master.dtype == torch.float32 and got.dtype == torch.float32
+    assert not torch.equal(master.to(torch.bfloat16).double(), master.double())  # the master holds what bfloat16 cannot
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-9)

@@ -105,6 +105,23 @@ def test_a_cached_linear_keeps_fp8_rows_and_its_weight_gradient_is_that_of_their
     assert kept0 == x.numel() * 2 and kept == x.numel() + x.numel() // 128 * 4
 
 
+def test_an_input_changed_in_place_after_its_fp8_copy_is_quantized_again() -> None:
+    """The FP8 rows shared by the Linears reading one tensor are made once per version of it: a
+    Linear reading the tensor after it was written in place keeps the new values' rows, so its
+    weight gradient equals a fresh layer's on a fresh copy of the changed input, bit for bit."""
+    x, dy = _mixed(256, 384, 4).view(2, 128, 384), torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    lin = Linear(384, 256, torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(256, 384, generator=torch.Generator().manual_seed(1)) * 0.05)
+    lin.fp8, lin.fp8_cache = BE, True
+    lin(x)  # the FP8 copy of x's values now exists
+    with torch.no_grad():
+        x.mul_(-3.0).add_(1.0)  # written in place: new values, new scales
+    lin(x).backward(dy)
+    assert not torch.equal(lin.weight.grad, _linear_grads(True, _mixed(256, 384, 4).view(2, 128, 384), dy)[2])  # the old values' gradient differs
+    assert torch.equal(lin.weight.grad, _linear_grads(True, x.clone(), dy)[2])
+
+
 def test_the_swiglu_keeps_its_input_in_fp8_and_the_down_projection_remakes_its_own() -> None:
     """The activation's output bit for bit; its gradient is the formula's at gu's FP8 values; the
     down projection's input is remade from those same FP8 rows (one copy of them is kept)."""

@@ -183,6 +183,18 @@ def test_the_pipelined_fp8_step_is_the_one_process_fp8_step() -> None:
 
 
 @pytest.mark.multiproc
+def test_verify_says_how_many_linears_ran_in_fp8() -> None:
+    """Counted on the ranks, each Linear once: per layer MLA's q_a, q_b, kv_b and wo (kv_a, 128 ->
+    128 + 64, stays in bfloat16), the dense FFN's two in layer 0, the shared expert's two and the
+    routed experts in layer 1: 13. A layer moved to another rank (pp 2) changes nothing."""
+    from portapipe.verify import verify_many
+
+    for report in verify_many([fp8_config(), fp8_config(parallel={"pp": 2, "ep": 1}, schedule={"name": "1f1b", "microbatches": 2})]):
+        s = report.summary()
+        assert s["ok"] and s["fp8_linears"] == 13, s
+
+
+@pytest.mark.multiproc
 @pytest.mark.slow
 @pytest.mark.parametrize("cached", [False, True], ids=["fp8", "fp8-activations"])
 def test_verify_with_fp8_every_schedule_mtp_eplb_lplb(cached: bool) -> None:

@@ -102,6 +102,31 @@ def test_a_scale_missing_or_misshapen_is_named_before_launch(tmp_path: Path) -> 
                "model.layers.2.mlp.experts.3.down_proj.weight_scale_inv" in p for p in problems)
 
 
+def test_a_scale_not_finite_or_not_positive_is_named_before_launch_and_when_read(tmp_path: Path) -> None:
+    """A NaN, infinite, zero or negative block scale would make its weights NaN, infinite or zero
+    and the run stop at its first step; it is named in one line before any rank starts, and again
+    where a rank reads the tensor."""
+    from portapipe.models.hf_folder import Folder
+
+    folder, _ = fp8_folder(tmp_path / "fp8")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    m = load_config({"model": model_section("deepseek_v3", init_from=str(folder), **WIDE)}).model
+    name = "model.layers.0.mlp.gate_proj.weight"  # [144, 160]: 2 x 2 blocks
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        scale = tensors[name + "_scale_inv"].clone()
+        scale[0, 1] = bad
+        save_file({**tensors, name + "_scale_inv": scale}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        line = (f"model.init_from: {folder}: {name}_scale_inv holds {bad} at block [0, 1] (1 of {scale.numel()} blocks not finite "
+                "and > 0); a dequantization scale must be a finite number > 0: the folder is damaged")
+        assert init_problems(m) == [line]
+        with pytest.raises(ValueError) as info:
+            Folder(folder).read([name])
+        assert str(info.value) == line
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert init_problems(m) == []
+
+
 def test_other_quantization_is_refused() -> None:
     base = {"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
             "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts_per_tok": 2, "n_routed_experts": 4, "kv_lora_rank": 8,

@@ -50,6 +50,9 @@ def test_bad_profile_and_loads_files(capsys: pytest.CaptureFixture[str], tmp_pat
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": 1}')
     _one_line_error(capsys, ["plan", EXAMPLE, "--devices", "4", "--profile", str(bad)], "missing device")
+    _one_line_error(capsys, ["plan", EXAMPLE, "--devices", "4", "--profile", str(tmp_path)],
+                    f"--profile: '{tmp_path}' is a folder; it takes a profile file (JSON: `portapipe profile CONFIG --out {tmp_path / 'profile.json'}` "
+                    "writes one) or a published device (h800)")
     loads = tmp_path / "loads.json"
     loads.write_text(json.dumps({"loads": [[1, 2, 3]]}))
     _one_line_error(capsys, ["plan", EXAMPLE, "--devices", "4", "--profile", "h800", "--loads", str(loads)], "3 experts per layer, the model 8")
@@ -76,6 +79,85 @@ def test_plan_json_and_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", EXAMPLE, "--devices", "4", "--memory", "1KiB", "--profile", "h800"]) == 1
     captured = capsys.readouterr()
     assert "no setup fits" in captured.err and "your config is dropped: memory" in captured.out
+
+
+def test_a_profile_written_to_a_folder_is_refused_before_anything_is_measured(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import portapipe.ranks.launch
+
+    monkeypatch.setattr(portapipe.ranks.launch, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    for extra in ([], ["--published", "h800"]):
+        _one_line_error(capsys, ["profile", EXAMPLE, "--out", str(tmp_path), *extra],
+                        f"portapipe profile: --out: '{tmp_path}' is a folder; give the profile file to write, e.g. {tmp_path / 'profile.json'}")
+        _one_line_error(capsys, ["profile", EXAMPLE, "--out", str(tmp_path / "no" / "p.json"), *extra],
+                        f"portapipe profile: --out: the folder '{tmp_path / 'no'}' does not exist")
+
+
+def test_nothing_fits_names_the_closest_setup_and_what_it_breaks_or_exceeds(capsys: pytest.CaptureFixture[str]) -> None:
+    """Seven devices for a 4-layer model and a batch of 32: pp 7 has too few layers, the batch and
+    the 8 experts do not split 7 ways; under a budget, the setup that needs the least over it."""
+    assert main(["plan", EXAMPLE, "--devices", "7", "--profile", "h800"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "portapipe plan: no setup fits on 7 devices: the closest, 1f1b 7x1x1, 8x4, off: model.n_layers: 4 < 7 model blocks that schedule "
+        "1f1b with pp=7 needs (one layer each at least); layouts not tried: 1x1x7: the global batch of 32 sequences does not split over "
+        "dp x ep = 7 replicas; 1x7x1: 8 experts do not split over ep 7"
+    ]
+    assert "your config is not among the ranked: " in captured.out and "the best" not in captured.out  # there is no best
+    assert main(["plan", EXAMPLE, "--devices", "4", "--memory", "1MiB", "--profile", "h800", "--json"]) == 1
+    captured = capsys.readouterr()
+    closest = json.loads(captured.out)["closest"]
+    assert (closest["schedule"], closest["layout"], closest["memory_option"]) == ("dualpipev", "2x2x1", "level0 + zero2")
+    assert captured.err.splitlines() == [
+        "portapipe plan: no setup fits on 4 devices: the closest, dualpipev 2x2x1, 4x4, level0 + zero2: memory: parameters, gradients "
+        "and optimizer state alone need 1.31 MiB > budget 1.00 MiB"
+    ]
+
+
+def _published(tmp_path: Path, a2a: dict[str, object] | None) -> Path:
+    """The published H800 profile for the example's shape as a file, its a2a table replaced."""
+    path = tmp_path / "h800.json"
+    assert main(["profile", EXAMPLE, "--published", "h800", "--out", str(path)]) == 0
+    data = json.loads(path.read_text())
+    data["a2a"] = data["a2a"] if a2a is None else a2a
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_profile_whose_all_to_alls_are_free_is_refused_and_a_stand_in_figure_is_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """An empty a2a table would price every all-to-all at 0 s: refused in one line naming the file
+    and key. A table lacking the EP sizes the plan prices says which measured figure stands in."""
+    empty = _published(tmp_path, {})
+    _one_line_error(capsys, ["plan", EXAMPLE, "--devices", "4", "--profile", str(empty)],
+                    f"--profile {empty}: a2a is empty, so every all-to-all would cost 0 s")
+    one = ["--set", "parallel.pp=1", "--set", "parallel.ep=1", "--set", "schedule.name=1f1b"]
+    assert main(["plan", EXAMPLE, "--devices", "1", "--profile", str(empty), *one]) == 0  # one device: no all-to-all to price
+    capsys.readouterr()
+    only8 = _published(tmp_path, {"8": {"fixed": 2e-5, "per_unit": 1 / 153e9}})
+    capsys.readouterr()
+    assert main(["plan", EXAMPLE, "--devices", "4", "--profile", str(only8), "--json", "--top", "2000"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {r["ep"] for r in data["ranked"]} == {1, 2, 4}  # every row shown: its all-to-alls priced
+    assert data["notes"] == ["a2a at ep 2, 4 extrapolated from the 8-device figure (the profile measured ep 8)"]
+    whole = _published(tmp_path, None)
+    capsys.readouterr()
+    assert main(["plan", EXAMPLE, "--devices", "4", "--profile", str(whole), "--top", "2000"]) == 0
+    assert "note: a2a at ep 2, 4 extrapolated from the 8-device figure (the profile measured ep 8, 16, 32, 64, 128, 256)" in capsys.readouterr().out
+
+
+def test_which_measured_all_to_all_figure_stands_in_for_another_ep_size() -> None:
+    from portapipe.plan.published import published
+
+    prof = published("h800", Setup.from_config(load_config(EXAMPLE)).shape)
+    prof.a2a = {"8": prof.a2a["8"], "32": prof.a2a["32"]}
+    assert prof.a2a_stand_in(8) is None and prof.a2a_stand_in(1) is None
+    assert prof.a2a_stand_in(256) == "extrapolated from the 32-device figure"
+    assert prof.a2a_stand_in(4) == "extrapolated from the 8-device figure"
+    assert prof.a2a_stand_in(16) == "taken from the nearest, the 8-device figure"
+    assert prof.a2a_time(256, 1e6) == prof.a2a["32"](1e6 * 255 / 256)  # the figure named is the one priced
 
 
 def test_published_profile_is_written_for_the_configs_shape(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

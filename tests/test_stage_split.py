@@ -1,7 +1,8 @@
 """parallel.layers_per_stage: uneven stage splits.
 
 A list (one count per model block) or Megatron's first / last counts; refused in one line when
-it does not add up or leaves a block between the ends empty; exact under verify in every
+it does not add up or leaves a block between the ends empty (every shape of split against every
+layer count: each layer in exactly one block, or one line); exact under verify in every
 schedule (the first or last block may hold no layer); the single-process model does not depend
 on the split; checkpoints reshard between splits; the planner's memory and time models count
 each block's own layers.
@@ -10,6 +11,7 @@ each block's own layers.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,48 @@ def test_a_split_that_does_not_add_up_is_refused_in_one_line(split: Any, line: s
     with pytest.raises(ConfigError) as info:
         _config("dualpipev", 2, split)
     assert info.value.problems == [f"{line} (dualpipev with pp=2)"]
+
+
+def _splits(n_blocks: int, most: int) -> list[Any]:
+    """Every split of each shape for ``n_blocks``: first only, last only, both ends (the blocks
+    between them: none, one or several), and a list of every block's count (the middle's too)."""
+    from itertools import product
+
+    counts = range(most + 2)
+    out: list[Any] = [(("first", a),) for a in counts] + [(("last", b),) for b in counts]
+    out += [(("first", a), ("last", b)) for a in counts for b in counts]
+    out += [tuple(c) for c in product(counts, repeat=n_blocks)]
+    return out
+
+
+@pytest.mark.parametrize("n_blocks", [1, 2, 3, 4])
+def test_every_split_puts_each_layer_in_exactly_one_block_or_is_refused_in_one_line(n_blocks: int) -> None:
+    """Against every layer count: the blocks' layers are contiguous, cover each layer once, keep
+    the counts named and leave no block between the ends empty; or one line says why not (and
+    stage_layers refuses it with that line)."""
+    for n_layers in range(1, 7):
+        for split in _splits(n_blocks, n_layers):
+            problem = split_problem(n_layers, n_blocks, split)
+            if problem is not None:
+                assert "\n" not in problem and problem.startswith("parallel.layers_per_stage: "), (n_layers, split, problem)
+                with pytest.raises(ValueError, match="^" + re.escape(problem) + "$"):
+                    stage_layers(n_layers, n_blocks, split)
+                continue
+            counts = stage_layers(n_layers, n_blocks, split)
+            ranges = [layer_range(n_layers, n_blocks, b, split) for b in range(n_blocks)]
+            assert [i for lo, hi in ranges for i in range(lo, hi)] == list(range(n_layers)), (n_layers, split, counts)
+            assert all(c >= 1 for c in counts[1:-1]), (n_layers, split, counts)
+            named = dict(split) if split and isinstance(split[0], tuple) else {"first": split[0], "last": split[-1]}
+            assert counts[0] == named.get("first", counts[0]) and counts[-1] == named.get("last", counts[-1]), (n_layers, split, counts)
+
+
+def test_first_and_last_that_leave_layers_over_with_no_block_between_are_refused() -> None:
+    """1F1B on pp 2 has two model blocks, both named: {first: 2, last: 2} of 6 layers would leave 2
+    of them in no block."""
+    with pytest.raises(ConfigError) as info:
+        _config("1f1b", 2, {"first": 2, "last": 2}, n_layers=6)
+    assert info.value.problems == ["parallel.layers_per_stage: first 2, last 2 leave 2 of model.n_layers = 6 layers for the other 0 "
+                                   "of 2 model blocks, which need at least one each and all of them (1f1b with pp=2)"]
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from portapipe import cli
-from portapipe.config import Config, load_config
+from portapipe.config import Config, ConfigError, load_config
 from portapipe.ranks.launch import LaunchError
 from portapipe.verify import run_steps, verify_many
 from portapipe.verify.compare import compare
@@ -171,7 +171,7 @@ def test_cli_prints_the_json_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert cli.main(["verify", path, "--set", "schedule.microbatches=3"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert list(out) == ["schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok", "precision", "changed",
-                         "loss_scale", "tolerance"]
+                         "loss_scale", "tolerance", "batch"]
     assert out["schedule"] == "zb1p" and out["microbatches"] == 3 and out["ok"] is True and out["loss_diff"] == 0.0
     assert out["precision"] == "float64" and out["tolerance"]["loss"] == 0.0  # cpu declares float64 throughout
     assert out["changed"] == {"model.dtype": "float32 -> float64", "train.master_dtype": "float32 -> float64",
@@ -184,6 +184,55 @@ def test_cli_config_errors_exit_2_before_ranks_start(tmp_path: Path, capsys: pyt
     assert "schedule.microbatches: 3 < 2*pp = 4" in capsys.readouterr().err
     assert cli.main(["verify", path, "--set", "model.n_layers=3"]) == 2
     assert "model.n_layers: 3" in capsys.readouterr().err
+
+
+def test_verify_refuses_fp8_where_nothing_would_run_in_it_with_trainings_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The example DeepSeek-V3 has no Linear whose widths are all multiples of 128: training
+    refuses train.fp8 on it, and so does verify, with the same line, before any rank starts."""
+    import portapipe.verify
+    from portapipe.train import check_before_launch
+
+    monkeypatch.setattr(portapipe.verify, "run_ranks", lambda *a, **k: pytest.fail("ranks started"))
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "deepseek_v3.yaml")
+    settings = ["--set", "train.fp8=deepseek", "--set", "model.dtype=bfloat16"]
+    assert cli.main(["verify", example, *settings]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("portapipe: config error: train.fp8: deepseek, but no Linear of this model"), err
+    with pytest.raises(ConfigError) as train_refusal:
+        check_before_launch(load_config(example, settings[1::2]))
+    assert err[0].removeprefix("portapipe: config error: ") in train_refusal.value.problems
+
+
+def test_the_batch_verify_checks_is_generated_and_counted() -> None:
+    """Every replica's micro-batches: sequences and input tokens, and the documents their inputs
+    hold (each restarts the positions at 0, counted here from the micro-batches themselves)."""
+    from portapipe.verify.pipelined import generated_batch, microbatches
+
+    plain = _config("1f1b", 2, ep=2, dp=2)
+    assert generated_batch(plain) == {"kind": "generated", "sequences": 4 * 2 * 2, "tokens": 16 * 8,
+                                      "data": "not read: the shipped corpus (data.format bytes)"}
+    docs = _with(plain, data__format="tokens", data__path="no/such/data", data__document_mask=True)
+    starts = sum(int((mb[2] == 0).sum()) for r in range(4) for mb in microbatches(docs, r))
+    assert starts > 16 and generated_batch(docs) == {"kind": "generated", "sequences": 16, "tokens": 128, "documents": starts,
+                                                     "data": "not read: data.path no/such/data"}
+
+
+@pytest.mark.multiproc
+def test_verify_says_the_data_it_did_not_read_would_be_refused_by_training(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A data.path that does not exist: verify checks the pipeline on its generated batch (ok) and
+    says in one line that training refuses that data, with training's words."""
+    missing = tmp_path / "no-such-data"
+    path = _write(tmp_path, _with(_config("1f1b", 2), model__vocab_size=256, data__format="tokens", data__path=str(missing)))
+    assert cli.main(["verify", path]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["ok"] is True and out["batch"]["data"] == f"not read: data.path {missing}"
+    lines = [line for line in captured.err.splitlines() if "generated batch" in line]
+    assert lines == [f"portapipe: verify ran on a generated batch, not on the config's data, which training refuses: data.path: "
+                     f"'{missing}' does not exist; name a dataset folder (portapipe tokenize), a Megatron prefix (PREFIX.bin + PREFIX.idx) "
+                     "or a token file"]
 
 
 def test_a_benchmarks_forced_routing_is_refused_in_one_line_before_ranks_start(

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from ..plan.imbalance import LoadsError, read_loads
     from ..plan.planner import plan
     from ..plan.profile import ProfileError
-    from ..plan.report import best_yaml, parse_bytes, plot, row, summary, table
+    from ..plan.report import best_yaml, nothing_fits, parse_bytes, plot, row, summary, table
 
     if args.rules:
         from ..config.rules import table as rule_table
@@ -102,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = plan(config, args.devices, budget, profile, loads=loads, keep=args.top, progress=progress, allow=tuple(args.allow))
+    except ProfileError as err:  # a profile that cannot price what the devices would run
+        return _fail(str(err))
     finally:
         if bar is not None:
             bar.close()
@@ -110,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({
             "devices": args.devices, "memory_bytes": budget, "profile": profile.source, "considered": result.considered,
             "dropped": result.dropped, "ranked": [row(c) for c in result.ranked[: args.top]], "user": row(result.user),
+            "notes": result.notes, "closest": None if result.ranked or result.closest is None else row(result.closest),
+            "untried": result.untried,
         }))
     else:
         mtp = f" + {config.model.mtp_layers} multi-token prediction module(s) on the last stage" if config.model.mtp_layers else ""
@@ -120,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         if result.ranked:
             print(table(result, args.top))
     if best is None:
-        print("portapipe plan: no setup fits; see the reasons above", file=sys.stderr)
+        print(f"portapipe plan: {nothing_fits(result)}", file=sys.stderr)
         return 1
     if args.out:
         Path(args.out).write_text(best_yaml(result, best))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -23,6 +24,9 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     if args.reps < 1 or args.warmup < 0:
         print(f"portapipe profile: --reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}", file=sys.stderr)
+        return 2
+    if (problem := out_problem(Path(args.out))) is not None:  # said before measuring, not after
+        print(f"portapipe profile: {problem}", file=sys.stderr)
         return 2
     if args.published:
         from ..plan.published import published
@@ -53,6 +57,15 @@ def run(args: argparse.Namespace) -> int:
     if (note := fp8_note(config)) is not None:
         print(note)
     return 0
+
+
+def out_problem(out: Path) -> str | None:
+    """Why the profile cannot be written to ``out`` (a folder, or in a folder that does not exist), or None."""
+    if out.is_dir():
+        return f"--out: {str(out)!r} is a folder; give the profile file to write, e.g. {out / 'profile.json'}"
+    if not out.parent.is_dir():
+        return f"--out: the folder {str(out.parent)!r} does not exist; make it first or write the profile elsewhere"
+    return None
 
 
 def fp8_note(config: Any) -> str | None:

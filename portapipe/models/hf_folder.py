@@ -99,12 +99,36 @@ class Folder:
             return f"{scale} is {dtype} {list(got)}; the E4M3 {name} {list(shape)} needs F32 {list(want)} (one per 128x128 block, ceil-divided)"
         return None
 
+    def scale_problems(self, names: Iterable[str]) -> str | None:
+        """One line naming the E4M3 tensors among ``names`` whose block scales are not all finite
+        and > 0 (read in full: one float32 per 128x128 block), or None."""
+        scales = [n + SCALE_SUFFIX for n in names]
+        bad = [line for n, s in self.read(scales).items() if (line := scale_problem(n, s)) is not None]
+        if not bad:
+            return None
+        more = f"; {len(bad) - 1} more scale tensor(s) too" if len(bad) > 1 else ""
+        return f"model.init_from: {self.path}: {bad[0]}{more}"
+
     def _dequantized(self, name: str, data: torch.Tensor) -> torch.Tensor:
         problem = self.fp8_problem(name, tuple(data.shape))
         if problem:
             raise ValueError(f"model.init_from: {self.path}: {problem}")
         scale = self.read([name + SCALE_SUFFIX])[name + SCALE_SUFFIX]
+        if (problem := scale_problem(name + SCALE_SUFFIX, scale)) is not None:
+            raise ValueError(f"model.init_from: {self.path}: {problem}")
         return dequantize_blocks(Quantized(data, scale), torch.float64)
+
+
+def scale_problem(name: str, scale: torch.Tensor) -> str | None:
+    """Why the block scales ``scale`` (the tensor ``name``) cannot dequantize a weight: a block's
+    scale that is not finite or not > 0 (it would make the block's weights NaN, infinite or zero,
+    and the run fail at its first step); None when every one is fine."""
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if not bool(bad.any()):
+        return None
+    at = [int(i) for i in bad.nonzero()[0]]
+    return (f"{name} holds {float(scale[tuple(at)])} at block {at} ({int(bad.sum())} of {scale.numel()} blocks not finite and > 0); "
+            "a dequantization scale must be a finite number > 0: the folder is damaged")
 
 
 def safetensors_lib() -> Any:

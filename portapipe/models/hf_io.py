@@ -47,8 +47,9 @@ def expected_hf(m: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def init_problems(m: ModelConfig) -> list[str]:
-    """Why ``model.init_from`` cannot fill the model ``m`` (empty when it can); reads headers, and
-    the tensors stored twice (:func:`~.hf.stored_copies`), which must be equal."""
+    """Why ``model.init_from`` cannot fill the model ``m`` (empty when it can); reads headers, the
+    block scales of E4M3 weights (each finite and > 0) and the tensors stored twice
+    (:func:`~.hf.stored_copies`), which must be equal."""
     if m.init_from is None:
         return []
     try:
@@ -78,6 +79,8 @@ def init_problems(m: ModelConfig) -> list[str]:
             out.append(f"model.init_from: {n} is stored as {dtype}; portapipe reads {', '.join(DTYPES)}")
         elif dtype == "F8_E4M3" and (problem := folder.fp8_problem(n, shape)):
             out.append(f"model.init_from: {folder.path}: {problem}")
+    if not out and (bad := folder.scale_problems(n for n, (_, dtype) in headers.items() if dtype == "F8_E4M3")):
+        out.append(bad)
     if not out:
         out += copy_problems(folder, m)
     return out[:20]

@@ -60,6 +60,7 @@ class Candidate:
     memory: MemoryReport | None = None
     time: TimeReport | None = None
     bound_s: float = 0.0  # lower bound of the step time (the busiest rank's work)
+    need: float | None = None  # dropped for memory alone: the bytes its fullest rank checked needs
     model: Any = field(default=None, repr=False, compare=False)  # its time model, until it is simulated
 
     @property
@@ -81,6 +82,12 @@ class PlanResult:
     considered: int
     user: Candidate  # the user's own setup, judged the same way
     not_timed: int = 0  # kept but provably slower than the ranked ones
+    #: the dropped setup nearest to fitting (:func:`nearer`), or None when none was dropped
+    closest: Candidate | None = None
+    #: layouts of the devices not enumerated, each with why (the experts or the batch do not split)
+    untried: list[str] = field(default_factory=list)
+    #: what the ranked rows' and the user's figures rest on beyond the profile's own (one line each)
+    notes: list[str] = field(default_factory=list)
 
     def config_of(self, c: Candidate) -> Any:
         """The complete config of a candidate: the user's with the candidate's keys set."""
@@ -119,9 +126,10 @@ def _least_microbatches(name: str, pp: int) -> int:
     return 2 * pp if name in ("dualpipe", "dualpipev") else pp
 
 
-def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
+def enumerate_setups(user: Setup, devices: int, untried: list[str] | None = None) -> Iterator[Setup]:
     """Every layout, schedule, micro-batch count and memory option for ``devices`` that keeps the
-    user's global batch; each with and without F&F pairs where pairs form (``schedule.pair_forwards``)."""
+    user's global batch; each with and without F&F pairs where pairs form (``schedule.pair_forwards``).
+    ``untried`` (a list) is given a line for each layout left out, saying why."""
     g = user.global_batch
     m = user.model
     moe = m.n_layers > m.n_dense
@@ -129,10 +137,12 @@ def enumerate_setups(user: Setup, devices: int) -> Iterator[Setup]:
     chunks = sorted({2, user.chunks})
     for pp in _divisors(devices):
         for ep in _divisors(devices // pp):
-            if m.n_experts % ep:
-                continue
             dp = devices // (pp * ep)
-            if g % (dp * ep):
+            why = (f"{m.n_experts} experts do not split over ep {ep}" if m.n_experts % ep else
+                   f"the global batch of {g} sequences does not split over dp x ep = {dp * ep} replicas" if g % (dp * ep) else None)
+            if why is not None:
+                if untried is not None:
+                    untried.append(f"{pp}x{ep}x{dp}: {why}")
                 continue
             share = g // (dp * ep)  # sequences per replica per step
             for name in NAMES:
@@ -310,6 +320,7 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: b
             static = max(static_memory(x, place, r).static for r in range(place.n_ranks))
             if static > memory_bytes:
                 c.problems.append(f"memory: parameters, gradients and optimizer state alone need {gib(static)} > budget {gib(memory_bytes)}")
+                c.need = static
                 continue
         # a setup the planner made stops at its first rank over the budget; the user's own is seen
         # whole, so that its report names the fullest rank, not the first one over
@@ -319,12 +330,33 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: b
         if c.memory.over is None:
             break
         c.problems.append(f"memory: pipeline rank {c.memory.over} needs {gib(c.memory.over_total)} > budget {gib(memory_bytes)}")
+        c.need = c.memory.over_total
     if c.problems:
         return c
+    c.need = None
     tm = ctx.time_model(x, sched, lists)
     c.bound_s = ctx.busy(tm, sched) + tm.post_step()
     c.model = tm
     return c
+
+
+def nearer(a: Candidate | None, b: Candidate) -> Candidate:
+    """Of two dropped setups, the nearer to fitting: one that breaks no rule and needs the least
+    memory over the budget first, then the fewest problems (the first found on a tie)."""
+    if a is None:
+        return b
+    key = lambda c: (0, c.need, 0) if c.need is not None else (1, 0.0, len(c.problems))  # noqa: E731
+    return b if key(b) < key(a) else a
+
+
+def a2a_notes(profile: Profile, eps: set[int]) -> list[str]:
+    """One line per measured figure standing in for EP sizes the profile's ``a2a`` table lacks."""
+    stand_ins: dict[str, list[int]] = {}
+    for ep in sorted(eps):
+        if (how := profile.a2a_stand_in(ep)) is not None:
+            stand_ins.setdefault(how, []).append(ep)
+    measured = ", ".join(str(k) for k in sorted(int(k) for k in profile.a2a))
+    return [f"a2a at ep {', '.join(map(str, sizes))} {how} (the profile measured ep {measured})" for how, sizes in stand_ins.items()]
 
 
 def gib(nbytes: float) -> str:
@@ -361,14 +393,18 @@ def plan(
         return cache[ep]
 
     ctx = _Context(profile, imb, allow)
-    setups = list(enumerate_setups(user, devices))
+    untried: list[str] = []
+    setups = list(enumerate_setups(user, devices, untried))
     if user.devices == devices and user not in setups:
         setups.append(user)
+    if user.ep > 1 or any(x.ep > 1 for x in setups):
+        profile.check_a2a()  # an empty table would make every all-to-all free
     total = len(setups)
     kept: list[Candidate] = []
     dropped: dict[str, int] = {}
     user_c: Candidate | None = None
     last: Candidate | None = None
+    closest: Candidate | None = None
     for i, x in enumerate(setups):
         if x.pair_forwards and x != user and last is not None and not last.kept and _twin(last, x):
             # F&F pairs change no rule, no parameter and no peak of the memory model (two forwards
@@ -384,6 +420,7 @@ def plan(
         else:
             reason = _reason(c.problems[0])
             dropped[reason] = dropped.get(reason, 0) + 1
+            closest = nearer(closest, c)
         if progress is not None and (i % 64 == 0 or i == total - 1):
             progress(i + 1, total)
     # simulate best bounds first; stop once a bound cannot beat the keep-th best time
@@ -409,7 +446,8 @@ def plan(
     timed.sort(key=lambda c: (c.time.step_s, c.memory.peak if c.memory else 0))  # type: ignore[union-attr]
     for c in kept + timed + [user_c]:
         c.model = None  # the schedules and caches it holds are not needed any more
-    return PlanResult(config, devices, memory_bytes, timed, dropped, total, user_c, not_timed)
+    priced = {c.setup.ep for c in timed[:keep]} | ({user_c.setup.ep} if user_c.time is not None else set())
+    return PlanResult(config, devices, memory_bytes, timed, dropped, total, user_c, not_timed, closest, untried, a2a_notes(profile, priced))
 
 
 __all__ = ["ALLOWED", "Candidate", "PlanResult", "enumerate_setups", "evaluate", "gib", "plan", "MEMORY_OPTIONS"]

@@ -7,7 +7,9 @@ published figures (H800). A profile holds, for the model shape it was made for:
   tokens of the micro-batch; routed rows received for ``experts``), phases F (forward), B
   (input gradient) and W (weight gradient), options ``off``, ``level0``, ``level1``;
 - ``a2a[str(ep)]``, ``p2p``, ``allreduce[str(n)]``: communication as ``latency_s + per_byte_s *
-  bytes`` (an all-to-all counts the bytes a rank sends to the others);
+  bytes`` (an all-to-all counts the bytes a rank sends to the others; an EP size the table lacks
+  takes the nearest measured figure, and the planner says so; an empty table is refused where
+  an all-to-all is to be priced);
 - ``issue_s[str(ep)]``: what issuing one all-to-all costs the issuing thread;
 - ``a2a_cpu[str(ep)]``, ``p2p_cpu``: processor time the process's other threads (a CPU
   backend's communication threads) spend per all-to-all (``fixed`` per call, ``per_unit`` per
@@ -116,6 +118,8 @@ class Profile:
     loads: list[list[float]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     source: str = ""
+    #: where the profile came from, for messages (``--profile FILE`` when read from one); not saved
+    origin: str = field(default="", compare=False, repr=False)
 
     # ------------------------------------------------------------------ costs
     def time(self, part: str, phase: str, option: str, units: float) -> float:
@@ -138,9 +142,31 @@ class Profile:
     def a2a_time(self, ep: int, nbytes: float) -> float:
         """An all-to-all over ``ep`` ranks in which this rank sends ``nbytes`` in all (its own
         share stays local). Measured group sizes are used as they are; another size takes
-        the nearest measured one (a documented limit)."""
+        the nearest measured one (a documented limit; :meth:`a2a_stand_in` says which)."""
         cost = _nearest(self.a2a, ep)
         return 0.0 if cost is None else cost(nbytes * (ep - 1) / ep)
+
+    def named(self) -> str:
+        """The profile as messages name it: its file, else what made it."""
+        return self.origin or f"the profile ({self.source})"
+
+    def check_a2a(self) -> None:
+        """Raise :class:`ProfileError` where the ``a2a`` table is empty: every all-to-all would
+        cost 0 s (a profile measured on one rank has none)."""
+        if not self.a2a:
+            raise ProfileError(f"{self.named()}: a2a is empty, so every all-to-all would cost 0 s; make the profile on at least "
+                               "2 ranks (`portapipe profile CONFIG`) or use a published one (--profile h800)")
+
+    def a2a_stand_in(self, ep: int) -> str | None:
+        """How the all-to-all over ``ep`` ranks is priced when the ``a2a`` table has no figure of
+        its own for it: which measured figure stands in (:meth:`a2a_time`: the nearest size),
+        extrapolated beyond the measured sizes; None when it has one (or for one rank)."""
+        if ep <= 1 or not self.a2a or str(ep) in self.a2a:
+            return None
+        sizes = sorted(int(k) for k in self.a2a)
+        near = _nearest_size(self.a2a, ep)
+        how = "extrapolated from" if ep < sizes[0] or ep > sizes[-1] else "taken from the nearest,"
+        return f"{how} the {near}-device figure"
 
     def a2a_background(self, ep: int, nbytes: float) -> float:
         """Processor time other threads of the process spend on that all-to-all (nearest measured size)."""
@@ -219,12 +245,13 @@ class Profile:
             part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), a2a_cpu=self.a2a_cpu, p2p_cpu=self.p2p_cpu, a2a_lag=self.a2a_lag, crowding=dict(self.crowding), p2p_crowded=dict(self.p2p_crowded),
             processors=self.processors,
             saved_bytes={}, loads=self.loads, tokens=self.tokens,
-            source=f"{self.source}; scaled by FLOPs from shape {_short(self.shape)} to {_short(shape)}",
+            source=f"{self.source}; scaled by FLOPs from shape {_short(self.shape)} to {_short(shape)}", origin=self.origin,
         )
 
     # ---------------------------------------------------------------------- io
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["origin"]
         d["format"] = FORMAT
         return d
 
@@ -297,13 +324,18 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         p = Path(path)
+        if p.is_dir():
+            raise ProfileError(f"--profile: {str(p)!r} is a folder; it takes a profile file (JSON: `portapipe profile CONFIG --out "
+                               f"{p / 'profile.json'}` writes one) or a published device (h800)")
         if not p.is_file():
             raise ProfileError(f"--profile: {str(p)!r} does not exist (make one with `portapipe profile CONFIG --out {p}`)")
         try:
             data = json.loads(p.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ProfileError(f"--profile: {p} is not JSON: {exc}") from None
-        return cls.from_dict(data, where=f"--profile {p}")
+        prof = cls.from_dict(data, where=f"--profile {p}")
+        prof.origin = f"--profile {p}"
+        return prof
 
 
 def _nearest_size(table: dict[str, Any], n: int) -> int:

@@ -115,15 +115,35 @@ def summary(result: PlanResult) -> list[str]:
     elif u.time is not None:
         pos = result.ranked.index(u) + 1 if u in result.ranked else None
         where = f"ranks {pos} of {len(result.ranked)}" if pos else "is not among the ranked"
-        best = result.ranked[0].time.step_s if result.ranked and result.ranked[0].time else u.time.step_s
-        out.append(f"your config {where}: {u.time.step_s:.4g} s per step ({u.time.step_s / best:.2f}x the best), peak {gib(u.memory.peak)}")  # type: ignore[union-attr]
+        best = result.ranked[0].time.step_s if result.ranked and result.ranked[0].time else None
+        than = f" ({u.time.step_s / best:.2f}x the best)" if best else ""
+        out.append(f"your config {where}: {u.time.step_s:.4g} s per step{than}, peak {gib(u.memory.peak)}")  # type: ignore[union-attr]
     if (line := fullest_line(u)) is not None:
         out.append(f"your config's fullest {line}")
     if result.ranked and result.ranked[0] is not u and (line := fullest_line(result.ranked[0])) is not None:
         out.append(f"the best's fullest {line}")
     for note in violations(u.setup, severity="note"):
         out.append(f"note on your config: {note}")
+    out += [f"note: {line}" for line in result.notes]
     return out
+
+
+def label(x: Any) -> str:
+    """A setup in the table's words: schedule, pp x ep x dp, micro-batches x their size, memory option."""
+    return (f"{x.schedule}{f' v{x.chunks}' if x.schedule == 'interleaved' else ''} {x.pp}x{x.ep}x{x.dp}, "
+            f"{x.microbatches}x{x.micro_batch_size}, {x.memory_label()}")
+
+
+def nothing_fits(result: PlanResult) -> str:
+    """One line for a plan where no setup fits: the dropped setup nearest to fitting (:func:`~.planner.nearer`)
+    and what it breaks or exceeds, and the layouts not tried at all."""
+    line = f"no setup fits on {result.devices} devices"
+    c = result.closest
+    if c is not None:
+        line += f": the closest, {label(c.setup)}: " + "; ".join(c.problems)
+    if result.untried:
+        line += ("; " if c is not None else ": ") + "layouts not tried: " + "; ".join(result.untried)
+    return line
 
 
 def best_yaml(result: PlanResult, c: Candidate) -> str:

@@ -30,7 +30,10 @@ The pipelined step runs on ``pp x dp x ep`` ranks (:func:`portapipe.ranks.launch
 the configured schedule, overlap and W split; the reference builds the whole model in this
 process (same seed, so the same weights), runs every replica's micro-batches through it as one
 plain autograd graph each, and seeds each backward with the same 1 / (micro-batches x
-replicas). Data are random tokens drawn from the seed per (replica, micro-batch).
+replicas). Data are random tokens drawn from the seed per (replica, micro-batch): the config's
+data are not read (the report's ``batch`` says so). Before any rank starts, a config is refused
+where training refuses its model (:func:`portapipe.models.checks.model_problems`: the weights to
+start from, ``train.fp8`` with no Linear able to run in FP8) or its schedule, with training's lines.
 
 Why the loss can match bit for bit: every token's arithmetic is the same in both runs. Each
 micro-batch passes through the same shapes (a rank sees exactly one replica's micro-batch),
@@ -98,20 +101,21 @@ def verify_many(configs: list[Config], wall_timeout_s: float = 600.0, precision:
     backends = {c.backend for c in configs}
     if len(backends) != 1:
         raise ValueError(f"verify_many needs one backend per launch, got {sorted(backends)}")
-    from ..models.hf_io import init_problems
+    from ..models.checks import model_problems
 
     forced = [line for c in configs for line in forced_routing_problems(c)]
     if forced:
         raise ConfigError(forced)
+    # what training refuses of the model (its weights, FP8 where nothing would run in it), before any rank starts
+    refused = [line for c in configs for line in model_problems(c)]
+    if refused:
+        raise ConfigError(refused)
     plans = [checked(c, precision) for c in configs]
     ranks_configs = [ranks for ranks, _, _ in plans]
     references = [in_dtype(c, "float64", backend="cpu") for c in configs]  # under FP8: the unquantized float64 step
     by_position = precision == "model" or any(c.train.fp8 != "off" for c in configs)
     for c in ranks_configs:
         build_schedule(c)  # a schedule or split that cannot run fails here, before any rank starts
-        problems = init_problems(c.model)  # weights to start from that do not fit
-        if problems:
-            raise ConfigError(problems)
     steps = run_steps(ranks_configs, by_position, wall_timeout_s)
     return [compare(ref, ranks, tol, changed, by_position, recipe) for ref, ranks, (recipe, tol, changed) in zip(references, steps, plans)]
 

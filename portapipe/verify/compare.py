@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ..config import Config
+from .pipelined import generated_batch
 from .recipe import recipe_step, route_replay
 from .reference import reference_step
 from .report import VerifyReport
@@ -34,6 +35,16 @@ def _distances(ref: tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor
             bias_diff = max(bias_diff, float((bias - ref_biases[layer]).abs().max()))
     loss_diff = max(abs(r["loss"] - ref_loss) for r in rank_results)
     return loss_diff, worst, worst_name, bias_diff, terms_diff(ref_terms, [r.get("loss_terms", {}) for r in rank_results])
+
+
+def fp8_count(rank_results: list[dict[str, Any]]) -> int | None:
+    """How many Linears ran in FP8 on the ranks, each once however many ranks hold it (DualPipe's
+    two copies, the replicas); None where the ranks ran without ``train.fp8`` (the reference of an
+    FP8 step runs without it: the ranks say)."""
+    names = [r.get("fp8_linears") for r in rank_results]
+    if all(n is None for n in names):
+        return None
+    return len({n for ranks in names if ranks for n in ranks})
 
 
 def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Tolerance = EXACT, changed: dict[str, str] | None = None,
@@ -86,6 +97,8 @@ def compare(config: Config, rank_results: list[dict[str, Any]], tolerance: Toler
         ref_loss_terms=ref[3],
         float64_loss_diff=None if float64_diffs is None else float64_diffs[0],
         float64_grad_diff=None if float64_diffs is None else float64_diffs[1],
+        batch=generated_batch(config),
+        fp8_linears=fp8_count(rank_results),
     )
 
 

@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..config import Config, config_from_dict
@@ -25,7 +26,15 @@ def microbatches(config: Config, replica: int) -> list[tuple[torch.Tensor, ...]]
     """Random token micro-batches of one replica, drawn from the seed, made as training makes its
     own (:func:`portapipe.data.samples.make_microbatches`). With ``data.document_mask`` or
     ``data.mask_eos_loss`` each token also starts a document with probability 1 / 8, so the
-    samples hold documents of every length from one token on."""
+    samples hold documents of every length from one token on. The config's data are not read."""
+    d = config.data
+    windows, starts = _windows(config, replica)
+    return make_microbatches(windows, starts, config.schedule.microbatches, d.document_mask, d.mask_eos_loss)
+
+
+def _windows(config: Config, replica: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`microbatches`'s windows of ``seq_len + 1`` tokens, and where documents start in them
+    (None without the data options that read documents)."""
     m, t, d = config.model, config.train, config.data
     documents = d.document_mask or d.mask_eos_loss
     windows, starts = [], []
@@ -34,8 +43,23 @@ def microbatches(config: Config, replica: int) -> list[tuple[torch.Tensor, ...]]
         windows.append(torch.randint(0, m.vocab_size, (t.micro_batch_size, m.seq_len + 1), generator=g))
         if documents:
             starts.append(torch.rand(t.micro_batch_size, m.seq_len + 1, generator=g) < 1 / 8)
-    flags = torch.cat(starts).numpy() if documents else None
-    return make_microbatches(torch.cat(windows).numpy(), flags, config.schedule.microbatches, d.document_mask, d.mask_eos_loss)
+    return torch.cat(windows).numpy(), torch.cat(starts).numpy() if documents else None
+
+
+def generated_batch(config: Config) -> dict[str, Any]:
+    """What the step checked: the global batch :func:`microbatches` generates (every replica's
+    micro-batches), in sequences and input tokens, and with the data options that read documents,
+    how many documents (or pieces of one) the inputs hold; the config's data named as not read."""
+    d = config.data
+    replicas = config.parallel.dp * config.parallel.ep
+    sequences = replicas * config.schedule.microbatches * config.train.micro_batch_size
+    out: dict[str, Any] = {"kind": "generated", "sequences": sequences, "tokens": sequences * config.model.seq_len}
+    if d.document_mask or d.mask_eos_loss:
+        # a sample's inputs (its first seq_len tokens) hold one document, plus one per start after the first token
+        out["documents"] = sum(sequences // replicas + int(np.count_nonzero(_windows(config, r)[1][:, 1:-1])) for r in range(replicas))
+    out["data"] = "not read: " + (f"data.path {d.path}" if d.path is not None else
+                                  f"data.sources ({len(d.sources)})" if d.sources else f"the shipped corpus (data.format {d.format})")
+    return out
 
 
 def kept_per_microbatch(config: Config) -> float | None:
@@ -233,7 +257,15 @@ def _one_step(runtime: PipelineRuntime, data: list[tuple[torch.Tensor, torch.Ten
         "expert_layers": result.expert_layers,
         "tokens": result.tokens,
         "loss_terms": dict(result.loss_terms),
+        "fp8_linears": None if runtime.config.train.fp8 == "off" else fp8_running(runtime),
     }
+
+
+def fp8_running(runtime: PipelineRuntime) -> list[str]:
+    """The Linears of this rank's blocks that ran in FP8 (their names in the single-process model)."""
+    from ..models.fp8_layers import fp8_linears
+
+    return sorted({lin.name for lin in fp8_linears(runtime.blocks) if lin.module.fp8})
 
 
 def router_bias(layer: Any) -> torch.Tensor | None:

@@ -39,6 +39,10 @@ class VerifyReport:
     #: a measured tolerance's check: the distances from the float64 reference (absolute loss, relative gradients)
     float64_loss_diff: float | None = None
     float64_grad_diff: float | None = None
+    #: the batch the step ran on (:func:`~.pipelined.generated_batch`)
+    batch: dict[str, Any] = field(default_factory=dict)
+    #: under ``train.fp8``: how many of the model's Linears ran in FP8 on the ranks (None: FP8 off)
+    fp8_linears: int | None = None
 
     def summary(self) -> dict[str, Any]:
         """The ``portapipe verify`` JSON: schedule, pp, ep, dp, microbatches, loss_diff,
@@ -46,9 +50,13 @@ class VerifyReport:
         scale (null otherwise) and the tolerance it was judged by; with loss terms (balance loss,
         multi-token prediction), their names and ``loss_terms_diff``; checked against the one-process
         step in the same dtypes (``--precision model``), the distances from the float64 one
-        (``float64``: loss_diff, max_rel_grad_diff)."""
+        (``float64``: loss_diff, max_rel_grad_diff); the batch it ran on (``batch``: generated,
+        its sequences, tokens and documents, the config's data not read); under ``train.fp8``, how
+        many Linears ran in FP8 (``fp8_linears``)."""
         keys = ("schedule", "pp", "ep", "dp", "microbatches", "loss_diff", "max_rel_grad_diff", "ok", "precision", "changed", "loss_scale")
-        out = {**{k: getattr(self, k) for k in keys}, "tolerance": self.tolerance.as_dict()}
+        out = {**{k: getattr(self, k) for k in keys}, "tolerance": self.tolerance.as_dict(), "batch": self.batch}
+        if self.fp8_linears is not None:
+            out["fp8_linears"] = self.fp8_linears
         if self.float64_loss_diff is not None:
             out["float64"] = {"loss_diff": self.float64_loss_diff, "max_rel_grad_diff": self.float64_grad_diff}
         if self.ref_loss_terms:
