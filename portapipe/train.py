@@ -59,26 +59,18 @@ def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] |
 
 # --------------------------------------------------------------------------------- launcher
 def check_before_launch(config: Config) -> None:
-    """Everything that can be checked without ranks or folders; raises ConfigError listing each problem."""
+    """Everything that can be checked without ranks or folders; raises ConfigError listing each problem.
+    The model's checks are verify's too (:func:`portapipe.models.checks.model_problems`)."""
+    from .metrics.wandb_sink import wandb_problems
+    from .models.checks import model_problems
     from .scheduling.executor import build_schedule
 
-    from .metrics.wandb_sink import wandb_problems
-    from .models.fp8_layers import fp8_problems
-    from .models.hf_io import init_problems
-
-    problems = (list(data_problems(config)) + init_problems(config.model) + log_problems(config.log.tensorboard)
+    problems = (list(data_problems(config)) + model_problems(config) + log_problems(config.log.tensorboard)
                 + wandb_problems(config.log.wandb) + pin_problems(config))
-    problems += fp8_problems(config.model, config.train.fp8)
     try:
         build_schedule(config)  # the schedule fits pp and the micro-batches, the model splits into its blocks
     except ConfigError as err:
         problems.extend(err.problems)
-    from .models.routing import skew_table
-
-    try:
-        skew_table(config.bench, config.model)  # a benchmark's routing file fits the model
-    except ValueError as err:
-        problems.append(str(err))
     if problems:
         raise ConfigError(problems)
 
