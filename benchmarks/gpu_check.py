@@ -164,6 +164,10 @@ def drive(keys: list[str], out: Path, dry: bool, budget_s: float) -> dict[str, A
             rec.update(status="crashed", error=f"exit code {res['rc']}: " + tail(res["stderr"], 12))
         if leftovers:
             rec["leftover_processes_killed"] = len(leftovers)
+        if res.get("left_running"):  # outlived the kill at its cap (stuck in the kernel)
+            rec["left_running_after_kill"] = res["left_running"]
+        if res.get("tracking"):
+            rec["tracking"] = res["tracking"]
         rec["seconds"] = res["s"]
         report["parts"][key] = rec
         write(out, report)

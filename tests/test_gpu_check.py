@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -230,19 +231,85 @@ def test_the_last_part_takes_what_the_budget_leaves_and_its_tools_cache_under_ou
     assert set(gc.caches(tmp_path)) == {"TRITON_CACHE_DIR"}
 
 
-def test_a_command_past_its_time_is_killed_with_the_processes_it_detached(bench_module, tmp_path: Path) -> None:
+def _gone(pid: int) -> bool:
+    """Ended: no longer in /proc, or a zombie waiting for its parent to reap it."""
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.fixture
+def busy() -> Any:
+    """Two processes burning a core each for the test's length (two cores here: a load of 3 or more)."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for b in burners:
+        b.kill()
+        b.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="processes are tracked through /proc")
+def test_a_command_past_its_time_is_killed_with_the_processes_it_detached(bench_module, tmp_path: Path, busy: Any) -> None:
+    """A child starts a grandchild in a session of its own, which starts a great-grandchild in
+    another with an empty environment: at its time the command goes with all of them, the machine
+    busy beside it."""
     common = bench_module("gpu_check_parts.common")
-    pid_file = tmp_path / "grandchild"
+    pids = tmp_path / "pids"
+    sleeper = "import time; time.sleep(120)"
+    grandchild = ("import subprocess, sys, time; "
+                  f"p = subprocess.Popen([sys.executable, '-c', {sleeper!r}], start_new_session=True, env={{}}); "
+                  f"open({str(pids)!r}, 'a').write(f'{{p.pid}}\\n'); time.sleep(120)")
     script = ("import subprocess, sys, time; "
-              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
-              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
-    # 8 s: the child has long started its grandchild when the kill comes, however busy the machine
-    # (at 3 s, under a load of 15, a kill landing while the child spawned it left it running)
-    res = common.run_cmd([sys.executable, "-c", script], 8.0)
-    assert res["timed_out"] and res["s"] < 60
+              f"p = subprocess.Popen([sys.executable, '-c', {grandchild!r}], start_new_session=True); "
+              f"open({str(pids)!r}, 'a').write(f'{{p.pid}}\\n'); time.sleep(120)")
+    # 10 s: the three have long started when the kill comes, even at a load of 3 on two cores
+    res = common.run_cmd([sys.executable, "-c", script], 10.0)
+    assert res["timed_out"] and res["s"] < 60 and res["left_running"] == []
     assert res["rc"] == -signal.SIGKILL  # its status collected by the record, not swallowed by the kill
-    grandchild = int(pid_file.read_text())
-    assert not Path(f"/proc/{grandchild}").exists() or Path(f"/proc/{grandchild}/stat").read_text().split(")")[1].split()[0] == "Z"
+    started = [int(line) for line in pids.read_text().split()]
+    assert len(started) == 2 and [pid for pid in started if not _gone(pid)] == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="processes are tracked through /proc")
+def test_a_command_that_keeps_starting_detached_processes_is_ended_with_every_one(bench_module, tmp_path: Path, busy: Any) -> None:
+    """Detached processes started while the kill is under way are found and ended too: none is left
+    to start another, and none that was started runs on."""
+    common = bench_module("gpu_check_parts.common")
+    pids = tmp_path / "pids"
+    script = ("import subprocess, sys\n"
+              "while True:\n"
+              "    p = subprocess.Popen(['sleep', '120'], start_new_session=True)\n"
+              f"    open({str(pids)!r}, 'a').write(f'{{p.pid}}\\n')\n")
+    res = common.run_cmd([sys.executable, "-c", script], 4.0)
+    # a survivor would also hold the command's output open, and the record would wait for it
+    assert res["timed_out"] and res["s"] < 60 and res["left_running"] == []
+    started = [int(line) for line in pids.read_text().split()]
+    time.sleep(1.0)  # a spawner that outlived the kill would have added more by now
+    assert len(pids.read_text().split()) == len(started) > 0
+    assert [pid for pid in started if not _gone(pid)] == []
+
+
+def test_a_command_carries_a_mark_of_its_own_and_inherits_its_runners(bench_module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variable that finds a command's processes: one per command, the runner's own kept."""
+    common = bench_module("gpu_check_parts.common")
+    monkeypatch.setenv(common.MARK_PREFIX + "outer", "1")
+    show = [sys.executable, "-c", f"import os; print(sorted(k for k in os.environ if k.startswith({common.MARK_PREFIX!r})))"]
+    first, second = (json.loads(common.run_cmd(show, 60)["stdout"].replace("'", '"')) for _ in range(2))
+    assert len(first) == len(second) == 2 and common.MARK_PREFIX + "outer" in first and set(first) & set(second) == {common.MARK_PREFIX + "outer"}
+
+
+def test_a_part_whose_processes_outlived_its_kill_says_which(bench_module, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gc = bench_module("gpu_check")
+
+    def fake_run(cmd: list[str], timeout_s: float, env: Any = None, cwd: Any = None) -> dict[str, Any]:
+        return {"rc": -9, "timed_out": True, "s": timeout_s, "stdout": "", "stderr": "", "left_running": [4242],
+                "tracking": "process group only (no /proc here): processes that left it were not looked for"}
+
+    monkeypatch.setattr(gc, "run_cmd", fake_run)
+    rec = gc.drive(["f"], tmp_path, True, 0.0)["parts"]["f"]
+    assert rec["status"] == "timeout" and rec["left_running_after_kill"] == [4242] and rec["tracking"].startswith("process group only")
 
 
 def test_what_a_part_leaves_running_is_ended_before_the_next_part(tmp_path: Path) -> None:

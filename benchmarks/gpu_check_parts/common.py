@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -41,8 +42,29 @@ def tail(text: str, lines: int = 15) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (children, theirs, ...), read from /proc; empty where there
+#: where a process's state and environment can be read (Linux); elsewhere a command's process group is all that is ended
+PROC = Path("/proc/self/environ").exists()
+#: each command run_cmd starts carries a variable of this prefix and its own token, inherited by
+#: whatever it starts (a new session, a double fork, an orphan); nested runners each add their own
+MARK_PREFIX = "PORTAPIPE_RUN_MARK_"
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from /proc (R, S, D, T, Z, ...), None where it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Running, sleeping or stopped: not gone and not a zombie (ended, waiting to be reaped)."""
+    return _state(pid) not in (None, "Z", "X", "x")
+
+
+def descendants(*roots: int) -> list[int]:
+    """Every live process below ``roots`` (children, theirs, ...), read from /proc; empty where there
     is none (zombies, ended and not yet reaped, left out)."""
     children: dict[int, list[int]] = {}
     with contextlib.suppress(OSError):
@@ -56,11 +78,31 @@ def descendants(pid: int) -> list[int]:
                 continue  # ended meanwhile
             if state != "Z":
                 children.setdefault(int(ppid), []).append(int(entry))
-    found, todo = [], [pid]
+    found, todo, seen = [], list(roots), set(roots)
     while todo:
         for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
+            if child not in seen:
+                seen.add(child)
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def marked(mark: str) -> list[int]:
+    """Every live process of this user whose environment holds the variable ``mark`` (its
+    environment as it started: /proc/PID/environ), this process left out."""
+    needle, found = mark.encode() + b"=", []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
+                continue  # ended meanwhile, or another user's
+            if (env.startswith(needle) or b"\0" + needle in env) and alive(int(entry)):
+                found.append(int(entry))
     return found
 
 
@@ -74,6 +116,37 @@ def kill(pids: list[int]) -> None:
             os.waitpid(pid, 0)
 
 
+def _signal(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def end_command(root: int, mark: str, limit_s: float = 30.0) -> list[int]:
+    """End ``root`` and every process it started: those below it, those carrying ``mark`` and those
+    below them (a child that cleared its environment). Each round stops all it finds until a new look
+    finds no more (a stopped process starts nothing), kills them and waits until each is gone or a
+    zombie, then looks again; within ``limit_s`` in all, however busy the machine. Returns the
+    processes still alive at the limit (none, but for one stuck in the kernel)."""
+    deadline = time.monotonic() + limit_s
+
+    def tracked() -> set[int]:
+        roots = {pid for pid in [root, *marked(mark)] if alive(pid)}
+        return roots | set(descendants(root, *roots))
+
+    while True:
+        seen: set[int] = set()
+        while (new := tracked() - seen) and time.monotonic() < deadline:
+            _signal(new, signal.SIGSTOP)
+            seen |= new
+        _signal(seen, signal.SIGKILL)
+        while any(alive(pid) for pid in seen) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        left = sorted(tracked())
+        if not left or time.monotonic() >= deadline:
+            return left
+
+
 def adopt_orphans() -> None:
     """Make this process the reaper of its descendants' orphans (Linux), so that :func:`descendants`
     still finds a grandchild whose parent died (a part killed at its cap, a rank's helper)."""
@@ -84,23 +157,33 @@ def adopt_orphans() -> None:
 
 
 def run_cmd(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None) -> dict[str, Any]:
-    """Run ``cmd`` in its own session; at ``timeout_s`` it is killed with every process below it
-    (those that started sessions or process groups of their own too: pytest's, a launch's ranks)."""
+    """Run ``cmd`` in its own session; at ``timeout_s`` it is killed with every process it started,
+    found by the variable it carries (:func:`end_command`: those that started sessions of their own
+    too: pytest's, a launch's ranks). Where /proc is missing only its process group is killed, and
+    the record says so (``tracking``); ``left_running`` names any process that outlived the kill."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or child_env(),
-                            cwd=cwd, start_new_session=True)
+    mark = MARK_PREFIX + uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**(env or child_env()), mark: "1"}, cwd=cwd, start_new_session=True)
+    extra: dict[str, Any] = {}
     try:
         out, err = proc.communicate(timeout=max(1.0, timeout_s))
         timed_out = False
     except subprocess.TimeoutExpired:
-        below = descendants(proc.pid)  # before the kill: an orphan's parent is no longer its parent
+        if PROC:  # while proc lives its children are still below it
+            extra["left_running"] = end_command(proc.pid, mark)
+        else:
+            extra["tracking"] = "process group only (no /proc here): processes that left it were not looked for"
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        kill(below)  # the group kill took proc itself; communicate() collects its status
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=30)  # collects proc's status
+        except subprocess.TimeoutExpired:  # a survivor holds its output open
+            proc.wait()
+            out, err = "", "its output was not read: a process it started still holds it open"
         timed_out = True
     return {"cmd": " ".join(cmd), "rc": proc.returncode, "timed_out": timed_out, "s": round(time.perf_counter() - t0, 1),
-            "stdout": out, "stderr": err}
+            "stdout": out, "stderr": err, **extra}
 
 
 def last_json(text: str) -> Any:
