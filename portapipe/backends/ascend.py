@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .base import Backend, BackendUnavailable, EventTimer, Timer
+from .base import Backend, BackendUnavailable, EventSpanClock, EventTimer, SpanClock, Timer
 from .capabilities import Capabilities
 from .grouped_mm import grouped_mm_reference
 
@@ -245,6 +245,10 @@ class AscendBackend(Backend):
     # ------------------------------------------------------------------- timers
     def timer(self) -> Timer:
         return EventTimer(self._npu().Event)
+
+    def span_clock(self) -> SpanClock:
+        npu = self._npu()
+        return EventSpanClock(npu.Event, self.synchronize, lambda: npu.Stream(), npu.stream)  # HCCL's wait() holds a stream
 
     # ---------------------------------------------------------------------- RNG
     def get_rng_state(self) -> dict[str, torch.Tensor]:
