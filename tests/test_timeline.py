@@ -208,6 +208,12 @@ def test_the_timeline_command_prints_each_ranks_figures_beside_the_plan_and_draw
         diffs = [abs(o["diff_ms"]) for o in r["off_plan"]]
         assert len(diffs) == plan.OFF_PLAN and diffs == sorted(diffs, reverse=True)
         assert all(o["diff_ms"] == pytest.approx(o["measured_ms"] - o["planned_ms"]) for o in r["off_plan"])
+    # priced by a device profile instead: the planner's time model of the same schedule
+    assert main(["timeline", str(run_dir), "--step", "2", "--profile", "h800", "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)
+    assert priced["plan_costs"].startswith("profile published figures for NVIDIA H800") and 0 < priced["plan_step_ms"] < out["plan_step_ms"]
+    assert main(["timeline", str(run_dir), "--profile", str(tmp_path / "none.json")]) == 2
+    assert "none.json' does not exist (make one with `portapipe profile CONFIG" in capsys.readouterr().err
     # the same figures as text; the newest recorded step when none is named
     assert main(["timeline", str(run_dir)]) == 0
     text = capsys.readouterr().out

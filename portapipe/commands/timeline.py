@@ -64,8 +64,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             profile = _profile(args.profile, config_from_dict(doc["config"]))
             planned = plan.profile_plan(doc, schedule, profile)
-        except (ProfileError, OSError, ValueError) as err:
-            return _fail(f"--profile: {err}")
+        except ProfileError as err:  # it names --profile itself
+            return _fail(str(err))
+        except (OSError, ValueError) as err:
+            return _fail(f"--profile {args.profile}: {err}")
         costs = f"profile {profile.source}"
     else:
         planned = plan.measured_plan(doc, schedule)
