@@ -308,3 +308,12 @@ def test_the_command_names_what_is_missing(tmp_path, capsys) -> None:
     assert "holds no recorded step: record some with log.timeline" in capsys.readouterr().err
     assert main(["timeline", str(tmp_path), "--out", str(tmp_path / "x.txt")]) == 2
     assert "its suffix .txt is not a format matplotlib writes" in capsys.readouterr().err
+
+
+def test_the_cost_benchmark_records_one_step_of_each_pair_first_and_second_in_turn(bench_module) -> None:
+    bench = bench_module("timeline")
+    assert bench.recorded_steps(3, 4) == [5, 6, 9, 10]  # pairs (4, 5), (6, 7), (8, 9), (10, 11)
+    events = [{"kind": "action", "stage2": 1}, {"kind": "action"}, {"kind": "part"}, {"kind": "wait"}, {"kind": "exchange"}, {"kind": "p2p"}]
+    assert bench.calls(events) == (3 + 2, 2)  # a pair's halves each ask whether to follow them
+    span_s, transfer_s = bench.off_call_s(reps=1000)
+    assert 0 < span_s < 1e-4 and 0 < transfer_s < 1e-4
