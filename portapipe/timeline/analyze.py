@@ -35,11 +35,26 @@ EXPOSED_KINDS = ("all-to-all", "pipeline p2p", "gradient sync", "step end")
 
 
 def by_rank(doc: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
-    """Each rank's spans, in the order it recorded them (``parent`` and ``of`` index this list)."""
+    """Each rank's spans of the executor's step (its ``step`` span and all inside it), in the order
+    it recorded them, ``parent`` and ``of`` indexing this list. A recording holds more (the batch,
+    the update, a checkpoint; at the run's end the validation, whose forwards run the schedule's
+    actions again): only the step is what the schedule says."""
     out: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for e in doc["events"]:
         out[e["rank"]].append(e)
-    return dict(out)
+    return {r: _of_step(events) for r, events in out.items()}
+
+
+def _of_step(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    top = step_span(events)
+    at = events.index(top)
+    new: dict[int, int] = {}
+    kept = []
+    for i, e in enumerate(events):  # a span's parent was recorded before it
+        if i == at or e["parent"] in new:
+            new[i] = len(kept)
+            kept.append(e)
+    return [dict(e, parent=new.get(e["parent"], -1), **({"of": new[e["of"]]} if "of" in e else {})) for e in kept]
 
 
 def _length(intervals: list[tuple[float, float]]) -> float:

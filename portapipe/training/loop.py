@@ -78,11 +78,18 @@ class Trainer:
         finally:
             self.checkpoints.close(failing)
             self.records.close_bar()
-            self.hooks.close(failing)
-            ema = self.update.ema
-            if ema is not None and failing:
-                ema.close()
-        return self._summary(ended, last_checkpoint)
+            if failing:
+                self.hooks.close(failing)
+                if self.update.ema is not None:
+                    self.update.ema.close()
+        # the hooks close after the end's validation: a recording of the last step holds it
+        try:
+            summary = self._summary(ended, last_checkpoint)
+        except BaseException:
+            self.hooks.close(failing=True)
+            raise
+        self.hooks.close(failing=False)
+        return summary
 
     def _loop(self) -> Ended | None:
         for step in range(self.start, self.steps):
