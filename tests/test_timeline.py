@@ -120,6 +120,7 @@ def test_every_schedule_is_recorded_causally_right_every_action_once_in_its_orde
     # exchanges read as the schedule does: kind, layer, micro-batch; and their reverse in the backward
     assert {"dispatch L1 mb0", "combine L1 mb0", "dispatch grad L1 mb0", "combine grad L1 mb0", "counts L1 mb0"} <= names
     assert {"data", "step", "grad sync", "step end", "figures", "optimizer"} <= names
+    assert "validation" in names  # the run's last step, recorded: the end's validation with it (outside the step)
     assert any(e["kind"] == "reduce" for e in doc["events"])  # the gradient buckets' reductions
     if name == "memory":  # zero-memory's re-dispatch and recompute's replays
         assert {"re-dispatch L1 mb0", "re-dispatch L3 mb0", "dispatch replay L2 mb0", "combine replay grad L2 mb0"} <= names

@@ -37,7 +37,7 @@ class Part:
 
 PARTS = [
     Part("a", "environment", part_env, 30, 60),
-    Part("b", "the suite, cuda tests, conformance kit", part_suite, 185, 120),
+    Part("b", "the suite, cuda tests, conformance kit", part_suite, 165, 120),
     Part("c", "verify: every schedule on the GPU", part_verify, 90, 120),
     Part("d", "portability CPU <-> CUDA, bf16 vs float32", part_portability, 100, 180),
     Part("e", "speed: tokens/s, MFU, vs transformers", part_speed, 100, 120),
@@ -46,6 +46,6 @@ PARTS = [
     Part("h", "LPLB Triton kernels", part_lplb, 15, 60),
     Part("i", "step_vs_torch, balance_e2e, a core set per rank", part_step_claims, 60, 150),
     Part("j", "FP8: blockwise GEMM vs bf16, against the emulation, the FP8 step vs bf16", part_fp8, 80, 120),
-    Part("k", "timeline: a DualPipeV step recorded on the GPU, checked", part_timeline, 40, 120),
+    Part("k", "timeline: a DualPipeV step recorded on the GPU, checked", part_timeline, 60, 120),
 ]
 BY_KEY = {p.key: p for p in PARTS}
