@@ -318,3 +318,60 @@ def test_the_cost_benchmark_records_one_step_of_each_pair_first_and_second_in_tu
     assert bench.calls(events) == (3 + 2, 2)  # a pair's halves each ask whether to follow them
     span_s, transfer_s = bench.off_call_s(reps=1000)
     assert 0 < span_s < 1e-4 and 0 < transfer_s < 1e-4
+
+
+def test_a_device_clock_records_events_where_the_work_runs_and_synchronizes_only_to_start_and_read() -> None:
+    """Events on the current stream; an async work's completion on a watch stream that waited for it
+    (NCCL / HCCL), or its future's host time (gloo); one synchronisation before the step, one to read."""
+    from portapipe.backends.base import EventSpanClock
+
+    log: list[str] = []
+    device_now = [100.0]  # the device's clock, ms
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.at: float | None = None
+
+        def record(self) -> None:
+            self.at = device_now[0]
+            log.append(f"record on {stream[0]}")
+
+        def synchronize(self) -> None:
+            log.append("event synchronize")
+
+        def elapsed_time(self, end: "Event") -> float:
+            return end.at - self.at
+
+    stream = ["compute"]
+
+    class Ctx:
+        def __init__(self, s: str) -> None:
+            self.s = s
+
+        def __enter__(self) -> None:
+            self.was, stream[0] = stream[0], self.s
+
+        def __exit__(self, *exc: object) -> None:
+            stream[0] = self.was
+
+    class Work:
+        def wait(self) -> None:
+            log.append(f"wait on {stream[0]}")
+
+    clock = EventSpanClock(Event, lambda: log.append("device synchronize"), lambda: "watch", Ctx)
+    clock.start()
+    host0 = clock._origin
+    assert log == ["device synchronize", "record on compute", "event synchronize"]
+    log.clear()
+    device_now[0] = 102.5
+    begin = clock.mark()
+    done = clock.done(Work())
+    device_now[0] = 110.0
+    end = clock.mark()
+    assert log == ["record on compute", "wait on watch", "record on watch", "record on compute"]  # nothing waited on the host
+    log.clear()
+    assert clock.read([begin, done, end]) == pytest.approx([host0 + 0.0025, host0 + 0.0025, host0 + 0.010])
+    assert log == ["device synchronize"]  # once, after the step
+    gloo = EventSpanClock(Event, lambda: None, lambda: "watch", Ctx, works_on_streams=False)
+    assert gloo.done(Work()) is None  # a work with no future: its caller's wait bounds it
