@@ -544,6 +544,10 @@ class Backend(ABC):
 
         return torch.profiler.profile(activities=self.profiler_activities(), profile_memory=memory, record_shapes=memory)
 
+    def export_profile(self, prof: Any, path: str) -> None:
+        """A finished :meth:`profiler` run's Chrome trace into ``path`` (``.json.gz``: gzipped)."""
+        prof.export_chrome_trace(path)  # torch.profiler gzips a .gz path itself
+
     def profiler_activities(self) -> list[Any]:
         """What torch.profiler records here: the host's operators."""
         import torch.profiler

@@ -127,7 +127,7 @@ class ProfilerHook:
         if write:
             out = path(self.log_dir, self.rank, step)
             out.parent.mkdir(parents=True, exist_ok=True)
-            writer = threading.Thread(target=prof.export_chrome_trace, args=(str(out),), name=f"profile step {step}", daemon=True)
+            writer = threading.Thread(target=self.backend.export_profile, args=(prof, str(out)), name=f"profile step {step}", daemon=True)
             writer.start()
             self.writers.append(writer)
             self.written.append(out)
