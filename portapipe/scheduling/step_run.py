@@ -101,7 +101,7 @@ class StepRun:
     def _seen_received(self) -> None:
         """A recorded step: the receives that have completed since the last look end there (the
         wait of the compute that takes one ends it otherwise)."""
-        for key in [k for k, token in self.posted.items() if _completed(self.recvs[k][0])]:
+        for key in [k for k in self.posted if _completed(self.recvs[k][0])]:
             spans.end(self.posted.pop(key))
 
     def _compute(self, a: Action) -> None:
