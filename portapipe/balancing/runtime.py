@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..scheduling.spans import COMPUTE, span
 from .loads import LoadWindow, Rebalancer
 from .lplb_periodic import lp_rank_loads, lplb_placement, plan_periodic
 from .migration import MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
