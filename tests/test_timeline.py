@@ -82,6 +82,8 @@ def _all_runs(backend: Any, root: str) -> dict[str, Any]:
     # 1F1B's blocks hold two layers: the first of each recomputed (moe: layer 2), zero-memory on the rest (layers 1 and 3)
     runs["memory"] = raw(base / "memory", "1f1b", memory={"zero_memory": "level1", "recompute": "moe", "recompute_layers": 1})
     runs["profiled"] = raw(base / "profiled", steps=3, log={"profiler": {"steps": [2], "ranks": [0]}})
+    # LPLB with its replicas on from the start, rebalancing after step 2
+    runs["lplb"] = raw(base / "lplb", balancer={"kind": "lplb", "interval": 2, "stay_off": False, "redundant": 1})
     out = {name: train_rank(type(backend)(backend.options), config) for name, config in runs.items()}
     config = raw(base / "skewed")
     config["log"].pop("timeline")  # the test's hook records it
@@ -109,7 +111,7 @@ def _step_s(recorded: dict[str, Any], name: str, step: int = 2) -> float:
 
 # ------------------------------------------------------------------------------ what must show
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", [*SCHEDULES, "memory"])
+@pytest.mark.parametrize("name", [*SCHEDULES, "memory", "lplb"])
 def test_every_schedule_is_recorded_causally_right_every_action_once_in_its_order(recorded, name) -> None:
     doc = _doc(recorded, name)
     schedule = plan.schedule_of(doc)
@@ -124,12 +126,14 @@ def test_every_schedule_is_recorded_causally_right_every_action_once_in_its_orde
     assert any(e["kind"] == "reduce" for e in doc["events"])  # the gradient buckets' reductions
     if name == "memory":  # zero-memory's re-dispatch and recompute's replays
         assert {"re-dispatch L1 mb0", "re-dispatch L3 mb0", "dispatch replay L2 mb0", "combine replay grad L2 mb0"} <= names
+    if name == "lplb":  # the balancer's work: its step, its rebalance, LPLB's solve of each micro-batch's routing
+        assert {"balancer", "LPLB rebalance", "LPLB solve L1 mb0", "LPLB solve L3 mb3"} <= names
     if name in ("dualpipe", "dualpipev"):
         assert any(n.startswith("F&B s") for n in names)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", [*SCHEDULES, "memory"])
+@pytest.mark.parametrize("name", [*SCHEDULES, "memory", "lplb"])
 def test_compute_exposed_communication_and_idle_add_up_to_each_ranks_step(recorded, name) -> None:
     doc = _doc(recorded, name)
     walls = []
