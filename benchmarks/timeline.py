@@ -8,10 +8,11 @@ the slowest rank's step, from its first action to its gathers; what the recordin
 steps, the ranks' clock alignment and the gathering and writing of the files, is outside it, as
 it is outside every step that is not recorded). Prints one JSON object: each pair's on / off
 ratio, their median (the claim: within 2%), the medians of each side, the residual bound of the
-clocks' alignment over the recorded steps, and the cost of recording off: the emitting calls on
-the path of a step that is not recorded, each form timed here in a loop (a context variable read
-and a shared no-op span), times the calls a recorded step made on its busiest rank, as a share of
-the median step.
+clocks' alignment over the recorded steps, and what the calls cost apart from the machine's load:
+the emitting calls on the path of a step that is not recorded, each form timed here in a loop (a
+context variable read and a shared no-op span), times the calls a recorded step made on its
+busiest rank, as a share of the median step (``off``); the same calls recording (``on_calls``:
+the bookkeeping inside a recorded step, the completion callbacks run at once).
 
     python benchmarks/timeline.py [--config examples/cpu.yaml] [--pairs 15] [--warmup 3] [--set k=v ...]
 """
@@ -61,6 +62,42 @@ def off_call_s(reps: int = 200_000) -> tuple[float, float]:
     return (t1 - t0) / reps, (t2 - t1) / reps
 
 
+def on_call_s(reps: int = 50_000) -> tuple[float, float]:
+    """The same two forms on a recorded step, on the CPU's clock: a span, and a transfer whose work
+    has a future (its completion callback run at once, as a finished exchange's is). Reading the
+    marks into rows happens after the step, outside its time."""
+    import torch.futures
+
+    from portapipe.backends.base import SpanClock
+    from portapipe.timeline.record import StepRecorder
+
+    class Work:
+        def get_future(self) -> Any:
+            fut = torch.futures.Future()
+            fut.set_result(None)
+            return fut
+
+    work = Work()
+    rec = StepRecorder(SpanClock())
+    spans.install(rec)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            with spans.span(spans.COMPUTE, "x"):
+                pass
+        t1 = time.perf_counter()
+        for _ in range(reps):
+            token = spans.begin(spans.EXCHANGES, ("dispatch", 1))
+            spans.issued(token, work)
+            with spans.waiting(token):
+                pass
+            spans.end(token)
+        t2 = time.perf_counter()
+    finally:
+        spans.uninstall(rec)
+    return (t1 - t0) / reps, (t2 - t1) / reps
+
+
 def calls(events: list[dict[str, Any]]) -> tuple[int, int]:
     """(spans, transfers) one rank's recorded step emitted: what the same step calls when it is not
     recorded (a pair's two halves each ask once more whether to follow them: counted as spans)."""
@@ -100,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     span_s, transfer_s = off_call_s()
     span_n, transfer_n = max((calls(events) for doc in docs for events in analyze.by_rank(doc).values()), key=lambda c: c[0] * span_s + c[1] * transfer_s)
     per_step = span_n * span_s + transfer_n * transfer_s
+    on_span_s, on_transfer_s = on_call_s()
+    on_step = span_n * on_span_s + transfer_n * on_transfer_s
     median_off = statistics.median(p["off_s"] for p in pairs)
     ratio = statistics.median(p["on_over_off"] for p in pairs)
     report = {
@@ -117,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                               "median": statistics.median(r["alignment"]["bound_s"] for doc in docs for r in doc["ranks"] if r["rank"] > 0)},
         "off": {"span_call_s": span_s, "transfer_calls_s": transfer_s, "spans_per_step": span_n, "transfers_per_step": transfer_n,
                 "per_step_s": per_step, "share_of_step": per_step / median_off},
+        "on_calls": {"span_call_s": on_span_s, "transfer_calls_s": on_transfer_s, "per_step_s": on_step, "share_of_step": on_step / median_off},
     }
     print(json.dumps(report, indent=2))
     return 0
