@@ -6,8 +6,10 @@ the other is not, the recorded one second in even pairs and first in odd ones, s
 machine's load falls on both alike. A step's time is the executor's (``step_s`` of metrics.jsonl:
 the slowest rank's step, from its first action to its gathers; what the recording adds between
 steps, the ranks' clock alignment and the gathering and writing of the files, is outside it, as
-it is outside every step that is not recorded). Prints one JSON object: each pair's on / off
-ratio, their median (the claim: within 2%), the medians of each side, the residual bound of the
+it is outside every step that is not recorded). The ranks' processor time of each step (all
+their threads, from the batch to the update: what the recording adds as work, less shaken by
+other processes on the machine than the wall time) is taken beside it. Prints one JSON object:
+each pair's on / off ratios, their medians (the claim: within 2%), the medians of each side, the residual bound of the
 clocks' alignment over the recorded steps, and what the calls cost apart from the machine's load:
 the emitting calls on the path of a step that is not recorded, each form timed here in a loop (a
 context variable read and a shared no-op span), times the calls a recorded step made on its
@@ -105,6 +107,46 @@ def calls(events: list[dict[str, Any]]) -> tuple[int, int]:
     return spans_, sum(e["kind"] in ("exchange", "p2p", "reduce") for e in events)
 
 
+class ProcessorTime:
+    """A step hook: this rank's processor time (all its threads: the communication's too) from
+    before a step's batch to after its update, by 1-based step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+        self._t0 = 0.0
+
+    def before_step(self, step: int) -> None:
+        self._t0 = time.process_time()
+
+    def after_update(self, step: int, last: bool) -> None:
+        self.seconds[step + 1] = time.process_time() - self._t0
+
+    def after_record(self, step: int, row: Any) -> None:
+        pass
+
+    def close(self, failing: bool) -> None:
+        pass
+
+
+def _rank(backend: Any, config_dict: dict[str, Any]) -> dict[int, float]:
+    """One rank of the run (as ``portapipe train``'s), with its processor time per step."""
+    from portapipe.checkpoint.run import plan_on_ranks
+    from portapipe.compose import PipelineRuntime
+    from portapipe.config import config_from_dict
+    from portapipe.training.loop import Trainer
+
+    config = config_from_dict(config_dict)
+    backend.manual_seed(config.train.seed)
+    groups = backend.parallel_groups(config.parallel.pp, config.parallel.dp, config.parallel.ep)
+    run, locks = plan_on_ranks(config, backend, groups.rank, None)
+    cpu = ProcessorTime()
+    try:
+        Trainer(backend, config, groups, run, PipelineRuntime(config, backend, groups), hooks=[cpu]).run()
+    finally:
+        locks.release()
+    return cpu.seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "examples" / "cpu.yaml"))
@@ -114,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.pairs < 1 or args.warmup < 0:
         ap.error(f"--pairs {args.pairs} / --warmup {args.warmup}: at least one pair, no negative warm-up")
-    from portapipe.train import train
+    from portapipe.ranks.launch import rank_threads, run_ranks
+    from portapipe.train import check_before_launch
 
     chosen = recorded_steps(args.warmup, args.pairs)
     folder = Path(tempfile.mkdtemp(prefix="portapipe-timeline-bench-"))
@@ -123,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, overrides)
     load_before = os.getloadavg()
     try:
-        train(config)
+        check_before_launch(config)
+        cpu = run_ranks(_rank, config.world_size, config.to_dict(), backend=config.backend, threads=rank_threads(config.world_size),
+                        pg_timeout_s=300.0, wall_timeout_s=1800.0)
         rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         step_s = {r["step"]: r["step_s"] for r in rows if r["kind"] == "train"}
         docs = [trace.read(folder, s) for s in chosen]
@@ -133,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, on in enumerate(chosen):
         first = args.warmup + 2 * k + 1
         off = first + 1 if on == first else first
-        pairs.append({"on_step": on, "off_step": off, "on_s": step_s[on], "off_s": step_s[off], "on_over_off": step_s[on] / step_s[off]})
+        cpu_on, cpu_off = sum(c[on] for c in cpu), sum(c[off] for c in cpu)
+        pairs.append({"on_step": on, "off_step": off, "on_s": step_s[on], "off_s": step_s[off], "on_over_off": step_s[on] / step_s[off],
+                      "processor_on_s": cpu_on, "processor_off_s": cpu_off, "processor_on_over_off": cpu_on / cpu_off})
     span_s, transfer_s = off_call_s()
     span_n, transfer_n = max((calls(events) for doc in docs for events in analyze.by_rank(doc).values()), key=lambda c: c[0] * span_s + c[1] * transfer_s)
     per_step = span_n * span_s + transfer_n * transfer_s
@@ -151,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "pairs": pairs,
         "median_on_over_off": ratio,
         "within_2_percent": abs(ratio - 1) <= 0.02,
+        "median_processor_on_over_off": statistics.median(p["processor_on_over_off"] for p in pairs),
         "median_step_s": {"on": statistics.median(p["on_s"] for p in pairs), "off": median_off},
         "alignment_bound_s": {"max": max(r["alignment"]["bound_s"] for doc in docs for r in doc["ranks"]),
                               "median": statistics.median(r["alignment"]["bound_s"] for doc in docs for r in doc["ranks"] if r["rank"] > 0)},

@@ -121,8 +121,6 @@ class Pending:
                  token: Any = None) -> None:
         self.output = output
         self._token = token
-        if token is not None:
-            spans.issued(token, work)
         self._decode = decode
         self._decoded: Any = None
         self._work = work
@@ -131,10 +129,13 @@ class Pending:
         self._done_at: list[float] = []
         self._waited = work is None
         self._timed = stats is not None and stats.timed
-        if work is not None and self._timed and hasattr(work, "get_future"):
+        watched = work is not None and self._timed and hasattr(work, "get_future")
+        if watched:
             # Completion time from the communication thread: the true length of the exchange,
             # whether or not anybody was waiting for it.
             work.get_future().add_done_callback(lambda _f: self._done_at.append(time.perf_counter()))
+        if token is not None:  # a recorded step: the same completion time, where the clock is the host's
+            spans.issued(token, work, self._done_at if watched else None)
 
     @property
     def in_flight(self) -> bool:

@@ -54,7 +54,7 @@ class SpanRecorder(Protocol):
 
     def begin(self, track: str, what: Any, args: dict[str, Any] | None = None) -> Any: ...
 
-    def issued(self, token: Any, work: Any) -> None: ...
+    def issued(self, token: Any, work: Any, done: Any = None) -> None: ...
 
     def end(self, token: Any) -> None: ...
 
@@ -104,9 +104,9 @@ class _Both:
     def begin(self, track: str, what: Any, args: dict[str, Any] | None = None) -> Any:
         return [r.begin(track, what, args) for r in self.recorders]
 
-    def issued(self, token: Any, work: Any) -> None:
+    def issued(self, token: Any, work: Any, done: Any = None) -> None:
         for r, t in zip(self.recorders, token):
-            r.issued(t, work)
+            r.issued(t, work, done)
 
     def end(self, token: Any) -> None:
         for r, t in zip(self.recorders, token):
@@ -147,10 +147,12 @@ def begin(track: str, what: Any, args: dict[str, Any] | None = None) -> Any:
     return None if rec is None else (rec, rec.begin(track, what, args))
 
 
-def issued(token: Any, work: Any) -> None:
-    """The work of a span :func:`begin` started: its completion ends the span, where the clock can tell it."""
+def issued(token: Any, work: Any, done: Any = None) -> None:
+    """The work of a span :func:`begin` started: its completion ends the span, where the clock can
+    tell it. ``done``: a list the caller's own completion callback appends the host time to (the
+    clock takes it instead of adding a callback of its own)."""
     if token is not None:
-        token[0].issued(token[1], work)
+        token[0].issued(token[1], work, done)
 
 
 def end(token: Any) -> None:

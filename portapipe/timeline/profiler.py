@@ -69,7 +69,7 @@ class Labels:
         issue.__enter__()
         return (name, issue)
 
-    def issued(self, token: Any, work: Any) -> None:
+    def issued(self, token: Any, work: Any, done: Any = None) -> None:
         if token[1] is not None:
             token[1].__exit__(None, None, None)
 

@@ -100,8 +100,8 @@ class StepRecorder:
         self.rows.append([track, what, args, self.current, self.stack[-1] if self.stack else -1, self.clock.mark(), None, None, -1])
         return len(self.rows) - 1
 
-    def issued(self, token: int, work: Any) -> None:
-        self.rows[token][7] = self.clock.done(work)
+    def issued(self, token: int, work: Any, done: Any = None) -> None:
+        self.rows[token][7] = self.clock.done(work, done)
 
     def end(self, token: int) -> None:
         row = self.rows[token]
