@@ -170,7 +170,7 @@ class SpanClock:
             fut = future()
         except RuntimeError:  # a work without a future (gloo's point-to-point)
             return None
-        cell: list[float] = []
+        cell = []
         fut.add_done_callback(lambda _f: cell.append(time.perf_counter()))
         return cell
 

@@ -90,6 +90,7 @@ class StepRecorder:
         self.rows: list[list[Any]] = []
         self.stack: list[int] = []
         self.current: Action | None = None
+        self.untold: set[str] = set()  # tracks whose works' completion the clock cannot tell
         self.start = clock.mark()
 
     # ------------------------------------------------------------ what the core calls
@@ -101,7 +102,12 @@ class StepRecorder:
         return len(self.rows) - 1
 
     def issued(self, token: int, work: Any, done: Any = None) -> None:
-        self.rows[token][7] = self.clock.done(work, done)
+        row = self.rows[token]
+        if row[0] in self.untold:
+            return
+        row[7] = self.clock.done(work, done)
+        if row[7] is None:  # this track's works cannot tell (gloo's point-to-point, whose asking raises): not asked again
+            self.untold.add(row[0])
 
     def end(self, token: int) -> None:
         row = self.rows[token]
