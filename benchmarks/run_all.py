@@ -49,6 +49,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "balancer_collectives": ["--ep", "4", "--redundant", "1"],  # docs/balancers-in-training.md's replica sum and figure gather
     "validation": ["--rounds", "5"],  # docs/training.md's forward-only validation
     "data": [],  # the README's data figures: tokenize vs datasets.map, batch making, a 20 GB corpus, blends, document masking
+    "timeline": ["--pairs", "15"],  # docs/timeline.md's cost of recording a step, on and off
 }
 #: benchmark scripts whose figures come from another machine, with where they run instead
 ELSEWHERE: dict[str, str] = {

@@ -5,10 +5,11 @@
    default the Makefile's ``torch==2.13.0+cpu``, from pip's configured local wheels and indexes),
    then the wheel with its declared dependencies only: no extra;
 3. from an empty folder, with that environment's ``bin`` first on PATH: ``portapipe info``,
-   ``init`` (the file must equal examples/cpu.yaml), a 5-step ``train``, ``verify``,
-   ``simulate``, ``profile`` and ``plan``, the benchmarks shipped in the package, and three
-   features whose extra is not installed (a chart, TensorBoard, the deepseek_v3 starter's token
-   data from the shipped corpus and tokenizer), which must fail with one line naming the extra.
+   ``init`` (the file must equal examples/cpu.yaml), a 5-step ``train`` recording its last step's
+   timeline, ``timeline``, ``verify``, ``simulate``, ``profile`` and ``plan``, the benchmarks
+   shipped in the package, and four features whose extra is not installed (a chart, TensorBoard,
+   the deepseek_v3 starter's token data from the shipped corpus and tokenizer, the timeline's
+   picture), which must fail with one line naming the extra.
 
 A command fails the run when its exit code is not the expected one or when stderr holds
 anything but portapipe's own lines (``portapipe...`` messages and its progress bars): a
@@ -47,7 +48,8 @@ STEPS = (
     Step("portapipe --version"),
     Step("portapipe info"),
     Step("portapipe init cpu --out c.yaml"),
-    Step("portapipe train c.yaml --set train.steps=5"),
+    Step("portapipe train c.yaml --set train.steps=5 --set 'log.timeline.steps=[5]'"),
+    Step("portapipe timeline runs/cpu --step 5"),
     Step("portapipe verify c.yaml"),
     Step("portapipe simulate --schedule dualpipev --pp 4 --microbatches 16"),
     Step("portapipe profile c.yaml --out cpu.json"),
@@ -64,6 +66,7 @@ STEPS = (
     # Extras not installed: one line naming the extra, before anything starts.
     Step("portapipe simulate --schedule 1f1b --pp 2 --microbatches 4 --plot s.png", 2, "pip install 'portapipe[viz]'"),
     Step("portapipe train c.yaml --set log.tensorboard=true --set log.dir=runs/tb", 2, "pip install 'portapipe[tensorboard]'"),
+    Step("portapipe timeline runs/cpu --out t.png", 2, "pip install 'portapipe[viz]'"),
 )
 
 

@@ -93,6 +93,13 @@ NPU_PY = [
 ]
 
 
+#: torch_npu's profiler, under its package's names: (file inside the wheel, class, function, recorded as)
+NPU_PROFILER_PY = [
+    ("torch_npu/profiler/profiler.py", "profile", "__init__", "torch_npu.profiler.profile"),
+    ("torch_npu/profiler/profiler.py", "_KinetoProfile", "export_chrome_trace", "torch_npu.profiler.profile.export_chrome_trace"),
+]
+
+
 def _plain(sig: inspect.Signature, drop_first: bool = False) -> str:
     """A signature without annotations (they differ between releases for no reason that matters)."""
     params = list(sig.parameters.values())[1 if drop_first else 0 :]
@@ -173,7 +180,9 @@ def torch_npu_lines(wheel: Path) -> tuple[str, str, list[str]]:
             if not found:
                 raise ValueError(f"{wheel.name}: no schema of {op} in {yaml_name}")
             lines += [f"op: {f.strip()}" for f in found]
-        for path, cls, func in NPU_PY:
+        entries = [(path, cls, func, "torch_npu.npu." + (cls if func == "__new__" else f"{cls}.{func}" if cls else func))
+                   for path, cls, func in NPU_PY] + NPU_PROFILER_PY
+        for path, cls, func, name in entries:
             if path not in names:
                 raise ValueError(f"{wheel.name}: no {path}")
             tree = ast.parse(zf.read(path).decode())
@@ -181,7 +190,6 @@ def torch_npu_lines(wheel: Path) -> tuple[str, str, list[str]]:
             if cls is not None:
                 scope = _one([n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls], f"class {cls} in {path}", wheel).body
             fn = _one([n for n in scope if isinstance(n, ast.FunctionDef) and n.name == func], f"{func} in {path}", wheel)
-            name = "torch_npu.npu." + (cls if func == "__new__" else f"{cls}.{func}" if cls else func)
             lines.append(f"py: {name}{_ast_signature(fn, drop_first=cls is not None)}")
     return version, "; ".join(requires), lines
 

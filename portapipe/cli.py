@@ -1,4 +1,4 @@
-"""``portapipe`` command line: init | train | verify | simulate | balance | bench | info | checkpoints | export | tokenize | profile | plan.
+"""``portapipe`` command line: init | train | verify | simulate | balance | bench | info | checkpoints | export | tokenize | profile | plan | timeline.
 
 Each sub-command lives in ``portapipe/commands/<name>.py`` with ``register(subparsers)``,
 which adds its parser and sets ``func(args) -> int``. Exit codes: 0 success, 1 a failure
@@ -17,7 +17,7 @@ import traceback
 import typing
 from collections.abc import Callable
 
-COMMANDS = ("init", "train", "verify", "simulate", "balance", "bench", "info", "checkpoints", "export", "tokenize", "profile", "plan")
+COMMANDS = ("init", "train", "verify", "simulate", "balance", "bench", "info", "checkpoints", "export", "tokenize", "profile", "plan", "timeline")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -4,8 +4,8 @@ A strict double: it refuses what the real torch_npu / CANN refuse, so the CPU su
 where an NPU would. Every call is bound against the declarations copied from the torch_npu
 release (tests/conformance/torch_npu-<version>.schemas, see tests/declared.py): keyword names,
 keyword-only arguments, argument types and overload choice (a tensor ``group_list`` selects
-the overload whose ``output_dtype`` is an int enum; a list selects ``.List``). Streams, events
-and module functions have exactly the declared signatures (a test compares them), and
+the overload whose ``output_dtype`` is an int enum; a list selects ``.List``). Streams, events,
+module functions and the profiler have exactly the declared signatures (a test compares them), and
 ``current_stream()`` returns a new wrapper each call, as the real one does.
 
 ``npu_grouped_matmul`` computes a CPU reference from the documented semantics after checking
@@ -199,6 +199,45 @@ class StandinNpu(types.ModuleType):
         self.rng[device] = new_state.clone()
 
 
+class StandinProfile:
+    """torch_npu.profiler.profile: records its arguments and its run; its Chrome trace is an empty
+    one (the real profiler analyses what CANN collected into it)."""
+
+    _rec: Recorder
+
+    def __init__(self, *, activities: Any = None, schedule: Any = None, on_trace_ready: Any = None, record_shapes: bool = False,
+                 profile_memory: bool = False, with_stack: bool = False, with_flops: bool = False, with_modules: bool = False,
+                 experimental_config: Any = None, execution_trace_observer: Any = None, custom_trace_id_callback: Any = None,
+                 use_cuda: Any = None) -> None:
+        if activities is not None and any(not isinstance(a, StandinProfilerActivity) for a in activities):
+            raise TypeError(f"stand-in torch_npu: activities must be torch_npu.profiler.ProfilerActivity members, got {list(activities)}")
+        self._rec.record("profiler.profile", activities=activities, record_shapes=record_shapes, profile_memory=profile_memory)
+
+    def __enter__(self) -> StandinProfile:
+        self._rec.record("profiler.profile.start")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._rec.record("profiler.profile.stop")
+
+    def export_chrome_trace(self, output_path: str) -> None:
+        if output_path.endswith(".gz"):
+            raise ValueError("stand-in torch_npu: export_chrome_trace writes plain JSON (its analysis takes no .gz path)")
+        self._rec.record("profiler.profile.export_chrome_trace", output_path=output_path)
+        with open(output_path, "w") as f:
+            f.write('{"traceEvents": []}')
+
+
+class StandinProfilerActivity:
+    """torch_npu.profiler.ProfilerActivity (a C enum: CPU and NPU)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"ProfilerActivity.{self.name}"
+
+
 def is_transposed(t: torch.Tensor) -> bool:
     """torch_npu's "transposed": shape ``[.., R, C]`` with strides ``(.., 1, R)`` (stored as ``[C, R]``)."""
     rows = t.shape[-2]
@@ -299,4 +338,7 @@ def make_standin(k_grouping: bool = True) -> types.ModuleType:
         return [y]
 
     mod.npu_grouped_matmul = npu_grouped_matmul
+    profile = type("profile", (StandinProfile,), {"_rec": rec})
+    activity = types.SimpleNamespace(CPU=StandinProfilerActivity("CPU"), NPU=StandinProfilerActivity("NPU"))
+    mod.profiler = types.SimpleNamespace(profile=profile, ProfilerActivity=activity)
     return mod

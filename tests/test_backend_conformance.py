@@ -10,6 +10,7 @@ defaults, overloads).
 
 from __future__ import annotations
 
+import gzip
 import inspect
 import re
 import sys
@@ -60,7 +61,8 @@ def test_every_api_the_backends_use_is_declared() -> None:
     assert "_fused_grouped_mm()(" in (BACKENDS / "cpu.py").read_text()  # torch.nn.functional.grouped_mm
     npu_module = _used(r"(?:_npu\(\)|\bnpu)\.(\w+)\(")
     assert sorted(n for n in npu_module if f"torch_npu.npu.{n}" not in npu.py) == []
-    assert _used(r"_import_torch_npu\(\)\.(\w+)") == {"npu", "npu_grouped_matmul"}
+    assert _used(r"_import_torch_npu\(\)\.(\w+)") == {"npu", "npu_grouped_matmul", "profiler"}
+    assert sorted(n for n in _used(r"\bprofiler\.(\w+)\(") if f"torch_npu.profiler.{n}" not in npu.py) == []  # torch_npu's profiler
     # Methods called on streams and events of either device.
     for method in ("record", "synchronize", "elapsed_time", "query"):
         assert f"torch.cuda.Event.{method}" in t.py and f"torch_npu.npu.Event.{method}" in npu.py
@@ -77,8 +79,11 @@ def test_torch_npu_standin_has_exactly_the_declared_signatures() -> None:
     decl = declared.load("torch_npu")
     mod = make_standin()
     for dotted, sig in decl.py.items():
-        parts = dotted.split(".")[2:]  # after torch_npu.npu
-        if parts[0] in ("Stream", "Event"):
+        parts = dotted.split(".")[2:]  # after torch_npu.npu or torch_npu.profiler
+        if dotted.startswith("torch_npu.profiler."):
+            cls = mod.profiler.profile
+            fn, drop = (cls.__init__, True) if len(parts) == 1 else (getattr(cls, parts[1]), True)
+        elif parts[0] in ("Stream", "Event"):
             cls = StandinStream if parts[0] == "Stream" else StandinEvent
             fn, drop = (cls.__new__, True) if len(parts) == 1 else (getattr(cls, parts[1]), True)
         else:
@@ -226,7 +231,7 @@ def test_fused_grouped_mm_calls_bind_to_the_declarations(monkeypatch) -> None:
     assert len(seen) == 4
 
 
-def test_every_torch_npu_call_binds_to_the_declarations(monkeypatch) -> None:
+def test_every_torch_npu_call_binds_to_the_declarations(monkeypatch, tmp_path) -> None:
     """Drive every AscendBackend method that reaches torch_npu under the strict stand-in."""
     mod = make_standin()
     monkeypatch.setitem(sys.modules, "torch_npu", mod)
@@ -250,6 +255,14 @@ def test_every_torch_npu_call_binds_to_the_declarations(monkeypatch) -> None:
         assert call["overload"] == "" and call["split_item"] == 3 and call["group_list_type"] == 0
         assert call["group_type"] in (0, 2) and call["group_list"].dtype == torch.int64
     assert {"set_device", "Event", "Event.record", "Stream.wait_event", "synchronize"} <= set(mod.recorder.names())
+    # log.profiler: torch_npu's profiler over the host and the NPU, its plain JSON gzipped where asked
+    prof = be.profiler(memory=True)
+    with prof:
+        pass
+    be.export_profile(prof, str(tmp_path / "rank0_step2.json.gz"))
+    made = mod.recorder.of("profiler.profile")
+    assert [repr(a) for a in made[0]["activities"]] == ["ProfilerActivity.CPU", "ProfilerActivity.NPU"] and made[0]["profile_memory"] is True
+    assert gzip.open(tmp_path / "rank0_step2.json.gz").read() == b'{"traceEvents": []}' and sorted(p.name for p in tmp_path.iterdir()) == ["rank0_step2.json.gz"]
 
 
 def test_npu_extra_pins_the_torch_npu_and_torch_of_the_declarations() -> None:

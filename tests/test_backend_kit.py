@@ -95,6 +95,17 @@ def test_a_broken_double_is_caught_by_the_lines_it_breaks() -> None:
     assert "memory_allocated() = None" in results["memory-figures"]
 
 
+def test_a_span_clock_other_than_the_declared_timer_fails_its_line() -> None:
+    """A backend declaring device events must time a recorded step's spans by them, not by the host clock."""
+
+    class DeclaresEvents(CPUBackend):
+        name = "declares-events"
+        capabilities = Capabilities(**{**CPUBackend.capabilities.__dict__, "timer": "events"})
+
+    results = run_local(DeclaresEvents())
+    assert results["span-clock"] == "[span-clock] capabilities.timer is 'events' but span_clock() is a SpanClock"
+
+
 @pytest.mark.multiproc
 def test_an_all_reduce_that_ignores_its_op_fails_the_reductions() -> None:
     """The kit once tested SUM only: a backend summing for MAX passed it."""

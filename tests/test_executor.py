@@ -159,6 +159,7 @@ def test_a_completed_send_is_let_go_after_the_next_compute_and_its_error_still_r
             return True
 
     run = object.__new__(StepRun)
+    run.sent = {}  # no step is recorded: no send has a span
     done, flying, opaque = Work(True), Work(False), Opaque()
     run.sends = [(done, "a"), (flying, "b"), (opaque, "c")]
     run._release_sent()

@@ -12,13 +12,16 @@ has Stream, Event, current_stream, memory statistics and RNG state with the same
 from __future__ import annotations
 
 import glob
+import gzip
 import importlib.util
 import logging
+import os
+import shutil
 from typing import Any
 
 import torch
 
-from .base import Backend, BackendUnavailable, EventTimer, Timer
+from .base import Backend, BackendUnavailable, EventSpanClock, EventTimer, SpanClock, Timer
 from .capabilities import Capabilities
 from .grouped_mm import grouped_mm_reference
 
@@ -245,6 +248,26 @@ class AscendBackend(Backend):
     # ------------------------------------------------------------------- timers
     def timer(self) -> Timer:
         return EventTimer(self._npu().Event)
+
+    def profiler(self, memory: bool = False) -> Any:
+        """torch_npu's profiler: the host's operators and the NPU's kernels; torch.profiler's
+        interface (enter / exit, ``export_chrome_trace``), and record_function's ranges in it."""
+        profiler = _import_torch_npu().profiler
+        activity = profiler.ProfilerActivity
+        return profiler.profile(activities=[activity.CPU, activity.NPU], profile_memory=memory, record_shapes=memory)
+
+    def export_profile(self, prof: Any, path: str) -> None:
+        """torch_npu's analysis writes plain JSON: written beside ``path``, then gzipped into it."""
+        plain = path.removesuffix(".gz")
+        prof.export_chrome_trace(plain)
+        if plain != path:
+            with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(plain)
+
+    def span_clock(self) -> SpanClock:
+        npu = self._npu()
+        return EventSpanClock(npu.Event, self.synchronize, lambda: npu.Stream(), npu.stream)  # HCCL's wait() holds a stream
 
     # ---------------------------------------------------------------------- RNG
     def get_rng_state(self) -> dict[str, torch.Tensor]:

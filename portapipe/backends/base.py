@@ -130,6 +130,117 @@ class EventTimer(Timer):
         return self.elapsed_s
 
 
+#: a time mark a span clock gives: a host time (seconds of ``time.perf_counter``), an event recorded
+#: on a stream, a cell a callback fills with a host time, or None (unknown)
+Mark = Any
+
+
+class SpanClock:
+    """When the work of a recorded step ran, on the host clock (``time.perf_counter``): the
+    ``wall`` timer of a backend's declaration (:attr:`Capabilities.timer`).
+
+    :meth:`mark` is "now" where the work runs; :meth:`done` the time an asynchronous work (an
+    exchange, a reduction) completes; :meth:`read` turns marks into seconds once, after the step.
+    Here a mark is the host time itself, and completion comes from the work's future (a callback on
+    the communication thread), where the work has one.
+    """
+
+    kind = "wall"
+
+    def start(self) -> None:
+        """Before a recorded step (outside it: a device clock may synchronize here)."""
+
+    def now(self) -> float:
+        """The host clock now, in seconds (what :meth:`read` gives marks in; ranks align on it)."""
+        return time.perf_counter()
+
+    def mark(self) -> Mark:
+        return time.perf_counter()
+
+    def done(self, work: Any, cell: list[float] | None = None) -> Mark:
+        """The completion time of ``work`` once it is known (None: the work cannot tell; the
+        caller's wait then bounds it). ``cell``: a list the caller's own completion callback
+        appends the host time to, taken instead of a second callback."""
+        if cell is not None:
+            return cell
+        future = getattr(work, "get_future", None)
+        if future is None:
+            return None
+        try:
+            fut = future()
+        except RuntimeError:  # a work without a future (gloo's point-to-point)
+            return None
+        cell = []
+        fut.add_done_callback(lambda _f: cell.append(time.perf_counter()))
+        return cell
+
+    def read(self, marks: Sequence[Mark]) -> list[float | None]:
+        """Each mark in seconds of the host clock (None where its time is not known)."""
+        return [_host_seconds(m) for m in marks]
+
+
+def _host_seconds(mark: Mark) -> float | None:
+    if isinstance(mark, float):
+        return mark
+    if isinstance(mark, list):
+        return mark[0] if mark else None
+    return None
+
+
+class EventSpanClock(SpanClock):
+    """Device time of a recorded step: each mark an event recorded on the stream the work runs on
+    (the current stream where :meth:`mark` is called; an exchange's issue on the communication
+    stream), read once after the step against a reference event taken at :meth:`start`, where the
+    device was idle and the host's clock stands beside it. Nothing waits inside the step.
+
+    ``event_factory(enable_timing=True)`` makes the events; ``synchronize()`` the device's; with
+    ``works_on_streams`` (NCCL / HCCL: an async work's ``wait()`` makes the current stream wait, the
+    host does not), :meth:`done` is an event recorded on a watch stream of its own after it waited
+    for the work (``stream_factory()`` and ``stream_ctx(stream)`` make and enter it); without (gloo,
+    whose ``wait()`` blocks the host), the work's future gives the host time, as on the CPU.
+    """
+
+    kind = "events"
+
+    def __init__(self, event_factory: Any, synchronize: Any, stream_factory: Any = None, stream_ctx: Any = None,
+                 works_on_streams: bool = True) -> None:
+        self._event, self._sync = event_factory, synchronize
+        self._stream_factory, self._stream_ctx = stream_factory, stream_ctx
+        self._on_streams = works_on_streams and stream_factory is not None
+        self._watch: Any = None
+        self._ref: Any = None
+        self._origin = 0.0
+
+    def start(self) -> None:
+        self._sync()
+        self._ref = self._event(enable_timing=True)
+        self._ref.record()
+        self._ref.synchronize()
+        self._origin = time.perf_counter()
+
+    def mark(self) -> Mark:
+        ev = self._event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def done(self, work: Any, cell: list[float] | None = None) -> Mark:
+        if not self._on_streams or not hasattr(work, "wait"):
+            return super().done(work, cell)
+        if self._watch is None:
+            self._watch = self._stream_factory()
+        with self._stream_ctx(self._watch):  # only this stream waits: no other work is held up
+            work.wait()
+            return self.mark()
+
+    def read(self, marks: Sequence[Mark]) -> list[float | None]:
+        if self._ref is None:
+            raise RuntimeError("EventSpanClock.read before start(): no reference event to read the marks against")
+        if any(not isinstance(m, (float, list, type(None))) for m in marks):
+            self._sync()  # once, after the step: every event has run
+        return [_host_seconds(m) if isinstance(m, (float, list, type(None))) else self._origin + self._ref.elapsed_time(m) / 1000.0
+                for m in marks]
+
+
 class Backend(ABC):
     """One kind of hardware: identity, process groups, streams, communication, kernels, memory.
 
@@ -428,6 +539,27 @@ class Backend(ABC):
             yield t
         finally:
             t.stop()
+
+    def profiler(self, memory: bool = False) -> Any:
+        """A torch.profiler run over this device's activities (:meth:`profiler_activities`): enter
+        and leave it around the profiled work, then ``export_chrome_trace(path)`` (``.gz``: gzipped)."""
+        import torch.profiler
+
+        return torch.profiler.profile(activities=self.profiler_activities(), profile_memory=memory, record_shapes=memory)
+
+    def export_profile(self, prof: Any, path: str) -> None:
+        """A finished :meth:`profiler` run's Chrome trace into ``path`` (``.json.gz``: gzipped)."""
+        prof.export_chrome_trace(path)  # torch.profiler gzips a .gz path itself
+
+    def profiler_activities(self) -> list[Any]:
+        """What torch.profiler records here: the host's operators."""
+        import torch.profiler
+
+        return [torch.profiler.ProfilerActivity.CPU]
+
+    def span_clock(self) -> SpanClock:
+        """The clock a recorded step's spans are taken with (``capabilities.timer``): the host's here."""
+        return SpanClock()
 
     # ---------------------------------------------------------------------- RNG
     def manual_seed(self, seed: int) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import Backend, BackendUnavailable, EventTimer, Timer
+from .base import Backend, BackendUnavailable, EventSpanClock, EventTimer, SpanClock, Timer
 from .capabilities import Capabilities
 from .grouped_mm import (
     _fused_grouped_mm,
@@ -358,6 +358,16 @@ class CUDABackend(Backend):
     # ------------------------------------------------------------------- timers
     def timer(self) -> Timer:
         return EventTimer(torch.cuda.Event)
+
+    def profiler_activities(self) -> list[Any]:
+        import torch.profiler
+
+        return [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+    def span_clock(self) -> SpanClock:
+        # NCCL's wait() holds a stream, not the host; gloo's (ranks sharing a GPU) blocks the host
+        return EventSpanClock(torch.cuda.Event, self.synchronize, lambda: torch.cuda.Stream(device=self.device()), torch.cuda.stream,
+                              works_on_streams=self.dist_backend == "nccl")
 
     # ---------------------------------------------------------------------- RNG
     def get_rng_state(self) -> dict[str, torch.Tensor]:

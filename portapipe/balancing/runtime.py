@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..scheduling.spans import COMPUTE, span
 from .loads import LoadWindow, Rebalancer
 from .lplb_periodic import lp_rank_loads, lplb_placement, plan_periodic
 from .migration import MigrationError, expert_tensors, migrate_parameters, plan_migration, row_bytes
@@ -178,7 +179,8 @@ class ExpertBalancer:
             # processor time, as the experts' (expert_clock): on a shared host the counts'
             # all-reduce would otherwise measure the ranks waiting for each other
             t0 = time.thread_time()
-            out = self.planners[row].run(topk_idx)
+            with span(COMPUTE, ("LPLB solve", layer)):
+                out = self.planners[row].run(topk_idx)
             self.switch.charge(time.thread_time() - t0)
             return out
         return self.placement.route(row, topk_idx, offset=self.ep_rank)
@@ -367,7 +369,8 @@ class ExpertBalancer:
         if counts is not None:
             self.load_window.record(counts)
             if due:
-                event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
+                with span(COMPUTE, f"{self.kind.upper()} rebalance"):
+                    event = self._decide(step + 1, optimizer)  # numbered like the metrics: after step N
                 self.history.append(event)
         mine["event"] = None if event is None else event.as_dict()
         parts = self.gather(mine)

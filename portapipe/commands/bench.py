@@ -26,6 +26,7 @@ CHECKOUT_ONLY = {
     "run_all": "it writes the checkout's benchmarks/results.json from every benchmark and the README's examples",
     "validation": "it trains examples/cpu.yaml of the checkout",
     "data": "it trains examples/deepseek_v3.yaml of the checkout and measures Hugging Face datasets (the data extra) as its peer",
+    "timeline": "it trains examples/cpu.yaml of the checkout",
 }
 
 

@@ -40,6 +40,23 @@ def _cross_checks(c: Config) -> list[str]:
     out += precision_problems(c)
     if c.checkpoint.load is not None and not c.checkpoint.load.strip():
         out.append("checkpoint.load: empty; name a checkpoint folder (step_NNNNNNNN) or a folder of checkpoints")
+    return out + _log_rules(c)
+
+
+def _log_rules(c: Config) -> list[str]:
+    """Steps to record that the run never reaches, ranks to profile it does not have."""
+    out = []
+    for key, choice in (("timeline", c.log.timeline), ("profiler", c.log.profiler)):
+        late = [s for s in choice.steps if s > c.train.steps]
+        if late:
+            out.append(f"log.{key}.steps: {late} past train.steps = {c.train.steps}, never run; choose among steps 1..{c.train.steps}")
+    p = c.log.profiler
+    for key, value in (("ranks", p.ranks), ("memory", p.memory)):
+        if not p.steps and value:
+            out.append(f"log.profiler.{key}: {value} has no effect: log.profiler.steps chooses no step to profile; set it, or remove {key}")
+    absent = [r for r in c.log.profiler.ranks or [] if r >= c.world_size]
+    if absent:
+        out.append(f"log.profiler.ranks: {absent} not among the run's {c.world_size} ranks (0..{c.world_size - 1})")
     return out
 
 

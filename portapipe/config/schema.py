@@ -316,6 +316,45 @@ class WandbConfig(Section):
     entity: str | None = Field(None, description="the W&B user or team [wandb's default]")
 
 
+class StepChoice(Section):
+    """Chosen steps of a run, 1-based as metrics.jsonl numbers them."""
+
+    steps: list[int] = Field(default_factory=list, description="the steps (1-based, as metrics.jsonl numbers them)")
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _from_one(cls, v: Any) -> Any:
+        if not isinstance(v, list) or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in v):
+            raise ValueError("expected a list of steps, whole numbers >= 1 as metrics.jsonl numbers them (step 1 is the first)")
+        return v
+
+
+class TimelineConfig(StepChoice):
+    """``log.timeline``: every rank's spans of chosen steps on one clock (:mod:`portapipe.timeline`,
+    docs/timeline.md); off unless a step is chosen."""
+
+    every: int = Field(0, ge=0, description="also every N-th step (N, 2N, ...); 0: only those of steps")
+
+    def chosen(self, step: int) -> bool:
+        """Whether (1-based) ``step`` is recorded."""
+        return step in self.steps or (self.every > 0 and step % self.every == 0)
+
+
+class ProfilerConfig(StepChoice):
+    """``log.profiler``: chosen steps under torch.profiler on chosen ranks, every action and exchange
+    a labelled range (:mod:`portapipe.timeline.profiler`); off unless a step is chosen."""
+
+    ranks: list[int] | None = Field(None, description="ranks profiled [all]; the others train on, unprofiled")
+    memory: bool = Field(False, description="also record the allocator's memory (torch.profiler's profile_memory)")
+
+    @field_validator("ranks", mode="before")
+    @classmethod
+    def _ranks(cls, v: Any) -> Any:
+        if v is not None and (not isinstance(v, list) or not v or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in v)):
+            raise ValueError("expected a non-empty list of ranks >= 0 (or leave it out: every rank)")
+        return v
+
+
 class LogConfig(Section):
     dir: str = "runs/latest"
     every: int = Field(1, ge=1)
@@ -327,6 +366,14 @@ class LogConfig(Section):
     wandb: WandbConfig = Field(
         default_factory=WandbConfig, description="also log the metrics to a Weights & Biases run named by the run id (extra wandb); "
         "a mode alone (offline) stands for {mode: offline}",
+    )
+    timeline: TimelineConfig = Field(
+        default_factory=TimelineConfig, description="record every rank's actions, exchanges and transfers of chosen steps on one clock: "
+        "<dir>/timeline/step_<N>.json (Chrome trace) and step_<N>.rows.json; `portapipe timeline <dir> --step N` draws them",
+    )
+    profiler: ProfilerConfig = Field(
+        default_factory=ProfilerConfig, description="run chosen steps under torch.profiler on chosen ranks, every action and exchange "
+        "a labelled range: <dir>/profiler/rank<r>_step<N>.json.gz",
     )
 
     @field_validator("wandb", mode="before")

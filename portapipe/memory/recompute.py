@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..models.expert_parallel import ExpertParallel, with_weights
-from ..scheduling.exchange import Pending, Wire, encoded
+from ..scheduling.exchange import Label, Pending, Wire, encoded
 from ..scheduling.overlap import Custom, Program, Tape
 from ..tensors.storage import free_storage
 from ..scheduling.wgrad import WeightGradQueue
@@ -59,8 +59,9 @@ class _Forward(Tape):
         with torch.no_grad():
             return fn(*args)
 
-    def all_to_all(self, ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int], wire: Wire | None = None) -> Pending:
-        return encoded(ep, x, out_splits, in_splits, wire)[0]
+    def all_to_all(self, ep: ExpertParallel, x: torch.Tensor, out_splits: list[int], in_splits: list[int], wire: Wire | None = None,
+                   label: Label | None = None) -> Pending:
+        return encoded(ep, x, out_splits, in_splits, wire, label=label)[0]
 
 
 class _Replay(Tape):
@@ -75,6 +76,9 @@ class _Replay(Tape):
 
     def _report(self, name: str, value: torch.Tensor) -> None:
         pass
+
+    def labelled(self, label: Label | None) -> Label | None:
+        return None if label is None else (f"{label[0]} replay", label[1])
 
     def part(self, fn: Any, *args: Any, plain: bool = False) -> Any:
         before = [b.clone() for b in self._buffers]

@@ -70,7 +70,7 @@ class ZeroMemory:
 
     def begin(self, layer: Any, tokens: torch.Tensor, send: torch.Tensor, plan: DispatchPlan) -> ExpertRefetch:
         """State for one micro-batch's pass through ``layer`` (after its attention part)."""
-        return ExpertRefetch(self, layer.moe.ep, tokens.detach(), send, plan, layer.top_k, layer.moe.refetch_wire)
+        return ExpertRefetch(self, layer.moe.ep, tokens.detach(), send, plan, layer.top_k, layer.moe.refetch_wire, layer.index)
 
 
 class ExpertRefetch:
@@ -78,9 +78,10 @@ class ExpertRefetch:
 
     def __init__(
         self, config: ZeroMemory, ep: ExpertParallel, tokens: torch.Tensor, send: torch.Tensor, plan: DispatchPlan, top_k: int,
-        wire: Wire | None = None,
+        wire: Wire | None = None, layer: int | None = None,
     ) -> None:
         self.config, self.ep, self.tokens, self.plan, self.top_k, self.wire = config, ep, tokens, plan, top_k, wire
+        self.layer = layer  # names the re-dispatch on a recorded step
         self._send: torch.Tensor | None = send
         self._recipes = Recipes()
         self._pending: Pending | None = None
@@ -154,7 +155,8 @@ class ExpertRefetch:
         if self._pending is None and self._inputs is None and self.ep.size > 1:
             plan = self.plan
             rows = dispatch_rows(self.tokens, plan, self.top_k, slice(None, plan.n_remote))
-            self._pending, _ = encoded(self.ep, rows, plan.remote_recv_splits, plan.remote_send_splits, self.wire, stats=self.config.stats)
+            self._pending, _ = encoded(self.ep, rows, plan.remote_recv_splits, plan.remote_send_splits, self.wire, stats=self.config.stats,
+                                       label=("re-dispatch", self.layer))
 
     def expert_inputs(self) -> Any:
         """The received rows again (under FP8: their values and scales, :class:`~portapipe.fp8.quantize.Quantized`)."""

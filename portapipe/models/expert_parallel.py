@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..scheduling import spans
 from ..scheduling.exchange import A2AStats, ExchangeGroup, Pending
 
 
@@ -144,9 +145,10 @@ class DispatchPlan:
     remote_tile_rows = _Receiving()
 
 
-def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) -> DispatchPlan:
+def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int, layer: int | None = None) -> DispatchPlan:
     """Sort rows by expert and start the small exchange of row counts with the other EP ranks
-    (asynchronous: the plan's receiving side waits for it when first read)."""
+    (asynchronous: the plan's receiving side waits for it when first read; ``layer`` names it on a
+    recorded step)."""
     flat = topk_idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_experts).to(torch.int64)
@@ -155,7 +157,10 @@ def plan_dispatch(ep: ExpertParallel, topk_idx: torch.Tensor, n_experts: int) ->
     pending = None
     if ep.size > 1:
         got = torch.empty_like(counts)
-        pending = Pending(got, ep.backend.all_to_all_single(got, counts, group=ep.group, async_op=True), ep.counts_stats)
+        token = None
+        if spans.RECORDER.get() is not None:  # a recorded step: the counts' exchange is issued now
+            token = spans.begin(spans.EXCHANGES, ("counts", layer), {"bytes": counts.numel() * counts.element_size(), "rows_from": [per] * ep.size})
+        pending = Pending(got, ep.backend.all_to_all_single(got, counts, group=ep.group, async_op=True), ep.counts_stats, token=token)
     me = ep.rank
     start = sum(send_splits[:me])
     end = start + send_splits[me]

@@ -113,11 +113,11 @@ class MoE(nn.Module):
     def dispatch_plan(self, idx: torch.Tensor) -> DispatchPlan:
         """Plan the dispatch of routed entries ``idx[T, k]`` (logical ids) and count them."""
         if self.ep.balancer is None:
-            plan = plan_dispatch(self.ep, idx, self.n_experts)
+            plan = plan_dispatch(self.ep, idx, self.n_experts, self.index)
             self.step_counts += plan.counts
             return plan
         slots = self.ep.balancer.route(self.index, idx)
-        plan = plan_dispatch(self.ep, slots, self.ep.balancer.num_slots)
+        plan = plan_dispatch(self.ep, slots, self.ep.balancer.num_slots, self.index)
         self.step_counts += torch.bincount(idx.reshape(-1), minlength=self.n_experts)
         self.slot_counts += plan.counts
         return plan

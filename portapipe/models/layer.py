@@ -196,7 +196,7 @@ class Layer(nn.Module):
         if zm is not None:  # zero-memory's re-dispatch needs no gradient: the backward may start it early
             tape.ahead(zm.issue)
         # the rows with their router weights (one exchange; its reverse brings both gradients)
-        dispatch = tape.all_to_all(moe.ep, send, plan.remote_recv_splits, plan.remote_send_splits, moe.dispatch_wire)
+        dispatch = tape.all_to_all(moe.ep, send, plan.remote_recv_splits, plan.remote_send_splits, moe.dispatch_wire, ("dispatch", self.index))
         yield dispatch
         # The shared expert and the rows this rank routed to itself need nothing from other
         # ranks: the shared expert computes while the rows travel, the local rows' experts
@@ -207,7 +207,7 @@ class Layer(nn.Module):
         got = dispatch.wait()
         free_storage(send)  # sent: the attention part's backward needs only its gradient
         out = tape.part(self.experts_part, *((got.standin, got) if isinstance(got, Fp8Rows) else (got, None)), plan, zm)
-        combine = tape.all_to_all(moe.ep, out, plan.remote_send_splits, plan.remote_recv_splits, moe.combine_wire)
+        combine = tape.all_to_all(moe.ep, out, plan.remote_send_splits, plan.remote_recv_splits, moe.combine_wire, ("combine", self.index))
         yield combine
         mine = tape.part(self.experts_part, local, local_weights, plan, zm, True)
         back = combine.wait()

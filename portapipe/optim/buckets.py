@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..scheduling import spans
 from ..scheduling.stage import is_expert, owned_rows, shared_blocks
 
 
@@ -76,6 +77,8 @@ class Bucket:
     owned_cache: tuple[Any, ...] | None = None
     #: the runs of ``grad`` travelling packed in ``sent`` (None: all of it)
     runs: list[tuple[int, int]] | None = None
+    #: the reduction's span on a recorded step (:func:`~portapipe.scheduling.spans.begin`)
+    span: Any = None
 
     @property
     def shard_size(self) -> int:
@@ -281,11 +284,15 @@ class GradBuckets:
         else:
             sent = bucket.grad if self.reduce_dtype == self.master_dtype else bucket.grad.to(self.reduce_dtype)
         bucket.sent = sent
+        if spans.RECORDER.get() is not None:  # a recorded step: the reduction's span, from its issue to its completion
+            what = ("reduce-scatter" if self.zero_stage == 2 else "all-reduce", bucket.block, self.by_block[bucket.block].index(bucket))
+            bucket.span = spans.begin(spans.GRAD_SYNC, what, {"bytes": sent.numel() * sent.element_size(), "expert": bucket.expert})
         if self.zero_stage == 2:
             out = bucket.shard_grad if self.reduce_dtype == self.master_dtype else sent.new_empty(bucket.shard_size)
             bucket.work = (self.backend.reduce_scatter_tensor(out, sent, group=bucket.group, async_op=True), out)
         else:
             bucket.work = (self.backend.all_reduce(sent, group=bucket.group, async_op=True), sent)
+        spans.issued(bucket.span, bucket.work[0])
 
     def _complete(self, bucket: Bucket) -> None:
         if bucket.work is _DONE:
@@ -293,7 +300,8 @@ class GradBuckets:
                 bucket.shard_grad.copy_(bucket.grad[bucket.shard])
         else:
             work, out = bucket.work
-            work.wait()
+            with spans.waiting(bucket.span):
+                work.wait()
             if self.zero_stage == 2:
                 if out is not bucket.shard_grad:
                     bucket.shard_grad.copy_(out)
@@ -304,7 +312,7 @@ class GradBuckets:
                     at += b - a
             elif out is not bucket.grad:
                 bucket.grad.copy_(out)
-        bucket.work = bucket.sent = bucket.runs = None
+        bucket.work = bucket.sent = bucket.runs = bucket.span = None
         if self.zero_stage == 2:  # the full gradient is freed as soon as it is reduced
             bucket.grad = None
             self.release(bucket)

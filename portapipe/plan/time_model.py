@@ -294,12 +294,18 @@ class TimeModel:
         posted = self.posts.get(key, 0.0)
         return t.wall + posted, t.exposed, t.compute + t.background + posted + self.post_background.get(key, 0.0)
 
-    def predict(self) -> TimeReport:
-        sched = self.schedule
+    def simulated(self) -> Any:
+        """The schedule simulated with these durations (processor sharing included): its
+        :class:`~portapipe.scheduling.simulate.SimResult`, in seconds (``portapipe timeline``'s plan)."""
         priced = _Priced(self, {})
-        result = run_lists(sched, self.lists, priced, True, True)
+        result = run_lists(self.schedule, self.lists, priced, True, True)
         if self.profile.processors is not None:
             result = self._with_sharing(priced, result)
+        return result
+
+    def predict(self) -> TimeReport:
+        sched = self.schedule
+        result = self.simulated()
         per_rank_a2a = [0.0] * sched.n_ranks
         per_rank_exposed = [0.0] * sched.n_ranks
         per_rank_cpu = [0.0] * sched.n_ranks

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from ..backends.base import Backend
+from . import spans
 
 
 @dataclass
@@ -106,12 +107,20 @@ def standin(rows: int, like: torch.Tensor) -> torch.Tensor:
     return like.new_zeros(()).expand(rows, *like.shape[1:])
 
 
+#: what an exchange is, for a recorded step: what its caller calls it and the model layer
+#: (``("dispatch", 5)``; the recorder adds the micro-batch of the program that issued it)
+Label = tuple[str, "int | None"]
+
+
 class Pending:
     """An exchange in flight; ``wait()`` returns the received rows (timing the block), or with
-    ``decode``, ``decode(rows)`` (made once)."""
+    ``decode``, ``decode(rows)`` (made once). ``token``: its span on a recorded step
+    (:func:`.spans.begin`), None otherwise."""
 
-    def __init__(self, output: torch.Tensor, work: Any, stats: A2AStats | None, decode: Callable[[torch.Tensor], Any] | None = None) -> None:
+    def __init__(self, output: torch.Tensor, work: Any, stats: A2AStats | None, decode: Callable[[torch.Tensor], Any] | None = None,
+                 token: Any = None) -> None:
         self.output = output
+        self._token = token
         self._decode = decode
         self._decoded: Any = None
         self._work = work
@@ -120,10 +129,13 @@ class Pending:
         self._done_at: list[float] = []
         self._waited = work is None
         self._timed = stats is not None and stats.timed
-        if work is not None and self._timed and hasattr(work, "get_future"):
+        watched = work is not None and self._timed and hasattr(work, "get_future")
+        if watched:
             # Completion time from the communication thread: the true length of the exchange,
             # whether or not anybody was waiting for it.
             work.get_future().add_done_callback(lambda _f: self._done_at.append(time.perf_counter()))
+        if token is not None:  # a recorded step: the same completion time, where the clock is the host's
+            spans.issued(token, work, self._done_at if watched else None)
 
     @property
     def in_flight(self) -> bool:
@@ -147,7 +159,8 @@ class Pending:
     def _rows(self) -> torch.Tensor:
         if not self._waited:
             t0 = time.perf_counter()
-            self._work.wait()
+            with spans.waiting(self._token):
+                self._work.wait()
             t1 = time.perf_counter()
             self._waited = True
             if self._stats is not None:
@@ -167,11 +180,13 @@ def exchange(
     async_op: bool = True,
     stats: A2AStats | None = None,
     decode: Callable[[torch.Tensor], Any] | None = None,
+    label: Label | None = None,
 ) -> Pending:
     """Send ``in_splits[j]`` rows of ``x`` to rank j of ``group``; receive ``out_splits[j]`` rows from each
     (``wait()`` gives ``decode(rows)`` with ``decode``).
 
-    An asynchronous exchange's time goes to ``stats`` (default: the group's).
+    An asynchronous exchange's time goes to ``stats`` (default: the group's); on a recorded step
+    it is a span of the exchanges' track named by ``label``.
     """
     x = x.detach().contiguous()
     out = x.new_empty((int(sum(out_splits)),) + tuple(x.shape[1:]))
@@ -179,46 +194,50 @@ def exchange(
         out.copy_(x)
         return Pending(out, None, None, decode)
     rows = int(sum(in_splits)) - int(in_splits[group.rank])  # this rank's own rows never leave it
-    (group.stats if stats is None else stats).sent_bytes += rows * (x[:1].numel() * x.element_size())
+    sent = rows * (x[:1].numel() * x.element_size())
+    (group.stats if stats is None else stats).sent_bytes += sent
+    token = None
+    if async_op and spans.RECORDER.get() is not None:  # a recorded step: its issue is now
+        token = spans.begin(spans.EXCHANGES, label or ("exchange", None), {"bytes": sent, "rows_from": list(out_splits), "rows_to": list(in_splits)})
     work = group.backend.expert_all_to_all(out, x, list(out_splits), list(in_splits), group=group.group, async_op=async_op)
     if not async_op:
         return Pending(out, None, None, decode)
-    return Pending(out, work, group.stats if stats is None else stats, decode)
+    return Pending(out, work, group.stats if stats is None else stats, decode, token)
 
 
 def issue(
     group: ExchangeGroup, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], stats: A2AStats | None = None,
-    decode: Callable[[torch.Tensor], Any] | None = None,
+    decode: Callable[[torch.Tensor], Any] | None = None, label: Label | None = None,
 ) -> Pending:
     """Start an asynchronous :func:`exchange` on the communication stream (after the compute
     stream's work so far, so it sends what was computed)."""
     backend = group.backend
     if not backend.capabilities.streams:  # declared no-op streams: nothing to order
-        return exchange(group, x, out_splits, in_splits, async_op=True, stats=stats, decode=decode)
+        return exchange(group, x, out_splits, in_splits, async_op=True, stats=stats, decode=decode, label=label)
     comm = group.comm_stream()
     comm.wait_stream(backend.compute_stream())
     with backend.stream(comm):
-        return exchange(group, x, out_splits, in_splits, async_op=True, stats=stats, decode=decode)
+        return exchange(group, x, out_splits, in_splits, async_op=True, stats=stats, decode=decode, label=label)
 
 
 def encoded(group: ExchangeGroup, x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], wire: Wire | None,
-            stats: A2AStats | None = None) -> tuple[Pending, torch.Tensor | None]:
+            stats: A2AStats | None = None, label: Label | None = None) -> tuple[Pending, torch.Tensor | None]:
     """:func:`issue` of ``x``'s forward rows through ``wire`` (None, or a wire that leaves the
     forward as it is: plain). Returns the exchange and, when the rows travel encoded, the stand-in
     that autograd routes their gradient through (what ``wait()``'s decoded rows hold)."""
     if wire is None or not wire.forward:
-        return issue(group, x, out_splits, in_splits, stats), None
+        return issue(group, x, out_splits, in_splits, stats, label=label), None
     rows = standin(int(sum(out_splits)), x)
-    return issue(group, wire.encode(x.detach()), out_splits, in_splits, stats, lambda got: wire.decode(got, rows)), rows
+    return issue(group, wire.encode(x.detach()), out_splits, in_splits, stats, lambda got: wire.decode(got, rows), label), rows
 
 
 def encoded_grad(group: ExchangeGroup, g: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], wire: Wire | None,
-                 like: torch.Tensor) -> Pending:
+                 like: torch.Tensor, label: Label | None = None) -> Pending:
     """:func:`issue` of a backward's gradient ``g`` through ``wire``; ``wait()`` gives a tensor of
     ``like``'s dtype (the rows the forward sent) either way."""
     if wire is None or not wire.backward:
-        return issue(group, g, out_splits, in_splits)
-    return issue(group, wire.encode_grad(g.detach()), out_splits, in_splits, decode=lambda got: wire.decode_grad(got, like))
+        return issue(group, g, out_splits, in_splits, label=label)
+    return issue(group, wire.encode_grad(g.detach()), out_splits, in_splits, decode=lambda got: wire.decode_grad(got, like), label=label)
 
 
 class AllToAll(torch.autograd.Function):

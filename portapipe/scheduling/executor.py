@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..backends.base import Backend, ParallelGroups
+from . import spans
 from .exchange import A2AStats
 from .ir import Action, Kind, Schedule
 from .comms import lower_comms
@@ -233,12 +234,15 @@ class PipelineExecutor:
             st.reset()
         self.exchange_stats.timed = self.counts_stats.timed = self.time_exchanges
         run_ = StepRun(self, microbatches)
-        t0 = time.perf_counter()
-        run_.execute()
-        self.grad_sync.finish()
-        losses, terms = self._gather_losses(run_.losses, run_.terms)
-        extra = dict(self.end_step(self)) if self.end_step is not None else {}
-        step_s = time.perf_counter() - t0
+        with spans.span(spans.COMPUTE, "step"):  # on a recorded step: the step, its actions, what follows them
+            t0 = time.perf_counter()
+            run_.execute()
+            with spans.span(spans.COMPUTE, "grad sync"):
+                self.grad_sync.finish()
+            with spans.span(spans.COMPUTE, "step end"):  # the losses gathered, the model's end of step
+                losses, terms = self._gather_losses(run_.losses, run_.terms)
+                extra = dict(self.end_step(self)) if self.end_step is not None else {}
+            step_s = time.perf_counter() - t0
         tokens = sum(int(mb[1].numel()) for mb in microbatches) * len(losses)
         timings = {
             "step_s": step_s,

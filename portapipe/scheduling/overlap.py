@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from .drive import Done, Program, discard_second, interleaved, run, run_pair  # run, run_pair, Program: re-exported
-from .exchange import AllToAll, ExchangeGroup, Pending, Wire, encoded, encoded_grad
+from .exchange import AllToAll, ExchangeGroup, Label, Pending, Wire, encoded, encoded_grad
 from .observe import NO_NOTE, OBSERVER, PartNote, observing  # observing: re-exported
 from .wgrad import WeightGradQueue, deferring, split_backward
 
@@ -78,6 +78,7 @@ class _Exchange:
     out_splits: list[int]
     in_splits: list[int]
     wire: Wire | None = None
+    label: Label | None = None
 
 
 @dataclass
@@ -169,24 +170,32 @@ class Tape:
         return out
 
     def all_to_all(
-        self, group: ExchangeGroup, x: torch.Tensor, out_splits: list[int], in_splits: list[int], wire: Wire | None = None
+        self, group: ExchangeGroup, x: torch.Tensor, out_splits: list[int], in_splits: list[int], wire: Wire | None = None,
+        label: Label | None = None,
     ) -> Pending | Done:
         """Issue an exchange of ``x`` over ``group``; the caller yields the result, then ``wait()``s on it.
 
         ``wire``: the rows and / or their gradients travel encoded (:class:`~.exchange.Wire`);
         ``wait()`` then gives what the wire decodes, and rows that travelled encoded reach the
-        receiver's parts through the stand-in the decoded value holds."""
+        receiver's parts through the stand-in the decoded value holds. ``label``: what the
+        exchange is (``("dispatch", layer)``), for a recorded step; its reverse in the backward
+        is named ``"<name> grad"``."""
         if not self.record:
             out = AllToAll.apply(x, group, list(out_splits), list(in_splits), wire)
             return Done(out[1] if isinstance(out, tuple) else out)
         if x.requires_grad:
             self._check_known(x, "tape.all_to_all rows")
-        pending, rows = encoded(group, x, out_splits, in_splits, wire)
+        label = self.labelled(label)
+        pending, rows = encoded(group, x, out_splits, in_splits, wire, label=label)
         output = pending.output if rows is None else rows
         output.requires_grad_(True)
         self._known.add(id(output))
-        self._steps.append(_Exchange(group, x, output, list(out_splits), list(in_splits), wire))
+        self._steps.append(_Exchange(group, x, output, list(out_splits), list(in_splits), wire, label))
         return pending
+
+    def labelled(self, label: Label | None) -> Label | None:
+        """The label this tape's exchanges carry (a replay's say so)."""
+        return label
 
     def ahead(self, fn: Callable[[], None]) -> None:
         """Record gradient-free work the backward may start early: ``fn()`` (zero-memory's
@@ -314,7 +323,8 @@ class Tape:
                 g = self._pop_grad(step.output)
                 if g is None:  # the exchange must still happen: the peers take part in it
                     g = torch.zeros(step.output.shape, dtype=step.output.dtype, device=step.output.device)
-                pending = encoded_grad(step.group, g, step.in_splits, step.out_splits, step.wire, step.source)
+                back = None if step.label is None else (f"{step.label[0]} grad", step.label[1])
+                pending = encoded_grad(step.group, g, step.in_splits, step.out_splits, step.wire, step.source, back)
                 flow.start(j)
                 in_flight.append((j, pending))
                 yield pending

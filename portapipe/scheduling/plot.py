@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .ir import Action, Kind
-from .simulate import SimResult
+from .ir import Action, Kind, Schedule
+from .simulate import SimResult, Slot
 
 _LETTER = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
 #: The one vocabulary of the timeline, the chart and the cost option: cell -> meaning (cost).
@@ -29,10 +29,13 @@ VOCABULARY = {
 LEGEND = "; ".join(f"{k} {v}" for k, v in VOCABULARY.items()) + "; lower case = rank's 2nd+ stage; . idle"
 
 
-def _chunk_index(result: SimResult) -> dict[int, int]:
+def chunk_index(s: Schedule) -> dict[int, int]:
     """Virtual stage -> its index among its rank's stages (0 = first)."""
-    s = result.schedule
     return {v: s.stages_of(s.stage_rank[v]).index(v) for v in range(s.n_stages)}
+
+
+def _chunk_index(result: SimResult) -> dict[int, int]:
+    return chunk_index(result.schedule)
 
 
 def _half_label(h: Action, chunk: dict[int, int]) -> str:
@@ -91,7 +94,7 @@ CHART_DPI = 125
 CHART_WIDTH_IN = (8.0, 15.0)
 CHART_PLOT_HEIGHT_IN = 9.0
 MIN_LABEL_PT = 6.5
-_LEFT_IN, _RIGHT_IN, _TOP_IN, _XLABEL_IN, _LEGEND_ROW_IN = 0.95, 0.25, 0.45, 0.6, 0.24
+LEFT_IN, RIGHT_IN, TOP_IN, XLABEL_IN, LEGEND_ROW_IN = 0.95, 0.25, 0.45, 0.6, 0.24
 
 
 def chart_layout(span: float, n_ranks: int, min_dur: float, max_mb: int) -> dict[str, float]:
@@ -99,14 +102,14 @@ def chart_layout(span: float, n_ranks: int, min_dur: float, max_mb: int) -> dict
     digits = len(str(max(max_mb, 0)))
     per_label = 0.62 * digits + 0.6  # a number's width plus padding, in units of its font size
     lo, hi = CHART_WIDTH_IN
-    wanted = span * 8.0 * per_label / max(min_dur, 1e-9) / 72 + _LEFT_IN + _RIGHT_IN  # 8 pt numbers
+    wanted = span * 8.0 * per_label / max(min_dur, 1e-9) / 72 + LEFT_IN + RIGHT_IN  # 8 pt numbers
     width = min(hi, max(lo, wanted))
     row = min(0.55, CHART_PLOT_HEIGHT_IN / n_ranks)
-    pts_per_unit = (width - _LEFT_IN - _RIGHT_IN) * 72 / span
+    pts_per_unit = (width - LEFT_IN - RIGHT_IN) * 72 / span
     font = min(9.0, pts_per_unit * min_dur / per_label, row * 72 * 0.4 * 0.8)
     ncol = 3 if width >= 11 else 2
     legend_rows = -(-6 // ncol)
-    height = row * n_ranks + _TOP_IN + _XLABEL_IN + legend_rows * _LEGEND_ROW_IN
+    height = row * n_ranks + TOP_IN + XLABEL_IN + legend_rows * LEGEND_ROW_IN
     return {"width": width, "height": height, "row": row, "ncol": ncol, "label_pt": font if font >= MIN_LABEL_PT else 0.0}
 
 
@@ -135,7 +138,6 @@ def gantt(result: SimResult, path: str, title: str | None = None) -> dict[str, f
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch, Rectangle
 
     s = result.schedule
     chunk = _chunk_index(result)
@@ -146,45 +148,61 @@ def gantt(result: SimResult, path: str, title: str | None = None) -> dict[str, f
     layout = chart_layout(span, n, min_dur, max((x.action.mb for x in slots), default=0))
     font, w, h = layout["label_pt"], layout["width"], layout["height"]
     fig = plt.figure(figsize=(w, h))
-    bottom = h - _TOP_IN - layout["row"] * n
-    ax = fig.add_axes((_LEFT_IN / w, bottom / h, (w - _LEFT_IN - _RIGHT_IN) / w, layout["row"] * n / h))
-
-    def cell(x0: float, x1: float, y0: float, height: float, half: Action) -> None:
-        second = chunk[half.stage] > 0
-        ax.add_patch(
-            Rectangle(
-                (x0, y0), x1 - x0, height, facecolor=_COLOUR[half.kind], edgecolor="white", linewidth=0.4,
-                hatch="///" if second else None, alpha=0.75 if second else 1.0,
-            )
-        )
-        if font:
-            ax.text((x0 + x1) / 2, y0 + height / 2, str(half.mb), ha="center", va="center", fontsize=font, color="black")
+    bottom = h - TOP_IN - layout["row"] * n
+    ax = fig.add_axes((LEFT_IN / w, bottom / h, (w - LEFT_IN - RIGHT_IN) / w, layout["row"] * n / h))
 
     for r, row in enumerate(result.timeline):
-        y = n - 1 - r  # rank 0 on top
-        for slot in row:
-            a = slot.action
-            if a.pair is not None:
-                f, b = a.pair
-                cell(slot.start, slot.end, y + 0.5, 0.4, f)
-                cell(slot.start, slot.end, y + 0.1, 0.4, b)
-                ax.add_patch(Rectangle((slot.start, y + 0.1), slot.end - slot.start, 0.8, fill=False, edgecolor="black", linewidth=1.2))
-            else:
-                cell(slot.start, slot.end, y + 0.1, 0.8, a)
+        draw_row(ax, row, n - 1 - r + 0.1, 0.8, chunk, font)  # rank 0 on top
     ax.set_xlim(0, span)
     ax.set_ylim(0, n)
     ax.set_yticks([n - 1 - r + 0.5 for r in range(n)])
     ax.set_yticklabels([f"rank {r}" for r in range(n)], fontsize=min(9.0, max(5.0, layout["row"] * 72 * 0.6)))
     ax.tick_params(axis="x", labelsize=9)
     ax.set_xlabel("time (cost units)" + ("" if font else "; micro-batch numbers left out at this size"), fontsize=9)
-    handles = [Patch(facecolor=_COLOUR[k], label=f"{_LETTER[k]} {VOCABULARY[_LETTER[k]]}") for k in (Kind.F, Kind.B, Kind.W, Kind.BW)]
-    handles.append(Patch(facecolor="white", edgecolor="black", label="frame: " + VOCABULARY["(F;B)"]))
-    handles.append(Patch(facecolor="#cccccc", hatch="///", label="hatched: " + _second_label(s.name)))
-    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=int(layout["ncol"]), fontsize=8.5, frameon=False)
+    fig.legend(handles=legend_handles(s.name), loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=int(layout["ncol"]), fontsize=8.5, frameon=False)
     fig.suptitle(title or f"{s.name}: {n} ranks, {s.n_microbatches} micro-batches", fontsize=10, y=1 - 0.12 / h, va="top")
     fig.savefig(path, dpi=CHART_DPI)
     plt.close(fig)
     return layout
+
+
+def draw_row(ax: Any, slots: list[Slot], y: float, height: float, chunk: dict[int, int], font: float, alpha: float = 1.0,
+             min_label: float = 0.0) -> None:
+    """One rank's cells on ``ax``, from ``y`` up ``height``: a pair's two halves stacked in a black
+    frame, a rank's later stage hatched, each cell's micro-batch written in ``font`` points (0: none)
+    where the cell is at least ``min_label`` long."""
+    from matplotlib.patches import Rectangle
+
+    def cell(x0: float, x1: float, y0: float, h: float, half: Action) -> None:
+        second = chunk[half.stage] > 0
+        ax.add_patch(
+            Rectangle(
+                (x0, y0), x1 - x0, h, facecolor=_COLOUR[half.kind], edgecolor="white", linewidth=0.4,
+                hatch="///" if second else None, alpha=(0.75 if second else 1.0) * alpha,
+            )
+        )
+        if font and x1 - x0 >= min_label:
+            ax.text((x0 + x1) / 2, y0 + h / 2, str(half.mb), ha="center", va="center", fontsize=font, color="black")
+
+    for slot in slots:
+        a = slot.action
+        if a.pair is not None:
+            f, b = a.pair
+            cell(slot.start, slot.end, y + height / 2, height / 2, f)
+            cell(slot.start, slot.end, y, height / 2, b)
+            ax.add_patch(Rectangle((slot.start, y), slot.end - slot.start, height, fill=False, edgecolor="black", linewidth=1.2 * alpha))
+        else:
+            cell(slot.start, slot.end, y, height, a)
+
+
+def legend_handles(name: str) -> list[Any]:
+    """The chart's legend: the cell kinds, the F&B frame, the hatch of a rank's later stage."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=_COLOUR[k], label=f"{_LETTER[k]} {VOCABULARY[_LETTER[k]]}") for k in (Kind.F, Kind.B, Kind.W, Kind.BW)]
+    handles.append(Patch(facecolor="white", edgecolor="black", label="frame: " + VOCABULARY["(F;B)"]))
+    handles.append(Patch(facecolor="#cccccc", hatch="///", label="hatched: " + _second_label(name)))
+    return handles
 
 
 def _second_label(name: str) -> str:

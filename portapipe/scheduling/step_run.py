@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import spans
 from .ir import Action, Kind
 from .overlap import Program, Tape, run, run_pair
 from .wgrad import WeightGradQueue
@@ -41,6 +42,9 @@ class StepRun:
         self.local: dict[tuple[Kind, int, int], torch.Tensor] = {}  # same-rank hand-offs
         self.outbox: dict[tuple[Kind, int, int], torch.Tensor] = {}  # waiting for their SEND
         self.sends: list[tuple[Any, torch.Tensor]] = []
+        # a recorded step: the spans of the sends (by their work's id) and of the receives not seen complete
+        self.sent: dict[int, Any] = {}
+        self.posted: dict[tuple[Kind, int, int], Any] = {}
         self.tapes: dict[tuple[int, int], tuple[Tape, torch.Tensor]] = {}
         self.queues: dict[tuple[int, int], WeightGradQueue] = {}
         self.losses: dict[int, torch.Tensor] = {}
@@ -63,6 +67,8 @@ class StepRun:
                 continue
             self._compute(acts[i])
             self._release_sent()
+            if self.posted:
+                self._seen_received()
             sync = None if self.forward_only else self.rt.grad_sync
             if sync is not None:
                 for block in self.rt.grads_final.get(i, ()):
@@ -70,6 +76,7 @@ class StepRun:
             i += 1
         for work, _ in self.sends:
             work.wait()
+            spans.end(self.sent.pop(id(work), None))
         left = [f"{v}F{m} (no backward ran)" for v, m in self.tapes] + [f"{v}W{m}" for v, m in self.queues]
         if left or self.outbox or self.recvs or self.local:
             raise RuntimeError(
@@ -85,22 +92,36 @@ class StepRun:
         for work, t in self.sends:
             if _completed(work):
                 work.wait()  # returns at once; raises what the send raised
+                if self.sent:
+                    spans.end(self.sent.pop(id(work), None))
             else:
                 kept.append((work, t))
         self.sends = kept
 
+    def _seen_received(self) -> None:
+        """A recorded step: the receives that have completed since the last look end there (the
+        wait of the compute that takes one ends it otherwise)."""
+        for key in [k for k in self.posted if _completed(self.recvs[k][0])]:
+            spans.end(self.posted.pop(key))
+
     def _compute(self, a: Action) -> None:
+        with spans.span(spans.COMPUTE, a):
+            self._run(a)
+
+    def _run(self, a: Action) -> None:
         t0 = time.perf_counter()
         wait0 = self.p2p_wait_s
         if a.kind is Kind.FB:
             f, second = a.pair
             st = self.rt.exchange_stats
             total0, wait_0 = st.total_s, st.wait_s
-            other = self._forward(second) if second.kind is Kind.F else self._backward(second)
+            # on a recorded step each half's program says when it runs (its exchanges carry its micro-batch)
+            other = spans.following(self._forward(second) if second.kind is Kind.F else self._backward(second), second)
+            forward = spans.following(self._forward(f), f)
             if self.rt.overlap:
-                run_pair(self._forward(f), other)
+                run_pair(forward, other)
             else:
-                run(self._forward(f))
+                run(forward)
                 run(other)
             if a.fb_pair:
                 # the steady phase's share; the rest of the step's exchanges (lone actions and
@@ -184,6 +205,8 @@ class StepRun:
         s = self.s
         ops: list[dist.P2POp] = []
         keys: list[tuple[str, Any]] = []
+        # a recorded step: each transfer is a span from its post to its completion
+        tokens = [spans.begin(spans.P2P, a) for a in actions] if spans.RECORDER.get() is not None else [None] * len(actions)
         for a in actions:
             v, m = a.stage, a.mb
             if a.kind is Kind.RECV_F:
@@ -208,11 +231,17 @@ class StepRun:
                 ops.append(dist.P2POp(dist.isend, tensor, self._peer(dst), tag=_tag(direction, v, m, s.n_stages, s.n_microbatches)))
                 keys.append(("send", None, tensor))
         works = self.rt.backend.batch_isend_irecv(ops)
-        for (what, key, tensor), work in zip(keys, works):
+        for (what, key, tensor), work, token in zip(keys, works, tokens):
+            if token is not None:
+                spans.issued(token, work)
             if what == "recv":
                 self.recvs[key] = (work, tensor)
+                if token is not None:
+                    self.posted[key] = token
             else:
                 self.sends.append((work, tensor))
+                if token is not None:
+                    self.sent[id(work)] = token
 
     def _take(self, kind: Kind, v: int, m: int) -> torch.Tensor:
         """Stage v's input (RECV_F) or output gradient (RECV_B) for micro-batch m: in memory or received."""
@@ -223,7 +252,8 @@ class StepRun:
             raise RuntimeError(f"{v}{kind.value}{m} was never posted before the compute that needs it")
         work, buf = self.recvs.pop(key)
         t0 = time.perf_counter()
-        work.wait()
+        with spans.waiting(self.posted.pop(key, None)):
+            work.wait()
         self.p2p_wait_s += time.perf_counter() - t0
         return buf
 

@@ -19,6 +19,7 @@ operation family: a declaration promises behaviour, and the kit holds the backen
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..backends.base import REDUCE_OPS, Backend, EventTimer
+from ..backends.base import REDUCE_OPS, Backend, EventSpanClock, EventTimer
 from ..backends.capabilities import Capabilities
 from ..backends.fp8_mm import fp8_grouped_mm_emulated, fp8_mm_emulated
 from ..backends.grouped_mm import grouped_mm_reference
@@ -108,6 +109,27 @@ def _timer(be: Backend, device: torch.device) -> None:
     _require(line, math.isfinite(t.elapsed_s) and t.elapsed_s >= 0, f"elapsed_s = {t.elapsed_s}")
     events = isinstance(be.timer(), EventTimer)
     _require(line, events == (be.capabilities.timer == "events"), f"capabilities.timer is {be.capabilities.timer!r} but timer() is a {type(be.timer()).__name__}")
+
+
+def _span_clock(be: Backend, device: torch.device) -> None:
+    """A recorded step's clock: started before the step, marks taken in order around work and read
+    once after it, on the host clock; by device events where ``capabilities.timer`` says events."""
+    line = "span-clock"
+    clock = be.span_clock()
+    events = isinstance(clock, EventSpanClock)
+    _require(line, events == (be.capabilities.timer == "events"),
+             f"capabilities.timer is {be.capabilities.timer!r} but span_clock() is a {type(clock).__name__}")
+    clock.start()
+    marks = [clock.mark()]
+    x = torch.ones(64, 64, device=device)
+    for _ in range(3):
+        x = x @ x / 64
+        marks.append(clock.mark())
+    times = clock.read(marks)
+    _require(line, all(t is not None and math.isfinite(t) for t in times), f"read() gave {times}")
+    _require(line, all(b >= a for a, b in zip(times, times[1:])), f"marks taken in order read out of order: {times}")
+    host = time.perf_counter()
+    _require(line, abs(times[-1] - host) < 60.0, f"the last mark reads {times[-1]:.3f} s, the host clock {host:.3f} s: not on the host's clock")
 
 
 def _grouped_mm_case(be: Backend, device: torch.device, dtype: str, groups: int) -> None:
@@ -238,6 +260,7 @@ LOCAL: tuple[Contract, ...] = (
     Contract("capabilities-declared", "the declaration is well formed and names the class's process-group backend", _capabilities),
     Contract("streams-and-events", "work on the communication stream, an event recorded there and waited on", _streams_and_events),
     Contract("timer", "timers measure a finite, non-negative time, by events where declared", _timer),
+    Contract("span-clock", "a recorded step's marks read after it in order on the host clock, by events where declared", _span_clock),
     Contract("grouped-mm-matches-reference", "grouped matmul, forward and both gradients, equals the loop reference in every compute dtype", _grouped_mm),
     Contract("grouped-mm-group-limit", "at and past the declared group limit the result still equals the reference", _grouped_mm_limit),
     Contract("fp8-matmul-matches-emulation", "the FP8 matmul (dense and grouped) within 40 dB SQNR and 1e-4 calc_diff of the emulation, where declared", _fp8_matmul),
@@ -354,6 +377,23 @@ def _shards(be: Backend, device: torch.device, dtype: str) -> None:
         _require("reduce-scatter-all-gather", joined.cpu().tolist() == whole, f"{dtype} all_gather_into_tensor: {joined.cpu().tolist()}")
 
 
+def _span_clock_done(be: Backend, device: torch.device, dtype: str) -> None:
+    """The completion mark of an async all-reduce reads between its issue and the end of its wait."""
+    line = "span-clock-done"
+    clock = be.span_clock()
+    clock.start()
+    t = torch.ones(1 << 16, device=device)
+    issued = clock.mark()
+    work = be.all_reduce(t, async_op=True)
+    done = clock.done(work)
+    work.wait()
+    after = clock.mark()
+    got = clock.read([issued, done, after])
+    _require(line, got[1] is not None, "done() of an async all-reduce gave no completion time")
+    # a completion callback may run a moment after wait() returned on the host
+    _require(line, got[0] <= got[1] <= got[2] + 0.05, f"issued {got[0]:.6f}, done {got[1]:.6f}, waited until {got[2]:.6f} (seconds)")
+
+
 #: (line, what, check, the dtype family it runs over)
 RANK_LINES: tuple[tuple[str, str, Callable[..., None], str], ...] = (
     ("p2p-batched", "batched send / receive around a ring, in every move dtype", _p2p, "move_dtypes"),
@@ -362,6 +402,7 @@ RANK_LINES: tuple[tuple[str, str, Callable[..., None], str], ...] = (
     ("reductions", "all-reduce (async) by every op of the interface (sum, product, min, max) in every reduce dtype", _reductions, "reduce_dtypes"),
     ("gather-and-broadcast", "all-gather and broadcast in every move dtype", _moves, "move_dtypes"),
     ("reduce-scatter-all-gather", "reduce-scatter (by every op) and all-gather into one tensor, where declared", _shards, "move_dtypes"),
+    ("span-clock-done", "the span clock's completion mark of an async all-reduce lies between its issue and its wait's end", _span_clock_done, "once"),
 )
 
 
@@ -372,7 +413,7 @@ def rank_contracts(be: Backend) -> dict[str, str | None]:
     for line, _, check, family in RANK_LINES:
         out[line] = None
         try:
-            for dtype in ("uint8",) if family == "fp8_once" else getattr(be.capabilities, family):
+            for dtype in {"fp8_once": ("uint8",), "once": ("float32",)}.get(family) or getattr(be.capabilities, family):
                 check(be, device, dtype)
         except ContractFailure as exc:
             out[line] = str(exc)

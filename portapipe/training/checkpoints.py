@@ -19,6 +19,7 @@ from ..checkpoint.io import Checkpointer
 from ..checkpoint.state import first_nonfinite
 from ..metrics.step import everywhere
 from ..ranks import lifeline
+from ..scheduling.spans import COMPUTE, span
 
 
 class CheckpointPolicy:
@@ -61,7 +62,7 @@ class CheckpointPolicy:
             return None
         if (bad := self.unsaveable(step)) is not None:
             return bad
-        with lifeline.untimed():  # may wait for the previous save: not a slow step
+        with lifeline.untimed(), span(COMPUTE, "checkpoint"):  # may wait for the previous save: not a slow step
             self.ckpt.save_training(step, self.trainer_state(), wait=False)  # written while training goes on
         self.saved_at = step
         return None
@@ -73,14 +74,16 @@ class CheckpointPolicy:
             return self.ckpt.wait(), None
         if (bad := self.unsaveable(step)) is not None:
             return None, bad
-        return self.ckpt.save_training(step, self.trainer_state()), None
+        with span(COMPUTE, "checkpoint"):
+            return self.ckpt.save_training(step, self.trainer_state()), None
 
     def at_the_end(self, steps: int) -> dict[str, Any] | None:
         """The run trained to ``steps``: its state checked, and saved with ``checkpoint.at_end``."""
         if (bad := self.unsaveable(steps)) is not None:
             return bad
         if self.at_end:
-            self.ckpt.save_training(steps, self.trainer_state())
+            with span(COMPUTE, "checkpoint"):
+                self.ckpt.save_training(steps, self.trainer_state())
         return None
 
     def wait(self) -> Path | None:

@@ -1,8 +1,8 @@
 """Work that runs with each step beside the update: a hook is called before a step, after its
 update (inside the step's time), once its row is recorded (outside it), and when the run ends.
 
-The loop knows hooks only through :class:`StepHook`; what they do (write the expert loads file,
-record a timeline of chosen steps) stays theirs.
+The loop knows hooks only through :class:`StepHook`'s four points; what they do (write the expert
+loads file, record a timeline of chosen steps, profile them) stays theirs.
 """
 
 from __future__ import annotations
@@ -56,9 +56,21 @@ class Hooks(StepHook):
             h.close(failing)
 
 
-def step_hooks(config: Config, balancer: Any, groups: Any) -> list[StepHook]:
-    """The hooks a config asks for, in the order they run."""
-    return [ExpertLoadsFile(config, balancer, groups)] if config.balancer.kind == "eplb" else []
+def step_hooks(config: Config, balancer: Any, groups: Any, backend: Any) -> list[StepHook]:
+    """The hooks a config asks for, in the order they run: the expert loads file (``balancer.kind:
+    eplb``), a torch.profiler run of chosen steps (``log.profiler``), a recorded timeline of chosen
+    steps (``log.timeline``; after the profiler, so its files are written outside the profiled time)."""
+    hooks: list[Any] = [ExpertLoadsFile(config, balancer, groups)] if config.balancer.kind == "eplb" else []
+    log = config.log
+    if log.profiler.steps:
+        from ..timeline.profiler import ProfilerHook
+
+        hooks.append(ProfilerHook(log.profiler, log.dir, backend, groups))
+    if log.timeline.steps or log.timeline.every:
+        from ..timeline.hook import TimelineHook
+
+        hooks.append(TimelineHook(log.timeline, log.dir, config.to_dict(), backend, groups))
+    return hooks
 
 
 class ExpertLoadsFile(StepHook):

@@ -21,6 +21,7 @@ from ..data import identity
 from ..data.batches import Batches, global_batch_size, replica_of
 from ..metrics.step import Figures, StepStats, ep_step_figures, gather_step_stats
 from ..ranks import lifeline, stop
+from ..scheduling.spans import COMPUTE, span
 from .checkpoints import CheckpointPolicy
 from .decide import Decision, PrecisionPolicy
 from .hooks import Hooks, StepHook, step_hooks
@@ -61,7 +62,7 @@ class Trainer:
         self.replica, self.replicas = replica_of(groups)
         force_routing(config.bench, config.model, {layer.index: layer.moe.router for layer in runtime.moe_layers()}, config.train.seed)
         self.records = StepRecorder(config, run, groups.rank, self.start)
-        self.hooks = Hooks(step_hooks(config, self.balancer, groups) + list(hooks or []))
+        self.hooks = Hooks(step_hooks(config, self.balancer, groups, backend) + list(hooks or []))
         self.figures = Figures()
 
     # ------------------------------------------------------------------------------ the run
@@ -77,19 +78,29 @@ class Trainer:
         finally:
             self.checkpoints.close(failing)
             self.records.close_bar()
-            self.hooks.close(failing)
-            ema = self.update.ema
-            if ema is not None and failing:
-                ema.close()
-        return self._summary(ended, last_checkpoint)
+            if failing:
+                self.hooks.close(failing)
+                if self.update.ema is not None:
+                    self.update.ema.close()
+        # the hooks close after the end's validation: a recording of the last step holds it
+        try:
+            summary = self._summary(ended, last_checkpoint)
+        except BaseException:
+            self.hooks.close(failing=True)
+            raise
+        self.hooks.close(failing=False)
+        return summary
 
     def _loop(self) -> Ended | None:
         for step in range(self.start, self.steps):
             self.hooks.before_step(step)
             t0 = time.perf_counter()
             lr = self.update.set_lr(step)
-            result = self.runtime.step(self.batch(step))
-            stats = self.gather(result)
+            with span(COMPUTE, "data"):
+                batch = self.batch(step)
+            result = self.runtime.step(batch)
+            with span(COMPUTE, "figures"):  # the step's figures gathered over the ranks
+                stats = self.gather(result)
             decision = self.policy.decide(step, result.loss, stats.grad_norm)
             if decision.kind == "diverge":  # before the optimizer applies it
                 return self._diverge(decision.ends)
@@ -128,7 +139,10 @@ class Trainer:
     def after_update(self, step: int, result: Any) -> Any:
         """The balancer (loads recorded; every ``balancer.interval`` steps maybe a new placement,
         weights migrated) and the hooks' work; the balancer's figures for the row."""
-        balance = self.balancer.after_step(step, result, self.update.optimizer) if self.balancer is not None else None
+        balance = None
+        if self.balancer is not None:
+            with span(COMPUTE, "balancer"):
+                balance = self.balancer.after_step(step, result, self.update.optimizer)
         self.hooks.after_update(step, last=step + 1 == self.steps)
         return balance
 

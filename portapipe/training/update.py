@@ -9,6 +9,7 @@ import torch
 
 from ..config import Config, TrainConfig
 from ..optim import lr_schedule
+from ..scheduling.spans import COMPUTE, span
 
 
 def lr_at(step: int, train: TrainConfig, horizon: int | None, phases: list[dict[str, Any]] | None = None) -> float:
@@ -115,9 +116,10 @@ class Update:
         then the gradients zeroed for the next step; the clipping factor used (1 for a skipped step)."""
         coef = clip_coefficient(grad_norm, self.train.grad_clip) if applied else 1.0
         if applied:
-            with torch.no_grad():
+            with torch.no_grad(), span(COMPUTE, "optimizer"):
                 self.optimizer.step(coef / scale)
             if self.ema is not None:
-                self.ema.update()  # the weights copied out, folded in while the next step runs
+                with span(COMPUTE, "EMA"):
+                    self.ema.update()  # the weights copied out, folded in while the next step runs
         self.runtime.grads.zero_grad()
         return coef

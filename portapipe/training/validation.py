@@ -6,6 +6,7 @@ from typing import Any
 
 from ..config import Config
 from ..data.batches import Batches, replica_of
+from ..scheduling.spans import COMPUTE, span
 
 VAL_BATCHES = 4  # validation steps' worth of micro-batches evaluated at the end
 
@@ -43,12 +44,13 @@ def final_validation(runtime: Any, data: Batches, config: Config, groups: Any, e
     """The summary's validation figures: ``val_loss``, with an ``ema`` (``train.ema_decay``) also
     ``val_loss_ema`` (its weights swapped in for the evaluation, then the trained ones back), and
     ``val_loss_by_source``; all empty with ``skip`` (a run that ended early)."""
-    val_loss, by_source = (None, {}) if skip else validation_loss(runtime, data, config, groups)
+    with span(COMPUTE, "validation"):
+        val_loss, by_source = (None, {}) if skip else validation_loss(runtime, data, config, groups)
     out: dict[str, Any] = {"val_loss": val_loss}
     if ema is not None:
         out["val_loss_ema"] = None
         if val_loss is not None:
-            with ema.swapped_in(list(runtime.parameters())):
+            with ema.swapped_in(list(runtime.parameters())), span(COMPUTE, "validation (EMA)"):
                 out["val_loss_ema"], _ = validation_loss(runtime, data, config, groups)
     out["val_loss_by_source"] = by_source
     return out
