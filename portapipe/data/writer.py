@@ -37,7 +37,7 @@ import numpy as np
 
 from . import folder
 from .flat import DTYPES, dtype_for_vocab
-from .readers import Chunk, Input, chunks, table_rows
+from .readers import Chunk, Input, chunks, compressed, table_rows
 from .tokenizer import find_eos, load_tokenizer, sha256, tokenizer_file, vocab_size
 
 
@@ -396,14 +396,6 @@ def _progress(show: bool, inputs: list[Input]) -> Any:
         return _NoBar()
     from tqdm import tqdm
 
-    from .readers import GZIP_MAGIC, ZSTD_MAGIC
-
-    def compressed(item: Input) -> bool:
-        if item.kind in ("parquet", "hf"):
-            return False
-        with open(item.path, "rb") as f:
-            head = f.read(4)
-        return head[:2] == GZIP_MAGIC or head == ZSTD_MAGIC
-
-    total = None if any(map(compressed, inputs)) else sum(item.size for item in inputs)
+    packed = any(compressed(item.path) for item in inputs if item.kind not in ("parquet", "hf"))
+    total = None if packed else sum(item.size for item in inputs)
     return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
