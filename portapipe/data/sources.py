@@ -5,8 +5,12 @@
 - a folder holding ``dataset.json``: a dataset ``portapipe tokenize`` wrote (:mod:`.folder`);
 - ``PREFIX`` with ``PREFIX.bin`` and ``PREFIX.idx`` (or either file named): a Megatron-Core
   indexed dataset (:mod:`.megatron`);
-- any other file: a flat token file (:mod:`.flat`), one document, its width from
-  ``data.token_dtype`` or its sidecar.
+- any other file: a flat token file (:mod:`.flat`), one document, its width from its source's
+  ``token_dtype`` (``data.sources[i].token_dtype``, else ``data.token_dtype``) or its sidecar.
+
+A dataset folder's ``dataset.json`` and a Megatron index say their own width; a source's own
+``token_dtype`` (or ``data.token_dtype`` for ``data.path``) must not contradict it, and the
+blend's fallback ``data.token_dtype`` applies to flat files alone.
 
 ``data.format: bytes`` reads a text file as one document of byte tokens (:func:`open_bytes`).
 Each :class:`Source` holds its tokens memory-mapped (a byte corpus in memory) and answers where
@@ -42,6 +46,7 @@ class Source:
     vocab_size: int | None = None  #: the tokenizer's vocabulary, when recorded
     max_id: int | None = None  #: the largest id, when known without a scan
     eos_id: int | None = None
+    dtype_key: str = "data.token_dtype"  #: the config key that says a flat file's width, for messages
     _starts: np.ndarray | None = field(default=None, repr=False)  # a dataset folder's index
     _megatron: MegatronDataset | None = field(default=None, repr=False)
 
@@ -82,15 +87,21 @@ class Source:
         return self.tokens
 
 
-def open_source(path: Path, key: str, token_dtype: str = "auto", data_vocab: int | None = None) -> Source:
-    """The source at ``path`` (see the module docstring); ValueError with one line naming ``key``."""
+def open_source(
+    path: Path, key: str, token_dtype: str = "auto", data_vocab: int | None = None, dtype_key: str = "data.token_dtype", own: bool = True
+) -> Source:
+    """The source at ``path`` (see the module docstring); ValueError with one line naming ``key``.
+
+    ``token_dtype``: a flat file's width, said by ``dtype_key``; ``own``: whether that key is the
+    source's own (then a dataset folder's or a Megatron index's width must agree with it), not
+    the blend's fallback for flat files."""
     if folder.is_dataset(path):
         try:
             meta, tokens, starts = folder.open_dataset(path)
         except ValueError as exc:
             raise ValueError(f"{key}: {exc}") from None
-        if token_dtype not in ("auto", meta["dtype"]):
-            raise ValueError(f"data.token_dtype: {token_dtype}, but {path / folder.DESCRIPTION} says the dataset holds {meta['dtype']} ids")
+        if own and token_dtype not in ("auto", meta["dtype"]):
+            raise ValueError(f"{dtype_key}: {token_dtype}, but {path / folder.DESCRIPTION} says the dataset holds {meta['dtype']} ids")
         if data_vocab is not None and data_vocab != meta["vocab_size"]:
             raise ValueError(f"data.vocab_size: {data_vocab}, but {path / folder.DESCRIPTION} says its tokenizer has {meta['vocab_size']} tokens")
         files = (path / folder.DESCRIPTION, path / folder.TOKENS, path / folder.DOCUMENTS)
@@ -103,21 +114,21 @@ def open_source(path: Path, key: str, token_dtype: str = "auto", data_vocab: int
             mds = MegatronDataset(prefix)
         except (ValueError, OSError) as exc:
             raise ValueError(f"{key}: {exc}") from None
-        if token_dtype != "auto":
-            raise ValueError(f"data.token_dtype: {token_dtype} has no effect on the Megatron dataset {prefix} (its index says {mds.dtype.name}); remove it")
+        if own and token_dtype != "auto":
+            raise ValueError(f"{dtype_key}: {token_dtype} has no effect on the Megatron dataset {prefix} (its index says {mds.dtype.name}); remove it")
         return Source(key, prefix, "megatron", mds.tokens, (mds.idx_path, mds.bin_path), data_vocab, _megatron=mds)
     if not path.is_file():
         raise ValueError(
             f"{key}: {str(path)!r} does not exist; name a dataset folder (portapipe tokenize), a Megatron prefix "
             "(PREFIX.bin + PREFIX.idx) or a token file"
         )
-    dtype, problems = flat.file_problems(path, token_dtype, 1 << 32, check_ids=False, data_vocab=data_vocab, key=key)
+    dtype, problems = flat.file_problems(path, token_dtype, 1 << 32, check_ids=False, data_vocab=data_vocab, key=key, dtype_key=dtype_key)
     if dtype is None or problems:
         raise ValueError("; ".join(problems))
     meta = flat.read_meta(path) or {}
     vocab = data_vocab if data_vocab is not None else meta.get("vocab_size")
     files = (path,) + ((flat.sidecar(path),) if meta else ())
-    return Source(key, path, "flat", flat.open_tokens(path, dtype), files, vocab)
+    return Source(key, path, "flat", flat.open_tokens(path, dtype), files, vocab, dtype_key=dtype_key)
 
 
 class DataReadError(ValueError):
