@@ -36,7 +36,7 @@ def _encoded(pieces: list) -> tuple[list[int], list[int], int]:
     for chunk in pieces:
         got = writer.encode_chunk(chunk)
         assert got.error is None, got.error
-        ids += list(memoryview(got.ids).cast("H"))
+        ids += got.ids.tolist()
         lengths += got.lengths
         empty += got.empty
     return ids, lengths, empty

@@ -233,11 +233,13 @@ def _byte_chunks(i: int, item: Input, kind: str, limit: int, block: int | None) 
             end = cut_point(buf, limit)
             if not end:
                 break  # no line end yet: read on
-            piece = bytes(buf[:end])
+            piece = bytes(memoryview(buf)[:end])  # one copy, not two: a piece may be one long line
             del buf[:end]
             yield Chunk(i, kind, str(item.path), piece, line, size=len(piece))
             line += piece.count(b"\n")
-    yield Chunk(i, kind, str(item.path), bytes(buf), line, size=len(buf))
+    last = bytes(buf)
+    del buf  # not held beside its copy while the piece is encoded
+    yield Chunk(i, kind, str(item.path), last, line, size=len(last))
 
 
 def _parquet_chunks(i: int, item: Input, field: str) -> Iterator[Chunk]:
