@@ -27,6 +27,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -36,6 +37,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ..ranks.lifeline import set_parent_death_signal
 from . import folder
 from .flat import DTYPES, dtype_for_vocab
 from .readers import Chunk, Input, chunks, compressed, table_rows
@@ -60,11 +62,35 @@ _STATE: dict[str, Any] = {}
 _PARALLELISM = "TOKENIZERS_PARALLELISM"  # the tokenizers library's switch for its thread pool
 
 
-def _init(tokenizer: str, eos: int, dtype: str, text_field: str, skip_bad: bool) -> None:
+#: seconds between a worker's looks at whether the process it works for is still there
+WATCH_S = 0.5
+
+
+def _init(tokenizer: str, eos: int, dtype: str, text_field: str, skip_bad: bool, main_pid: int | None = None) -> None:
+    """Set up a worker (``main_pid``: the process it works for) or this process (None) to encode."""
+    if main_pid is not None:
+        _tie(main_pid)
     # one thread per worker: the tokenizers library's own pool would make N workers N x cores threads
     os.environ[_PARALLELISM] = "false"
     _STATE.update(tokenizer=load_tokenizer(Path(tokenizer)), eos=eos, dtype=DTYPES[dtype], field=text_field, skip_bad=skip_bad,
                   saved={})
+
+
+def _tie(main_pid: int) -> None:
+    """End this worker when ``main_pid`` ends, however it ends (kill -9 too), never left blocked on
+    a pipe: Linux's parent-death signal (the worker's parent, the fork server, has its own tied to
+    ``main_pid``; spawned workers are its children), and a thread that looks every :data:`WATCH_S`
+    seconds (a parent that died before the signal was set, other systems)."""
+    set_parent_death_signal()
+
+    def watch() -> None:
+        while not folder.gone(main_pid):
+            time.sleep(WATCH_S)
+        os._exit(1)
+
+    if folder.gone(main_pid):
+        os._exit(1)
+    threading.Thread(target=watch, name="portapipe-tokenize-watch", daemon=True).start()
 
 
 #: characters of text per call to the tokenizer: its time per character grows with the batch
@@ -426,8 +452,9 @@ def _encoded(todo: Any, workers: int, args: tuple[Any, ...]) -> Any:
     if method == "forkserver":  # the server imports the workers' modules once, each worker is forked with them;
         # it is tied to this process's life as the ranks' server is (no effect once a server runs)
         context.set_forkserver_preload(["portapipe.data.writer", "tokenizers", "portapipe.ranks.forkserver_tie"])
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init, initargs=args)
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init, initargs=(*args, os.getpid()))
     pending: collections.deque[tuple[Chunk, Future[Encoded]]] = collections.deque()
+    finished = False
     try:
         for chunk in todo:
             pending.append((chunk, pool.submit(encode_chunk, chunk)))
@@ -437,7 +464,11 @@ def _encoded(todo: Any, workers: int, args: tuple[Any, ...]) -> Any:
         while pending:
             done, future = pending.popleft()
             yield done, future.result()
+        finished = True
     finally:
+        if not finished:  # an error or a stop: a worker deep in a long chunk is not waited for
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
 
 
