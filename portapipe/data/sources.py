@@ -15,12 +15,21 @@ blend's fallback ``data.token_dtype`` applies to flat files alone.
 ``data.format: bytes`` reads a text file as one document of byte tokens (:func:`open_bytes`).
 Each :class:`Source` holds its tokens memory-mapped (a byte corpus in memory) and answers where
 the document holding a token starts, without an array per document.
+
+A mapped file that is cut short under a running job would end the process with SIGBUS at the
+next read past its new end, and one rewritten in place would be read as other tokens. So each
+source records what its files were when it opened them (device, inode, size, modification
+time) and :meth:`Source.check` compares, a few stat calls (microseconds), before and after each
+batch is read (:mod:`.batches`): a file deleted, truncated, replaced or rewritten stops the run
+with one line naming it. A file cut within the microseconds of a read itself can still raise
+SIGBUS.
 """
 
 from __future__ import annotations
 
 import functools
 import gzip
+import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +58,29 @@ class Source:
     dtype_key: str = "data.token_dtype"  #: the config key that says a flat file's width, for messages
     _starts: np.ndarray | None = field(default=None, repr=False)  # a dataset folder's index
     _megatron: MegatronDataset | None = field(default=None, repr=False)
+    _opened: tuple[tuple[int, int, int, int], ...] = field(default=(), repr=False)  # each file as it was opened
+
+    def __post_init__(self) -> None:
+        if self.kind != "bytes":  # mapped files; a text read as bytes is in memory
+            self._opened = tuple(_identity(os.stat(f)) for f in self.files)
+
+    def check(self) -> None:
+        """DataReadError (one line naming the file) when one of the source's mapped files was
+        deleted, truncated, replaced or rewritten since it was opened."""
+        for file, then in zip(self.files, self._opened):
+            try:
+                now = _identity(os.stat(file))
+            except FileNotFoundError:
+                raise DataReadError(f"{self.key}: {file} was deleted after the run opened it; {_STOPS}") from None
+            if now == then:
+                continue
+            if now[:2] != then[:2]:
+                what = "replaced (another file has its name now)"
+            elif now[2] < then[2]:
+                what = f"truncated ({then[2]:,} -> {now[2]:,} bytes)"
+            else:
+                what = f"rewritten ({then[2]:,} -> {now[2]:,} bytes, modified since)"
+            raise DataReadError(f"{self.key}: {file} was {what} after the run opened it; {_STOPS}")
 
     @property
     def name(self) -> str:
@@ -133,6 +165,14 @@ def open_source(
 
 class DataReadError(ValueError):
     """The data file cannot be read; the message is one line naming the file and why."""
+
+
+_STOPS = "the run stops rather than read other data than it started with (put the file back as it was, or start a new run)"
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file's version apart: the device and inode (the file), its size and modification time (its content)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 @functools.lru_cache(maxsize=4)
