@@ -106,16 +106,16 @@ def run(args: argparse.Namespace) -> int:
     if problem is None:
         t0 = time.perf_counter()
         try:
-            items = expand(inputs or [str(DEFAULT_CORPUS)])
-            eos, eos_from = args.eos, "--eos"
-            if shipped and eos is None and args.tokenizer is None:
-                eos, eos_from = shipped_eos(load_tokenizer(SHIPPED_TOKENIZER)), "the shipped corpus's default (byte 0xff's token)"
-            options = Options(
-                Path(tokenizer), eos=eos, field=args.field, split_lines=args.split_lines, dtype=args.dtype,
-                workers=args.workers or len(usable_cores()), skip_bad=args.skip_bad,
-                progress=sys.stderr.isatty() if args.progress is None else args.progress, eos_from=eos_from,
-            )
             with _stops_raise():
+                items = expand(inputs or [str(DEFAULT_CORPUS)])
+                eos, eos_from = args.eos, "--eos"
+                if shipped and eos is None and args.tokenizer is None:
+                    eos, eos_from = shipped_eos(load_tokenizer(SHIPPED_TOKENIZER)), "the shipped corpus's default (byte 0xff's token)"
+                options = Options(
+                    Path(tokenizer), eos=eos, field=args.field, split_lines=args.split_lines, dtype=args.dtype,
+                    workers=args.workers or len(usable_cores()), skip_bad=args.skip_bad,
+                    progress=sys.stderr.isatty() if args.progress is None else args.progress, eos_from=eos_from,
+                )
                 meta = write_dataset(items, out, options)
         except ValueError as exc:
             problem = str(exc)

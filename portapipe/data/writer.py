@@ -7,14 +7,18 @@ into the folder (:mod:`.folder`) as they come. At most ``2 x workers + 2`` chunk
 so memory stays bounded whatever the corpus, and the output is the same bytes for any number of
 workers (a chunk's tokens depend on the chunk alone). With one worker the chunks are encoded in
 the main process. Every worker runs the tokenizer on one thread (the tokenizers library's own
-thread pool is switched off), so ``workers`` is the number of cores busy encoding. A jsonl chunk
-is parsed by pyarrow's JSON reader; a chunk it does not read as objects with text at the field
-is read again line by line, which names the bad line (see :func:`_jsonl`).
+thread pool is switched off), so ``workers`` is the number of cores busy encoding, and ends with
+the process it works for, however that ends (:func:`_tie`). A jsonl chunk is parsed by pyarrow's
+JSON reader; a chunk it does not read as objects with text at the field is read again line by
+line, which names the bad line (see :func:`_jsonl`). The tokenizer is given about
+:data:`BATCH_CHARS` characters a call, a longer document in slices (:func:`cuts`), so a long
+document costs a few times its size, not the tokenizer's whole encoding of it.
 
 Every document ends with the EOS id. Empty documents (an empty text, a blank jsonl string) are
-left out and counted. A jsonl line that is not JSON, or lacks the field, stops the write with its
-file and line, unless ``skip_bad`` (then counted). Any problem raises ValueError (one line) and
-leaves nothing at ``out`` (the folder is written under a temporary name and renamed at the end).
+left out and counted. A jsonl line that is not JSON, lacks the field or holds no text (a lone
+surrogate escape), stops the write with its file and line, unless ``skip_bad`` (then counted).
+Any problem raises ValueError (one line) and leaves nothing at ``out`` (the folder is written
+under a temporary name and renamed at the end); so does a stop, whose workers are not waited for.
 """
 
 from __future__ import annotations
