@@ -25,10 +25,21 @@ a 20 GB corpus against a 20 MB one, blend shares and epochs, and what document m
 4. Blends: three sources at 0.5 / 0.3 / 0.2, each source's share over 1,000-step stretches (the
    largest distance from its weight), and each one's epoch after 1,000 steps.
 5. Document masking: the median step of the deepseek_v3 run with ``data.document_mask`` on over off.
+6. One long document: ``portapipe tokenize`` of a one-line jsonl of ``--long-mb`` MB (the plays'
+   paragraphs joined into one text) with 1 and 2 workers, and of the same text as a plain text
+   file with 1, each in a fresh process: the peak resident memory of the largest process (the
+   command's own, exact; a worker's sampled every 20 ms), its seconds and the tokens written. A long document is encoded in slices
+   of 64 Ki characters, so the peak stays a few times the text's size.
+7. File checks: what checking a source's files against what they were when opened costs (two
+   checks a batch, three stat calls each for a dataset folder, so a deleted, truncated, replaced or
+   rewritten file stops the run in one line instead of a SIGBUS or other tokens): one rank's batch
+   of examples/deepseek_v3.yaml on a 20 MB dataset folder over ``--batches`` steps, with the checks
+   and without them (the best of three passes each), and one check alone (over 10,000), whose
+   two a batch are its share.
 
 Prints one JSON object.
 
-    python benchmarks/data.py [--mb 8] [--rounds 5] [--steps 12] [--batches 200] [--big-gb 20] [--only tokenize]
+    python benchmarks/data.py [--mb 8] [--rounds 5] [--steps 12] [--batches 200] [--big-gb 20] [--long-mb 50] [--only tokenize|long|checks]
 """
 
 from __future__ import annotations
@@ -131,6 +142,85 @@ def tokenize_rounds(jsonl: Path, tmp: Path, rounds: int) -> dict[str, Any]:
     return got
 
 
+def make_long(folder: Path, mb: float) -> tuple[Path, Path]:
+    """(a one-line jsonl, a text file) holding one document of at least ``mb`` MB."""
+    from portapipe.data.shipped import DEFAULT_CORPUS
+
+    plays = gzip.decompress(DEFAULT_CORPUS.read_bytes()).decode()
+    text = (plays + "\n") * max(1, -(-int(mb * 1e6) // (len(plays) + 1)))
+    jsonl, plain = folder / "long.jsonl", folder / "long.txt"
+    jsonl.write_text(json.dumps({"text": text}) + "\n")
+    plain.write_text(text)
+    return jsonl, plain
+
+
+#: run a command and print its peak resident memory (KiB): itself, and the children it waited for
+_PEAK = "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); " \
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+
+
+def _below(root: int) -> list[int]:
+    """Every process below ``root`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        found.append(pid := todo.pop())
+        todo += children.get(pid, [])
+    return found
+
+
+def _hwm(pid: int) -> int:
+    """A process's peak resident memory so far (VmHWM, bytes), 0 when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss(cmd: list[str]) -> int:
+    """The peak resident memory of the largest process ``cmd`` runs: the command's own, exact,
+    and its workers' (children of a fork server it does not wait for) sampled every 20 ms."""
+    wrapper = subprocess.Popen([sys.executable, "-c", _PEAK, *cmd], stdout=subprocess.PIPE, text=True)
+    workers = 0
+    while wrapper.poll() is None:
+        workers = max([workers, *(_hwm(pid) for pid in _below(wrapper.pid))])
+        time.sleep(0.02)
+    out, _ = wrapper.communicate()
+    if wrapper.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({wrapper.returncode})")
+    return max(workers, int(out.split()[-1]) * 1024)
+
+
+def long_document(folder: Path, mb: float) -> dict[str, Any]:
+    """Peak memory and time of tokenizing one long document (see the module docstring)."""
+    jsonl, plain = make_long(folder, mb)
+    eos = "187"  # byte 0xff's token in the shipped tokenizer: the plays never hold it
+    got: dict[str, Any] = {"document_bytes": plain.stat().st_size, "jsonl_bytes": jsonl.stat().st_size}
+    for name, path, workers in (("jsonl_workers_1", jsonl, 1), ("jsonl_workers_2", jsonl, 2), ("text_workers_1", plain, 1)):
+        out = folder / name
+        cmd = [sys.executable, "-m", "portapipe.cli", "tokenize", str(path), str(out), "--tokenizer", str(TOKENIZER), "--eos", eos,
+               "--workers", str(workers), "--no-progress"]
+        t0 = time.perf_counter()
+        peak = peak_rss(cmd)
+        seconds = time.perf_counter() - t0
+        meta = json.loads((out / "dataset.json").read_text())
+        got[name] = {"peak_rss_bytes": peak, "peak_over_document": peak / got["document_bytes"], "seconds": seconds,
+                     "documents": meta["documents"], "tokens": meta["tokens"]}
+        shutil.rmtree(out)
+    return got
+
+
 def train(folder: Path, data_path: Path, steps: int, mask: bool) -> dict[str, Any]:
     log = folder / f"run-{'mask' if mask else 'plain'}"
     cmd = [sys.executable, "-m", "portapipe.cli", "train", str(EXAMPLE), "--set", f"data.path={data_path}", "--set", f"train.steps={steps}",
@@ -183,6 +273,43 @@ print(json.dumps({"check_and_open_s": opened, "to_first_batch_s": first, "rss_an
 """
 
 
+def check_cost(folder: Path, batches: int) -> dict[str, Any]:
+    """Seconds of one rank's batch with and without the file checks, and of one check (see the module docstring)."""
+    from portapipe.config import load_config
+    from portapipe.data.batches import Batches
+    from portapipe.data.sources import Source
+
+    c = load_config(EXAMPLE, [f"data.path={folder}", "data.document_mask=true", "data.val_fraction=0.01"])
+    data = Batches(c)
+    replicas = c.parallel.dp * c.parallel.ep
+    shape = (replicas, c.schedule.microbatches, c.train.micro_batch_size, c.model.seq_len)
+
+    def per_batch() -> float:
+        best = float("inf")
+        for _ in range(3):  # the best of three passes: a load from elsewhere only adds
+            t0 = time.perf_counter()
+            for step in range(batches):
+                data.microbatches(step, 0, *shape)
+            best = min(best, (time.perf_counter() - t0) / batches)
+        return best
+
+    checked = per_batch()
+    real = Source.check
+    Source.check = lambda self: None  # type: ignore[method-assign]
+    try:
+        unchecked = per_batch()
+    finally:
+        Source.check = real  # type: ignore[method-assign]
+    source = data.corpus.train[0].source
+    t0 = time.perf_counter()
+    for _ in range(10_000):
+        source.check()
+    one = (time.perf_counter() - t0) / 10_000
+    # two checks a batch (before and after its read): timed alone, as the batch's times differ by less than their noise
+    return {"files_per_source": len(source.files), "one_check_s": one, "checks_per_batch_s": 2 * one,
+            "per_batch_s_checked": checked, "per_batch_s_unchecked": unchecked, "checks_share_of_batch": 2 * one / checked}
+
+
 def synthetic(folder: Path, n_bytes: int) -> Path:
     """A dataset folder of ``n_bytes`` of uint16 tokens (a sparse file: zeros cost no disk), documents of 4,096 tokens."""
     import numpy as np
@@ -226,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=200, help="steps' batches made when timing [200]")
     ap.add_argument("--big-gb", type=float, default=20.0, help="size of the big synthetic corpus [20 GB]")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of each tokenizer side [5]")
-    ap.add_argument("--only", choices=("tokenize",), help="measure the tokenizers alone [everything]")
+    ap.add_argument("--long-mb", type=float, default=50.0, help="size of the one long document tokenized [50 MB]")
+    ap.add_argument("--only", choices=("tokenize", "long", "checks"), help="measure the tokenizers, the long document or the file checks alone [everything]")
     ap.add_argument("--side", nargs=4, metavar=("SIDE", "JSONL", "OUT", "WORKERS"), help=argparse.SUPPRESS)  # one round, in its own process
     args = ap.parse_args(argv)
     if args.side:
@@ -239,6 +367,18 @@ def main(argv: list[str] | None = None) -> int:
                            "load_average_before": load_before}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        if args.only in (None, "checks"):
+            out["file_checks"] = check_cost(synthetic(tmp / "checked", 20 * 10**6), args.batches)
+        if args.only == "checks":
+            out["load_average_after"] = os.getloadavg()
+            print(json.dumps(out, indent=1))
+            return 0
+        if args.only in (None, "long"):
+            out["long_document"] = long_document(tmp, args.long_mb)
+        if args.only == "long":
+            out["load_average_after"] = os.getloadavg()
+            print(json.dumps(out, indent=1))
+            return 0
         jsonl = tmp / "plays.jsonl"
         make_jsonl(jsonl, args.mb)
         out["tokenize"] = tokenize_rounds(jsonl, tmp, args.rounds)

@@ -82,3 +82,22 @@ def test_training_reads_the_prefix_its_files_and_checks_the_ids_batch_by_batch(t
         f"data.token_dtype: uint32 has no effect on the Megatron dataset {prefix} (its index says uint16); remove it"]
     Path(f"{prefix}.bin").write_bytes(Path(f"{prefix}.bin").read_bytes()[:-2])
     assert data_problems(load_config(raw))[0].startswith(f"data.path: {prefix}.bin has ")
+
+
+def test_a_damaged_index_header_is_said_so_whichever_name_is_given(tmp_path: Path) -> None:
+    """A prefix whose .idx header is damaged says what was read and what a Megatron index holds,
+    named by its prefix, its .bin (never read as a flat token file) or its .idx; a header cut short
+    says how short."""
+    prefix = tmp_path / "web_text_document"
+    _build(prefix, np.uint16, _docs(9, 10, 500))
+    idx = Path(f"{prefix}.idx")
+    whole = idx.read_bytes()
+    idx.write_bytes(b"MMIDIDY\x00\x00" + whole[9:])
+    raw = {"model": {"vocab_size": 512, "seq_len": 8}, "data": {"format": "tokens"}}
+    want = (f"data.path: {idx}: its header is damaged or it is no Megatron index: it starts with b'MMIDIDY\\x00\\x00', "
+            "a Megatron index with b'MMIDIDX\\x00\\x00'")
+    for path, extra in ((prefix, {}), (Path(f"{prefix}.bin"), {"token_dtype": "uint16"}), (idx, {})):
+        assert data_problems(load_config({**raw, "data": {**raw["data"], "path": str(path), **extra}})) == [want], path
+    idx.write_bytes(whole[:20])
+    assert data_problems(load_config({**raw, "data": {**raw["data"], "path": str(prefix)}})) == [
+        f"data.path: {idx}: its header is cut short: 20 bytes, a Megatron index's header has 34"]

@@ -93,7 +93,8 @@ def test_one_worker_and_three_write_the_same_bytes(corpus: Path, tmp_path: Path,
 
 def test_a_chunk_is_encoded_in_calls_of_bounded_size_with_the_same_ids(tmp_path: Path, monkeypatch) -> None:
     """The tokenizer gets a chunk's texts a few at a time (its time per character grows with the
-    call), each call about BATCH_CHARS characters, a longer text alone; the ids are each text's own."""
+    call), each call about BATCH_CHARS characters, a longer text in slices of at most BATCH_CHARS;
+    the ids are each text's own, its EOS after it."""
     from tokenizers import Tokenizer
 
     from portapipe.data import writer
@@ -113,13 +114,19 @@ def test_a_chunk_is_encoded_in_calls_of_bounded_size_with_the_same_ids(tmp_path:
 
     writer._STATE["tokenizer"] = Recording()
     monkeypatch.setattr(writer, "BATCH_CHARS", 400)
-    texts = TEXTS[:60] + ["x" * 1000] + TEXTS[60:63]
-    assert writer._encode(texts) == [tok.encode(t, add_special_tokens=False).ids for t in texts]
-    assert [t for call in calls for t in call] == texts and len(calls) > 10
-    for call in calls:  # under the bound but for the text that crosses it
-        assert sum(map(len, call[:-1])) < 400
-    assert ["x" * 1000] in calls or any(call[-1] == "x" * 1000 for call in calls)
-    assert writer._encode([]) == []
+    long = " ".join(TEXTS[63:80])
+    assert len(long) > 1000
+    texts = TEXTS[:60] + [long] + TEXTS[60:63]
+    out = writer.Encoded()
+    ids = writer._documents(texts, out)
+    want = [tok.encode(t, add_special_tokens=False).ids + [int(EOS)] for t in texts]
+    assert ids.tolist() == [i for doc in want for i in doc] and out.lengths == [len(doc) for doc in want]
+    assert "".join(t for call in calls for t in call) == "".join(texts) and len(calls) > 10
+    for call in calls:  # under the bound but for the piece that crosses it; no piece over it
+        assert sum(map(len, call[:-1])) < 400 and max(map(len, call)) <= 400
+    slices = [t for call in calls for t in call if t not in texts and t in long]  # other texts over 400 are cut too
+    assert "".join(slices) == long and len(slices) >= 3 and all(t.startswith(" ") for t in slices[1:])
+    assert writer._documents([], writer.Encoded()).tolist() == []
 
 
 def test_bad_input_is_one_line_exit_2_and_nothing_written(corpus: Path, tmp_path: Path, capsys) -> None:

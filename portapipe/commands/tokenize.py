@@ -21,17 +21,55 @@ taken for them unasked).
 Prints the description as one JSON line and a one-line summary on stderr (a progress bar with
 documents, MB/s and tokens/s while it runs, when stderr is a terminal). Exit 0 on success, 2 for
 bad input, in one line (nothing is written then: the folder is written under a temporary name
-and renamed when complete).
+and renamed when complete); SIGINT / SIGTERM stop it at once, in one line, with 130 / 143 and
+nothing written. The workers end with it, however it ends (kill -9 too).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+
+class _Stopped(BaseException):
+    """A stop signal, raised where the command is (a BaseException: no ``except Exception`` keeps it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stops_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`_Stopped` for the duration (main thread only), so the
+    write unwinds: its temporary folder removed, its workers ended."""
+    from ..ranks.stop import STOP_SIGNALS
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_stop(signum: int, frame: Any) -> None:
+        for sig in STOP_SIGNALS:  # one stop: a second signal does not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        raise _Stopped(signum)
+
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, raise_stop)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _problem(inputs: list[str], out: Path, tokenizer: str | None) -> str | None:
@@ -57,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from ..data.tokenizer import load_tokenizer
     from ..data.writer import Options, write_dataset
     from ..ranks.pinning import usable_cores
+    from ..ranks.stop import exit_code
 
     *inputs, out_arg = args.paths
     out = Path(out_arg)
@@ -67,20 +106,24 @@ def run(args: argparse.Namespace) -> int:
     if problem is None:
         t0 = time.perf_counter()
         try:
-            items = expand(inputs or [str(DEFAULT_CORPUS)])
-            eos, eos_from = args.eos, "--eos"
-            if shipped and eos is None and args.tokenizer is None:
-                eos, eos_from = shipped_eos(load_tokenizer(SHIPPED_TOKENIZER)), "the shipped corpus's default (byte 0xff's token)"
-            options = Options(
-                Path(tokenizer), eos=eos, field=args.field, split_lines=args.split_lines, dtype=args.dtype,
-                workers=args.workers or len(usable_cores()), skip_bad=args.skip_bad,
-                progress=sys.stderr.isatty() if args.progress is None else args.progress, eos_from=eos_from,
-            )
-            meta = write_dataset(items, out, options)
+            with _stops_raise():
+                items = expand(inputs or [str(DEFAULT_CORPUS)])
+                eos, eos_from = args.eos, "--eos"
+                if shipped and eos is None and args.tokenizer is None:
+                    eos, eos_from = shipped_eos(load_tokenizer(SHIPPED_TOKENIZER)), "the shipped corpus's default (byte 0xff's token)"
+                options = Options(
+                    Path(tokenizer), eos=eos, field=args.field, split_lines=args.split_lines, dtype=args.dtype,
+                    workers=args.workers or len(usable_cores()), skip_bad=args.skip_bad,
+                    progress=sys.stderr.isatty() if args.progress is None else args.progress, eos_from=eos_from,
+                )
+                meta = write_dataset(items, out, options)
         except ValueError as exc:
             problem = str(exc)
         except OSError as exc:  # OUT cannot be written (no space, no permission)
             problem = f"cannot write {out}: {exc.strerror or exc}"
+        except _Stopped as stop:
+            print(f"portapipe: tokenize: stopped by {signal.Signals(stop.signum).name}; nothing was written to {out}", file=sys.stderr)
+            return exit_code(stop.signum)
     if problem is not None:
         print(f"portapipe: tokenize: {problem}", file=sys.stderr)
         return 2

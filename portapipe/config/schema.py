@@ -256,6 +256,10 @@ class SourceConfig(Section):
 
     path: str = Field(description="a dataset folder (portapipe tokenize), a Megatron prefix (PREFIX.bin + PREFIX.idx) or a token file")
     weight: float = Field(1.0, gt=0, description="its share of the samples, the weights normalised over the sources [1]")
+    token_dtype: Literal["auto", "uint16", "uint32"] | None = Field(
+        None, description="a flat file's width of one id; auto reads it from the sidecar <path>.json [data.token_dtype]; a dataset "
+        "folder's dataset.json or a Megatron index says its own, which this must not contradict"
+    )
 
 
 class DataConfig(Section):
@@ -290,8 +294,9 @@ class DataConfig(Section):
         "from an uninterrupted run's"
     )
     token_dtype: Literal["auto", "uint16", "uint32"] = Field(
-        "auto", description="tokens, flat files: width of one id; auto reads it from the sidecar <path>.json (a dataset folder or a "
-        "Megatron index says it itself)"
+        "auto", description="tokens, flat files: width of one id, for data.path and for each source without its own token_dtype; "
+        "auto reads it from the sidecar <path>.json (a dataset folder or a Megatron index says its own: with data.path this must "
+        "not contradict it, in a blend it applies to flat files alone)"
     )
     vocab_size: int | None = Field(
         None, ge=1, description="tokens: the vocabulary of the tokenizer that wrote the data, at most model.vocab_size "

@@ -19,6 +19,10 @@ Two ways to choose the samples (``data.sampling``):
 
 Validation data (``split="val"``) is drawn the same way from one validation part at a time, so
 its loss can be reported per source.
+
+Each source's files are checked against what they were when opened before and after each read
+(:meth:`~.sources.Source.check`): a file deleted, truncated, replaced or rewritten during the run
+stops it with one line naming the file, never a batch of other tokens.
 """
 
 from __future__ import annotations
@@ -163,6 +167,7 @@ class Batches:
         for d in np.unique(which):
             at = which == d
             offsets = _offsets(parts[d], starts[at], seq_len)
+            parts[d].source.check()  # a mapped file cut short would end the process at the read (SIGBUS)
             kept += kept_targets(parts[d].source.document_start(offsets) == offsets)
         return kept / (replicas * n_microbatches)
 
@@ -211,9 +216,11 @@ class Batches:
             at = which == d
             part = parts[d]
             offsets = _offsets(part, starts[at], seq_len)
+            part.source.check()  # before: a mapped file cut short would end the process at the read (SIGBUS)
             windows[at] = np.asarray(part.source.tokens)[offsets]  # a plain view: memmap's indexing costs more
             if flags is not None:
                 flags[at] = part.source.document_start(offsets) == offsets
+            part.source.check()  # after: a file rewritten while it was read gave other tokens
             self._check_ids(part.source, windows[at], offsets)
         return windows, flags
 

@@ -55,9 +55,29 @@ def sampling_of(config: Any) -> str:
     return d.sampling if d.sampling != "auto" else ("epochs" if d.format == "tokens" else "random")
 
 
-def _listed(config: Any, key: str) -> list[tuple[str, str, float]]:
-    """(config key of the path, path, weight) of each source in ``data.<key>``."""
-    return [(f"data.{key}[{i}].path", s.path, s.weight) for i, s in enumerate(getattr(config.data, key) or [])]
+@dataclass(frozen=True)
+class Listed:
+    """A source as the config names it."""
+
+    key: str  # the config key of its path
+    path: str
+    weight: float
+    token_dtype: str  # a flat file's width
+    dtype_key: str  # the key that says it (or, for auto, the one to set)
+    own: bool  # the source's own key (a folder's or an index's width must agree), not the blend's fallback
+
+
+def _listed(config: Any, key: str) -> list[Listed]:
+    """Each source in ``data.<key>``: its own ``token_dtype``, else ``data.token_dtype`` for a flat file."""
+    d, out = config.data, []
+    for i, s in enumerate(getattr(d, key) or []):
+        here = f"data.{key}[{i}].token_dtype"
+        if s.token_dtype is not None:
+            out.append(Listed(f"data.{key}[{i}].path", s.path, s.weight, s.token_dtype, here, True))
+        else:
+            out.append(Listed(f"data.{key}[{i}].path", s.path, s.weight, d.token_dtype,
+                              here if d.token_dtype == "auto" else "data.token_dtype", False))
+    return out
 
 
 def open_corpus(config: Any) -> Corpus:
@@ -82,7 +102,7 @@ def _open(config: Any) -> tuple[Corpus | None, list[str]]:
     if d.path is None and not d.sources:
         return None, ["data.path: not set; data.format tokens reads a dataset folder (portapipe tokenize IN... OUT), a Megatron "
                       "prefix or a token file, or set data.sources"]
-    listed = _listed(config, "sources") or [("data.path", d.path, 1.0)]
+    listed = _listed(config, "sources") or [Listed("data.path", d.path, 1.0, d.token_dtype, "data.token_dtype", True)]
     problems: list[str] = []
     train = _opened(listed, d, problems)
     val_listed = _listed(config, "val_sources")
@@ -95,11 +115,11 @@ def _open(config: Any) -> tuple[Corpus | None, list[str]]:
     return Corpus(*_split(train, d.val_fraction), sampling), []
 
 
-def _opened(listed: list[tuple[str, str, float]], d: Any, problems: list[str]) -> list[tuple[Source, float]]:
+def _opened(listed: list[Listed], d: Any, problems: list[str]) -> list[tuple[Source, float]]:
     out = []
-    for key, path, weight in listed:
+    for s in listed:
         try:
-            out.append((open_source(Path(path).expanduser(), key, d.token_dtype, d.vocab_size), weight))
+            out.append((open_source(Path(s.path).expanduser(), s.key, s.token_dtype, d.vocab_size, s.dtype_key, s.own), s.weight))
         except (ValueError, OSError) as exc:
             problems.append(str(exc))
     return out
@@ -164,7 +184,7 @@ def _vocab_problems(source: Source, vocab_size: int, d: Any, check_ids: bool) ->
                     f"which holds byte values up to {top} (use vocab_size >= {top + 1}, e.g. 256)"]
         return []
     if source.kind == "flat":
-        return flat.file_problems(source.path, d.token_dtype, vocab_size, check_ids, d.vocab_size, source.key)[1]
+        return flat.file_problems(source.path, source.tokens.dtype.name, vocab_size, check_ids, d.vocab_size, source.key, source.dtype_key)[1]
     out = []
     if source.vocab_size is not None and source.vocab_size > vocab_size:
         where = "data.vocab_size" if d.vocab_size is not None else "its description"

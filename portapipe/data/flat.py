@@ -6,8 +6,9 @@ one document. portapipe's earlier ``tokenize`` wrote one with a sidecar ``<file>
 (``{"format": "portapipe.tokens", "dtype", "vocab_size", "tokens", ...}``); today's writes a
 dataset folder (:mod:`.folder`), and these files stay readable.
 
-The token width: ``data.token_dtype: uint16 | uint32`` says it; ``auto`` [default] takes it from
-the sidecar, and without one is an error, since a uint32 file read as uint16 (or the reverse)
+The token width: the source's ``token_dtype`` (``data.sources[i].token_dtype``, else
+``data.token_dtype``): ``uint16 | uint32`` says it; ``auto`` [default] takes it from the sidecar,
+and without one is an error, since a uint32 file read as uint16 (or the reverse)
 gives valid-looking ids and silently wrong data. nanoGPT's files are uint16.
 """
 
@@ -48,8 +49,8 @@ def read_meta(path: Path) -> dict[str, Any] | None:
     return meta
 
 
-def resolve_dtype(path: Path, wanted: str, key: str = "data.path") -> tuple[str | None, list[str]]:
-    """(token width, problems) for ``data.token_dtype: wanted`` and the file's sidecar."""
+def resolve_dtype(path: Path, wanted: str, key: str = "data.path", dtype_key: str = "data.token_dtype") -> tuple[str | None, list[str]]:
+    """(token width, problems) for ``<dtype_key>: wanted`` and the file's sidecar."""
     try:
         meta = read_meta(path)
     except ValueError as exc:
@@ -57,12 +58,12 @@ def resolve_dtype(path: Path, wanted: str, key: str = "data.path") -> tuple[str 
     if wanted == "auto":
         if meta is None:
             return None, [
-                f"data.token_dtype: auto needs {sidecar(path).name} beside the token file (portapipe tokenize writes it) "
-                "to know the token width; set data.token_dtype: uint16 or uint32 (nanoGPT's .bin files are uint16)"
+                f"{dtype_key}: auto needs {sidecar(path).name} beside the token file (portapipe tokenize writes it) "
+                f"to know the token width; set {dtype_key}: uint16 or uint32 (nanoGPT's .bin files are uint16)"
             ]
         return meta["dtype"], []
     if meta is not None and meta["dtype"] != wanted:
-        return None, [f"data.token_dtype: {wanted}, but {sidecar(path).name} says the file holds {meta['dtype']} ids"]
+        return None, [f"{dtype_key}: {wanted}, but {sidecar(path).name} says the file holds {meta['dtype']} ids"]
     return wanted, []
 
 
@@ -106,16 +107,17 @@ def largest_id(path: Path, dtype: str) -> int:
 
 
 def file_problems(
-    path: Path, wanted: str, vocab_size: int, check_ids: bool = True, data_vocab: int | None = None, key: str = "data.path"
+    path: Path, wanted: str, vocab_size: int, check_ids: bool = True, data_vocab: int | None = None, key: str = "data.path",
+    dtype_key: str = "data.token_dtype",
 ) -> tuple[str | None, list[str]]:
     """(token width, what stops the flat file ``path`` from serving a model of ``vocab_size`` tokens).
 
     ``data_vocab`` (``data.vocab_size``) is the vocabulary of the tokenizer that wrote the file,
     None for the sidecar's; it must agree with the sidecar, fit the model and hold every id.
-    ``key`` names the config key that gave ``path``."""
+    ``key`` names the config key that gave ``path``, ``dtype_key`` the one that gave ``wanted``."""
     if not path.is_file():
         return None, [f"{key}: {str(path)!r} does not exist or is not a file"]
-    dtype, out = resolve_dtype(path, wanted, key)
+    dtype, out = resolve_dtype(path, wanted, key, dtype_key)
     if dtype is None:
         return None, out
     width = DTYPES[dtype].itemsize
@@ -123,7 +125,7 @@ def file_problems(
     if size == 0:
         return None, [f"{key}: {str(path)!r} is empty"]
     if size % width:
-        return None, [f"{key}: {path.name} has {size} bytes, not a whole number of {dtype} tokens; is data.token_dtype right?"]
+        return None, [f"{key}: {path.name} has {size} bytes, not a whole number of {dtype} tokens; is {dtype_key} right?"]
     meta = read_meta(path)
     count = None if meta is None else meta.get("tokens")
     if isinstance(count, int) and not isinstance(count, bool) and count * width != size:
@@ -143,5 +145,5 @@ def file_problems(
         if top >= vocab_size:
             out.append(f"model.vocab_size: {vocab_size} is too small for {path.name}, which holds token ids up to {top} (use vocab_size >= {top + 1})")
         elif vocab is not None and top >= vocab:
-            out.append(f"{key}: {path.name} holds token ids up to {top}, past its vocabulary of {vocab} tokens ({where}); is data.token_dtype right?")
+            out.append(f"{key}: {path.name} holds token ids up to {top}, past its vocabulary of {vocab} tokens ({where}); is {dtype_key} right?")
     return dtype, out

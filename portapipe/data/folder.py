@@ -112,7 +112,7 @@ def temporary(out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     for left in out.parent.glob(f".{out.name}.*.tmp"):
         pid = left.name[len(out.name) + 2 : -len(".tmp")]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and gone(int(pid)):
             shutil.rmtree(left, ignore_errors=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -120,14 +120,18 @@ def temporary(out: Path) -> Path:
     return tmp
 
 
-def _alive(pid: int) -> bool:
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie, ended but not yet waited for, has)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
-    except PermissionError:
         return True
-    return True
+    except PermissionError:
+        return False
+    try:  # Linux: the state after the command's name
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def discard(tmp: Path) -> None:

@@ -31,18 +31,11 @@ _CHUNK = 1 << 20  # index entries per step when checking the pointers (a few MB 
 
 def prefix_of(path: Path) -> Path | None:
     """The prefix of the Megatron dataset ``path`` names (the prefix itself, or its ``.bin`` /
-    ``.idx``), None when ``path`` names none."""
+    ``.idx``): where both files are, whatever the index holds (a damaged one is then said so,
+    never read as something else); None when ``path`` names none."""
     for prefix in (path, path.with_suffix("") if path.suffix in (".bin", ".idx") else None):
-        if prefix is None:
-            continue
-        idx, bin_ = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
-        if idx.is_file() and bin_.is_file():
-            try:
-                with open(idx, "rb") as f:
-                    if f.read(len(HEADER)) == HEADER:
-                        return prefix
-            except OSError:
-                return None
+        if prefix is not None and Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file():
+            return prefix
     return None
 
 
@@ -54,8 +47,11 @@ class MegatronDataset:
         self.idx_path, self.bin_path = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
         with open(self.idx_path, "rb") as f:
             head = f.read(_FIXED)
-        if len(head) < _FIXED or head[: len(HEADER)] != HEADER:
-            raise ValueError(f"{self.idx_path} is not a Megatron index (no MMIDIDX header)")
+        if head[: len(HEADER)] != HEADER:
+            raise ValueError(f"{self.idx_path}: its header is damaged or it is no Megatron index: it starts with {head[: len(HEADER)]!r}, "
+                             f"a Megatron index with {HEADER!r}")
+        if len(head) < _FIXED:
+            raise ValueError(f"{self.idx_path}: its header is cut short: {len(head)} bytes, a Megatron index's header has {_FIXED}")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[len(HEADER) :])
         if version != 1:
             raise ValueError(f"{self.idx_path} has index version {version}; only version 1 is known")

@@ -3,37 +3,45 @@
 Inputs (any mix, each given as a file, a folder or a glob):
 
 - text, plain or compressed (gzip or zstd, told by the file's first bytes): one document per
-  file (held whole while it is encoded: a tokenizer's ids for a text cut in two need not be the
-  ids of the whole, whatever the cut), or one per line with ``split_lines``;
+  file, or one per line with ``split_lines``;
 - jsonl (``.jsonl`` / ``.json``, compressed or not): one JSON object per line, the document the
   string at ``field``;
 - parquet (``.parquet``): the string column ``field``, read a row group at a time (pyarrow);
 - a Hugging Face dataset saved with ``datasets.save_to_disk`` (a folder with ``state.json``): the
-  column ``field``, memory-mapped (``datasets``). A ``DatasetDict`` folder names its splits.
+  column ``field``, memory-mapped (``datasets``). A ``DatasetDict`` folder names its splits; a
+  split saved without rows is an input without documents.
 
 A folder holds inputs: every such file in it and below, in path order (a folder that is itself a
-saved dataset is one input). Nothing is read whole but a text file's one document: :func:`chunks`
-cuts each input into pieces of about :data:`CHUNK_BYTES` (1 MiB) at line ends (parquet by row group, a
-saved dataset by :data:`HF_ROWS` rows), each of which a worker turns into tokens on its own. The
-cuts depend only on the inputs, so the output does not depend on how many workers there are.
+saved dataset is one input). Links are followed and each real file is read once: a file met again
+(through a link, or named twice) and a link back to a folder above (a loop) are passed over, one
+line on stderr each; ``**`` in a glob does not descend through links to folders. A compressed file
+cut short is refused (gzip's missing end, a zstd frame that runs past the file's end: see
+:mod:`.zstd_frames`), never read as the text before the cut.
+
+Nothing is read whole but a text file's one document: :func:`chunks` cuts each input into pieces
+of about :data:`CHUNK_BYTES` (1 MiB) at line ends (parquet by row group, a saved dataset by
+:data:`HF_ROWS` rows), each of which a worker turns into tokens on its own. The cuts depend only on
+the inputs, so the output does not depend on how many workers there are.
 """
 
 from __future__ import annotations
 
-import glob
 import gzip
+import json
+import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from .folder import is_dataset
+from .zstd_frames import is_zstd, zstd_blocks
 
 CHUNK_BYTES = 1 << 20  # small enough that a few MB keep several workers busy
 HF_ROWS = 4096  # rows of a saved Hugging Face dataset per chunk
-_BLOCK = 1 << 20
-GZIP_MAGIC, ZSTD_MAGIC = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
+BLOCK_BYTES = 1 << 20  # decompressed bytes per read
+GZIP_MAGIC = b"\x1f\x8b"
 JSON_SUFFIXES = (".jsonl", ".json")
 KNOWN = (".txt", ".text", ".md", *JSON_SUFFIXES, ".parquet")
 
@@ -89,31 +97,64 @@ def _readable(path: Path) -> bool:
     return name.endswith(KNOWN)
 
 
-def expand(specs: list[str]) -> list[Input]:
-    """The inputs named by files, folders and globs, in order; ValueError (one line) for a name
-    that gives none."""
+def _say(line: str) -> None:
+    print(f"portapipe: tokenize: {line}", file=sys.stderr)
+
+
+def expand(specs: list[str], warn: Callable[[str], None] = _say) -> list[Input]:
+    """The inputs named by files, folders and globs, in order, each real file once (links
+    resolved; a file met again through another name or link is passed over, ``warn`` saying so in
+    one line); ValueError (one line) for a name that gives none."""
     out: list[Input] = []
+    seen: dict[Path, Path] = {}  # real file -> the name it was first read under
     for spec in specs:
         if any(c in spec for c in "*?["):
-            matched = sorted(Path(p) for p in glob.glob(spec, recursive=True))
-            if not matched:
+            paths = _glob(spec)
+            if not paths:
                 raise ValueError(f"{spec} matches no file")
-            paths = matched
         else:
             paths = [Path(spec)]
         for path in paths:
             if path.is_dir():
-                out += _top_folder(path)
+                found = _top_folder(path, warn)
             elif path.is_file():
-                out.append(Input(path, _kind_of(path)))
+                found = [Input(path, _kind_of(path))]
             else:
                 raise ValueError(f"{path} does not exist")
+            for item in found:
+                real = item.path.resolve()
+                if real in seen:
+                    warn(f"{item.path} is {seen[real]} again ({real}); it is read once")
+                    continue
+                seen[real] = item.path
+                out.append(item)
     return out
 
 
-def _folder(path: Path) -> list[Input]:
+def _glob(spec: str) -> list[Path]:
+    """The paths a glob matches, in order. ``**`` does not descend through links to folders (a
+    link loop would be walked about 40 levels deep; a folder matched is walked as :func:`_folder`
+    walks one); hidden names match only a pattern that names them."""
+    parts = Path(spec).parts
+    fixed = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
+    anchor, pattern = Path(*parts[:fixed]) if fixed else Path(), str(Path(*parts[fixed:]))
+    hidden_ok = any(part.startswith(".") for part in parts[fixed:])
+    return sorted(p for p in anchor.glob(pattern) if hidden_ok or not any(x.startswith(".") for x in p.relative_to(anchor).parts))
+
+
+def _folder(path: Path, warn: Callable[[str], None], walked: dict[Path, Path], above: tuple[Path, ...] = ()) -> list[Input]:
     """The inputs in a folder and below, in path order; a saved dataset is one input, a dataset
-    portapipe wrote none; hidden entries are passed over."""
+    portapipe wrote none; hidden entries are passed over. Links are followed, each real folder
+    walked once: a link back to a folder above (a loop), or to one walked already, is passed
+    over with a line said (``walked``: real folder -> the name it was walked under)."""
+    real = path.resolve()
+    if real in above:
+        warn(f"{path} leads back to {walked[real]} (a link loop); not followed")
+        return []
+    if real in walked:
+        warn(f"{path} is {walked[real]} again ({real}); it is read once")
+        return []
+    walked[real] = path
     if _is_saved_dataset(path):
         return [Input(path, "hf")]
     found: list[Input] = []
@@ -121,47 +162,51 @@ def _folder(path: Path) -> list[Input]:
         if entry.name.startswith("."):  # hidden: e.g. a dataset being written
             continue
         if entry.is_dir() and not is_dataset(entry):
-            found += _folder(entry)
+            found += _folder(entry, warn, walked, (*above, real))
         elif entry.is_file() and _readable(entry):
             found.append(Input(entry, _kind_of(entry)))
+        elif entry.is_symlink() and not entry.exists():
+            warn(f"{entry} is a link that leads nowhere (or loops on itself); passed over")
     return found
 
 
-def _top_folder(path: Path) -> list[Input]:
-    found = _folder(path)
+def _top_folder(path: Path, warn: Callable[[str], None]) -> list[Input]:
+    found = _folder(path, warn, {})
     if not found:
         raise ValueError(f"{path} holds no file portapipe tokenize reads (text, jsonl, parquet, or a saved Hugging Face dataset)")
     return found
 
 
 # -------------------------------------------------------------------------- raw bytes
-def open_raw(path: Path) -> BinaryIO:
-    """The file's bytes, decompressed when its first bytes say gzip or zstd."""
-    f = open(path, "rb")
-    head = f.read(4)
-    f.seek(0)
-    if head[:2] == GZIP_MAGIC:
-        return gzip.GzipFile(fileobj=f)  # type: ignore[return-value]
-    if head == ZSTD_MAGIC:
-        try:
-            import zstandard
-        except ImportError:
-            f.close()
-            raise ValueError(f"{path} is zstd-compressed; reading it needs zstandard: pip install 'portapipe[data]'") from None
-        return zstandard.ZstdDecompressor().stream_reader(f, closefd=True)  # type: ignore[no-any-return]
-    return f
+def compressed(path: Path) -> bool:
+    """Whether the file is gzip or zstd, by its first bytes."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head[:2] == GZIP_MAGIC or is_zstd(head)
 
 
-def _blocks(path: Path) -> Iterator[bytes]:
-    """The file's decompressed bytes, a block at a time; ValueError (one line) when it cannot be
-    read or decompressed."""
+def _blocks(path: Path, block: int | None = None) -> Iterator[bytes]:
+    """The file's bytes, decompressed when its first bytes say gzip or zstd, ``block`` bytes (by
+    default :data:`BLOCK_BYTES`) at a time; ValueError (one line) when it cannot be read or
+    decompressed, or is truncated (a gzip stream without its end, a zstd frame cut short)."""
+    size = block or BLOCK_BYTES
     try:
-        with open_raw(path) as raw:
-            while block := raw.read(_BLOCK):
-                yield block
-    except ValueError:
-        raise
-    except (OSError, EOFError, zlib.error) as exc:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            f.seek(0)
+            if is_zstd(head):
+                yield from zstd_blocks(f, size)
+                return
+            raw: BinaryIO = gzip.GzipFile(fileobj=f) if head[:2] == GZIP_MAGIC else f  # type: ignore[assignment]
+            while data := raw.read(size):
+                yield data
+    except ImportError:  # zstandard, the data extra's
+        raise ValueError(f"{path} is zstd-compressed; reading it needs zstandard: pip install 'portapipe[data]'") from None
+    except ValueError as exc:  # a zstd file cut short, or not zstd past its first frame
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    except EOFError:  # gzip's own word for a stream cut before its end-of-stream marker
+        raise ValueError(f"cannot read {path}: truncated: the gzip stream ends before its end-of-stream marker") from None
+    except (OSError, zlib.error) as exc:
         raise ValueError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
     except Exception as exc:  # zstandard.ZstdError
         if type(exc).__module__.startswith("zstandard"):
@@ -179,20 +224,22 @@ def cut_point(buf: bytearray, limit: int) -> int:
     return pos + 1 if pos >= 0 else 0
 
 
-def _byte_chunks(i: int, item: Input, kind: str) -> Iterator[Chunk]:
-    """A text file's document whole; lines and jsonl in pieces of about CHUNK_BYTES of whole lines."""
+def _byte_chunks(i: int, item: Input, kind: str, limit: int, block: int | None) -> Iterator[Chunk]:
+    """A text file's document whole; lines and jsonl in pieces of about ``limit`` bytes of whole lines."""
     buf, line = bytearray(), 1
-    for block in _blocks(item.path):
-        buf += block
-        while kind != "text" and len(buf) > CHUNK_BYTES:
-            end = cut_point(buf, CHUNK_BYTES)
+    for data in _blocks(item.path, block):
+        buf += data
+        while kind != "text" and len(buf) > limit:
+            end = cut_point(buf, limit)
             if not end:
                 break  # no line end yet: read on
-            piece = bytes(buf[:end])
+            piece = bytes(memoryview(buf)[:end])  # one copy, not two: a piece may be one long line
             del buf[:end]
             yield Chunk(i, kind, str(item.path), piece, line, size=len(piece))
             line += piece.count(b"\n")
-    yield Chunk(i, kind, str(item.path), bytes(buf), line, size=len(buf))
+    last = bytes(buf)
+    del buf  # not held beside its copy while the piece is encoded
+    yield Chunk(i, kind, str(item.path), last, line, size=len(last))
 
 
 def _parquet_chunks(i: int, item: Input, field: str) -> Iterator[Chunk]:
@@ -213,8 +260,20 @@ def _parquet_chunks(i: int, item: Input, field: str) -> Iterator[Chunk]:
         yield Chunk(i, "parquet", str(item.path), index=g, size=size // groups + (size % groups if g == groups - 1 else 0))
 
 
+def _saved_without_rows(path: Path) -> bool:
+    """Whether a saved dataset lists no data file (``save_to_disk`` of no rows writes none, which
+    ``datasets.load_from_disk`` cannot load)."""
+    try:
+        return json.loads((path / "state.json").read_text()).get("_data_files") == []
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def open_saved(path: Path) -> Any:
-    """A dataset saved with ``datasets.save_to_disk`` (memory-mapped); ValueError (one line) otherwise."""
+    """A dataset saved with ``datasets.save_to_disk`` (memory-mapped), None for one saved without
+    rows; ValueError (one line) otherwise."""
+    if _saved_without_rows(path):
+        return None
     try:
         import datasets
     except ImportError:
@@ -230,6 +289,8 @@ def open_saved(path: Path) -> Any:
 
 def _hf_chunks(i: int, item: Input, field: str) -> Iterator[Chunk]:
     ds = open_saved(item.path)
+    if ds is None:  # no rows: an input without documents, as an empty file is
+        return
     if field not in ds.column_names:
         raise ValueError(f"{item.path} has no column {field!r} (it has {', '.join(ds.column_names)}); name the text column with --field")
     rows, size = len(ds), item.size
@@ -254,12 +315,15 @@ def table_rows(chunk: Chunk, field: str, saved: dict[str, Any]) -> tuple[list[An
     return saved[chunk.path][chunk.index : chunk.stop][field], f"{chunk.path}, rows {chunk.index}..{chunk.stop - 1}"
 
 
-def chunks(inputs: list[Input], field: str, split_lines: bool) -> Iterator[Chunk]:
-    """Every input cut into chunks, in order (see the module docstring)."""
+def chunks(inputs: list[Input], field: str, split_lines: bool, chunk_bytes: int | None = None, block_bytes: int | None = None) -> Iterator[Chunk]:
+    """Every input cut into chunks, in order (see the module docstring): lines and jsonl in pieces
+    of about ``chunk_bytes`` [:data:`CHUNK_BYTES`], read ``block_bytes`` [:data:`BLOCK_BYTES`] at a
+    time (the pieces depend on neither's value but the first)."""
+    limit = chunk_bytes or CHUNK_BYTES
     for i, item in enumerate(inputs):
         if item.kind == "parquet":
             yield from _parquet_chunks(i, item, field)
         elif item.kind == "hf":
             yield from _hf_chunks(i, item, field)
         else:
-            yield from _byte_chunks(i, item, "lines" if item.kind == "text" and split_lines else item.kind)
+            yield from _byte_chunks(i, item, "lines" if item.kind == "text" and split_lines else item.kind, limit, block_bytes)

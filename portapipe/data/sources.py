@@ -5,18 +5,31 @@
 - a folder holding ``dataset.json``: a dataset ``portapipe tokenize`` wrote (:mod:`.folder`);
 - ``PREFIX`` with ``PREFIX.bin`` and ``PREFIX.idx`` (or either file named): a Megatron-Core
   indexed dataset (:mod:`.megatron`);
-- any other file: a flat token file (:mod:`.flat`), one document, its width from
-  ``data.token_dtype`` or its sidecar.
+- any other file: a flat token file (:mod:`.flat`), one document, its width from its source's
+  ``token_dtype`` (``data.sources[i].token_dtype``, else ``data.token_dtype``) or its sidecar.
+
+A dataset folder's ``dataset.json`` and a Megatron index say their own width; a source's own
+``token_dtype`` (or ``data.token_dtype`` for ``data.path``) must not contradict it, and the
+blend's fallback ``data.token_dtype`` applies to flat files alone.
 
 ``data.format: bytes`` reads a text file as one document of byte tokens (:func:`open_bytes`).
 Each :class:`Source` holds its tokens memory-mapped (a byte corpus in memory) and answers where
 the document holding a token starts, without an array per document.
+
+A mapped file that is cut short under a running job would end the process with SIGBUS at the
+next read past its new end, and one rewritten in place would be read as other tokens. So each
+source records what its files were when it opened them (device, inode, size, modification
+time) and :meth:`Source.check` compares, a few stat calls (microseconds), before and after each
+batch is read (:mod:`.batches`): a file deleted, truncated, replaced or rewritten stops the run
+with one line naming it. A file cut within the microseconds of a read itself can still raise
+SIGBUS.
 """
 
 from __future__ import annotations
 
 import functools
 import gzip
+import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +55,32 @@ class Source:
     vocab_size: int | None = None  #: the tokenizer's vocabulary, when recorded
     max_id: int | None = None  #: the largest id, when known without a scan
     eos_id: int | None = None
+    dtype_key: str = "data.token_dtype"  #: the config key that says a flat file's width, for messages
     _starts: np.ndarray | None = field(default=None, repr=False)  # a dataset folder's index
     _megatron: MegatronDataset | None = field(default=None, repr=False)
+    _opened: tuple[tuple[int, int, int, int], ...] = field(default=(), repr=False)  # each file as it was opened
+
+    def __post_init__(self) -> None:
+        if self.kind != "bytes":  # mapped files; a text read as bytes is in memory
+            self._opened = tuple(_identity(os.stat(f)) for f in self.files)
+
+    def check(self) -> None:
+        """DataReadError (one line naming the file) when one of the source's mapped files was
+        deleted, truncated, replaced or rewritten since it was opened."""
+        for file, then in zip(self.files, self._opened):
+            try:
+                now = _identity(os.stat(file))
+            except FileNotFoundError:
+                raise DataReadError(f"{self.key}: {file} was deleted after the run opened it; {_STOPS}") from None
+            if now == then:
+                continue
+            if now[:2] != then[:2]:
+                what = "replaced (another file has its name now)"
+            elif now[2] < then[2]:
+                what = f"truncated ({then[2]:,} -> {now[2]:,} bytes)"
+            else:
+                what = f"rewritten ({then[2]:,} -> {now[2]:,} bytes, modified since)"
+            raise DataReadError(f"{self.key}: {file} was {what} after the run opened it; {_STOPS}")
 
     @property
     def name(self) -> str:
@@ -82,15 +119,21 @@ class Source:
         return self.tokens
 
 
-def open_source(path: Path, key: str, token_dtype: str = "auto", data_vocab: int | None = None) -> Source:
-    """The source at ``path`` (see the module docstring); ValueError with one line naming ``key``."""
+def open_source(
+    path: Path, key: str, token_dtype: str = "auto", data_vocab: int | None = None, dtype_key: str = "data.token_dtype", own: bool = True
+) -> Source:
+    """The source at ``path`` (see the module docstring); ValueError with one line naming ``key``.
+
+    ``token_dtype``: a flat file's width, said by ``dtype_key``; ``own``: whether that key is the
+    source's own (then a dataset folder's or a Megatron index's width must agree with it), not
+    the blend's fallback for flat files."""
     if folder.is_dataset(path):
         try:
             meta, tokens, starts = folder.open_dataset(path)
         except ValueError as exc:
             raise ValueError(f"{key}: {exc}") from None
-        if token_dtype not in ("auto", meta["dtype"]):
-            raise ValueError(f"data.token_dtype: {token_dtype}, but {path / folder.DESCRIPTION} says the dataset holds {meta['dtype']} ids")
+        if own and token_dtype not in ("auto", meta["dtype"]):
+            raise ValueError(f"{dtype_key}: {token_dtype}, but {path / folder.DESCRIPTION} says the dataset holds {meta['dtype']} ids")
         if data_vocab is not None and data_vocab != meta["vocab_size"]:
             raise ValueError(f"data.vocab_size: {data_vocab}, but {path / folder.DESCRIPTION} says its tokenizer has {meta['vocab_size']} tokens")
         files = (path / folder.DESCRIPTION, path / folder.TOKENS, path / folder.DOCUMENTS)
@@ -103,25 +146,33 @@ def open_source(path: Path, key: str, token_dtype: str = "auto", data_vocab: int
             mds = MegatronDataset(prefix)
         except (ValueError, OSError) as exc:
             raise ValueError(f"{key}: {exc}") from None
-        if token_dtype != "auto":
-            raise ValueError(f"data.token_dtype: {token_dtype} has no effect on the Megatron dataset {prefix} (its index says {mds.dtype.name}); remove it")
+        if own and token_dtype != "auto":
+            raise ValueError(f"{dtype_key}: {token_dtype} has no effect on the Megatron dataset {prefix} (its index says {mds.dtype.name}); remove it")
         return Source(key, prefix, "megatron", mds.tokens, (mds.idx_path, mds.bin_path), data_vocab, _megatron=mds)
     if not path.is_file():
         raise ValueError(
             f"{key}: {str(path)!r} does not exist; name a dataset folder (portapipe tokenize), a Megatron prefix "
             "(PREFIX.bin + PREFIX.idx) or a token file"
         )
-    dtype, problems = flat.file_problems(path, token_dtype, 1 << 32, check_ids=False, data_vocab=data_vocab, key=key)
+    dtype, problems = flat.file_problems(path, token_dtype, 1 << 32, check_ids=False, data_vocab=data_vocab, key=key, dtype_key=dtype_key)
     if dtype is None or problems:
         raise ValueError("; ".join(problems))
     meta = flat.read_meta(path) or {}
     vocab = data_vocab if data_vocab is not None else meta.get("vocab_size")
     files = (path,) + ((flat.sidecar(path),) if meta else ())
-    return Source(key, path, "flat", flat.open_tokens(path, dtype), files, vocab)
+    return Source(key, path, "flat", flat.open_tokens(path, dtype), files, vocab, dtype_key=dtype_key)
 
 
 class DataReadError(ValueError):
     """The data file cannot be read; the message is one line naming the file and why."""
+
+
+_STOPS = "the run stops rather than read other data than it started with (put the file back as it was, or start a new run)"
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file's version apart: the device and inode (the file), its size and modification time (its content)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 @functools.lru_cache(maxsize=4)

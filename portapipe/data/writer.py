@@ -7,14 +7,18 @@ into the folder (:mod:`.folder`) as they come. At most ``2 x workers + 2`` chunk
 so memory stays bounded whatever the corpus, and the output is the same bytes for any number of
 workers (a chunk's tokens depend on the chunk alone). With one worker the chunks are encoded in
 the main process. Every worker runs the tokenizer on one thread (the tokenizers library's own
-thread pool is switched off), so ``workers`` is the number of cores busy encoding. A jsonl chunk
-is parsed by pyarrow's JSON reader; a chunk it does not read as objects with text at the field
-is read again line by line, which names the bad line (see :func:`_jsonl`).
+thread pool is switched off), so ``workers`` is the number of cores busy encoding, and ends with
+the process it works for, however that ends (:func:`_tie`). A jsonl chunk is parsed by pyarrow's
+JSON reader; a chunk it does not read as objects with text at the field is read again line by
+line, which names the bad line (see :func:`_jsonl`). The tokenizer is given about
+:data:`BATCH_CHARS` characters a call, a longer document in slices (:func:`cuts`), so a long
+document costs a few times its size, not the tokenizer's whole encoding of it.
 
 Every document ends with the EOS id. Empty documents (an empty text, a blank jsonl string) are
-left out and counted. A jsonl line that is not JSON, or lacks the field, stops the write with its
-file and line, unless ``skip_bad`` (then counted). Any problem raises ValueError (one line) and
-leaves nothing at ``out`` (the folder is written under a temporary name and renamed at the end).
+left out and counted. A jsonl line that is not JSON, lacks the field or holds no text (a lone
+surrogate escape), stops the write with its file and line, unless ``skip_bad`` (then counted).
+Any problem raises ValueError (one line) and leaves nothing at ``out`` (the folder is written
+under a temporary name and renamed at the end); so does a stop, whose workers are not waited for.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +41,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ..ranks.lifeline import set_parent_death_signal
 from . import folder
 from .flat import DTYPES, dtype_for_vocab
-from .readers import Chunk, Input, chunks, table_rows
+from .readers import Chunk, Input, chunks, compressed, table_rows
 from .tokenizer import find_eos, load_tokenizer, sha256, tokenizer_file, vocab_size
 
 
@@ -45,7 +52,7 @@ from .tokenizer import find_eos, load_tokenizer, sha256, tokenizer_file, vocab_s
 class Encoded:
     """A chunk's tokens and what it held."""
 
-    ids: bytes = b""
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint16))  # in the output's dtype
     lengths: list[int] = field(default_factory=list)  # each finished document's tokens, EOS included
     bad: int = 0
     empty: int = 0
@@ -59,44 +66,111 @@ _STATE: dict[str, Any] = {}
 _PARALLELISM = "TOKENIZERS_PARALLELISM"  # the tokenizers library's switch for its thread pool
 
 
-def _init(tokenizer: str, eos: int, dtype: str, text_field: str, skip_bad: bool) -> None:
+#: seconds between a worker's looks at whether the process it works for is still there
+WATCH_S = 0.5
+
+
+def _init(tokenizer: str, eos: int, dtype: str, text_field: str, skip_bad: bool, main_pid: int | None = None) -> None:
+    """Set up a worker (``main_pid``: the process it works for) or this process (None) to encode."""
+    if main_pid is not None:
+        _tie(main_pid)
     # one thread per worker: the tokenizers library's own pool would make N workers N x cores threads
     os.environ[_PARALLELISM] = "false"
     _STATE.update(tokenizer=load_tokenizer(Path(tokenizer)), eos=eos, dtype=DTYPES[dtype], field=text_field, skip_bad=skip_bad,
                   saved={})
 
 
+def _tie(main_pid: int) -> None:
+    """End this worker when ``main_pid`` ends, however it ends (kill -9 too), never left blocked on
+    a pipe: Linux's parent-death signal (the worker's parent, the fork server, has its own tied to
+    ``main_pid``; spawned workers are its children), and a thread that looks every :data:`WATCH_S`
+    seconds (a parent that died before the signal was set, other systems)."""
+    set_parent_death_signal()
+
+    def watch() -> None:
+        while not folder.gone(main_pid):
+            time.sleep(WATCH_S)
+        os._exit(1)
+
+    if folder.gone(main_pid):
+        os._exit(1)
+    threading.Thread(target=watch, name="portapipe-tokenize-watch", daemon=True).start()
+
+
 #: characters of text per call to the tokenizer: its time per character grows with the batch
 #: (a call keeps every document's encoding until it returns), about 20% slower at 1 MiB than at
-#: 64 Ki characters, and is flat below that (see benchmarks/data.py)
+#: 64 Ki characters, and is flat below that (see benchmarks/data.py); a longer document is given
+#: in slices of at most this many (:func:`cuts`), so memory stays bounded whatever its length
 BATCH_CHARS = 1 << 16
 
 
+def cuts(text: str, size: int) -> list[int]:
+    """Where ``text`` is cut into slices of at most ``size`` characters: ``[0, ..., len(text)]``
+    (``[0, len(text)]`` when it fits one). Each slice ends just before the last space in its reach
+    that a character other than whitespace follows, so the next slice starts with that space:
+    byte-level BPE pre-tokenizers (GPT-2's, Llama 3's, Qwen's, the shipped tokenizer's) and
+    Metaspace split there anyway, and their ids are the whole text's. A stretch of ``size``
+    characters without such a space is cut at ``size`` characters."""
+    out, start, n = [0], 0, len(text)
+    while n - start > size:
+        end = start + size
+        at = text.rfind(" ", start + 1, end + 1)
+        while at > start and text[at + 1].isspace():  # a space before whitespace: no split there
+            at = text.rfind(" ", start + 1, at)
+        start = at if at > start else end
+        out.append(start)
+    out.append(n)
+    return out
+
+
+def _calls(texts: list[str]) -> Iterator[tuple[list[str], list[bool]]]:
+    """The texts as the tokenizer is given them: calls of about :data:`BATCH_CHARS` characters,
+    a longer text in slices; with each piece, whether it ends its text."""
+    pieces: list[str] = []
+    ends: list[bool] = []
+    size = 0
+    for text in texts:
+        bounds = cuts(text, BATCH_CHARS)
+        for k in range(1, len(bounds)):
+            pieces.append(text[bounds[k - 1] : bounds[k]])  # the text itself when it fits (no copy)
+            ends.append(k == len(bounds) - 1)
+            size += bounds[k] - bounds[k - 1]
+            if size >= BATCH_CHARS:
+                yield pieces, ends
+                pieces, ends, size = [], [], 0
+    if pieces:
+        yield pieces, ends
+
+
 def _encode(texts: list[str]) -> list[list[int]]:
-    """Each text's ids, in calls of about :data:`BATCH_CHARS` characters (a longer text alone)."""
+    """Each text's ids, in one call to the tokenizer."""
     tok = _STATE["tokenizer"]
     fast = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    ids: list[list[int]] = []
-    start = size = 0
-    for end, text in enumerate(texts, 1):
-        size += len(text)
-        if size >= BATCH_CHARS or end == len(texts):
-            ids.extend(e.ids for e in fast(texts[start:end], add_special_tokens=False))
-            start, size = end, 0
-    return ids
+    return [e.ids for e in fast(texts, add_special_tokens=False)]
 
 
 def _documents(texts: list[str], out: Encoded) -> np.ndarray:
-    """Each non-empty text's ids followed by the EOS, back to back; counts the empty ones."""
-    eos = _STATE["eos"]
+    """Each non-empty text's ids followed by the EOS, back to back; counts the empty ones. The ids
+    go into the output's dtype a call at a time (numpy refuses an id it cannot hold), so a long
+    document never lives as Python integers whole."""
+    eos, dtype = _STATE["eos"], _STATE["dtype"]
     kept = [t for t in texts if t]
     out.empty += len(texts) - len(kept)
-    docs = _encode(kept)
-    for doc in docs:
-        doc.append(eos)
-    out.lengths = [len(doc) for doc in docs]
-    # one pass over the ids, straight into the output's dtype (numpy refuses an id it cannot hold)
-    return np.fromiter(itertools.chain.from_iterable(docs), dtype=_STATE["dtype"], count=sum(out.lengths))
+    parts: list[np.ndarray] = []
+    lengths: list[int] = []
+    run = 0  # tokens of the document being encoded
+    for pieces, ends in _calls(kept):
+        ids: list[list[int]] = []
+        for piece_ids, end in zip(_encode(pieces), ends):
+            ids.append(piece_ids)
+            run += len(piece_ids)
+            if end:
+                ids.append([eos])
+                lengths.append(run + 1)
+                run = 0
+        parts.append(np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=sum(map(len, ids))))
+    out.lengths = lengths
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 def encode_chunk(chunk: Chunk) -> Encoded:
@@ -117,7 +191,7 @@ def encode_chunk(chunk: Chunk) -> Encoded:
     except OverflowError:
         out.error = f"{chunk.path}: a token id does not fit {_STATE['dtype']}"
         return out
-    out.ids = ids.tobytes()
+    out.ids = ids  # as it is: a copy of a long document's ids would be one more of its sizes
     out.max_id = int(ids.max()) if ids.size else 0
     return out
 
@@ -131,11 +205,16 @@ def _decode(chunk: Chunk, lo: int = 0, hi: int | None = None) -> str:
         raise ValueError(f"{chunk.path}:{line}: not UTF-8 text ({exc.reason})") from None
 
 
+#: a jsonl chunk past this size holds a line longer than a chunk (:func:`~.readers.cut_point`), which
+#: is read with json.loads (holding the text) rather than pyarrow (holding about 4x the line)
+ARROW_BYTES = 4 << 20
+
+
 def _jsonl(chunk: Chunk, out: Encoded) -> list[str]:
     """The chunk's documents: pyarrow's JSON reader when every line is an object with text at the
-    field, else (a bad line, a missing field, no pyarrow) line by line, which says what is wrong
-    and where, or skips and counts such lines."""
-    texts = _jsonl_arrow(chunk.data)
+    field, else (a bad line, a missing field, no pyarrow, a chunk of very long lines) line by line,
+    which says what is wrong and where, or skips and counts such lines."""
+    texts = _jsonl_arrow(chunk.data) if len(chunk.data) <= ARROW_BYTES else None
     return texts if texts is not None else _jsonl_lines(chunk, out)
 
 
@@ -184,22 +263,32 @@ def _jsonl_lines(chunk: Chunk, out: Encoded) -> list[str]:
     for n, raw in enumerate(chunk.data.split(b"\n"), chunk.first_line):
         if not raw.strip():
             continue
-        try:
-            record = json.loads(raw)
-        except ValueError as exc:
-            if _STATE["skip_bad"]:
-                out.bad += 1
-                continue
-            raise ValueError(f"{chunk.path}:{n}: not JSON ({exc}); --skip-bad skips such lines") from None
-        text = record.get(key) if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            if _STATE["skip_bad"]:
-                out.bad += 1
-                continue
-            what = "no field" if not isinstance(record, dict) or key not in record else f"a {type(text).__name__}, not text, in field"
-            raise ValueError(f"{chunk.path}:{n}: {what} {key!r}; --field names the text's field, --skip-bad skips such lines")
-        texts.append(text)
+        text, problem = _line_text(raw, key)
+        if problem is None:
+            texts.append(text)
+        elif _STATE["skip_bad"]:
+            out.bad += 1
+        else:
+            raise ValueError(f"{chunk.path}:{n}: {problem}")
     return texts
+
+
+def _line_text(raw: bytes, key: str) -> tuple[str, str | None]:
+    """(a jsonl line's text at ``key``, None), or ("", what is wrong with the line)."""
+    try:
+        record = json.loads(raw)
+    except ValueError as exc:
+        return "", f"not JSON ({exc}); --skip-bad skips such lines"
+    text = record.get(key) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        what = "no field" if not isinstance(record, dict) or key not in record else f"a {type(text).__name__}, not text, in field"
+        return "", f"{what} {key!r}; --field names the text's field, --skip-bad skips such lines"
+    try:
+        text.encode("utf-8")  # JSON's escapes can name half of a UTF-16 pair, which no text holds
+    except UnicodeEncodeError as exc:
+        return "", (f"field {key!r} holds a lone surrogate escape ({text[exc.start].encode('unicode_escape').decode()}), not text; "
+                    "--skip-bad skips such lines")
+    return text, None
 
 
 def _table(chunk: Chunk) -> list[str]:
@@ -253,10 +342,10 @@ class _Output:
         t.bad, t.empty, t.bytes = t.bad + got.bad, t.empty + got.empty, t.bytes + got.size
         t.max_id = max(t.max_id, got.max_id)
 
-    def _write(self, data: bytes) -> None:
-        self.tokens.write(data)
-        self.digest.update(data)
-        self.totals.tokens += len(data) // self.width
+    def _write(self, ids: np.ndarray) -> None:
+        self.tokens.write(ids.data)
+        self.digest.update(ids.data)
+        self.totals.tokens += ids.nbytes // self.width
 
     def close(self) -> None:
         for f in (self.tokens, self.index):
@@ -367,8 +456,9 @@ def _encoded(todo: Any, workers: int, args: tuple[Any, ...]) -> Any:
     if method == "forkserver":  # the server imports the workers' modules once, each worker is forked with them;
         # it is tied to this process's life as the ranks' server is (no effect once a server runs)
         context.set_forkserver_preload(["portapipe.data.writer", "tokenizers", "portapipe.ranks.forkserver_tie"])
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init, initargs=args)
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_init, initargs=(*args, os.getpid()))
     pending: collections.deque[tuple[Chunk, Future[Encoded]]] = collections.deque()
+    finished = False
     try:
         for chunk in todo:
             pending.append((chunk, pool.submit(encode_chunk, chunk)))
@@ -378,7 +468,11 @@ def _encoded(todo: Any, workers: int, args: tuple[Any, ...]) -> Any:
         while pending:
             done, future = pending.popleft()
             yield done, future.result()
+        finished = True
     finally:
+        if not finished:  # an error or a stop: a worker deep in a long chunk is not waited for
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -396,14 +490,6 @@ def _progress(show: bool, inputs: list[Input]) -> Any:
         return _NoBar()
     from tqdm import tqdm
 
-    from .readers import GZIP_MAGIC, ZSTD_MAGIC
-
-    def compressed(item: Input) -> bool:
-        if item.kind in ("parquet", "hf"):
-            return False
-        with open(item.path, "rb") as f:
-            head = f.read(4)
-        return head[:2] == GZIP_MAGIC or head == ZSTD_MAGIC
-
-    total = None if any(map(compressed, inputs)) else sum(item.size for item in inputs)
+    packed = any(compressed(item.path) for item in inputs if item.kind not in ("parquet", "hf"))
+    total = None if packed else sum(item.size for item in inputs)
     return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
