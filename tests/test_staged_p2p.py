@@ -98,6 +98,28 @@ def test_a_completed_receive_lands_when_seen_completed_and_host_tensors_go_as_th
     assert p2p.batch_isend_irecv([]) == []
 
 
+def test_a_batch_the_library_completes_as_one_work_still_lands_each_receive() -> None:
+    """NCCL coalesces a batch into one work: each operation still gets its own staged handle, and
+    every receive lands when that work is waited on or seen completed."""
+    posted: list[Any] = []
+    single = _Work()
+
+    def coalescing(ops: list[Any]) -> list[_Work]:
+        posted.extend(ops)
+        return [single]
+
+    p2p = HostStagedP2P(copy_staging(is_host=lambda t: False), post=coalescing)
+    a, b = torch.zeros(2), torch.zeros(3)
+    works = p2p.batch_isend_irecv([dist.P2POp(dist.irecv, a, 1), dist.P2POp(dist.isend, torch.ones(4), 1), dist.P2POp(dist.irecv, b, 1)])
+    assert len(works) == 3
+    posted[0].tensor.fill_(1.0)
+    posted[2].tensor.fill_(2.0)
+    single.done = True
+    assert works[2].is_completed() and torch.equal(b, torch.full((3,), 2.0))
+    works[0].wait()
+    assert torch.equal(a, torch.ones(2))
+
+
 def test_the_sends_host_copies_have_landed_before_a_batch_of_sends_and_receives_is_posted() -> None:
     """On a GPU the host copies run on a stream while the library reads the buffers from its own
     thread: every to_host of the batch, then one host_ready, then the post (a recording staging)."""

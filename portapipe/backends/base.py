@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .capabilities import Capabilities
 from .fp8_mm import fp8_grouped_mm_emulated, fp8_mm_emulated
 from .grouped_mm import grouped_mm_reference
+from .p2p_works import per_op
 
 #: the reductions the interface's ``all_reduce`` and ``reduce_scatter_tensor`` take as ``op``
 #: (``torch.distributed.ReduceOp`` names): those gloo, NCCL and HCCL all implement. portapipe
@@ -414,10 +415,11 @@ class Backend(ABC):
 
     # ------------------------------------------------------------ communication
     def batch_isend_irecv(self, ops: Sequence[dist.P2POp]) -> list[Any]:
-        """Post a batch of point-to-point sends/receives; returns their work handles."""
+        """Post a batch of point-to-point sends/receives; returns their work handles, one per
+        operation (a batch the process group coalesces completes as one: :mod:`.p2p_works`)."""
         if not ops:
             return []
-        return dist.batch_isend_irecv(list(ops))
+        return per_op(dist.batch_isend_irecv(list(ops)), len(ops))
 
     def all_to_all_single(
         self,

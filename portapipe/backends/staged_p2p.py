@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .p2p_works import per_op
+
 
 @dataclass(frozen=True)
 class HostStaging:
@@ -122,7 +124,7 @@ class HostStagedP2P:
             posted.append(dist.P2POp(op.op, host, group=op.group, tag=op.tag, **peer))
         if any(kind == "send" for kind, _, _ in staged):
             self.staging.host_ready()
-        works = self._post(posted)
+        works = per_op(self._post(posted), len(posted))
         out: list[Any] = []
         for (kind, host, t), work in zip(staged, works):
             if kind == "send":
