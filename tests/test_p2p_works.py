@@ -90,7 +90,7 @@ def _raw(name: str) -> dict[str, Any]:
 def test_a_pipelined_step_through_coalesced_batches_equals_the_step_through_per_op_works() -> None:
     from portapipe.ranks.launch import run_ranks
 
-    names = ["1f1b", "dualpipev", "dualpipe", "interleaved"]
+    names = ["1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev"]
     for rank, (each, coalesced, widest) in enumerate(run_ranks(_both_ways, 2, [_raw(n) for n in names], wall_timeout_s=300)):
         assert widest >= 2, rank  # batches of several operations were coalesced
         for name, a, b in zip(names, each, coalesced):
