@@ -43,7 +43,11 @@ STARTUP_S = 60.0
 #: After the first failure, how long other ranks' failures are collected before choosing the cause.
 SETTLE_S = 0.25
 
-_PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.ranks.launch", "portapipe.ranks.forkserver_tie"]
+#: What the fork server imports once, so that no rank imports it again: torch, the launcher, and
+#: what a training rank runs (the model, the schedules, the loop, checkpointing), which would
+#: otherwise cost every rank of every launch (a restart's included) seconds of the same imports.
+_PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.ranks.launch", "portapipe.ranks.forkserver_tie",
+            "torch.distributed.checkpoint", "portapipe.train", "portapipe.compose", "portapipe.training.loop"]
 
 
 class LaunchError(RuntimeError):
