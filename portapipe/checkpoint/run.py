@@ -264,7 +264,10 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
                 ]
             )
     elif ck.resume:
-        source = files.newest_complete(root, run_id=owner, warn=say)
+        try:
+            source = files.newest_complete(root, run_id=owner, warn=say)
+        except files.CheckpointFormatError as exc:
+            raise ConfigError([f"checkpoint.resume: {exc}, or move it out of {root} to resume from the checkpoint before it"]) from None
         if source is not None:
             mode = "resume"
         elif checkpoints and not ck.overwrite:
