@@ -166,7 +166,7 @@ def install(faults: list[Fault], marks: Path, rank: int) -> None:
                 note(first_step_done=time.time(), first_step=step + 1)
 
     hooks = loop.step_hooks
-    loop.step_hooks = lambda config, balancer, groups: [*hooks(config, balancer, groups), FaultHook()]
+    loop.step_hooks = lambda *args, **kwargs: [*hooks(*args, **kwargs), FaultHook()]
 
     restore = CheckpointPolicy.restore
 
