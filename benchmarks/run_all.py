@@ -48,6 +48,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "lone_overlap": ["--reps", "20"],  # docs/executor.md's lone actions' hidden exchange time
     "balancer_collectives": ["--ep", "4", "--redundant", "1"],  # docs/balancers-in-training.md's replica sum and figure gather
     "validation": ["--rounds", "5"],  # docs/training.md's forward-only validation
+    "restart": ["--repeats", "3"],  # the README's When something fails: a restart's time and shares
     "data": [],  # the README's data figures: tokenize vs datasets.map, batch making, a 20 GB corpus, blends, document masking
     "timeline": ["--pairs", "15"],  # docs/timeline.md's cost of recording a step, on and off
 }

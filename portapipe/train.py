@@ -17,6 +17,10 @@ the step over ranks) and the share of all-to-all time hidden behind compute (who
 steady-phase F&B pairs). At the end: the validation loss, a summary line in the metrics file,
 and the same summary returned (the CLI prints it as one JSON line).
 
+With ``launch.max_restarts`` the local launcher starts the ranks again after a fault
+(:class:`TrainingRestarts`): the run resumes from its newest complete checkpoint as any resume
+does, and a ``restart`` row in the metrics file is all it knows of it.
+
 Checkpoints (logical, resumable on any layout; one run per folder) are in
 :mod:`portapipe.checkpoint`; the loop asks for one every ``checkpoint.every`` steps (written in
 the background), at the end, and when every rank agreed to stop on SIGINT / SIGTERM
@@ -29,12 +33,19 @@ with a model it cannot use.
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
-from .checkpoint.run import plan_on_ranks, prepare_run
+from .checkpoint.files import CheckpointError
+from .checkpoint.run import RunPlan, plan_on_ranks, prepare_run, restart_plan
 from .config import Config, ConfigError, config_from_dict
 from .data.corpus import data_problems
+from .data.sources import DataReadError
+from .metrics.log import append_row
 from .metrics.tensorboard_sink import log_problems
+from .ranks.local_job import LaunchError
+from .ranks.restart import Fault, Restart, Restarts
 
 
 def train_rank(backend: Any, config_dict: dict[str, Any], plan: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -98,10 +109,13 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
 
     check_before_launch(config)
     backend = check_available(config.backend)
-    plan, locks = None, Locks([])
-    if not (under_torchrun() or under_mpirun()) or launching_rank() == 0:
+    plan, locks, restarts = None, Locks([]), None
+    outer = under_torchrun() or under_mpirun()
+    if not outer or launching_rank() == 0:
         made, locks = prepare_run(config, backend)  # the folder locked until the ranks are done
         plan = made.to_dict()
+        if not outer and config.launch.max_restarts:
+            restarts = TrainingRestarts(config, made)
     with locks:
         results = run_ranks(
             train_rank,
@@ -117,5 +131,53 @@ def train(config: Config, wall_timeout_s: float = 0.0) -> dict[str, Any]:
             stop_grace_s=config.launch.stop_grace_s,
             low_precision=config.model.dtype == "bfloat16",
             pin_cores=config.launch.pin_cores,
+            restarts=restarts,
         )
     return results[0]
+
+
+class TrainingRestarts(Restarts):
+    """``launch.max_restarts`` for a training run: each restart resumes the run from its newest
+    complete checkpoint (:func:`~portapipe.checkpoint.run.restart_plan`) and adds a ``restart`` row
+    to its metrics (the step resumed from, the cause, the restarts left). What a restart cannot fix
+    is not retried: a config error, a checkpoint or data file that cannot be read, a file that is
+    gone. A divergence is: a loss that stops being finite once may be a fault of the hardware,
+    but one that recurs at the same step after a restart is the training's own, and the run ends
+    as diverged (marked ``deterministic``)."""
+
+    #: What a restart cannot fix (by the class name a rank's failure reports), and why.
+    UNRECOVERABLE = {
+        ConfigError.__name__: "a config error fails every launch alike",
+        CheckpointError.__name__: "the checkpoint cannot be read",
+        DataReadError.__name__: "the data cannot be read",
+        FileNotFoundError.__name__: "a file the run reads is gone",
+    }
+
+    def __init__(self, config: Config, first: RunPlan) -> None:
+        launch = config.launch
+        super().__init__(launch.max_restarts, launch.restart_window_s, launch.restart_backoff_s)
+        self.config, self.first = config, first
+        self.diverged_at: set[int] = set()
+
+    def unrecoverable(self, error: LaunchError) -> str | None:
+        return next((why for name, why in self.UNRECOVERABLE.items() if name in error.error_types), None)
+
+    def fault_in(self, results: list[Any]) -> Fault | None:
+        record = results[0].get("diverged")
+        if record is None:
+            return None
+        if record["step"] in self.diverged_at:
+            record["deterministic"] = True
+            return None
+        self.diverged_at.add(record["step"])
+        figures = ", ".join(f"{k.replace('_', ' ')} {'not finite' if record[k] is None else record[k]}" for k in ("loss", "grad_norm") if k in record)
+        return Fault(f"the run diverged at step {record['step']}: {record.get('reason') or figures}")
+
+    def resume(self, restart: Restart) -> tuple[tuple[Any, ...], int]:
+        try:
+            plan = restart_plan(self.config, self.first, restart.number)
+        except CheckpointError as exc:
+            raise LaunchError(f"{restart.fault.line}; cannot restart: {exc}") from None
+        append_row(Path(self.config.log.dir), {"kind": "restart", "step": plan.step, "restart": restart.number, "restarts_left": restart.left,
+                                               "cause": restart.fault.line, "time": time.time()})
+        return (self.config.to_dict(), plan.to_dict()), plan.step

@@ -139,6 +139,20 @@ def connect_failing(backend: Backend, folder: str, failures: int, after_groups: 
     return launch
 
 
+def fail_by_launch(backend: Backend, folder: str, errors: list[str]) -> int:
+    """Rank 1 raises ``errors[i]`` (a built-in exception's name) in the job's launch ``i`` (counted in
+    ``folder``), nothing once they run out; every rank returns the launch's number."""
+    import builtins
+    from pathlib import Path
+
+    launch = len(list(Path(folder).glob(f"launch-{dist.get_rank()}-*")))
+    (Path(folder) / f"launch-{dist.get_rank()}-{launch}").touch()
+    if dist.get_rank() == 1 and launch < len(errors):
+        raise getattr(builtins, errors[launch])(f"launch {launch} fails")
+    backend.barrier()
+    return launch
+
+
 def hang_forever(backend: Backend) -> None:
     while True:
         time.sleep(0.1)

@@ -41,6 +41,11 @@ class CheckpointError(ValueError):
     """No usable checkpoint where one was asked for; the message says where and why."""
 
 
+class CheckpointFormatError(CheckpointError):
+    """A checkpoint of another portapipe version, whose manifest format this one does not read: never
+    passed over for an older checkpoint (a resume would then overwrite it), always named."""
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written; the message is one line: which, where, why, and the
     previous complete checkpoint."""
@@ -146,6 +151,7 @@ class Entry:
     complete: bool
     why: str | None = None  # why it is not complete
     manifest: dict[str, Any] | None = None
+    other_version: bool = False  # written by a portapipe whose manifest format this one does not read
 
     @property
     def run_id(self) -> str | None:
@@ -183,13 +189,27 @@ def read_manifest(d: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_bytes().decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"manifest.json is not valid JSON ({exc.__class__.__name__}: {exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"manifest.json is not a {FORMAT} manifest (format {found!r})")
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"manifest.json is not a {FORMAT} manifest (a JSON {type(manifest).__name__})")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointFormatError(format_line(manifest.get("format")))
     for key, kind in (("run_id", str), ("step", int), ("files", dict), ("layout", dict), ("config", dict), ("trainer", dict)):
         if not isinstance(manifest.get(key), kind):
             raise CheckpointError(f"manifest.json lacks {key!r}")
     return manifest
+
+
+def format_line(found: Any) -> str:
+    """Why a manifest of format ``found`` is not read here: a newer or an older portapipe wrote it."""
+    prefix, _, version = FORMAT.rpartition("/")
+    number = found[len(prefix) + 1:] if isinstance(found, str) and found.startswith(prefix + "/") else ""
+    if number.isdigit():
+        which = "a newer" if int(number) > int(version) else "an older"
+        return f"written by {which} portapipe (manifest format {found!r}; this version reads {FORMAT!r}): read it with that version"
+    if found is None:
+        return (f"written by an older portapipe (a manifest without a format: one pickle per rank, bound to its layout; this "
+                f"version reads {FORMAT!r}): read it with that version")
+    return f"manifest.json is not a {FORMAT} manifest (format {found!r})"
 
 
 def verify(d: Path, run_id: str | None = None) -> Entry:
@@ -206,7 +226,7 @@ def verify(d: Path, run_id: str | None = None) -> Entry:
         _check_files(d, manifest)
         _check_stamps(d, manifest)
     except CheckpointError as exc:
-        return Entry(d, step, False, str(exc), _manifest_or_none(d))
+        return Entry(d, step, False, str(exc), _manifest_or_none(d), isinstance(exc, CheckpointFormatError))
     return Entry(d, step, True, None, manifest)
 
 
@@ -286,7 +306,8 @@ def newest_complete(root: Path, run_id: str | None = None, warn: Callable[[str],
     """The newest complete checkpoint under ``root`` (of run ``run_id`` when given).
 
     Each damaged or foreign checkpoint newer than it is named in one ``warn`` line; temporary
-    folders of unfinished saves are passed over silently (they never were checkpoints).
+    folders of unfinished saves are passed over silently (they never were checkpoints). One that
+    another portapipe version wrote is not passed over: CheckpointFormatError names it.
     """
     for d in reversed(scan(root)):
         if d.name.startswith("."):
@@ -294,6 +315,8 @@ def newest_complete(root: Path, run_id: str | None = None, warn: Callable[[str],
         entry = verify(d, run_id)
         if entry.complete:
             return entry
+        if entry.other_version:
+            raise CheckpointFormatError(f"checkpoint {d} was {entry.why}")
         if warn is not None:
             warn(f"checkpoint {d} is not usable: {entry.why}; trying the previous one")
     return None
@@ -308,6 +331,8 @@ def resolve(path: Path, warn: Callable[[str], None] | None = None) -> Entry:
         raise CheckpointError(f"{path} is a file; give a checkpoint folder ({PREFIX}NNNNNNNN) or a folder of checkpoints")
     if (path / MANIFEST).exists() or _dir_step(path) is not None:
         entry = verify(path)
+        if entry.other_version:
+            raise CheckpointFormatError(f"{path} was {entry.why}")
         if not entry.complete:
             raise CheckpointError(f"{path} is not a complete checkpoint: {entry.why}")
         return entry

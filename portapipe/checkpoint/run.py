@@ -15,7 +15,8 @@ Before any rank starts, :func:`prepare_run` (in the launching process) decides, 
   never wrote a checkpoint are moved there with a note, so ``metrics.jsonl`` never mixes runs;
 - that the checkpoint fits (same model, same global batch and seed) and the LR schedule.
 
-Problems are ConfigErrors (one line each, exit 2); notes go to ``say`` (one line each).
+Problems are ConfigErrors (one line each, exit 2); notes go to ``say`` (one line each). After a
+fault, :func:`restart_plan` says what a restart of the same run starts from (``launch.max_restarts``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import shutil
 import sys
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,8 @@ class RunPlan:
     lr_schedule_steps: int | None = None  # where the cosine ends; None: no decay
     lr_schedule: list[dict[str, Any]] | None = None  # the phases in force (train.lr_schedule's, or the checkpoint's); None: the default
     placement_fits: bool = False  # its expert placement applies to this balancer as it is
+    restarts: int = 0  # the launcher's restarts of the run before this launch (launch.max_restarts)
+    first: dict[str, Any] | None = None  # a restart's: what the run's first launch started from ({"mode", "source", "step"})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -264,7 +267,10 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
                 ]
             )
     elif ck.resume:
-        source = files.newest_complete(root, run_id=owner, warn=say)
+        try:
+            source = files.newest_complete(root, run_id=owner, warn=say)
+        except files.CheckpointFormatError as exc:
+            raise ConfigError([f"checkpoint.resume: {exc}, or move it out of {root} to resume from the checkpoint before it"]) from None
         if source is not None:
             mode = "resume"
         elif checkpoints and not ck.overwrite:
@@ -344,6 +350,26 @@ def _decide(config: Config, backend_name: str, log_dir: Path, root: Path, say: C
     if change is not None:  # allowed, or it would have been refused above
         say(f"data: {change}; data.allow_changed_sources: true, so the batches from here differ from an uninterrupted run's")
     return plan
+
+
+def restart_plan(config: Config, first: RunPlan, restarts: int, say: Callable[[str], None] = say_stderr) -> RunPlan:
+    """What restart number ``restarts`` of the run ``first`` planned starts from, after a fault: the
+    run's newest complete checkpoint (a damaged one named in a ``say`` line and passed over; the
+    saves the fault cut short removed), else where ``first`` started (no checkpoint of the run yet).
+
+    The run stays the same run: its id, folder and LR schedule are ``first``'s, whatever
+    ``checkpoint.resume`` says; nothing else is said (the launcher says it restarts).
+    """
+    root = Path(first.root)
+    for d in files.scan(root):
+        if d.name.startswith(".") and d.name.endswith(f".{first.run_id}.tmp"):
+            shutil.rmtree(d, ignore_errors=True)
+    source = files.newest_complete(root, run_id=first.run_id, warn=say)
+    if source is None:
+        return replace(first, restarts=restarts)
+    manifest = source.manifest or {}
+    return replace(first, mode="resume", source=str(source.path), step=int(manifest["step"]), placement_fits=placement_fits(config, manifest),
+                   restarts=restarts, first={"mode": first.mode, "source": first.source, "step": first.step})
 
 
 def data_change(config: Config, then: dict[str, Any]) -> str | None:

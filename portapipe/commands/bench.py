@@ -25,6 +25,7 @@ CHECKOUT_ONLY = {
     "fp8": "it trains examples/deepseek_v3.yaml of the checkout on tokens made with its examples/tokenizer",
     "run_all": "it writes the checkout's benchmarks/results.json from every benchmark and the README's examples",
     "validation": "it trains examples/cpu.yaml of the checkout",
+    "restart": "it trains examples/cpu.yaml of the checkout, killing a rank",
     "data": "it trains examples/deepseek_v3.yaml of the checkout and measures Hugging Face datasets (the data extra) as its peer",
     "timeline": "it trains examples/cpu.yaml of the checkout",
 }

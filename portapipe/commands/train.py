@@ -5,10 +5,11 @@ rank starts (a problem exits 2), prints the rules table's notes on keys set away
 defaults (``portapipe: note: ...``: a setting that runs but does nothing or wastes something),
 then starts ``world_size`` ranks. A progress bar goes to stderr, one JSON line per step to
 ``<log.dir>/metrics.jsonl``, and one JSON summary line to stdout.
-Exit codes: 0 done; 1 a rank failed (its traceback is printed); 2 bad input; 3 the run diverged:
+Exit codes: 0 done; 1 a rank failed (its traceback is printed), after ``launch.max_restarts``
+restarts where it allows them; 2 bad input; 3 the run diverged:
 the loss or the gradient norm stopped being finite (the run stopped at that step), float16 skipped
 train.max_skipped_steps steps in a row, the weights or the validation loss are not finite (one
-line says which); 130 / 143
+line says which; with restarts, once it recurred at the same step after one); 130 / 143
 stopped by SIGINT / SIGTERM after a checkpoint (one line says which; the same command resumes).
 """
 
@@ -71,6 +72,8 @@ def _run(args: argparse.Namespace) -> int:
         if speaks:
             what = d.get("reason") or (f"loss {_figure(d['loss'])}, gradient norm {_figure(d['grad_norm'])}; that step was not "
                                        "applied and no checkpoint was written of it")
+            if d.get("deterministic"):  # launch.max_restarts: the restart from the last checkpoint diverged there again
+                what += "; it recurred at that step after a restart from the last checkpoint: the divergence is deterministic, not a fault"
             key = d.get("lr_key", "train.lr")  # the setting that gave the step its learning rate
             hint = f"lower {key}" if config.train.grad_clip > 0 else f"lower {key} or turn train.grad_clip on (it is 0: off)"
             print(

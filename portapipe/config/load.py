@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from .kinds import accepts, members
 from .model_rules import objective_problems
-from .schema import BalancerConfig, Config, DataConfig, ModelConfig, ScheduleConfig, TrainConfig
+from .schema import BalancerConfig, Config, DataConfig, LaunchConfig, ModelConfig, ScheduleConfig, TrainConfig
 from .text import ConfigError, apply_overrides, read_yaml
 
 def _cross_checks(c: Config) -> list[str]:
@@ -86,6 +86,10 @@ def _without_effect(c: Config) -> list[str]:
             if getattr(c.train, key) != _default(TrainConfig, key):
                 out.append(f"train.{key}: {getattr(c.train, key)} has no effect: train.lr_schedule sets the schedule; "
                            "remove it (or express it as a phase)")
+    for key in ("restart_window_s", "restart_backoff_s"):  # they shape restarts only
+        if c.launch.max_restarts == 0 and getattr(c.launch, key) != _default(LaunchConfig, key):
+            out.append(f"launch.{key}: {getattr(c.launch, key):g} has no effect: launch.max_restarts is 0 (a fault ends the run); "
+                       "set launch.max_restarts, or remove it")
     if c.model.init_from is not None and c.model.init_std != _default(ModelConfig, "init_std"):
         out.append(f"model.init_std: {c.model.init_std} has no effect: every weight is read from model.init_from; remove it")
     return out

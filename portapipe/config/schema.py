@@ -409,8 +409,9 @@ class CheckpointConfig(Section):
 
 
 class LaunchConfig(Section):
-    """How the local launcher watches and stops its ranks (not used under torchrun / mpirun), and
-    the cores each rank of a machine runs on (under every launcher)."""
+    """How the local launcher watches, stops and restarts its ranks (not used under torchrun /
+    mpirun: their own options do it there), and the cores each rank of a machine runs on (under
+    every launcher)."""
 
     stall_timeout_s: float = Field(
         60.0, ge=0, description="a rank whose heartbeat stops this long (stopped, frozen) is named and the job ended; 0 never"
@@ -423,6 +424,20 @@ class LaunchConfig(Section):
         description="bind each rank of a machine to a disjoint set of the cores the launcher may use (its affinity and CPU quota), "
         "one intra-op thread per core of the set; true refuses more ranks on a machine than cores; auto pins where every rank "
         "can have a core and leaves the ranks unpinned otherwise; false: unpinned, each rank runs cores / ranks threads",
+    )
+    max_restarts: int = Field(
+        0, ge=0, description="after a rank dies, raises, stalls or a collective times out, every rank is ended and the job "
+        "started again from the run's newest complete checkpoint, at most this many times (within restart_window_s); a config "
+        "error, a checkpoint or data file that cannot be read, and a divergence that recurs at the same step are not retried; "
+        "0: the first fault ends the run (torchrun's --max-restarts)",
+    )
+    restart_window_s: float = Field(
+        0.0, ge=0, description="max_restarts counts the restarts of the last this many seconds, so a run of weeks that faults "
+        "now and then goes on while a crash loop stops; 0: every restart of the launch counts",
+    )
+    restart_backoff_s: float = Field(
+        1.0, ge=0, description="seconds waited before a restart; doubled for each restart in a row that resumes from no later "
+        "checkpoint than the one before (a crash loop), at most 300",
     )
 
 

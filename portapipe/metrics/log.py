@@ -73,6 +73,14 @@ class MetricsLog:
             sink.close()
 
 
+def append_row(directory: Path, record: dict[str, Any]) -> None:
+    """One line added to ``<directory>/metrics.jsonl`` while no rank writes it (the launcher's
+    ``restart`` rows, between launches): a resume's cut-back keeps it like any row of its step."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / METRICS_FILE, "a") as f:
+        f.write(json.dumps(strict(record), allow_nan=False) + "\n")
+
+
 def _say(line: str) -> None:
     print(f"portapipe: {line}", file=sys.stderr, flush=True)
 

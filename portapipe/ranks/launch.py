@@ -10,7 +10,8 @@ Bounded failure: a rank that raises, dies or stalls ends every rank and is named
 (:class:`LaunchError`, its traceback attached); every collective has a timeout and every rank a
 wall-clock watchdog, so nothing hangs; a launcher that dies takes its ranks with it. A local job
 whose ranks failed while their process groups connected (gloo's full mesh: "Connection closed by
-peer") is started again, at most :data:`CONNECT_RETRIES` times, with a line saying so.
+peer") is started again, at most :data:`CONNECT_RETRIES` times, with a line saying so; one that
+failed otherwise, as its ``restarts`` say (:mod:`portapipe.ranks.restart`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Any
 import torch
 
 from . import pinning
-from .local_job import LaunchError, LocalJob, error_line, write_record
+from .local_job import LaunchError, LocalJob, error_line, error_types, write_record
+from .restart import Restarts
 
 __all__ = ["LaunchError", "run_ranks", "rank_threads", "local_ranks", "local_rank", "under_torchrun", "under_mpirun", "launching_rank",
            "print_launch_error", "debug_enabled"]
@@ -223,7 +225,7 @@ def _rank_main(
             # errors). Record which kind this is, and when, before this rank's connections close.
             line = error_line(exc)
             comm = is_comm_error(exc)
-            write_record(job_dir, rank, line, traceback.format_exc(), comm=comm, connecting=failed_connecting(exc))
+            write_record(job_dir, rank, line, traceback.format_exc(), comm=comm, connecting=failed_connecting(exc), types=error_types(exc))
         raise
     finally:
         faulthandler.cancel_dump_traceback_later()
@@ -249,6 +251,7 @@ def run_ranks(
     start_method: str = "forkserver",
     low_precision: bool = True,
     pin_cores: pinning.PinMode = False,
+    restarts: Restarts | None = None,
 ) -> list[Any]:
     """Run ``fn(backend, *args)`` on ``world_size`` ranks; return the results in rank order.
 
@@ -266,6 +269,8 @@ def run_ranks(
     ranks here than usable cores raises ConfigError before any rank starts. A local job whose ranks
     failed while their process groups connected is started again (at most ``CONNECT_RETRIES``
     times, one line on stderr each): ``fn`` must make its groups before work it cannot repeat.
+    ``restarts`` (:class:`~portapipe.ranks.restart.Restarts`): a local job that fails is started
+    again as it says, with the arguments it gives (under torchrun / mpirun their own options do that).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -278,7 +283,17 @@ def run_ranks(
             raise LaunchError(f"the config asks for {world_size} ranks but the launcher started {os.environ['WORLD_SIZE']}")
         return [_rank_main(fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args, cores)]
     cap_cpu_isa(say=low_precision)
-    body_args = (fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, args, cores)
+
+    def launch(job_args: tuple[Any, ...]) -> list[Any]:
+        body_args = (fn, backend, backend_options, threads, pg_timeout_s, wall_timeout_s, job_args, cores)
+        return _connected(body_args, world_size, threads, stall_timeout_s, stop_grace_s, wall_timeout_s, pg_timeout_s, start_method)
+
+    return launch(args) if restarts is None else restarts.run(launch, args)
+
+
+def _connected(body_args: tuple[Any, ...], world_size: int, threads: int, stall_timeout_s: float, stop_grace_s: float,
+               wall_timeout_s: float, pg_timeout_s: float, start_method: str) -> list[Any]:
+    """One local launch; started again (at most ``CONNECT_RETRIES`` times) while its ranks fail connecting."""
     retries = 0
     while True:
         job = LocalJob(_rank_main, body_args, world_size, threads, stall_timeout_s, stop_grace_s, wall_timeout_s, pg_timeout_s, start_method)

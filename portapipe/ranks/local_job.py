@@ -43,7 +43,11 @@ STARTUP_S = 60.0
 #: After the first failure, how long other ranks' failures are collected before choosing the cause.
 SETTLE_S = 0.25
 
-_PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.ranks.launch", "portapipe.ranks.forkserver_tie"]
+#: What the fork server imports once, so that no rank imports it again: torch, the launcher, and
+#: what a training rank runs (the model, the schedules, the loop, checkpointing), which would
+#: otherwise cost every rank of every launch (a restart's included) seconds of the same imports.
+_PRELOAD = ["__main__", "torch", "torch.distributed", "portapipe.ranks.launch", "portapipe.ranks.forkserver_tie",
+            "torch.distributed.checkpoint", "portapipe.train", "portapipe.compose", "portapipe.training.loop"]
 
 
 class LaunchError(RuntimeError):
@@ -51,17 +55,21 @@ class LaunchError(RuntimeError):
 
     ``stop_signal`` is set when the job was ended by SIGINT / SIGTERM rather than by a fault;
     ``connecting`` when every rank that failed did so while its process groups connected (no
-    rank's work had begun), so the job may be started again.
+    rank's work had begun), so the job may be started again. ``error_types``: the names of the
+    classes of the causing rank's exception, its own first (``("FileNotFoundError", "OSError",
+    ...)``); empty where the cause was no Python error (a signal, a stall).
     """
 
     def __init__(
-        self, message: str, rank: int | None = None, traceback: str = "", stop_signal: int | None = None, connecting: bool = False
+        self, message: str, rank: int | None = None, traceback: str = "", stop_signal: int | None = None, connecting: bool = False,
+        error_types: tuple[str, ...] = (),
     ) -> None:
         super().__init__(message)
         self.rank = rank
         self.traceback = traceback
         self.stop_signal = stop_signal
         self.connecting = connecting
+        self.error_types = error_types
 
 
 def signal_name(signum: int) -> str:
@@ -117,6 +125,12 @@ def _rank_entry(
     os.replace(tmp, Path(job_dir) / f"rank{rank}.result")
 
 
+def error_types(exc: BaseException) -> tuple[str, ...]:
+    """The names of ``exc``'s class and its bases, its own first: what a launcher may classify a
+    failure by without importing the modules that raise it."""
+    return tuple(cls.__name__ for cls in type(exc).__mro__)
+
+
 def error_line(exc: BaseException) -> str:
     """An exception as the user reads it: its own name and message (``CheckpointWriteError: ...``),
     not the module path Python's traceback prints before a name that is not built in."""
@@ -124,10 +138,13 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def write_record(job_dir: str, rank: int, error: str, traceback_text: str, comm: bool, connecting: bool = False) -> None:
+def write_record(job_dir: str, rank: int, error: str, traceback_text: str, comm: bool, connecting: bool = False,
+                 types: tuple[str, ...] = ()) -> None:
     """Record why this rank failed, stamped to the nanosecond before its connections close;
-    ``connecting``: it failed while a process group connected its ranks."""
-    record = {"rank": rank, "time_ns": time.time_ns(), "error": error, "traceback": traceback_text, "comm": comm, "connecting": connecting}
+    ``connecting``: it failed while a process group connected its ranks; ``types``: its exception's
+    class names (:func:`error_types`)."""
+    record = {"rank": rank, "time_ns": time.time_ns(), "error": error, "traceback": traceback_text, "comm": comm, "connecting": connecting,
+              "types": list(types)}
     with open(Path(job_dir) / f"rank{rank}.error.json", "w") as f:
         json.dump(record, f)
 
@@ -287,8 +304,9 @@ class LocalJob:
         code = self.exited[rank][1]
         return (self.dir / f"rank{rank}.result").is_file() and code in (0, 255, None)
 
-    def _stalled(self, now: float, quick: bool = False) -> LaunchError | None:
-        """A live rank silent past its limit (``quick``: past a few beats, used once peers failed)."""
+    def _stalled(self, now: float, quick: bool = False, context: str = "while its peers timed out waiting for it") -> LaunchError | None:
+        """A live rank silent past its limit (``quick``: past a few beats, used once peers failed
+        or waited long for it, which ``context`` says)."""
         if self.stall <= 0:
             return None
         for rank in range(self.world):
@@ -305,7 +323,7 @@ class LocalJob:
                     continue
                 state = _process_state(self.procs[rank].pid)
                 why = " and its process is stopped (SIGSTOP or a debugger)" if state == "T" else ""
-                limit_text = "while its peers timed out waiting for it" if quick else f"(launch.stall_timeout_s = {self.stall:g})"
+                limit_text = context if quick else f"(launch.stall_timeout_s = {self.stall:g})"
                 return LaunchError(f"rank {rank} stalled: no heartbeat for {silent:.1f} s {limit_text}{why}; every rank was ended", rank=rank)
         return None
 
@@ -315,7 +333,11 @@ class LocalJob:
         if self.stall <= 0 or self.stop_sig is not None or any(self.reported):
             return None
         found = self.progress.stalled(now, [r for r in range(self.world) if r not in self.exited], self.stall)
-        return None if found is None else LaunchError(f"{found[1]}; every rank was ended", rank=found[0])
+        if found is None:
+            return None
+        # A process stopped as a whole (SIGSTOP, a frozen machine) fell silent too: that rank is the cause, and not busy.
+        silent = self._stalled(now, quick=True, context=f"while its peers waited {now - self.progress.since[found[0]]:.1f} s for it")
+        return silent or LaunchError(f"{found[1]}; every rank was ended", rank=found[0])
 
     # ---------------------------------------------------------------- signals
     def _on_signals(self, now: float) -> LaunchError | None:
@@ -439,7 +461,8 @@ def choose_cause(
         return LaunchError("the ranks ended without a result or an error")
     rec = records[rank]
     connecting = all(r.get("connecting") for r in records.values())
-    return LaunchError(f"rank {rank} failed: {rec['error']}", rank=rank, traceback=rec["traceback"], connecting=connecting)
+    return LaunchError(f"rank {rank} failed: {rec['error']}", rank=rank, traceback=rec["traceback"], connecting=connecting,
+                       error_types=tuple(rec.get("types", ())))
 
 
 def _process_state(pid: int | None) -> str | None:

@@ -1,4 +1,5 @@
-"""The conformance kit: the contract every backend passes, built in or plug-in.
+"""The conformance kit: the contract every backend passes, built in or plug-in. (Beside it,
+:mod:`.faults` injects faults into training ranks for the restart suite and benchmark.)
 
 It sits beside the launcher, which its rank lines start ranks with; the backends below import
 nothing of it (the old name ``portapipe.backends.testing`` only says that it moved).

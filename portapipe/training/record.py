@@ -19,6 +19,7 @@ class StepRecorder:
 
     def __init__(self, config: Config, run: RunPlan, rank: int, start: int) -> None:
         self.config, self.steps = config, config.train.steps
+        self.restarted = run.restarts > 0  # the launcher said so in one line: the opening lines are not repeated
         self.metrics: MetricsLog | None = None
         self.bar: Any = None
         if rank != 0:
@@ -29,7 +30,9 @@ class StepRecorder:
 
             sinks.append(WandbLog(Path(config.log.dir), run.run_id, config.log.wandb, config.to_dict()))
         tb_run = run.run_id if config.log.tensorboard else None
-        self.metrics = MetricsLog(Path(config.log.dir), start if run.mode == "resume" else None, tb_run, sinks, every=config.log.every)
+        # A restart cuts the file back to its step even before the run's first checkpoint: its restart rows stay.
+        resumed = run.mode == "resume" or self.restarted
+        self.metrics = MetricsLog(Path(config.log.dir), start if resumed else None, tb_run, sinks, every=config.log.every)
 
     def open_bar(self, start: int) -> None:
         """The progress bar from step ``start`` (``log.progress``), after the run's opening lines."""
@@ -47,6 +50,8 @@ class StepRecorder:
         if self.metrics is None:
             return
         self.metrics.write(row)
+        if self.restarted:
+            return
         say_stderr("memory per rank (largest): " + ", ".join(f"{k} {row[k] / 2**20:.2f} MiB" for k in shown))
         if placement["pinned"]:
             each = zip(placement["cores_by_rank"], placement["threads_by_rank"])

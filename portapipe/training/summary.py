@@ -48,8 +48,10 @@ def run_summary(config: Any, run: Any, start: int, progress: Progress, validatio
     """The summary line, strict JSON: the run (id, layout, where it started from), its losses (this
     run's own steps: a loaded run's parent's are not among them), the ``validation`` losses, the data
     ``position``, tokens and time, the step ``figures``' medians, ``closing`` (overflows, the files
-    written), and how it ``ended`` early ("stopped" / "diverged", with the record saying why)."""
+    written), and how it ``ended`` early ("stopped" / "diverged", with the record saying why). A
+    restarted run says where its first launch started from, and how many restarts it took."""
     tail = progress.losses[-5:]
+    first = run.first or {"mode": run.mode, "source": run.source, "step": start}
     summary = {
         "run_id": run.run_id,
         "schedule": config.schedule.name,
@@ -57,8 +59,9 @@ def run_summary(config: Any, run: Any, start: int, progress: Progress, validatio
         "ep": config.parallel.ep,
         "dp": config.parallel.dp,
         "steps": config.train.steps,
-        "resumed_from": start if run.mode == "resume" else None,
-        "loaded_from": run.source if run.mode == "load" else None,
+        "resumed_from": first["step"] if first["mode"] == "resume" else None,
+        "loaded_from": first["source"] if first["mode"] == "load" else None,
+        "restarts": run.restarts,
         "first_loss": progress.first_loss,
         "final_loss": progress.losses[-1] if progress.losses else None,
         "final_loss_avg5": sum(tail) / len(tail) if tail else None,
