@@ -115,8 +115,11 @@ class _Watched:
 def zstd_blocks(f: BinaryIO, block: int) -> Iterator[bytes]:
     """The decompressed bytes of the zstd file ``f`` (read from its start), ``block`` bytes at a
     time; ValueError (the problem in words) when its last frame is incomplete or it holds no zstd
-    frames. ImportError without zstandard."""
-    import zstandard
+    frames. ImportError without zstandard, naming the extra that brings it."""
+    try:
+        import zstandard
+    except ImportError:
+        raise ImportError("reading zstd needs zstandard: pip install 'portapipe[data]'") from None
 
     walk = FrameWalk()
     watched = _Watched(f, walk)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..scheduling.ir import Schedule
-from ..scheduling.plot import CHART_DPI, LEFT_IN, RIGHT_IN, TOP_IN, chart_layout, chunk_index, draw_row, legend_handles
+from ..scheduling.plot import CHART_DPI, LEFT_IN, RIGHT_IN, TOP_IN, chart_layout, check_chart_path, chunk_index, draw_row, legend_handles
 from ..scheduling.simulate import SimResult, Slot
 from . import analyze
 from .plan import measured_slots
@@ -18,6 +18,7 @@ BLOCKED = "#c0392b"
 
 def draw(doc: dict[str, Any], schedule: Schedule, plan: SimResult, path: str, title: str) -> None:
     """Write the chart to ``path`` (.png, .svg, .pdf); times in milliseconds from each rank's step start."""
+    check_chart_path(path)  # ValueError in one line without matplotlib (pip install 'portapipe[viz]') or for a format it cannot write
     import matplotlib
 
     matplotlib.use("Agg")
