@@ -116,6 +116,14 @@ class PipelineRuntime(PipelineExecutor):
             idle=self.balancer.idle if self.balancer is not None else None,
         )
 
+    def step(self, microbatches: list[tuple[torch.Tensor, ...]]) -> Any:
+        """The executor's step; with ``memory.offload`` its timings add what the step sent to host
+        memory (``offload_sent_bytes``) and the most held there at once (``offload_host_peak_bytes``)."""
+        result = super().step(microbatches)
+        if self.offload is not None:
+            result.timings.update(self.offload.take())
+        return result
+
     def set_step(self, step: int) -> None:
         """Weigh the objective's terms as optimizer step ``step`` (0-based) does (``train.mtp_loss_weight``'s schedule)."""
         for block in self.blocks.values():

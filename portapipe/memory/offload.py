@@ -91,10 +91,11 @@ class _Stored:
     def send(self) -> None:
         off = self.offload
         tracker = getattr(self.kept, "tracker", None)
-        self.token = tracker.moving(self.nbytes) if tracker is not None else None  # before the count it replaces goes
+        self.kept = None  # the tracker's count of it as a saved storage goes, a count of its moves replaces it
+        self.token = tracker.moving(self.nbytes) if tracker is not None else None
         self.host = off.backend.host_buffer(self.nbytes, torch.uint8, self.where)
         off.backend.copy_async(self.host, self.device)
-        self.device = self.kept = None
+        self.device = None
         off.sent(self.nbytes)
         self._place()
 
