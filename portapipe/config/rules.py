@@ -150,6 +150,12 @@ def _offload_has_effect(x: Setup) -> list[str]:
     for part in x.offload:
         if absent.get(part):
             out.append(f"memory.offload: {part} has no effect: {why[part]}; remove it")
+    zeroed = x.zero_memory == "level1" and (x.zero_memory_layers or per) >= per  # its activation's recipe holds what they save
+    held = [p for p in x.offload if zeroed and x.recompute == "none" and p in ("shared", "experts")]
+    if held:
+        out.append(f"memory.offload: {', '.join(held)} {'have' if len(held) > 1 else 'has'} no effect: memory.zero_memory: level1 on every MoE "
+                   f"layer keeps the activation's input to make its output again, which holds what {'they save' if len(held) > 1 else 'it saves'}; "
+                   "use level0, or set memory.zero_memory_layers below a stage's layers, or remove " + ", ".join(held))
     every = x.recompute != "none" and (x.recompute_layers or per) >= per
     kept_nothing = [p for p in x.offload if every and (x.recompute == "full" or p in ("shared", "experts"))]
     if kept_nothing:

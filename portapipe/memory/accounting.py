@@ -170,17 +170,16 @@ class SavedActivations:
 
     def moving(self, nbytes: int) -> _Held:
         """Count a storage of ``nbytes`` whose bytes will move (activation offload) as saved on the
-        device now; the token holds no tensor, and releases the count when it is dropped."""
+        device now, in place of the count it had as a saved storage (its ``by_region`` share stays
+        as it was); the token holds no tensor, and releases the count when it is dropped."""
         key = ("moving", next(_MOVED))
         with self._lock:
             self._refs[key] = 1
-            self.saved_count += 1
             self._sizes[key] = nbytes
             self._where[key] = (True, False)
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            label = self._labels[key] = _LABEL.get()
-            self.by_region[label] = self.by_region.get(label, 0) + nbytes
+            label = self._labels[key] = _LABEL.get()  # counted in by_region when first saved, as any storage
             self.live_by_region[label] = self.live_by_region.get(label, 0) + nbytes
         return _Held(None, key, self)
 

@@ -80,13 +80,13 @@ class _Stored:
         self.device: torch.Tensor | None = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (self.nbytes,), (1,))
         self.host: torch.Tensor | None = None
         self.arriving: Any = None  # the event of a copy back still on its way
-        self.kept: Any = accounting.track_saved(t)
+        # the tracker counts the storage by this view of it (no view base to hold it a second time)
+        self.kept: Any = accounting.track_saved(self.device)
         self.token: Any = None
 
     def away(self) -> bool:
-        """Whether nothing but this holds the storage (its view and the tensor the tracker keeps):
-        sending it frees its memory."""
-        return _use_count(self.device) <= ALONE + 1
+        """Whether nothing but this view holds the storage: sending it frees its memory."""
+        return _use_count(self.device) <= ALONE
 
     def send(self) -> None:
         off = self.offload
@@ -151,6 +151,8 @@ class ActivationOffload:
         self.sent_bytes = 0
         self.host_bytes = 0
         self.host_peak_bytes = 0
+        #: bytes sent by the label of the part that saved them (:func:`~.accounting.region`; layers or parts)
+        self.by_region: dict[Any, int] = {}
 
     # ------------------------------------------------------------------ forward
     def part(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -192,6 +194,8 @@ class ActivationOffload:
 
     # ------------------------------------------------------------------ figures
     def sent(self, nbytes: int) -> None:
+        label = accounting.current_label()
+        self.by_region[label] = self.by_region.get(label, 0) + nbytes
         self.sent_bytes += nbytes
         self.host_bytes += nbytes
         self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
