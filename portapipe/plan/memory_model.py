@@ -408,7 +408,7 @@ class MemoryModel:
         bucket = min(float(train.grad_bucket_mb if train is not None else 25.0) * 2**20, mem.grads)
         mem.post = float(s_end[-1] + h_end[-1]) + 2 * bucket + mem.params
         if mem.optimizer_host:  # train.optimizer_offload: two buckets' states on the device during the step
-            mem.post += 2 * self._slot_bytes(train)
+            mem.post += min(2 * self._slot_bytes(train), mem.optimizer_host)  # no more than the states there are
         return mem
 
     def _slot_bytes(self, train: Any) -> float:
