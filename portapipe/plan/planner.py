@@ -458,18 +458,32 @@ def device_counts(user: Setup, most: int) -> list[int]:
     return out
 
 
+def least_held(setups: Iterator[Setup]) -> list[Setup]:
+    """Of each layout, schedule and memory option, the setup with the most micro-batches (the
+    smallest: what a stage holds per micro-batch in flight shrinks with them faster than the
+    micro-batches in flight grow), without F&F pairs (they hold what their twins hold)."""
+    best: dict[Setup, Setup] = {}
+    for x in setups:
+        if x.pair_forwards:
+            continue
+        key = x.replace(microbatches=1, micro_batch_size=1)
+        if key not in best or x.microbatches > best[key].microbatches:
+            best[key] = x
+    return list(best.values())
+
+
 def fits(config: Any, devices: int, memory_bytes: float, profile: Profile, allow: tuple[str, ...] = (), ctx: _Context | None = None) -> bool:
-    """Whether any setup of ``config`` on ``devices`` devices fits ``memory_bytes`` per device
-    (the rules, then the memory models; stops at the first that fits: no time is priced)."""
+    """Whether a setup of ``config`` on ``devices`` devices fits ``memory_bytes`` per device (of
+    :func:`least_held`'s: the rules, then the memory models; stops at the first that fits, no time priced)."""
     ctx = ctx or _context(config, profile, None, allow)
-    return any(evaluate(x, memory_bytes, ctx, timed=False).kept for x in enumerate_setups(Setup.from_config(config), devices))
+    return any(evaluate(x, memory_bytes, ctx, timed=False).kept for x in least_held(enumerate_setups(Setup.from_config(config), devices)))
 
 
 def fewest_devices(config: Any, memory_bytes: float, profile: Profile, allow: tuple[str, ...] = (), most: int | None = None,
                    progress: Callable[[int, bool], None] | None = None) -> int | None:
     """The fewest devices (of :func:`device_counts`, up to ``most``: by default the config's own
-    count) on which a setup of ``config`` fits ``memory_bytes``, by bisection (a count that fits
-    is taken to fit with more devices too: every layout family shards more over more devices);
+    count) on which a setup of ``config`` fits ``memory_bytes`` (:func:`fits`), by bisection (a
+    count that fits is taken to fit with more devices too: every layout family shards more over more devices);
     None when none fits at ``most``. ``progress(devices, fit)`` after each count tried."""
     user = Setup.from_config(config)
     counts = device_counts(user, most or user.devices)
