@@ -118,6 +118,10 @@ def test_the_plan_offloads_only_where_nothing_else_fits():
     tight = plan(c, 2, least - 1, prof, allow=("offload",))
     assert tight.ranked and all(r.setup.optimizer_offload == "swap" for r in tight.ranked)
     assert all(r.memory.peak <= least - 1 for r in tight.ranked)
+    from portapipe.plan.report import fullest, fullest_line
+
+    best = tight.ranked[0]
+    assert fullest(best)["optimizer_host"] > 0 and "; in host memory: master weights and moments " in fullest_line(best)
 
 
 def test_the_fewest_devices_are_found_by_bisection_over_the_counts_with_a_layout():
