@@ -41,6 +41,9 @@ def row(c: Candidate) -> dict[str, Any]:
     if t is not None:
         out.update(step_s=t.step_s, tokens_per_s=c.tokens_per_step / t.step_s if t.step_s > 0 else None, bubble_s=t.bubble_s,
                    a2a_exposed_s=t.a2a_exposed_s, a2a_s=t.a2a_s)
+        if t.host_copy_s or t.optimizer_copy_s:  # offload's copies: all of them, and what the compute did not hide
+            out.update(host_copy_s=t.host_copy_s, host_copy_exposed_s=t.host_copy_exposed_s, optimizer_copy_s=t.optimizer_copy_s,
+                       optimizer_copy_exposed_s=t.optimizer_copy_exposed_s)
     if m is not None:
         out.update(peak_bytes=m.peak, worst_rank=m.worst_rank, saved_peak_bytes=max(r.saved_peak for r in m.ranks),
                    params_bytes=max(r.params for r in m.ranks), fullest_rank_bytes=fullest(c))
