@@ -31,8 +31,10 @@ the Hugging Face architectures (``architectures``): the memory model's peak save
 bytes per rank against the accounting on one step of examples/deepseek_v3.yaml (MLA) and
 examples/qwen3_moe.yaml (GQA), DualPipeV on 2 ranks (pp2) and 4 (pp2 x ep2), and DeepSeek-V3's
 memory recipe all together on MLA (FP8, FP8-cached activations, recompute norms, bfloat16
-moments; 2 and 4 ranks, ``--only recipe`` alone); goal within 1% per rank, each rank's
-prediction given its own routing (the mean routing's beside it).
+moments; 2 and 4 ranks, ``--only recipe`` alone), and ``memory.offload`` on every schedule and
+architecture, with the recipe, zero-memory, the norms' recompute and EPLB (the peak device bytes;
+``--only offload`` alone); goal within 1% per rank, each rank's prediction given its own routing
+(the mean routing's beside it).
 
 Prints one JSON object (machine, load average before and after, every figure).
 

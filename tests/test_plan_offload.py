@@ -140,3 +140,12 @@ def test_the_fewest_devices_are_found_by_bisection_over_the_counts_with_a_layout
     assert got is not None and fits(c, got, budget, prof) and (got == 1 or not fits(c, got - 1, budget, prof))
     assert tried[0] == (8, True) and len(tried) <= 4  # the most first, then halving
     assert fewest_devices(c, 1.0, prof, most=8) is None
+
+
+def test_portapipe_profile_times_the_host_link_through_the_backends_copies():
+    from portapipe.backends.cpu import CPUBackend
+    from portapipe.plan.measure_host import SIZES, host_link
+
+    link = host_link(CPUBackend(), reps=1)
+    assert set(link) == {"h2d", "d2h"}
+    assert all(cost(SIZES[-1]) > cost(SIZES[0]) > 0 for cost in link.values())  # more bytes, more time
