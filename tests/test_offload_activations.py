@@ -3,7 +3,8 @@ for its backward, with the gradients of no offload bit for bit.
 
 In one process: what a wrapped part sends (what nothing else holds: not its inputs or outputs, not
 a weight), the tracker's device and host bytes through forward, prefetch and backward, the same
-gradients. On 4 gloo ranks (pp 2 x ep 2): every schedule, ZeRO-1 and EPLB, each against the same
+gradients. On 4 gloo ranks (pp 2 x ep 2): every schedule, ZeRO-1 with zero-memory level0 and the
+norms' recompute, EPLB, and DeepSeek-V3's recipe on MLA (FP8-cached activations), each against the same
 config without offload, bit for bit, with bytes sent and the device peak no higher."""
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def test_the_rules_refuse_an_offload_that_sends_nothing():
     assert "memory.offload_layers: 1 is set but memory.offload is empty" in refused("memory.offload_layers=1")
     assert "train.optimizer_offload_fraction: 0.5 has no effect: train.optimizer_offload is off (set swap)" in refused(
         "train.optimizer_offload_fraction=0.5")
-    ok = load_config("portapipe/configs/cpu.yaml", ["memory.offload=[experts,attention]", "memory.recompute=norms", "memory.zero_memory=level1"])
+    assert "memory.offload: experts has no effect: memory.zero_memory: level1 on every MoE layer keeps the activation's input" in refused(
+        "memory.offload=[experts]", "memory.zero_memory=level1")
+    ok = load_config("portapipe/configs/cpu.yaml", ["memory.offload=[experts,attention]", "memory.recompute=norms", "memory.zero_memory=level0"])
     assert ok.memory.offload == ["attention", "experts"]  # one order whatever the config's
 
 
@@ -102,16 +105,30 @@ CASES = {
     "interleaved": ["schedule.name=interleaved"],
     "dualpipe": ["schedule.name=dualpipe"],
     "dualpipev": ["schedule.name=dualpipev"],
-    "dualpipev-zero1-level1": ["schedule.name=dualpipev", "train.zero_stage=1", "memory.zero_memory=level1", "memory.recompute=norms"],
+    "dualpipev-zero1-level0": ["schedule.name=dualpipev", "train.zero_stage=1", "memory.zero_memory=level0", "memory.recompute=norms"],
     "1f1b-eplb": ["schedule.name=1f1b", "balancer.kind=eplb", "balancer.redundant=1"],
+    "mla-recipe": [],
 }
+
+
+# DeepSeek-V3's recipe on MLA (FP8 with FP8-cached activations, the norms' recompute; widths of 128
+# as FP8 needs), DualPipeV on pp 2 x ep 2: examples/deepseek_v3.yaml
+RECIPE = ["model.dtype=bfloat16", "model.hidden=128", "model.moe_hidden=128", "model.ffn_hidden=256", "model.q_lora_rank=128",
+          "model.kv_lora_rank=128", "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=64",
+          "train.fp8=deepseek", "memory.fp8_activations=true", "memory.recompute=norms", "data.format=bytes", "data.path=null"]
+
+
+def _config(name: str, sets: list[str]) -> Any:
+    if name == "mla-recipe":
+        return load_config("examples/deepseek_v3.yaml", RECIPE + sets)
+    return load_config("portapipe/configs/cpu.yaml", BASE + CASES[name] + sets)
 
 
 @pytest.fixture(scope="module")
 def steps() -> dict[str, Any]:
     from portapipe.verify import run_steps
 
-    configs = [load_config("portapipe/configs/cpu.yaml", BASE + sets + extra) for sets in CASES.values() for extra in ([], [ALL])]
+    configs = [_config(name, extra) for name in CASES for extra in ([], [ALL])]
     got = run_steps(configs, wall_timeout_s=600)
     return {name: (got[2 * i], got[2 * i + 1]) for i, name in enumerate(CASES)}
 
