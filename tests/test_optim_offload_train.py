@@ -8,7 +8,6 @@ so they travel with both moments."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
