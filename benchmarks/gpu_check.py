@@ -1,9 +1,9 @@
-"""The GPU check: environment, suite, correctness, portability, speed, grouped matmul, memory, LPLB kernels, step claims, FP8.
+"""The GPU check: environment, suite, correctness, portability, speed, grouped matmul, memory, LPLB kernels, step claims, FP8, offload.
 
 One command, run from a checkout with PYTHONPATH (nothing installed), writes ``gpu_check.json``
 and a short table ``gpu_check.md`` into ``--out`` and prints the table last:
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_check.py --parts call1 --out gpu-check/1 --budget-s 385   # a, f, h, j, k, b
+    PYTHONPATH=$PWD python3 benchmarks/gpu_check.py --parts call1 --out gpu-check/1 --budget-s 385   # a, f, h, j, k, l, b
     PYTHONPATH=$PWD python3 benchmarks/gpu_check.py --parts call2 --out gpu-check/2 --budget-s 380   # c, e, d, g, i
 
 Parts (docs/gpu.md says what each claims and the two-call split):
@@ -22,6 +22,8 @@ Parts (docs/gpu.md says what each claims and the two-call split):
   j  FP8: the blockwise FP8 GEMM (torch._scaled_mm, 1x128 x 128x128) against bf16 at DeepSeek-V3's shapes, and
      the GPU's FP8 matmul against the emulation within the conformance kit's bounds
   k  timeline: a DualPipeV step recorded with log.timeline on the GPU (device events), its record checked
+  l  offload: the host link's H2D / D2H bandwidth through the backend's copies, how much of them a compute hides,
+     and a step with memory.offload and train.optimizer_offload against one without (bit for bit, the peak's fall)
 
 Each part runs in its own process (a CUDA fault in one cannot take the next with it), under a time
 cap (``--budget-s`` for the whole command; each part's own cap below); its failure is recorded with

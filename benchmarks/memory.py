@@ -2,7 +2,9 @@
 
 One launch of gloo ranks (default pp=1 x ep=2, DualPipeV with its F&B overlap on, so
 micro-batches pair up in F&B). For each option (off, zero-memory level0 / level1, recompute
-moe / full, norms alone and with moe) it builds the same model (same seed) on the same ranks, then:
+moe / full, norms alone and with moe; the parts' saved tensors in host memory, ``memory.offload``;
+the optimizer's states there, ``train.optimizer_offload``) it builds the same model (same seed)
+on the same ranks, with its optimizer, then:
 
 - saved bytes: one micro-batch's forward through every block, counting with
   :class:`~portapipe.memory.accounting.SavedActivations` the bytes each MoE layer holds for
@@ -18,7 +20,10 @@ moe / full, norms alone and with moe) it builds the same model (same seed) on th
 - work: the processor time of the busiest rank per step (median), which other load on the
   machine barely changes, as a steadier measure of what an option costs;
 - hidden re-dispatch: the share of zero-memory's re-dispatch all-to-all time during which the
-  rank computed instead of waiting (sum over ranks and timed steps).
+  rank computed instead of waiting (sum over ranks and timed steps);
+- offload: the most a step held in host memory (``peak_host_saved_bytes``), the optimizer's device
+  and host bytes, and the busiest rank's processor time of the optimizer step (timed apart from
+  the step, each step's update at a learning rate of 1e-9: the weights stay put).
 
 Prints one JSON object: the machine, the config, and one entry per option.
 
@@ -55,7 +60,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "recompute_full": {"recompute": "full"},
     "recompute_norms": {"recompute": "norms"},
     "norms_moe": {"recompute": ["norms", "moe"]},
+    "offload_activations": {"offload": ["attention", "shared", "experts"]},
+    "offload_optimizer": {},
 }
+#: the options that set the train section (the optimizer's)
+TRAIN_OPTIONS: dict[str, dict[str, Any]] = {"offload_optimizer": {"optimizer_offload": "swap"}}
 
 # --fp8-activations: examples/deepseek_v3.yaml widened to multiples of 128 under train.fp8, on one pipeline
 # rank as the options above (ep 2, DualPipeV with its F&B overlap; its kv_a,
@@ -156,13 +165,18 @@ def _held_bytes(rt: PipelineRuntime, mb: tuple[torch.Tensor, torch.Tensor]) -> d
 
 
 def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:
+    from portapipe.training.update import make_sharded_optimizer
+
     torch.manual_seed(0)
     runtimes: dict[str, PipelineRuntime] = {}
+    optimizers: dict[str, Any] = {}
     for name, raw in raws.items():
         config = config_from_dict(raw)
         p = config.parallel
         be = type(backend)(backend.options)
         runtimes[name] = PipelineRuntime(config, be, be.parallel_groups(p.pp, p.dp, p.ep))
+        optimizers[name] = make_sharded_optimizer(runtimes[name], config, be)
+        optimizers[name].lr = 1e-9
     any_rt = next(iter(runtimes.values()))
     g = any_rt.groups
     replica = g.dp_rank * g.ep + g.ep_rank
@@ -175,8 +189,10 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
         tracker = SavedActivations(ignore=rt.parameters())
         with tracker.track():
             rt.step(mbs)
-        out[name] = {"held": held, "peak_saved_bytes": tracker.peak_bytes, "step_s": [], "cpu_s": [], "redispatch": [0.0, 0.0], "a2a": [0.0, 0.0],
-                     "fp8_cpu_s": []}
+        rt.grads.zero_grad()
+        out[name] = {"held": held, "peak_saved_bytes": tracker.peak_bytes, "peak_host_saved_bytes": tracker.host_peak_bytes, "step_s": [],
+                     "cpu_s": [], "redispatch": [0.0, 0.0], "a2a": [0.0, 0.0], "fp8_cpu_s": [], "optimizer_cpu_s": [],
+                     "optimizer_bytes": optimizers[name].memory()}
     fp8_spent = {name: _timed_fp8(rt.backend) for name, rt in runtimes.items()}
     for i in range(warmup + steps):
         for name, rt in runtimes.items():
@@ -186,9 +202,15 @@ def _rank(backend: Any, raws: dict[str, dict[str, Any]], steps: int, warmup: int
             result = rt.step(mbs)
             dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
             emulated = fp8_spent[name][0] - e0  # this rank's: the busiest rank's processor time may not be the same rank's
+            c1 = time.process_time()
+            optimizers[name].step()
+            rt.grads.zero_grad()
+            opt_s = torch.tensor([time.process_time() - c1], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            dist.all_reduce(opt_s, op=dist.ReduceOp.MAX)
             if i < warmup:
                 continue
+            out[name]["optimizer_cpu_s"].append(float(opt_s[0]))
             st = redispatch_stats(rt.blocks.values())
             rec = out[name]
             rec["step_s"].append(float(dt[0]))
@@ -239,6 +261,9 @@ def summarize(per_rank: list[dict[str, Any]], names: list[str], base: str = "off
             "redispatch_s": red[0],
             "a2a_hidden_frac": _hidden(*a2a),
             "fp8_emulation_cpu_s_median": statistics.median(r0[name]["fp8_cpu_s"]),
+            "peak_host_saved_bytes_per_rank": [r[name]["peak_host_saved_bytes"] for r in per_rank],
+            "optimizer_bytes_rank0": r0[name]["optimizer_bytes"],
+            "optimizer_cpu_s_median": statistics.median(r0[name]["optimizer_cpu_s"]),
         }
     off = results[base]
     for name, res in results.items():
@@ -250,6 +275,7 @@ def summarize(per_rank: list[dict[str, Any]], names: list[str], base: str = "off
         # Processor time of the busiest rank: what the option costs in work, unlike wall time
         # barely moved by other processes on the machine (waiting is not counted).
         res["cpu_vs_off"] = res["cpu_s_median"] / off["cpu_s_median"]
+        res["optimizer_cpu_vs_off"] = res["optimizer_cpu_s_median"] / off["optimizer_cpu_s_median"]
     return results
 
 
@@ -277,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             raw = _base(args.base)
             raw["memory"] = dict(OPTIONS[name])
+            raw["train"] = {**raw.get("train", {}), **TRAIN_OPTIONS.get(name, {})}
             raws[name] = load_config(raw, args.set).to_dict()  # fails here, before ranks start, if invalid
     cfg = config_from_dict(raws[base])
     per_rank = run_ranks(_rank, cfg.world_size, raws, args.steps, args.warmup, backend=cfg.backend, wall_timeout_s=1800)

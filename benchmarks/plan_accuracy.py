@@ -31,8 +31,10 @@ the Hugging Face architectures (``architectures``): the memory model's peak save
 bytes per rank against the accounting on one step of examples/deepseek_v3.yaml (MLA) and
 examples/qwen3_moe.yaml (GQA), DualPipeV on 2 ranks (pp2) and 4 (pp2 x ep2), and DeepSeek-V3's
 memory recipe all together on MLA (FP8, FP8-cached activations, recompute norms, bfloat16
-moments; 2 and 4 ranks, ``--only recipe`` alone); goal within 1% per rank, each rank's
-prediction given its own routing (the mean routing's beside it).
+moments; 2 and 4 ranks, ``--only recipe`` alone), and ``memory.offload`` on every schedule and
+architecture, with the recipe, zero-memory, the norms' recompute and EPLB (the peak device bytes;
+``--only offload`` alone); goal within 1% per rank, each rank's prediction given its own routing
+(the mean routing's beside it).
 
 Prints one JSON object (machine, load average before and after, every figure).
 
@@ -169,6 +171,26 @@ ARCHITECTURES.update({
     for layout, over in (("dualpipev-pp2", ["parallel.pp=2", "parallel.ep=1"]), ("dualpipev-pp2-ep2", ["parallel.pp=2", "parallel.ep=2"]),
                          ("1f1b-pp2-level1", ["parallel.pp=2", "parallel.ep=1", "schedule.name=1f1b", "memory.zero_memory=level1"]),
                          ("1f1b-pp2-ep2-level1", ["parallel.pp=2", "parallel.ep=2", "schedule.name=1f1b", "memory.zero_memory=level1"]))
+})
+
+# memory.offload (``offload``): the parts' saved tensors in host memory until one compute action
+# ahead of their backward; the peak device bytes against the accounting's device bytes, on every
+# architecture and schedule, with the recipe, zero-memory, recompute and EPLB (each name once in the
+# part list the models have: qwen3_moe has no dense layer nor shared expert)
+_ALL = "memory.offload=[attention,dense,shared,experts]"
+_NO_DENSE = "memory.offload=[attention,experts]"
+ARCHITECTURES.update({
+    "portapipe-offload-dualpipev-pp2-ep2": ("examples/cpu.yaml", ["data.format=bytes", "data.path=null", _ALL]),
+    "portapipe-offload-dualpipe-pp2-ep2-level0": ("examples/cpu.yaml", ["data.format=bytes", "data.path=null", _ALL, "schedule.name=dualpipe",
+                                                                          "memory.zero_memory=level0"]),
+    "portapipe-offload-zb1p-pp2-ep2-x1": ("examples/cpu.yaml", ["data.format=bytes", "data.path=null", "schedule.name=zb1p",
+                                                                  "memory.offload=[attention,experts]", "memory.offload_layers=1"]),
+    "portapipe-offload-interleaved-pp2-ep2-norms": ("examples/cpu.yaml", ["data.format=bytes", "data.path=null", _ALL, "schedule.name=interleaved",
+                                                                             "memory.recompute=norms"]),
+    "portapipe-offload-1f1b-pp2-ep2-eplb": ("examples/cpu.yaml", ["data.format=bytes", "data.path=null", _ALL, "schedule.name=1f1b",
+                                                                   "balancer.kind=eplb", "balancer.redundant=1"]),
+    **{f"{name}-offload": (path, over + [_NO_DENSE if name.startswith("qwen3_moe") else _ALL])
+       for name, (path, over) in list(ARCHITECTURES.items()) if "level1" not in name},
 })
 
 
@@ -401,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", help="reuse this profile in every round instead of measuring one")
     ap.add_argument("--save-profile", help="write the first round's profile here")
     ap.add_argument("--only", help="comma-separated subset of the configurations (and 'plan', 'deepseek', 'fit', 'architectures'; "
-                    "'recipe': of the architectures, DeepSeek-V3's memory recipe on MLA and GQA only)")
+                    "'recipe': of the architectures, DeepSeek-V3's memory recipe on MLA and GQA only; 'offload': memory.offload's)")
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
     base = load_config(args.config, args.set)
@@ -483,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         report["architectures"] = architectures(list(ARCHITECTURES))
     elif "recipe" in only:
         report["architectures"] = architectures([n for n in ARCHITECTURES if "-recipe-" in n])
+    elif "offload" in only:
+        report["architectures"] = architectures([n for n in ARCHITECTURES if "offload" in n])
     report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     return 0

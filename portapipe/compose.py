@@ -33,6 +33,7 @@ import torch
 from .backends.base import Backend, ParallelGroups
 from .config import Config
 from .memory.policy import configure as configure_memory
+from .memory.policy import configure_offload
 from .models.expert_parallel import ExpertParallel
 from .models.fp8_layers import enable_fp8
 from .models.layer import Layer
@@ -85,6 +86,7 @@ class PipelineRuntime(PipelineExecutor):
         device = backend.device()
         for block in blocks.values():
             block.to(device)
+        self.offload = configure_offload(blocks, config.memory, backend)  # memory.offload: saved tensors to the host
         hidden, dtype = config.model.hidden, DTYPES[config.model.dtype]
 
         def boundary(stage: int, tokens: torch.Size) -> tuple[tuple[int, ...], torch.dtype]:
@@ -95,6 +97,8 @@ class PipelineRuntime(PipelineExecutor):
             boundary=boundary, overlap=config.schedule.overlap, exchange_stats=self.ep.stats, end_step=model_end_step,
             counts_stats=self.ep.counts_stats, loss_terms=loss_terms(config),
         )
+        if self.offload is not None:  # what a backward reads comes back one compute action ahead
+            self.prefetch = self.offload.prefetch
         # a weight blocks on the same ranks share (the embedding of DualPipe's and DualPipeV's first
         # and last blocks: multi-token prediction, a tied head) is one tensor there, not a copy per block
         tie_copies(self.blocks, self.held_together)
@@ -111,6 +115,14 @@ class PipelineRuntime(PipelineExecutor):
             before_expert_reduce=self.balancer.reduce_gradients if self.balancer is not None else None,
             idle=self.balancer.idle if self.balancer is not None else None,
         )
+
+    def step(self, microbatches: list[tuple[torch.Tensor, ...]]) -> Any:
+        """The executor's step; with ``memory.offload`` its timings add what the step sent to host
+        memory (``offload_sent_bytes``) and the most held there at once (``offload_host_peak_bytes``)."""
+        result = super().step(microbatches)
+        if self.offload is not None:
+            result.timings.update(self.offload.take())
+        return result
 
     def set_step(self, step: int) -> None:
         """Weigh the objective's terms as optimizer step ``step`` (0-based) does (``train.mtp_loss_weight``'s schedule)."""

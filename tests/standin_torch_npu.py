@@ -6,7 +6,10 @@ release (tests/conformance/torch_npu-<version>.schemas, see tests/declared.py): 
 keyword-only arguments, argument types and overload choice (a tensor ``group_list`` selects
 the overload whose ``output_dtype`` is an int enum; a list selects ``.List``). Streams, events,
 module functions and the profiler have exactly the declared signatures (a test compares them), and
-``current_stream()`` returns a new wrapper each call, as the real one does.
+``current_stream()`` returns a new wrapper each call, as the real one does. Streams take only
+NPU events and events only NPU streams (the real ``Stream.wait_event`` calls ``event.wait(self)``;
+an event, once recorded, is recorded again only on a stream of its device), as offload's copies
+on a stream of their own need.
 
 ``npu_grouped_matmul`` computes a CPU reference from the documented semantics after checking
 the documented rules (torch_npu 2.14.0 docstring, its meta function, CANN's
@@ -77,6 +80,7 @@ class StandinStream:
         self = super().__new__(cls)
         self.stream_id = kwargs.get("stream_id", next(_stream_ids))
         self.device = device
+        self.device_index = kwargs.get("device_index")
         self.priority = priority
         return self
 
@@ -87,6 +91,9 @@ class StandinStream:
         return hash(self.stream_id)
 
     def wait_event(self, event: StandinEvent) -> None:
+        # the real one calls event.wait(self): only an NPU event can be waited on
+        if not isinstance(event, StandinEvent):
+            raise TypeError(f"stand-in torch_npu: Stream.wait_event takes a torch_npu.npu.Event, got {type(event).__name__}")
         self._npu._waits.setdefault(self.stream_id, []).append(event)
         self._rec.record("Stream.wait_event", stream=self, event=event)
 
@@ -112,7 +119,13 @@ class StandinEvent:
         return self
 
     def record(self, stream: StandinStream | None = None) -> None:
-        self.recorded_on = stream if stream is not None else self._npu.current_stream()
+        stream = stream if stream is not None else self._npu.current_stream()
+        if not isinstance(stream, StandinStream):
+            raise TypeError(f"stand-in torch_npu: Event.record takes a torch_npu.npu.Stream, got {type(stream).__name__}")
+        # the real event: "after creation, only streams on the same device may record the event"
+        if self.recorded_on is not None and _device_of(stream) != _device_of(self.recorded_on):
+            raise RuntimeError(f"stand-in torch_npu: an event of device {_device_of(self.recorded_on)} recorded on a stream of device {_device_of(stream)}")
+        self.recorded_on = stream
         self.time = time.perf_counter()
         self._rec.record("Event.record", event=self, stream=self.recorded_on)
 
@@ -128,6 +141,12 @@ class StandinEvent:
         if self.time is None or end_event.time is None:
             raise RuntimeError("stand-in torch_npu: elapsed_time on an event that was never recorded")
         return (end_event.time - self.time) * 1000.0  # milliseconds, as torch.npu.Event reports
+
+
+def _device_of(stream: StandinStream) -> int:
+    """The device index a stream belongs to (a stream made without one: the current device, 0)."""
+    device = getattr(stream, "device_index", None) if stream.device is None else stream.device
+    return 0 if device is None else int(getattr(device, "index", device) or 0)
 
 
 class StandinNpu(types.ModuleType):
@@ -167,6 +186,8 @@ class StandinNpu(types.ModuleType):
             self._current_id = prev
 
     def stream(self, stream: StandinStream | None) -> contextlib.AbstractContextManager:
+        if stream is not None and not isinstance(stream, StandinStream):
+            raise TypeError(f"stand-in torch_npu: npu.stream takes a torch_npu.npu.Stream, got {type(stream).__name__}")
         return contextlib.nullcontext() if stream is None else self._stream_context(stream)
 
     def is_available(self) -> bool:

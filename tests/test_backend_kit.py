@@ -142,6 +142,59 @@ def test_the_old_name_of_the_kit_names_the_new_one(tmp_path: Path) -> None:
         "pytest --pyargs portapipe.testing" in proc.stdout
 
 
+class LosesCopies(CPUBackend):
+    """Host copies that drop the last element, and a declaration of a copy stream of their own
+    the backend does not have."""
+
+    name = "loses-copies"
+    capabilities = Capabilities(**{**CPUBackend.capabilities.__dict__, "host_copies": "async"})
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        done = super().copy_async(dst[:-1], src[:-1])
+        return done
+
+
+def test_host_copies_that_lose_values_or_claim_a_stream_are_caught() -> None:
+    msg = run_local(LosesCopies(), lines=tuple(c for c in LOCAL if c.line == "host-copies"))["host-copies"]
+    assert msg == "[host-copies] a copy to the host buffer does not hold the device tensor's values"
+
+    class ClaimsStream(CPUBackend):
+        capabilities = LosesCopies.capabilities
+
+    msg = run_local(ClaimsStream(), lines=tuple(c for c in LOCAL if c.line == "host-copies"))["host-copies"]
+    assert msg == "[host-copies] capabilities.host_copies is async but copy_stream() is the compute stream"
+
+
+def test_the_npu_double_copies_on_a_stream_of_its_own_ordered_by_events(npu_double: AscendBackend) -> None:
+    rec = sys.modules["torch_npu"].recorder
+    src = torch.arange(8.0)
+    host = npu_double.host_buffer(8, torch.float32, CPU)
+    done = npu_double.copy_async(host, src)
+    copy = npu_double.copy_stream()
+    assert copy is npu_double.copy_stream() and copy != npu_double.compute_stream()
+    issued = [c["event"] for c in rec.of("Event.record")]
+    # the copy stream waits for what the compute stream issued, then records its own event
+    assert [c["event"] for c in rec.of("Stream.wait_event")] == [issued[0]] and rec.of("Stream.wait_event")[0]["stream"] == copy
+    assert issued[1] is done and done.recorded_on == copy
+    npu_double.wait_copy(done)
+    assert sys.modules["torch_npu"].npu.waited_on(npu_double.compute_stream()) == [done]
+    assert torch.equal(host, src)
+
+
+def test_the_npu_double_refuses_what_torch_npu_refuses(npu_double: AscendBackend) -> None:
+    npu = sys.modules["torch_npu"].npu
+    with pytest.raises(TypeError, match="wait_event takes a torch_npu.npu.Event, got Event"):
+        npu_double.copy_stream().wait_event(torch.cpu.Event())
+    with pytest.raises(TypeError, match="Event.record takes a torch_npu.npu.Stream, got Stream"):
+        npu.Event().record(torch.cpu.Stream())
+    with pytest.raises(TypeError, match="npu.stream takes a torch_npu.npu.Stream"):
+        npu.stream(torch.cpu.Stream())
+    ev = npu.Event()
+    ev.record(npu.Stream(device=0))
+    with pytest.raises(RuntimeError, match="an event of device 0 recorded on a stream of device 1"):
+        ev.record(npu.Stream(device=1))
+
+
 def test_a_declaration_is_checked_before_behaviour() -> None:
     class Undeclared(CPUBackend):
         capabilities = Capabilities(dist_backend="nccl", compute_dtypes=("float64",), reduce_dtypes=(), move_dtypes=())

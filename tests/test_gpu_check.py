@@ -38,13 +38,13 @@ def test_the_dry_run_runs_every_part_and_prints_the_table_last(dry, bench_module
     proc, report, out = dry
     suite, memory, speed = (bench_module(f"gpu_check_parts.{name}") for name in ("suite", "memory", "speed"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert list(report["parts"]) == list("abcdefghijk") and report["dry"] is True
+    assert list(report["parts"]) == list("abcdefghijkl") and report["dry"] is True
     bad = {k: (r["status"], r.get("error") or r.get("summary")) for k, r in report["parts"].items() if r["status"] not in ("ok", "dry", "skipped")}
     assert not bad, bad
     # the table is the last thing printed, and the file holds the same
     table = (out / "gpu_check.md").read_text()
     assert proc.stdout.strip().endswith(table.strip().splitlines()[-1])
-    assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and not line.startswith("| part")] == list("abcdefghijk")
+    assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and not line.startswith("| part")] == list("abcdefghijkl")
     # progress lines carry the time and the seconds since the start
     assert "[" in proc.stderr and "s] a: environment" in proc.stderr
     parts = report["parts"]
@@ -89,6 +89,13 @@ def test_the_dry_run_runs_every_part_and_prints_the_table_last(dry, bench_module
     assert k["train"]["rc"] == 0 and k["record"]["clock"] == "wall" and k["record"]["timeline_rc"] == 0
     assert k["record"]["checks"] == {"causality": [], "actions": [], "trace": [], "time_adds_up": []}
     assert [r["rank"] for r in k["ranks"]] == [0, 1, 2, 3] and "every check passed" in parts["k"]["summary"]
+    # l: the host link timed through the backend's copies, the overlap measured, the offloaded step exact
+    l_ = parts["l"]["results"]
+    assert l_["host_link"]["h2d_gb_s"] > 0 and l_["host_link"]["d2h_gb_s"] > 0 and l_["host_link"]["published_each_way_gb_s"] == 64
+    assert set(l_["overlap"]) == {"compute_s", "copies_s", "together_s", "hidden_frac"}
+    assert l_["step"]["exact"] is True and l_["step"]["sent_bytes"] > 0
+    assert l_["step"]["optimizer_bytes"]["offload"]["master"] == 0 and l_["step"]["optimizer_bytes"]["offload"]["master_host"] > 0
+    assert l_["step"]["model_peak"]["offload"] < l_["step"]["model_peak"]["off"]
     # i: the GPU run's benchmarks ran small, ranks pinned where each can have a core, and their JSON
     # held everything the claims are read from
     i = parts["i"]["results"]
@@ -117,7 +124,7 @@ def test_parts_are_chosen_by_letters_ranges_and_calls(bench_module) -> None:
     assert gc.parse_parts("c-i") == list("cdefghi")
     # the suite, open-ended and counted even when cut off, runs last in its call and takes what the others leave
     assert gc.parse_parts("call1") == list("afhjkb") and gc.parse_parts("call2") == list("cedgi")
-    assert sorted(gc.parse_parts("call1") + gc.parse_parts("call2")) == gc.parse_parts("all") == list("abcdefghijk")
+    assert sorted(gc.parse_parts("call1") + gc.parse_parts("call2")) == gc.parse_parts("all") == list("abcdefghijkl")
     # each call's caps fit about 6 minutes
     for call in ("call1", "call2"):
         assert sum(gc.BY_KEY[k].cap_s for k in gc.parse_parts(call)) <= 380, call

@@ -83,11 +83,13 @@ class AscendBackend(Backend):
         streams=True,
         memory_stats=True,
         timer="events",
+        host_copies="async",  # page-locked host buffers, copies on a stream of their own
     )
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         super().__init__(options)
         self._comm_stream: Any = None
+        self._copy_stream: Any = None
         self._k_grouping: bool | None = None  # group_type 2 support of this CANN, probed once
 
     # ------------------------------------------------------------------ identity
@@ -153,6 +155,11 @@ class AscendBackend(Backend):
         if self._comm_stream is None:
             self._comm_stream = self._npu().Stream()
         return self._comm_stream
+
+    def copy_stream(self) -> Any:
+        if self._copy_stream is None:
+            self._copy_stream = self._npu().Stream()
+        return self._copy_stream
 
     def stream(self, stream: Any) -> Any:
         return self._npu().stream(stream)

@@ -413,6 +413,41 @@ class Backend(ABC):
     def synchronize(self) -> None:
         self.device_module().synchronize()
 
+    # ------------------------------------------------------------ host copies
+    def copy_stream(self) -> Any:
+        """The stream host <-> device copies (offload) run on: one of its own beside compute where
+        ``capabilities.host_copies`` is ``async``; here, the compute stream."""
+        return self.compute_stream()
+
+    def host_buffer(self, numel: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """A flat host buffer (uninitialised) for copies with tensors on ``device`` (default this
+        backend's): page-locked where ``device`` is a device, which an asynchronous copy needs;
+        plain memory where it is the host itself."""
+        device = self.device() if device is None else device
+        return torch.empty(numel, dtype=dtype, pin_memory=device.type != "cpu")
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Copy ``src`` into ``dst`` (host to device, device to host, or host to host) on
+        :meth:`copy_stream`, after the work issued so far on the current stream (which made
+        ``src``, or last read ``dst``); returns an event recorded after the copy. The allocator is
+        told the copy stream uses both tensors, so a caller may drop them at once."""
+        stream = self.copy_stream()
+        issued = self.event()
+        issued.record()
+        stream.wait_event(issued)
+        with self.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            done = self.event()
+            done.record(stream)
+        for t in (dst, src):
+            if t.device.type != "cpu":
+                t.record_stream(stream)
+        return done
+
+    def wait_copy(self, done: Any) -> None:
+        """Work issued on the current stream from now on runs after the copy that recorded ``done``."""
+        self.compute_stream().wait_event(done)
+
     # ------------------------------------------------------------ communication
     def batch_isend_irecv(self, ops: Sequence[dist.P2POp]) -> list[Any]:
         """Post a batch of point-to-point sends/receives; returns their work handles, one per

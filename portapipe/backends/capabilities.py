@@ -20,6 +20,8 @@ DTYPE_NAMES = ("float64", "float32", "bfloat16", "float16")
 ALLTOALL = "alltoall"
 #: how a backend may run the FP8 matmul (``Capabilities.fp8_matmul``)
 FP8_MATMUL_KINDS = ("blockwise", "emulated", "none")
+#: how a backend copies between host and device memory for offload (``Capabilities.host_copies``)
+HOST_COPY_KINDS = ("async", "sync", "none")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,10 @@ class Capabilities:
     ``streams``: communication runs on its own stream beside compute (False: no-op streams,
     overlap comes from async work handles). ``memory_stats``: an allocator reports
     allocated / peak bytes. ``timer``: ``events`` (device time) or ``wall`` (host clock).
+    ``host_copies``: how host <-> device copies run (``train.optimizer_offload``, ``memory.offload``):
+    ``async`` (page-locked host buffers, copies on a copy stream of their own beside compute,
+    ordered by events), ``sync`` (in order with the compute: the CPU, whose device is the host,
+    copies between separate buffers), ``none`` (offload is refused).
     """
 
     dist_backend: str
@@ -63,6 +69,7 @@ class Capabilities:
     streams: bool = False
     memory_stats: bool = False
     timer: str = "wall"
+    host_copies: str = "none"
 
     def problems(self) -> list[str]:
         """What is wrong with the declaration itself (the conformance kit's first line)."""
@@ -87,6 +94,8 @@ class Capabilities:
             out.append(f"capabilities.fp8_matmul: {self.fp8_matmul!r} is not one of {', '.join(FP8_MATMUL_KINDS)}")
         if self.timer not in ("events", "wall"):
             out.append(f"capabilities.timer: {self.timer!r} is not one of events, wall")
+        if self.host_copies not in HOST_COPY_KINDS:
+            out.append(f"capabilities.host_copies: {self.host_copies!r} is not one of {', '.join(HOST_COPY_KINDS)}")
         return out
 
     def full_precision(self, dtype: str) -> bool:
@@ -114,6 +123,14 @@ class Capabilities:
             return None
         return (f"train.fp8: backend {backend!r} declares no FP8 matmul (capabilities.fp8_matmul: none); "
                 "use a backend that has one (cpu and npu emulate it, cuda runs it blockwise), or train.fp8: off")
+
+    def offload_problem(self, backend: str, key: str) -> str | None:
+        """The message for an offload option (``key``, e.g. ``train.optimizer_offload``) on a
+        backend that declares no host copies, or None."""
+        if self.host_copies != "none":
+            return None
+        return (f"{key}: backend {backend!r} declares no host copies (capabilities.host_copies: none); "
+                "use a backend that has them (cpu, cuda, npu) or turn the offload off")
 
     def dtype_problem(self, backend: str, dtype: str) -> str | None:
         """The message for a model dtype this backend does not compute in, or None."""

@@ -3,7 +3,8 @@
 gloo supports ``all_to_all_single`` with uneven splits, batched p2p, all-reduce and all-gather,
 so every schedule and balancer path runs for real here. Streams and events are torch.cpu's
 working no-ops; communication overlaps compute through gloo's async work handles (gloo runs
-each collective on its own thread).
+each collective on its own thread). Offload's host copies run the device backends' path with
+those no-op streams: a copy between two separate host buffers, in order.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class CPUBackend(Backend):
         streams=False,  # torch.cpu.Stream is a working no-op; gloo's async handles overlap instead
         memory_stats=False,  # no allocator figures; max_memory_allocated is the process's peak RSS
         timer="wall",
+        host_copies="sync",  # the device is the host: a copy between separate buffers, in order
     )
 
     @classmethod

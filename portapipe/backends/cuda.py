@@ -126,6 +126,7 @@ class CUDABackend(Backend):
         streams=True,
         memory_stats=True,
         timer="events",
+        host_copies="async",  # page-locked host buffers, copies on a stream of their own
         # cuBLAS and the CPU sum in different orders: float64 here is not the CPU reference's bit
         # for bit, so verify runs float32 on the device against float64 on the CPU (its tolerance)
         matches_cpu_float64=False,
@@ -147,6 +148,7 @@ class CUDABackend(Backend):
             if reason:
                 raise BackendUnavailable(reason)
         self._comm_stream: Any = None
+        self._copy_stream: Any = None
         self._nvshmem: NvshmemTransport | None = None
         # gloo's send / recv take host memory only (its collectives stage device tensors
         # themselves): the pipeline's point-to-point goes through pinned host buffers.
@@ -265,6 +267,12 @@ class CUDABackend(Backend):
             # should not queue behind compute kernels.
             self._comm_stream = torch.cuda.Stream(device=self.device(), priority=-1)
         return self._comm_stream
+
+    def copy_stream(self) -> Any:
+        if self._copy_stream is None:
+            # the copy engines run it beside the compute and communication streams
+            self._copy_stream = torch.cuda.Stream(device=self.device())
+        return self._copy_stream
 
     def stream(self, stream: Any) -> Any:
         return torch.cuda.stream(stream)

@@ -189,8 +189,9 @@ def migrate(
                 raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; its first dim must be the {plan.slots_per_rank} local slots")
         rows = [i for d in range(world) for i in plan.sends.get((me, d), [])]
         idx = torch.tensor(rows, dtype=torch.int64)
+        device = backend.device()  # optimizer states kept in host memory travel through the device with the rest
         for dt, ns in names.items():
-            parts = [tensors[n].reshape(plan.slots_per_rank, -1).index_select(0, idx.to(tensors[n].device)) for n in ns]
+            parts = [tensors[n].reshape(plan.slots_per_rank, -1).index_select(0, idx.to(tensors[n].device)).to(device) for n in ns]
             buffers[dt] = torch.cat(parts, dim=1) if parts else torch.empty(0)
         if fault is not None:
             fault("prepare", me)

@@ -1,4 +1,5 @@
-"""``portapipe plan CONFIG --devices N --memory 80GiB``: the fastest setup that fits.
+"""``portapipe plan CONFIG --devices N --memory 80GiB``: the fastest setup that fits (without
+``--devices``: on the fewest devices it fits on).
 
 Enumerates pp x ep x dp layouts of N devices, the five schedules, micro-batch counts (the
 config's global batch kept) and memory options; drops what breaks a compatibility rule or the
@@ -8,6 +9,12 @@ all-to-all) and writes the best as a complete config.
 
     portapipe plan examples/cpu.yaml --devices 4 --memory 2GiB --profile cpu.json --out best.yaml
     portapipe plan deepseek.yaml --devices 2048 --memory 80GiB --profile h800 --plot plan.png
+    portapipe plan deepseek.yaml --memory 80GiB --profile h800 --allow offload   # the fewest devices, then their plan
+
+Without ``--devices`` the fewest devices (up to ``--most``, default the config's own count) on
+which a setup fits ``--memory`` are searched first, by bisection over the counts with a layout;
+``--allow offload`` lets a setup keep the optimizer's states and the parts' saved tensors in host
+memory where nothing else fits.
 
 ``--profile`` is a file from ``portapipe profile`` or a published device (h800); without it a
 profile of the config is measured here first. ``--loads`` (a run's expert_loads.json) sets the
@@ -59,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
         for r in rule_table():
             print(f"{r['name']:<32} {r['scope']:<9} {r['severity']:<6} {r['reason']}")
         return 0
-    if args.devices is None:
-        return _fail("--devices is required: the number of devices to plan for")
-    if args.devices < 1:
+    if args.devices is None and args.memory is None:
+        return _fail("--devices or --memory is required: the devices to plan for, or the memory per device to find the fewest devices for")
+    if args.devices is not None and args.devices < 1:
         return _fail(f"--devices: {args.devices}; give the number of devices (>= 1)")
     if args.top < 1:
         return _fail(f"--top: {args.top}; show at least 1 row")
@@ -100,6 +107,19 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.update(done - bar.n)
 
+    if args.devices is None:
+        from ..plan.planner import fewest_devices
+
+        most = args.most or config.world_size
+        tried: list[str] = []
+        found = fewest_devices(config, budget, profile, tuple(args.allow), most, progress=lambda n, ok: tried.append(f"{n}{'' if ok else ' no'}"))
+        print(f"fewest devices: searched {', '.join(tried)}", file=sys.stderr)
+        if found is None:
+            print(f"portapipe plan: no setup fits {args.memory} per device on {most} devices (--most)", file=sys.stderr)
+            return 1
+        if not args.json:
+            print(f"fewest devices that fit {args.memory} each: {found} (of the counts with a layout up to {most})")
+        args.devices = found
     try:
         result = plan(config, args.devices, budget, profile, loads=loads, keep=args.top, progress=progress, allow=tuple(args.allow))
     except ProfileError as err:  # a profile that cannot price what the devices would run
@@ -145,7 +165,8 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", help="YAML config file (its model, batch, balancer and backend are kept)")
-    p.add_argument("--devices", type=int, help="devices to plan for (required)")
+    p.add_argument("--devices", type=int, help="devices to plan for (without it: the fewest that fit --memory)")
+    p.add_argument("--most", type=int, help="without --devices: the most devices to search up to [the config's own count]")
     p.add_argument("--memory", help="memory per device, e.g. 80GiB (default: no budget)")
     p.add_argument("--profile", help="profile JSON from `portapipe profile`, or a published device: h800")
     p.add_argument("--loads", help="recorded expert loads (a run's expert_loads.json, or a .txt/.csv/.pt file as portapipe balance reads) for the expert imbalance")
@@ -154,7 +175,8 @@ def register(sub: Any) -> None:
     p.add_argument("--top", type=int, default=10, help="rows of the table [10]")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
-    p.add_argument("--allow", action="append", default=[], choices=["moments_dtype"],
-                   help="let the plan choose this setting too (repeatable): moments_dtype (AdamW's moments in bfloat16 where yours do not fit)")
+    p.add_argument("--allow", action="append", default=[], choices=["moments_dtype", "offload"],
+                   help="let the plan choose this setting too (repeatable): moments_dtype (AdamW's moments in bfloat16 where yours do not fit), "
+                   "offload (train.optimizer_offload, then memory.offload too, where nothing else fits)")
     p.add_argument("--rules", action="store_true", help="print the compatibility rules (name, scope, severity, reason) and exit")
     p.set_defaults(func=run)

@@ -139,6 +139,49 @@ def _zero_memory_not_all_recomputed(x: Setup) -> list[str]:
     )
 
 
+def _offload_has_effect(x: Setup) -> list[str]:
+    """Offloaded parts that keep nothing in any layer memory.offload covers: the model has none of
+    them, or a recompute of every layer of each stage keeps nothing of them to send."""
+    m, per = x.model, x.max_stage_layers
+    out = _one(x.offload_layers is not None and not x.offload, f"memory.offload_layers: {x.offload_layers} is set but memory.offload is empty (name the parts)")
+    out += _one(x.offload_layers is not None and x.offload_layers > per, f"memory.offload_layers: {x.offload_layers} > {per} layers in the largest stage")
+    absent = {"experts": _n_moe(x) <= 0 and not m.mtp_layers, "shared": (_n_moe(x) <= 0 and not m.mtp_layers) or m.n_shared == 0, "dense": m.n_dense == 0}
+    why = {"experts": "the model has no MoE layers", "shared": "the model has no shared expert", "dense": "the model has no dense layers (model.n_dense: 0)"}
+    for part in x.offload:
+        if absent.get(part):
+            out.append(f"memory.offload: {part} has no effect: {why[part]}; remove it")
+    zeroed = x.zero_memory == "level1" and (x.zero_memory_layers or per) >= per  # its activation's recipe holds what they save
+    held = [p for p in x.offload if zeroed and x.recompute == "none" and p in ("shared", "experts")]
+    if held:
+        out.append(f"memory.offload: {', '.join(held)} {'have' if len(held) > 1 else 'has'} no effect: memory.zero_memory: level1 on every MoE "
+                   f"layer keeps the activation's input to make its output again, which holds what {'they save' if len(held) > 1 else 'it saves'}; "
+                   "use level0, or set memory.zero_memory_layers below a stage's layers, or remove " + ", ".join(held))
+    every = x.recompute != "none" and (x.recompute_layers or per) >= per
+    kept_nothing = [p for p in x.offload if every and (x.recompute == "full" or p in ("shared", "experts"))]
+    if kept_nothing:
+        fix = f"set memory.recompute_layers to at most {per - 1}, or " if per > 1 else ""
+        out.append(f"memory.offload: {', '.join(kept_nothing)} {'have' if len(kept_nothing) > 1 else 'has'} no effect: memory.recompute: {x.recompute} recomputes every layer of "
+                   f"each stage, which keeps nothing of {'them' if len(kept_nothing) > 1 else 'it'} to send; {fix}remove {', '.join(kept_nothing)}")
+    return out
+
+
+def _optimizer_offload_has_effect(x: Setup) -> list[str]:
+    return _one(
+        x.optimizer_offload == "off" and x.offload_fraction != 1.0,
+        f"train.optimizer_offload_fraction: {x.offload_fraction:g} has no effect: train.optimizer_offload is off (set swap)",
+    )
+
+
+def _host_copies(x: Setup) -> list[str]:
+    """Offload copies through the backend's host copies (for ``auto``: refused only when no backend it could pick has them)."""
+    keys = (["train.optimizer_offload"] if x.optimizer_offload != "off" else []) + (["memory.offload"] if x.offload else [])
+    out = []
+    for key in keys:
+        problems = [caps.offload_problem(name, key) for name, caps in _declared(x)]
+        out += [problems[0]] if problems and all(problems) else []
+    return out
+
+
 def _balancer_needs_moe(x: Setup) -> list[str]:
     b = x.balancer
     out = _one(b.kind != "none" and _n_moe(x) <= 0, f"balancer.kind: {b.kind} but the model has no MoE layers")
@@ -361,6 +404,9 @@ RULES: tuple[Rule, ...] = (
     Rule("memory-layers-fit", "memory", "the layer counts are per stage, so they cannot exceed a stage's layers", _memory_layers_fit),
     Rule("memory-layers-need-option", "memory", "a layer count without its option does nothing", _memory_layers_need_option),
     Rule("zero-memory-not-all-recomputed", "memory", "a recomputed layer keeps nothing that zero-memory could drop", _zero_memory_not_all_recomputed),
+    Rule("offload-has-effect", "memory", "memory.offload sends the tensors a part saves; a part the model lacks, or one a recompute of "
+         "every layer keeps nothing of, sends nothing (the layer counts are per stage)", _offload_has_effect),
+    Rule("optimizer-offload-fraction", "train", "the fraction says how much of the optimizer state train.optimizer_offload: swap keeps on the host", _optimizer_offload_has_effect),
     Rule("balancer-needs-moe", "balancer", "balancers place routed experts", _balancer_needs_moe),
     Rule("lplb-slots", "balancer", "LPLB moves tokens to a copy on a neighbouring EP rank of its topology", _lplb_slots),
     Rule("balancer-nodes", "balancer", "a balancer's nodes hold equal shares of the EP ranks", _balancer_nodes),
@@ -371,6 +417,7 @@ RULES: tuple[Rule, ...] = (
     Rule("ep-transport", "backend", "each backend declares its expert transports (capabilities.ep_transports); every backend has all-to-all", _transport),
     Rule("fp8-matmul", "backend", "train.fp8 runs its GEMMs through the backend's FP8 matmul (capabilities.fp8_matmul: blockwise or emulated)", _fp8_matmul),
     Rule("fp8-activations-need-fp8", "memory", "FP8-cached activations keep the FP8 values and scales the FP8 GEMMs make (train.fp8)", _fp8_activations),
+    Rule("host-copies", "backend", "offload copies between host and device memory through the backend (capabilities.host_copies)", _host_copies),
     Rule("model-dtype", "backend", "the model computes in a dtype the backend's matmul takes (capabilities.compute_dtypes)", _model_dtype),
     Rule("reduce-dtype", "backend", "the replicas' gradients are summed in a dtype the backend's collectives reduce (capabilities.reduce_dtypes)", _reduce_dtype),
     Rule("overlap-needs-pairs", "schedule", "the F&B overlap hides one micro-batch's all-to-all behind another's compute; 1F1B and ZB1P run no pairs", _overlap_needs_pairs, "note"),

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .model_rules import ARCH_DEFAULTS, ARCH_KEYS, model_problems
 from .section import Section
-from .setup import RECOMPUTE_PARTS, n_model_blocks, recompute_norms, recompute_segment, split_of
+from .setup import OFFLOAD_PARTS, RECOMPUTE_PARTS, n_model_blocks, recompute_norms, recompute_segment, split_of
 from .train_section import TrainConfig
 
 SCHEDULES = ("1f1b", "zb1p", "interleaved", "dualpipe", "dualpipev")
@@ -227,6 +227,22 @@ class MemoryConfig(Section):
         "its forward made, and each FFN's activation keeps its input in FP8 and remakes its output in the backward "
         "(DeepSeek-V3's FP8-cached activations; docs/fp8.md)",
     )
+
+    offload: list[Literal[OFFLOAD_PARTS]] = Field(  # type: ignore[valid-type]
+        default_factory=list,
+        description="the parts whose saved tensors leave for host memory right after their forward (on the copy stream) "
+        "and come back one action ahead of their backward: attention (a layer's attention part: norms, attention, "
+        "routing), dense (a dense layer's), shared (the shared expert's), experts (the routed experts'); a part's inputs "
+        "and outputs stay (other parts hold them); exact, bit for bit (docs/memory.md)",
+    )
+    offload_layers: int | None = Field(None, ge=1, description="layers per stage whose parts memory.offload names go to the host (default all)")
+
+    @field_validator("offload")
+    @classmethod
+    def _offload_once(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"each part once; got {v}")
+        return [p for p in OFFLOAD_PARTS if p in v]  # one order, whatever the config's
 
     @field_validator("recompute", mode="before")
     @classmethod

@@ -130,6 +130,9 @@ def paired_blocks(pair_forwards: bool, overlap: bool, ep: int, model: Any, n_blo
 
 #: the parts a ``memory.recompute`` list may hold, in the order its written form names them
 RECOMPUTE_PARTS = ("norms", "moe")
+#: the parts whose saved tensors ``memory.offload`` may send to the host (a layer's parts that keep
+#: something of their own: the combine keeps only an index)
+OFFLOAD_PARTS = ("attention", "dense", "shared", "experts")
 
 
 def recompute_segment(recompute: str) -> str:
@@ -171,6 +174,10 @@ class Setup:
     zero_stage: int = 0
     #: ``train.moments_dtype`` (a plan may choose bfloat16 where the user allows it: ``--allow moments_dtype``)
     moments_dtype: str = "auto"
+    optimizer_offload: str = "off"  # train.optimizer_offload
+    offload_fraction: float = 1.0  # train.optimizer_offload_fraction
+    offload: tuple[str, ...] = ()  # memory.offload, in OFFLOAD_PARTS' order
+    offload_layers: int | None = None  # memory.offload_layers
     layers_per_stage: Split = None  # see Split
     # sections a plan keeps as they are (compared by identity: shared by every candidate)
     model: Any = field(default=None, compare=False, repr=False)
@@ -191,7 +198,9 @@ class Setup:
             pp=p.pp, ep=p.ep, dp=p.dp, schedule=s.name, microbatches=s.microbatches, chunks=s.chunks,
             micro_batch_size=c.train.micro_batch_size, zero_memory=mem.zero_memory, zero_memory_layers=mem.zero_memory_layers,
             recompute=mem.segment, recompute_layers=mem.recompute_layers, recompute_norms=mem.norms, fp8_activations=mem.fp8_activations, overlap=s.overlap, w_split=s.w_split,
-            pair_forwards=s.pair_forwards, world_size=p.world_size, zero_stage=c.train.zero_stage, moments_dtype=c.train.moments_dtype, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
+            pair_forwards=s.pair_forwards, world_size=p.world_size, zero_stage=c.train.zero_stage, moments_dtype=c.train.moments_dtype,
+            optimizer_offload=c.train.optimizer_offload, offload_fraction=c.train.optimizer_offload_fraction,
+            offload=tuple(mem.offload), offload_layers=mem.offload_layers, model=c.model, balancer=c.balancer, train=c.train, backend=c.backend,
             backend_options=c.backend_options, layers_per_stage=split_of(p.layers_per_stage),
         )
 
@@ -248,7 +257,8 @@ class Setup:
     def memory_label(self) -> str:
         """The memory option in a few words: ``off``, ``level1``, ``recompute full x1 + level1``,
         ``recompute moe + zero1`` (the optimizer sharded: ``train.zero_stage``), ``+ bf16 moments``
-        (``train.moments_dtype``)."""
+        (``train.moments_dtype``), ``+ offload attention+experts`` (``memory.offload``), ``+ optimizer
+        swap`` (``train.optimizer_offload``)."""
         parts = []
         if self.recompute_norms:
             parts.append("recompute norms")
@@ -262,6 +272,10 @@ class Setup:
             parts.append(f"zero{self.zero_stage}")
         if self.moments_dtype == "bfloat16":
             parts.append("bf16 moments")
+        if self.offload:
+            parts.append("offload " + "+".join(self.offload) + (f" x{self.offload_layers}" if self.offload_layers else ""))
+        if self.optimizer_offload != "off":
+            parts.append("optimizer swap" + (f" {self.offload_fraction:g}" if self.offload_fraction != 1.0 else ""))
         return " + ".join(parts) or "off"
 
     def overrides(self) -> dict[str, Any]:
@@ -274,6 +288,8 @@ class Setup:
             "memory.zero_memory": self.zero_memory, "memory.zero_memory_layers": self.zero_memory_layers,
             "memory.recompute": recompute_value(self.recompute, self.recompute_norms), "memory.recompute_layers": self.recompute_layers,
             "memory.fp8_activations": self.fp8_activations,
+            "memory.offload": list(self.offload), "memory.offload_layers": self.offload_layers,
+            "train.optimizer_offload": self.optimizer_offload, "train.optimizer_offload_fraction": self.offload_fraction,
             "parallel.layers_per_stage": split_value(self.layers_per_stage),
         }
 

@@ -85,6 +85,19 @@ class TrainConfig(Section):
         "weights), updated after each step on a background thread: ema = decay x ema + (1 - decay) x weights; saved in "
         "checkpoints, exported with portapipe export --ema, validated beside the weights (val_loss_ema); none: not kept",
     )
+    optimizer_offload: Literal["off", "swap"] = Field(
+        "off",
+        description="swap: the master weights and both AdamW moments (optimizer_offload_fraction of them) live in page-locked "
+        "host memory; before the optimizer step they stream to the device bucket by bucket on a copy stream while earlier "
+        "buckets update, and stream back after, so the device holds at most two buckets of them; the update runs on the "
+        "device as without it, bit for bit (MindSpeed's --swap-optimizer, Megatron-Core's --optimizer-cpu-offload)",
+    )
+    optimizer_offload_fraction: float = Field(
+        1.0, gt=0, le=1,
+        description="the share of this rank's optimizer state that train.optimizer_offload: swap keeps on the host: whole "
+        "gradient buckets in the order the step updates them, the fewest reaching the share (train.grad_bucket_mb sets the "
+        "grain; Megatron-Core's --optimizer-offload-fraction)",
+    )
     grad_bucket_mb: float = Field(25.0, gt=0, description="size of one gradient bucket (MB of master-dtype gradients)")
     overlap_grad_sync: bool = Field(
         True, description="reduce a block's gradient buckets as soon as its last backward of the step ran (false: all after the schedule)"
@@ -109,7 +122,7 @@ class TrainConfig(Section):
         "the backend's FP8 matmul runs them (capabilities.fp8_matmul); see docs/fp8.md",
     )
 
-    @field_validator("fp8", mode="before")
+    @field_validator("fp8", "optimizer_offload", mode="before")
     @classmethod
     def _fp8_yaml_off(cls, v: Any) -> Any:
         # YAML 1.1 reads a bare `off` as False.

@@ -22,13 +22,17 @@ Use: ``tracker = SavedActivations(ignore=runtime.parameters())``, then per train
 :func:`label_layers` attributes the bytes to layers.
 
 Other code that installs its own saved-tensor hooks (zero-memory) must chain to the tracker
-with :func:`pack_saved` / :func:`unpack_saved`: autograd uses only the innermost hooks.
+with :func:`pack_saved` / :func:`unpack_saved`: autograd uses only the innermost hooks. Activation
+offload (:mod:`.offload`) installs itself in that chain with :func:`packing`, and tells the tracker
+where the bytes it moves are (:meth:`SavedActivations.place`): ``live_bytes`` / ``peak_bytes`` count
+what is held on the device, ``host_live_bytes`` / ``host_peak_bytes`` what is held in host memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -39,6 +43,9 @@ Label = tuple[Any, int | None]  # (layer index or "<index>.<part>", micro-batch)
 
 _LABEL: contextvars.ContextVar[Label] = contextvars.ContextVar("portapipe_saved_label", default=(None, None))
 _ACTIVE: contextvars.ContextVar[SavedActivations | None] = contextvars.ContextVar("portapipe_saved_tracker", default=None)
+
+_PACKER: contextvars.ContextVar[Any] = contextvars.ContextVar("portapipe_saved_packer", default=None)
+_MOVED = itertools.count()  # keys of storages whose bytes move between device and host
 
 _UNSET = object()
 
@@ -89,10 +96,13 @@ class _Held:
 
     __slots__ = ("tensor", "key", "tracker")
 
-    def __init__(self, tensor: torch.Tensor, key: Any, tracker: SavedActivations) -> None:
+    def __init__(self, tensor: torch.Tensor | None, key: Any, tracker: SavedActivations) -> None:
         self.tensor = tensor
         self.key = key
         self.tracker = tracker
+
+    def unpack(self) -> torch.Tensor | None:
+        return self.tensor
 
     def __del__(self) -> None:
         tracker = getattr(self, "tracker", None)
@@ -110,6 +120,9 @@ class SavedActivations:
         self._sizes: dict[Any, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.host_live_bytes = 0  # held for backward in host memory (activation offload)
+        self.host_peak_bytes = 0
+        self._where: dict[Any, tuple[bool, bool]] = {}  # a moving storage's key -> (on the device, on the host)
         self.saved_count = 0
         self.by_region: dict[Label, int] = {}
         self.live_by_region: dict[Label, int] = {}
@@ -155,6 +168,34 @@ class SavedActivations:
     def unpack(obj: Any) -> torch.Tensor:
         return obj.tensor if isinstance(obj, _Held) else obj
 
+    def moving(self, nbytes: int) -> _Held:
+        """Count a storage of ``nbytes`` whose bytes will move (activation offload) as saved on the
+        device now, in place of the count it had as a saved storage (its ``by_region`` share stays
+        as it was); the token holds no tensor, and releases the count when it is dropped."""
+        key = ("moving", next(_MOVED))
+        with self._lock:
+            self._refs[key] = 1
+            self._sizes[key] = nbytes
+            self._where[key] = (True, False)
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            label = self._labels[key] = _LABEL.get()  # counted in by_region when first saved, as any storage
+            self.live_by_region[label] = self.live_by_region.get(label, 0) + nbytes
+        return _Held(None, key, self)
+
+    def place(self, held: _Held, device: bool, host: bool) -> None:
+        """Where the bytes of a :meth:`moving` storage are held now: on the device, in host memory, or both."""
+        with self._lock:
+            key = held.key
+            if key not in self._sizes:
+                return
+            n, (d, h) = self._sizes[key], self._where[key]
+            self.live_bytes += n * (int(device) - int(d))
+            self.host_live_bytes += n * (int(host) - int(h))
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_live_bytes)
+            self._where[key] = (device, host)
+
     def _release(self, key: Any) -> None:
         with self._lock:
             n = self._refs.get(key)
@@ -165,7 +206,9 @@ class SavedActivations:
                 return
             del self._refs[key]
             nbytes = self._sizes.pop(key)
-            self.live_bytes -= nbytes
+            device, host = self._where.pop(key, (True, False))
+            self.live_bytes -= nbytes * device
+            self.host_live_bytes -= nbytes * host
             label = self._labels.pop(key)
             self.live_by_region[label] -= nbytes
 
@@ -194,6 +237,7 @@ class SavedActivations:
         """Start a new peak from what is live now (e.g. at the start of a step)."""
         with self._lock:
             self.peak_bytes = self.live_bytes
+            self.host_peak_bytes = self.host_live_bytes
 
     def reset(self) -> None:
         """Forget the per-region totals and restart the peak (live tensors stay counted)."""
@@ -201,6 +245,7 @@ class SavedActivations:
             self.by_region.clear()
             self.saved_count = 0
             self.peak_bytes = self.live_bytes
+            self.host_peak_bytes = self.host_live_bytes
 
     # ---------------------------------------------------------------- figures
     def layer_bytes(self, layer: int) -> int:
@@ -223,6 +268,8 @@ class SavedActivations:
         out: dict[str, Any] = {
             "peak_saved_bytes": self.peak_bytes,
             "live_saved_bytes": self.live_bytes,
+            "peak_host_saved_bytes": self.host_peak_bytes,
+            "live_host_saved_bytes": self.host_live_bytes,
             "saved_tensors": self.saved_count,
             "regions": regions,
         }
@@ -243,7 +290,8 @@ def label_layers(blocks: Iterable[Any], by_part: bool = False) -> None:
             for name in dir(type(layer)):
                 if name.endswith("_part") and callable(getattr(type(layer), name)):
                     label = f"{layer.index}.{name[: -len('_part')]}" if by_part else layer.index
-                    setattr(layer, name, _labelled(getattr(type(layer), name).__get__(layer), label))
+                    # the layer's own, as a memory option may have wrapped it (activation offload)
+                    setattr(layer, name, _labelled(getattr(layer, name), label))
 
 
 def _labelled(fn: Any, label: Any) -> Any:
@@ -271,10 +319,30 @@ def peak_per_rank(backend: Any, tracker: SavedActivations, group: Any = None) ->
 
 # ------------------------------------------------------- chaining for other hook owners
 def pack_saved(t: torch.Tensor) -> Any:
-    """Pack ``t`` for the active tracker (or keep it as is when none is tracking)."""
+    """Pack ``t`` for whoever is in the chain: the offload of the part running (:func:`packing`), else the
+    active tracker (or keep it as is when neither is)."""
+    packer = _PACKER.get()
+    return packer(t) if packer is not None else track_saved(t)
+
+
+def track_saved(t: torch.Tensor) -> Any:
+    """Pack ``t`` for the active tracker alone (what an offload leaves where it is)."""
     tracker = _ACTIVE.get()
     return t if tracker is None else tracker.pack(t)
 
 
 def unpack_saved(obj: Any) -> torch.Tensor:
-    return SavedActivations.unpack(obj)
+    """What :func:`pack_saved` packed, as a tensor again."""
+    return obj if isinstance(obj, torch.Tensor) else obj.unpack()
+
+
+@contextlib.contextmanager
+def packing(pack: Any) -> Iterator[None]:
+    """Within: every tensor saved for backward goes through ``pack`` (which returns ``t`` itself, what
+    :func:`track_saved` gives, or an object with ``unpack()``), the hooks inside it included."""
+    token = _PACKER.set(pack)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack_saved):
+            yield
+    finally:
+        _PACKER.reset(token)

@@ -8,7 +8,9 @@ layer keeps nothing to drop). Earlier layers come first because, in every schedu
 stage's first layers hold their activations longest.
 
 :func:`configure` sets ``layer.memory`` (a :class:`LayerMemory`, or None) on each layer; the
-block's program then runs such layers through :meth:`LayerMemory.program`.
+block's program then runs such layers through :meth:`LayerMemory.program`. ``memory.offload``
+(the parts whose saved tensors wait in host memory, :mod:`.offload`) applies to the first
+``offload_layers`` layers of every block, beside the others: :func:`configure_offload`.
 """
 
 from __future__ import annotations
@@ -77,6 +79,41 @@ def configure(blocks: Mapping[int, Any], memory: MemoryConfig) -> None:
         layers = list(block.layers.values())
         for layer, opts in zip(layers, plan_layers(memory, [layer.moe is not None for layer in layers])):
             layer.memory = opts
+
+
+#: ``memory.offload``'s names -> the layer methods they send the saved tensors of
+PART_METHODS = {"attention": "attention_part", "dense": "dense_part", "shared": "shared_part", "experts": "experts_part"}
+
+
+def offloaded_parts(memory: Any, index: int, moe: bool, recompute: str | None, shared: bool = True) -> tuple[str, ...]:
+    """The parts of a block's ``index``-th layer whose saved tensors go to the host: ``memory.offload``
+    in the first ``memory.offload_layers``, those the layer runs (``moe``: an MoE layer; ``shared``:
+    with a shared expert) and that keep something under its recompute (``recompute``: the layer's
+    segment, or None)."""
+    if not memory.offload or (memory.offload_layers is not None and index >= memory.offload_layers) or recompute == "full":
+        return ()
+    runs = {"attention": moe, "dense": not moe, "shared": moe and shared and recompute is None, "experts": moe and recompute is None}
+    return tuple(p for p in memory.offload if runs[p])
+
+
+def configure_offload(blocks: Mapping[int, Any], memory: Any, backend: Any) -> Any:
+    """Send the saved tensors of the parts ``memory.offload`` names to the host (after
+    :func:`configure`, whose recompute it reads); the rank's
+    :class:`~.offload.ActivationOffload`, or None when nothing is sent."""
+    if not memory.offload:
+        return None
+    from .offload import ActivationOffload
+
+    offload = ActivationOffload(backend)
+    for block in blocks.values():
+        for i, layer in enumerate(block.layers.values()):
+            opts = getattr(layer, "memory", None)
+            recompute = opts.recompute.mode if opts is not None and opts.recompute is not None else None
+            shared = layer.moe is not None and layer.moe.shared is not None
+            for part in offloaded_parts(memory, i, layer.moe is not None, recompute, shared):
+                name = PART_METHODS[part]
+                setattr(layer, name, offload.part(getattr(layer, name)))
+    return offload
 
 
 def redispatch_stats(blocks: Iterable[Any]) -> A2AStats:

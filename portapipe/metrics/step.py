@@ -33,6 +33,10 @@ class StepStats:
     counts_a2a_hidden_frac: float | None = None
     #: bytes the expert exchanges (dispatch, combine and their backwards) sent, summed over ranks
     a2a_bytes: float = 0.0
+    #: activation offload (``memory.offload``): bytes sent to host memory, summed over ranks, and the
+    #: most a rank held there at once
+    offload_sent_bytes: float = 0.0
+    offload_host_peak_bytes: float = 0.0
 
 
 @dataclass
@@ -141,6 +145,7 @@ def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any, ep: tuple
     keys = (
         "step_s", "bubble_frac", "a2a_total_s", "a2a_wait_s", "fb_a2a_total_s", "fb_a2a_wait_s", "grad_sync_exposed_s",
         "edge_a2a_total_s", "edge_a2a_wait_s", "counts_a2a_total_s", "counts_a2a_wait_s", "a2a_bytes",
+        "offload_sent_bytes", "offload_host_peak_bytes",
     )
     local = torch.tensor([grad_sq_owned, *(timing(result, k) for k in keys), *ep], dtype=torch.float64)
     world = torch.distributed.get_world_size()
@@ -167,4 +172,6 @@ def gather_step_stats(backend: Any, grad_sq_owned: float, result: Any, ep: tuple
         a2a_hidden_edges_frac=hidden("edge_"),
         counts_a2a_hidden_frac=hidden("counts_"),
         a2a_bytes=float(table[:, col["a2a_bytes"]].sum()),
+        offload_sent_bytes=float(table[:, col["offload_sent_bytes"]].sum()),
+        offload_host_peak_bytes=float(table[:, col["offload_host_peak_bytes"]].max()),
     )

@@ -17,6 +17,7 @@ so it equals the unsharded norm whatever the stage.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,6 +96,8 @@ class ShardedAdamW:
         self.has_master = self.master_dtype != model_dtype
         #: the host EMA of the weights (:class:`~.ema.HostEMA`, ``train.ema_decay``), or None
         self.ema: Any = None
+        #: the states kept in host memory (:class:`~.offload.HostStates`, ``train.optimizer_offload``), or None
+        self.host: Any = None
         self.states: list[_State] = []
         for bucket in grads.buckets:
             span = bucket.shard if zero_stage > 0 else slice(0, bucket.numel)
@@ -122,21 +125,40 @@ class ShardedAdamW:
 
     def step(self, grad_coef: float = 1.0) -> None:
         """One AdamW update at ``self.lr`` from the reduced gradients times ``grad_coef`` (clipping,
-        loss-scale removal), then the parameters refreshed (collective under zero_stage 1 / 2)."""
+        loss-scale removal), then the parameters refreshed (collective under zero_stage 1 / 2).
+        States kept in host memory (``host``) come to the device bucket by bucket for their update
+        and go back after it (:mod:`.offload`)."""
         self.steps += 1
         hp = {"step": self.steps, "lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay, "compute": self.compute_dtype}
-        for bucket, st in zip(self.grads.buckets, self.states):
-            g = self.grads.grad_shard(bucket) if self.zero_stage > 0 else bucket.grad
-            if grad_coef != 1.0:
-                g = g * grad_coef
-            if st.master is not None:
-                adamw_(st.master, g, st.exp_avg, st.exp_avg_sq, decayed=st.decayed, **hp)
-                continue
-            for p, start, at, n in bucket.segments(st.span):  # the parameters are the master weights
-                sl = slice(at, at + n)
-                adamw_(p.detach().view(-1)[start : start + n], g[sl], st.exp_avg[sl], st.exp_avg_sq[sl],
-                       decayed=[(0, n)] if p.dim() >= 2 else [], **hp)
-        self._refresh()
+        taken: dict[int, torch.Tensor | None] = {}  # an offloaded bucket's weights for the refresh, taken while on the device
+        with self.host.swapping() if self.host is not None else contextlib.nullcontext() as trips:
+            for i, (bucket, st) in enumerate(zip(self.grads.buckets, self.states)):
+                held = trips.bring(i) if trips is not None and self.host.offloaded[i] else st
+                g = self.grads.grad_shard(bucket) if self.zero_stage > 0 else bucket.grad
+                if grad_coef != 1.0:
+                    g = g * grad_coef
+                if held.master is not None:
+                    adamw_(held.master, g, held.exp_avg, held.exp_avg_sq, decayed=st.decayed, **hp)
+                else:
+                    for p, start, at, n in bucket.segments(st.span):  # the parameters are the master weights
+                        sl = slice(at, at + n)
+                        adamw_(p.detach().view(-1)[start : start + n], g[sl], held.exp_avg[sl], held.exp_avg_sq[sl],
+                               decayed=[(0, n)] if p.dim() >= 2 else [], **hp)
+                if held is not st:
+                    if held.master is not None:
+                        taken[id(st)] = self._take(bucket, held.master)
+                    trips.send_back(i, held)
+        self._refresh(taken)
+
+    def _take(self, bucket: Bucket, master: torch.Tensor) -> torch.Tensor | None:
+        """What the refresh needs of a bucket's updated master weights before they leave the device:
+        under zero_stage 0 the parameters are copied from them now (None: nothing left to do);
+        sharded, this rank's range in the model dtype (its own tensor: the slot is reused)."""
+        if self.zero_stage == 0:
+            for p, view in zip(bucket.params, bucket.views(master)):
+                p.detach().copy_(view)
+            return None
+        return master.to(self.model_dtype, copy=True)
 
     def finite(self) -> bool:
         """Whether every parameter, master weight and moment this rank holds is finite (local)."""
@@ -146,11 +168,13 @@ class ShardedAdamW:
                     return False
         return True
 
-    def _refresh(self) -> None:
-        """The parameters from the master weights: copied, or all-gathered from the shards."""
+    def _refresh(self, taken: dict[int, torch.Tensor | None] | None = None) -> None:
+        """The parameters from the master weights: copied, or all-gathered from the shards;
+        ``taken``: by state, an offloaded bucket's weights as :meth:`_take` left them."""
         if self.zero_stage == 0 and not self.has_master:
             return
-        self.refresh(lambda st: st.master)
+        taken = taken or {}
+        self.refresh(lambda st: taken[id(st)] if id(st) in taken else st.master)
 
     def refresh(self, source: Any) -> None:
         """The parameters from ``source(state)`` (this rank's range of a bucket's weights, or None:
@@ -259,11 +283,20 @@ class ShardedAdamW:
 
     # ---------------------------------------------------------------- memory
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds: ``master`` weights and ``optimizer`` state (AdamW's moments)."""
+        """Bytes this rank holds on the device: ``master`` weights and ``optimizer`` state (AdamW's
+        moments); with states in host memory (``train.optimizer_offload``) also ``master_host`` and
+        ``optimizer_host``, and ``optimizer_slots``: the two buckets' worth the step brings to the device."""
         def size(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        return {
-            "master": sum(size(st.master) for st in self.states),
-            "optimizer": sum(size(st.exp_avg) + size(st.exp_avg_sq) for st in self.states),
-        }
+        out = {"master": 0, "optimizer": 0}
+        away = self.host.offloaded if self.host is not None else [False] * len(self.states)
+        for st, host in zip(self.states, away):
+            suffix = "_host" if host else ""
+            out["master" + suffix] = out.get("master" + suffix, 0) + size(st.master)
+            out["optimizer" + suffix] = out.get("optimizer" + suffix, 0) + size(st.exp_avg) + size(st.exp_avg_sq)
+        if self.host is not None:
+            out.setdefault("master_host", 0)
+            out.setdefault("optimizer_host", 0)
+            out["optimizer_slots"] = min(2, sum(away)) * self.host.slot_bytes
+        return out

@@ -23,7 +23,9 @@ as the wall time of the least disturbed repetition.
   between two ranks, each at two sizes; for the all-to-all and point-to-point also the
   processor time the process's other threads (gloo's) spend on them, which competes with the
   compute of ranks sharing a host's processors;
-- AdamW's step per parameter element, and the expert loads the profiling batches produced.
+- AdamW's step per parameter element, and the expert loads the profiling batches produced;
+- the host link (:mod:`.measure_host`): offload's copies each way, and whether they run beside
+  compute (``capabilities.host_copies``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from .executor_cost import action_cost
 from .measure_clock import cpu_time
 from .measure_comm import communication
 from .measure_crowding import busy, crowding_ratio
+from .measure_host import host_link
 from .measure_lag import exchange_lag
 from .measure_parts import MEMORY, saved_bytes, time_parts
 from .profile import FORMAT, Linear, Profile, ProfileError
@@ -159,6 +162,8 @@ def profile_rank(backend: Any, raw: dict[str, Any], reps: int, warmup: int) -> d
             "processors": processors,
             "optimizer": _plain(optimizer),
             "optimizer_tensor_s": optimizer_tensor_s,
+            "host_link": _plain(host_link(backend, reps)) if backend.capabilities.host_copies != "none" else {},
+            "host_overlap": backend.capabilities.host_copies == "async",
             "source": f"measured by portapipe profile on {world} {backend.name} ranks",
             **_plain(out),
             **_plain(comm),

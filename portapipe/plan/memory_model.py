@@ -52,6 +52,7 @@ class _Walk:
     rope_on: torch.Tensor  # [step, block]: the block's first micro-batch in flight starts here
     rope_off: torch.Tensor  # [step, block]: its last one ends here
     wq: torch.Tensor  # [step, stage]: deferred weight gradients queued (+1) or run (-1)
+    fetch: list[tuple[int, int, int]]  # (step, stage, micro-batch): a backward's offloaded bytes back on the device from this step
     blocks: list[int]
     stages: list[int]
     most: int  # most micro-batch chunks held at once
@@ -65,6 +66,8 @@ class RankMemory:
     optimizer: float = 0.0
     buffers: float = 0.0
     ema_host: float = 0.0  # host memory, not the device's: the EMA of the weights and its staging copy (train.ema_decay)
+    optimizer_host: float = 0.0  # host memory: the master weights and moments train.optimizer_offload keeps there
+    saved_host_peak: float = 0.0  # host memory: the most saved activations memory.offload holds there at once
     saved_peak: float = 0.0  # activations saved for backward (the accounting's figure)
     held_peak: float = 0.0  # everything the schedule keeps in flight, at its peak
     post: float = 0.0  # transient after the schedule (reductions, optimizer)
@@ -81,7 +84,7 @@ class RankMemory:
     def to_dict(self) -> dict[str, Any]:
         return {
             "params": self.params, "grads": self.grads, "master": self.master, "optimizer": self.optimizer, "buffers": self.buffers,
-            "ema_host": self.ema_host,
+            "ema_host": self.ema_host, "optimizer_host": self.optimizer_host, "saved_host_peak": self.saved_host_peak,
             "saved_peak": self.saved_peak, "held_peak": self.held_peak, "post": self.post, "total": self.total,
             "microbatches_peak": self.microbatches_peak,
         }
@@ -112,9 +115,10 @@ def static_memory(setup: Any, schedule: Schedule, rank: int) -> RankMemory:
     train, model = getattr(setup, "train", None), getattr(setup, "model", None)
     master, moments = _optimizer_bytes(model.dtype if model is not None else "float32", train, getattr(setup, "moments_dtype", None))
     ema = train is not None and getattr(train, "ema_decay", None) is not None
+    away = getattr(setup, "offload_fraction", 1.0) if getattr(setup, "optimizer_offload", "off") != "off" else 0.0
     return _static(s, tuple(schedule.blocks_of(rank)), schedule.n_blocks, s.n_experts // setup.ep + redundant,
                    s.n_experts + redundant * setup.ep, master, getattr(setup, "zero_stage", 0), setup.dp, setup.ep,
-                   getattr(setup, "layers_per_stage", None), moments, ema)
+                   getattr(setup, "layers_per_stage", None), moments, ema, away)
 
 
 def _optimizer_bytes(model_dtype: str, train: Any, moments: str | None = None) -> tuple[int, int]:
@@ -131,11 +135,12 @@ def _optimizer_bytes(model_dtype: str, train: Any, moments: str | None = None) -
 
 @functools.lru_cache(maxsize=8192)
 def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, slots: int, em: int = 4, zero: int = 0,
-            dp: int = 1, ep: int = 1, split: Any = None, emo: int | None = None, ema: bool = False) -> RankMemory:
+            dp: int = 1, ep: int = 1, split: Any = None, emo: int | None = None, ema: bool = False, away: float = 0.0) -> RankMemory:
     """Gradients accumulate in the master dtype (``em`` bytes), AdamW's moments take ``emo`` bytes
     each (default ``em``); zero_stage 1 shards the master weights and the moments, 2 the gradients
     too, over dp x ep (shared) or dp (experts). The parameters are the master weights when the
-    model computes in the master dtype (no copy)."""
+    model computes in the master dtype (no copy). ``away``: the share of the master weights and
+    moments ``train.optimizer_offload`` keeps in host memory (``optimizer_host``)."""
     from ..config.setup import layer_range
 
     mem = RankMemory()
@@ -157,6 +162,9 @@ def _static(s: Shape, blocks: tuple[int, ...], n_blocks: int, local_slots: int, 
     mem.master = float(kept * em) if em != s.e else 0.0
     if ema:  # float32, over the master weights' ranges, and its staging copy of them (optim.ema.HostEMA)
         mem.ema_host = float(kept * (4 + em))
+    if away:
+        mem.optimizer_host = away * (mem.master + mem.optimizer)
+        mem.master, mem.optimizer = (1 - away) * mem.master, (1 - away) * mem.optimizer
     return mem
 
 
@@ -251,6 +259,8 @@ class MemoryModel:
             held += op[5]
             top_s = max(top_s, saved)
             top_t = max(top_t, saved + held)
+            if len(op) > 7:  # memory.offload: the part's sent bytes leave for host memory as it returns
+                saved -= op[7]
         return saved, held, top_s, top_t
 
     def _compile(self, r: int) -> _Walk:
@@ -271,6 +281,8 @@ class MemoryModel:
         rope_off: list[tuple[int, int]] = []
         wq: list[tuple[int, int, float]] = []  # (step, stage column, +1 queued / -1 run)
         inflight = [0] * len(blocks)
+        forward_at: dict[tuple[int, int], int] = {}  # (stage, micro-batch) -> the step of its forward
+        fetch: list[tuple[int, int, int]] = []
         pending = 0.0
         sent = 0.0  # input gradients sent since the last compute action
         held_mbs = most = 0
@@ -302,6 +314,7 @@ class MemoryModel:
             for h in halves:
                 b = bcol[sched.stage_block[h.stage]]
                 if h.kind is Kind.F:
+                    forward_at[(h.stage, h.mb)] = i
                     took -= cross_in[h.stage]  # the received input becomes the stage's (saved) input
                     if inflight[b] == 0:
                         rope_on.append((i, b))
@@ -309,6 +322,10 @@ class MemoryModel:
                     held_mbs += 1
                     most = max(most, held_mbs)
                 else:
+                    # memory.offload: the executor fetches a backward's bytes as the compute action before it
+                    # starts, when its forward ran before that one; else as its own starts
+                    f = forward_at.get((h.stage, h.mb), i - 1)
+                    fetch.append((i - 1 if f < i - 1 else i, h.stage, h.mb))
                     gave -= cross_out[h.stage]  # the received output gradient is used up
                     inflight[b] -= 1
                     held_mbs -= 1
@@ -336,7 +353,7 @@ class MemoryModel:
         return _Walk(
             [k for k, _ in sorted(keys.items(), key=lambda kv: kv[1])], torch.tensor(tid), torch.tensor(posts, dtype=f64),
             torch.tensor(consume, dtype=f64), torch.tensor(release, dtype=f64), matrix(rope_on, len(blocks)),
-            matrix(rope_off, len(blocks)), matrix(wq, len(stages)), blocks, stages, most,
+            matrix(rope_off, len(blocks)), matrix(wq, len(stages)), fetch, blocks, stages, most,
         )
 
     def rank(self, r: int) -> RankMemory:
@@ -372,11 +389,15 @@ class MemoryModel:
         posts_h = walk.posts * act
         pre_h = walk.consume * act
         post_h = walk.release * act + walk.wq @ wqb
+        fetched, sent = self._offloaded(walk, len(table))
+        pre_s = pre_s + fetched  # memory.offload: a backward's bytes back before the compute action ahead of it
         ds = pre_s + st[:, 0] + post_s
         dh = posts_h + pre_h + st[:, 1] + post_h
         s_end, h_end = torch.cumsum(ds, 0), torch.cumsum(dh, 0)
         s_start, h_start = s_end - ds, h_end - dh
         mem.saved_peak = max(0.0, float((s_start + pre_s + st[:, 2]).max()))
+        if sent is not None:  # in host memory: sent by the forwards, let go as the backwards read them (the step after the fetch)
+            mem.saved_host_peak = max(0.0, float(torch.cumsum(sent, 0).max()))
         tops = torch.stack([s_start + h_start + posts_h, s_start + h_start + posts_h + pre_s + pre_h + st[:, 3], s_end + h_end])
         mem.held_peak = max(0.0, float(tops.max()))
         mem.microbatches_peak = walk.most
@@ -386,7 +407,41 @@ class MemoryModel:
         train = getattr(self.setup, "train", None)
         bucket = min(float(train.grad_bucket_mb if train is not None else 25.0) * 2**20, mem.grads)
         mem.post = float(s_end[-1] + h_end[-1]) + 2 * bucket + mem.params
+        if mem.optimizer_host:  # train.optimizer_offload: two buckets' states on the device during the step
+            mem.post += min(2 * self._slot_bytes(train), mem.optimizer_host)  # no more than the states there are
         return mem
+
+    def _slot_bytes(self, train: Any) -> float:
+        """One device slot of ``train.optimizer_offload``: a bucket's master weights and moments (its
+        shard under zero_stage 1 / 2, the experts' the larger: they shard over dp alone)."""
+        em, emo = _optimizer_bytes(self.setup.model.dtype, train, getattr(self.setup, "moments_dtype", None))
+        elements = float(train.grad_bucket_mb) * 2**20 / em
+        if getattr(self.setup, "zero_stage", 0):
+            elements /= self.setup.dp
+        return elements * ((em if em != self.shape.e else 0) + 2 * emo)
+
+    def _offloaded(self, walk: _Walk, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per step of the walk: the offloaded bytes fetched back as it starts, and the change of
+        what is held in host memory (None without ``memory.offload``)."""
+        f64 = torch.float64
+        fetched = torch.zeros(len(walk.tid), dtype=f64)
+        if not any(self.specs[v].offload for v in walk.stages):
+            return fetched, None
+        host = torch.zeros(len(walk.tid), dtype=f64)
+        for step, v, mb in walk.fetch:
+            nbytes = self._sent(v, mb)
+            fetched[step] += nbytes
+            host[min(step + 1, len(host) - 1)] -= nbytes
+        for step, key in enumerate(walk.keys[t] for t in walk.tid.tolist()):
+            for kind, v, mb in key:
+                if kind is Kind.F:
+                    host[step] += self._sent(v, mb)
+        return fetched, host
+
+    def _sent(self, stage: int, mb: int) -> float:
+        """What one forward of ``stage`` sends to host memory (the micro-batch's own programs under ``routing``)."""
+        ops = self._programs_of(stage, mb).forward(self.specs[stage])
+        return float(sum(op[7] for op in ops if op[0] == "C" and len(op) > 7))
 
     def _block_spec(self, block: int) -> StageSpec:
         return next(spec for v, spec in enumerate(self.specs) if self.schedule.stage_block[v] == block)

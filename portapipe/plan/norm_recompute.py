@@ -30,18 +30,24 @@ from .shape import Shape, math_attention
 NORM_PARTS = ("attention", "dense")
 
 
-def _norm_widths(s: Shape, part: str, fp8_cached: bool) -> list[int]:
-    """Widths of the norm outputs ``part`` no longer keeps, per token."""
+def dropped_norms(s: Shape, part: str, fp8_cached: bool) -> list[tuple[str, int]]:
+    """The norms whose outputs ``part`` no longer keeps (``x``: the attention norm, ``q_latent``,
+    ``kv_latent``: MLA's latent norms, ``ffn``: a dense layer's FFN norm), with their widths."""
     if part not in NORM_PARTS:
         return []
     cached = attention_cached(s) if fp8_cached else {}
     norms = [("x", s.hidden)]
     if s.arch == "deepseek_v3":
         norms += [("q_latent", s.q_lora_rank)] * bool(s.q_lora_rank) + [("kv_latent", s.kv_lora_rank)]
-    widths = [w for name, w in norms if name not in cached]
+    out = [(name, w) for name, w in norms if name not in cached]
     if part == "dense" and not (fp8_cached and fp8_eligible(s.hidden, s.ffn_hidden)):
-        widths.append(s.hidden)  # the FFN norm's output, unless the gate / up projection keeps FP8 rows of it
-    return widths
+        out.append(("ffn", s.hidden))  # the FFN norm's output, unless the gate / up projection keeps FP8 rows of it
+    return out
+
+
+def _norm_widths(s: Shape, part: str, fp8_cached: bool) -> list[int]:
+    """Widths of the norm outputs ``part`` no longer keeps, per token."""
+    return [w for _, w in dropped_norms(s, part, fp8_cached)]
 
 
 def remade_up_projection(s: Shape) -> bool:

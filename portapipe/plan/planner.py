@@ -38,8 +38,9 @@ from .time_model import TimeModel, TimeReport, early_bs
 
 PLANNED = ("layout", "schedule", "memory", "balancer")  # rule scopes a candidate can break
 #: what ``portapipe plan --allow`` may let a candidate choose: ``moments_dtype`` (AdamW's moments in
-#: bfloat16 where the user's do not fit, tried after them at each zero stage)
-ALLOWED = ("moments_dtype",)
+#: bfloat16 where the user's do not fit, tried after them at each zero stage); ``offload`` (host
+#: memory where nothing else fits: the optimizer's states, then also the parts' saved tensors)
+ALLOWED = ("moments_dtype", "offload")
 MEMORY_OPTIONS: tuple[dict[str, Any], ...] = (
     {},
     {"zero_memory": "level0"},
@@ -194,6 +195,8 @@ class _Context:
         self.profile, self.imb = profile, imb
         #: ``--allow moments_dtype``: a candidate may keep AdamW's moments in bfloat16 to fit
         self.bf16_moments = "moments_dtype" in allow
+        #: ``--allow offload``: a candidate may keep state in host memory to fit
+        self.offload = "offload" in allow
         self._schedules: dict[tuple, Schedule | str] = {}
         self._placements: dict[tuple, Schedule | str] = {}
         self._programs: dict[tuple, Programs] = {}
@@ -207,7 +210,7 @@ class _Context:
     def specs(self, x: Setup, sched: Schedule) -> list[StageSpec]:
         """Each virtual stage's layers and memory options (placement and option decide them)."""
         key = (x.schedule, x.pp, x.chunks, x.zero_memory, x.zero_memory_layers, x.recompute, x.recompute_layers, x.layers_per_stage,
-               x.recompute_norms)
+               x.recompute_norms, x.offload, x.offload_layers)
         if key not in self._specs:
             self._specs[key] = stage_specs(x, sched)
         return self._specs[key]
@@ -277,8 +280,10 @@ class _Context:
 
 
 def _twin(c: Candidate, paired: Setup) -> bool:
-    """Whether ``c`` was made from ``paired``'s setup without F&F pairs (its zero stage and moments aside)."""
-    return c.setup.replace(zero_stage=paired.zero_stage, moments_dtype=paired.moments_dtype) == paired.replace(pair_forwards=False)
+    """Whether ``c`` was made from ``paired``'s setup without F&F pairs (its zero stage, moments and offload aside)."""
+    mine = c.setup.replace(zero_stage=paired.zero_stage, moments_dtype=paired.moments_dtype, optimizer_offload=paired.optimizer_offload,
+                           offload_fraction=paired.offload_fraction, offload=paired.offload, offload_layers=paired.offload_layers)
+    return mine == paired.replace(pair_forwards=False)
 
 
 def _reason(line: str) -> str:
@@ -286,11 +291,33 @@ def _reason(line: str) -> str:
     return line.split(":")[0]
 
 
-def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: bool = True) -> Candidate:
+def offload_levels(x: Setup) -> list[dict[str, Any]]:
+    """What ``--allow offload`` tries for ``x`` where nothing fits without: the optimizer's states
+    in host memory, then also the saved tensors of every part whose offload sends something under
+    ``x``'s memory options (:func:`~portapipe.config.rules.violations` would refuse the others)."""
+    from ..config.setup import OFFLOAD_PARTS
+
+    m, per = x.model, x.max_stage_layers
+    moe = m.n_layers > m.n_dense or bool(m.mtp_layers)
+    has = {"attention": moe, "dense": m.n_dense > 0, "shared": moe and m.n_shared > 0, "experts": moe}
+    every = (x.recompute_layers or per) >= per
+    if x.recompute == "full" and every:
+        has = {}
+    elif (x.recompute == "moe" and every) or (x.zero_memory == "level1" and (x.zero_memory_layers or per) >= per and x.recompute == "none"):
+        has["shared"] = has["experts"] = False
+    parts = tuple(p for p in OFFLOAD_PARTS if has.get(p))
+    levels = [{"optimizer_offload": "swap", "offload_fraction": 1.0, "offload": (), "offload_layers": None}]
+    if parts:
+        levels.append({**levels[0], "offload": parts})
+    return levels
+
+
+def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: bool = True, timed: bool = True) -> Candidate:
     """Rules, then memory (parameters first, then the schedule's activations; with ``search_zero``
-    the least zero_stage from the setup's that fits); a time bound. The time itself is left to
-    :func:`plan`. With ``search_zero`` (a setup the planner made, not the user's own) one asking
-    for F&F pairs where none form is dropped: it is its twin without them."""
+    the least zero_stage from the setup's that fits, and with ``--allow offload`` host memory
+    where none does); a time bound (not with ``timed`` False: whether it fits is all that is asked).
+    The time itself is left to :func:`plan`. With ``search_zero`` (a setup the planner made, not
+    the user's own) one asking for F&F pairs where none form is dropped: it is its twin without them."""
     c = Candidate(x)
     for _rule, lines in broken(x, PLANNED):  # the model, train and backend rules hold for every candidate
         c.problems += lines
@@ -313,9 +340,12 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: b
     searched = search_zero and memory_bytes is not None
     stages = [z for z in (0, 1, 2) if z >= x.zero_stage] if searched and x.replicas > 1 else [x.zero_stage]
     moments = [x.moments_dtype] + (["bfloat16"] if searched and ctx.bf16_moments and x.moments_dtype != "bfloat16" else [])
-    for zero, kept in [(z, m) for z in stages for m in moments]:
+    hosts: list[dict[str, Any]] = [{}]
+    if searched and ctx.offload and x.optimizer_offload == "off" and not x.offload:  # host memory where nothing else fits
+        hosts += offload_levels(x)
+    for host, zero, kept in [(o, z, m) for o in hosts for z in stages for m in moments]:
         c.problems = []
-        c.setup = x = x.replace(zero_stage=zero, moments_dtype=kept)
+        c.setup = x = x.replace(zero_stage=zero, moments_dtype=kept, **host)
         if memory_bytes is not None:
             static = max(static_memory(x, place, r).static for r in range(place.n_ranks))
             if static > memory_bytes:
@@ -334,6 +364,8 @@ def evaluate(x: Setup, memory_bytes: float | None, ctx: _Context, search_zero: b
     if c.problems:
         return c
     c.need = None
+    if not timed:
+        return c
     tm = ctx.time_model(x, sched, lists)
     c.bound_s = ctx.busy(tm, sched) + tm.post_step()
     c.model = tm
@@ -384,15 +416,7 @@ def plan(
     plan may choose beyond the layout, schedule and memory options (:data:`ALLOWED`).
     """
     user = Setup.from_config(config)
-    loads = loads if loads is not None else profile.loads
-    cache: dict[int, float] = {}
-
-    def imb(ep: int) -> float:
-        if ep not in cache:
-            cache[ep] = imbalance(loads, ep, config.balancer, config.model.n_groups) if loads else 1.0
-        return cache[ep]
-
-    ctx = _Context(profile, imb, allow)
+    ctx = _context(config, profile, loads, allow)
     untried: list[str] = []
     setups = list(enumerate_setups(user, devices, untried))
     if user.devices == devices and user not in setups:
@@ -450,4 +474,77 @@ def plan(
     return PlanResult(config, devices, memory_bytes, timed, dropped, total, user_c, not_timed, closest, untried, a2a_notes(profile, priced))
 
 
-__all__ = ["ALLOWED", "Candidate", "PlanResult", "enumerate_setups", "evaluate", "gib", "plan", "MEMORY_OPTIONS"]
+def _context(config: Any, profile: Profile, loads: list[list[float]] | None, allow: tuple[str, ...]) -> _Context:
+    """What the candidates of ``config`` share, with the expert imbalance of ``loads`` (default: the profile's)."""
+    loads = loads if loads is not None else profile.loads
+    cache: dict[int, float] = {}
+
+    def imb(ep: int) -> float:
+        if ep not in cache:
+            cache[ep] = imbalance(loads, ep, config.balancer, config.model.n_groups) if loads else 1.0
+        return cache[ep]
+
+    return _Context(profile, imb, allow)
+
+
+def device_counts(user: Setup, most: int) -> list[int]:
+    """The device counts up to ``most`` with a layout for ``user``'s model and global batch (the
+    experts split evenly over the EP ranks, the batch over the dp x ep replicas)."""
+    g, experts = user.global_batch, user.model.n_experts
+    out = []
+    for n in range(1, most + 1):
+        if any(n % (pp * ep) == 0 and g % (n // pp) == 0 for pp in _divisors(n) for ep in _divisors(n // pp) if experts % ep == 0):
+            out.append(n)
+    return out
+
+
+def least_held(setups: Iterator[Setup]) -> list[Setup]:
+    """Of each layout, schedule and memory option, the setup with the most micro-batches (the
+    smallest: what a stage holds per micro-batch in flight shrinks with them faster than the
+    micro-batches in flight grow), without F&F pairs (they hold what their twins hold)."""
+    best: dict[Setup, Setup] = {}
+    for x in setups:
+        if x.pair_forwards:
+            continue
+        key = x.replace(microbatches=1, micro_batch_size=1)
+        if key not in best or x.microbatches > best[key].microbatches:
+            best[key] = x
+    return list(best.values())
+
+
+def fits(config: Any, devices: int, memory_bytes: float, profile: Profile, allow: tuple[str, ...] = (), ctx: _Context | None = None) -> bool:
+    """Whether a setup of ``config`` on ``devices`` devices fits ``memory_bytes`` per device (of
+    :func:`least_held`'s: the rules, then the memory models; stops at the first that fits, no time priced)."""
+    ctx = ctx or _context(config, profile, None, allow)
+    return any(evaluate(x, memory_bytes, ctx, timed=False).kept for x in least_held(enumerate_setups(Setup.from_config(config), devices)))
+
+
+def fewest_devices(config: Any, memory_bytes: float, profile: Profile, allow: tuple[str, ...] = (), most: int | None = None,
+                   progress: Callable[[int, bool], None] | None = None) -> int | None:
+    """The fewest devices (of :func:`device_counts`, up to ``most``: by default the config's own
+    count) on which a setup of ``config`` fits ``memory_bytes`` (:func:`fits`), by bisection (a
+    count that fits is taken to fit with more devices too: every layout family shards more over more devices);
+    None when none fits at ``most``. ``progress(devices, fit)`` after each count tried."""
+    user = Setup.from_config(config)
+    counts = device_counts(user, most or user.devices)
+    ctx = _context(config, profile, None, allow)
+
+    def ok(n: int) -> bool:
+        got = fits(config, n, memory_bytes, profile, allow, ctx)
+        if progress is not None:
+            progress(n, got)
+        return got
+
+    if not counts or not ok(counts[-1]):
+        return None
+    lo, hi = 0, len(counts) - 1  # counts[hi] fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(counts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return counts[hi]
+
+
+__all__ = ["ALLOWED", "device_counts", "fewest_devices", "fits", "offload_levels", "Candidate", "PlanResult", "enumerate_setups", "evaluate", "gib", "plan", "MEMORY_OPTIONS"]

@@ -33,7 +33,10 @@ published figures (H800). A profile holds, for the model shape it was made for:
   rank has a device of its own);
 - ``saved_bytes[option][part]``: what the accounting measured (``fixed`` + ``per_unit``), beside
   what :mod:`.shape` predicts;
-- ``loads``: expert loads (tokens per expert per layer) seen while profiling, for imbalance.
+- ``loads``: expert loads (tokens per expert per layer) seen while profiling, for imbalance;
+- ``host_link``: the host link's copies (``h2d``, ``d2h``: ``fixed`` + ``per_unit`` per byte) as the
+  backend's offload copies run them, and ``host_overlap``: whether they run beside compute (a copy
+  stream of their own, ``capabilities.host_copies: async``) or in line with it.
 
 :meth:`Profile.for_shape` rescales a profile to another model shape by FLOP count per part and
 phase (fixed costs unchanged): the way a shipped or published profile serves another model.
@@ -120,6 +123,8 @@ class Profile:
     source: str = ""
     #: where the profile came from, for messages (``--profile FILE`` when read from one); not saved
     origin: str = field(default="", compare=False, repr=False)
+    host_link: dict[str, Linear] = field(default_factory=dict)  # h2d / d2h copies (offload), per byte
+    host_overlap: bool = False  # the copies run beside compute (their own stream)
 
     # ------------------------------------------------------------------ costs
     def time(self, part: str, phase: str, option: str, units: float) -> float:
@@ -204,6 +209,16 @@ class Profile:
         got = _nearest(self.issue_s, ep)
         return 0.0 if got is None else got
 
+    def host_copy_time(self, to_device: float, to_host: float) -> float:
+        """Seconds of host-link copies of ``to_device`` and ``to_host`` bytes, one after the other
+        (one copy stream): 0 where the profile has no host link."""
+        out = 0.0
+        for key, nbytes in (("h2d", to_device), ("d2h", to_host)):
+            cost = self.host_link.get(key)
+            if cost is not None and nbytes > 0:
+                out += cost(nbytes)
+        return out
+
     def allreduce_time(self, n: int, nbytes: float) -> float:
         cost = _nearest(self.allreduce, n)
         if cost is None:
@@ -244,7 +259,7 @@ class Profile:
             allreduce=self.allreduce, optimizer=self.optimizer, optimizer_tensor_s=self.optimizer_tensor_s, action_s=self.action_s,
             part_overhead_s=dict(self.part_overhead_s), post_s=self.post_s, issue_s=dict(self.issue_s), a2a_cpu=self.a2a_cpu, p2p_cpu=self.p2p_cpu, a2a_lag=self.a2a_lag, crowding=dict(self.crowding), p2p_crowded=dict(self.p2p_crowded),
             processors=self.processors,
-            saved_bytes={}, loads=self.loads, tokens=self.tokens,
+            saved_bytes={}, loads=self.loads, tokens=self.tokens, host_link=dict(self.host_link), host_overlap=self.host_overlap,
             source=f"{self.source}; scaled by FLOPs from shape {_short(self.shape)} to {_short(shape)}", origin=self.origin,
         )
 
@@ -294,11 +309,15 @@ class Profile:
                 loads=[[float(x) for x in row] for row in d.get("loads", [])],
                 tokens=[int(t) for t in d.get("tokens", [])],
                 source=str(d.get("source", "")),
+                host_link={str(k): _linear(v, f"{where}: host_link.{k}") for k, v in d.get("host_link", {}).items()},
+                host_overlap=bool(d.get("host_overlap", False)),
             )
         except ProfileError:
             raise
         except (TypeError, ValueError, AttributeError, KeyError) as exc:
             raise ProfileError(f"{where}: malformed ({type(exc).__name__}: {exc})") from None
+        if set(prof.host_link) - {"h2d", "d2h"}:
+            raise ProfileError(f"{where}: host_link has {', '.join(sorted(set(prof.host_link) - {'h2d', 'd2h'}))}; known: h2d, d2h")
         if "off" not in prof.parts:
             raise ProfileError(f"{where}: parts has no 'off' entry (the times without memory options)")
         unknown = sorted({p for t in prof.parts.values() for p in t} - set(PARTS))

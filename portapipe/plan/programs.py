@@ -9,7 +9,9 @@ layer's memory option, so the memory and time models follow the same order the e
 - ``("C", part, phase, units, saved, held, timing)``: a part's compute (phase F, B, BW or W;
   ``units`` tokens, or routed rows for ``experts``), the bytes it adds (forward, replay) or
   releases (backward, negative) in what autograd saves and in what the tape holds besides, and
-  the memory option whose measured time applies (``off``, ``level0``, ``level1``);
+  the memory option whose measured time applies (``off``, ``level0``, ``level1``); a forward
+  part ``memory.offload`` names has an eighth field, the bytes of its saved ones that leave
+  for host memory when it returns (:mod:`.offload_bytes`);
 - ``("I", key, nbytes)``: an exchange issued (``nbytes`` sent by this rank);
 - ``("Y", key)``: the program yields after issuing it: an F&B switches to the other program;
 - ``("A", key)``: the program waits for the exchange.
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 from . import norm_recompute
 from .fp8_bytes import saved_delta
+from .offload_bytes import sent_bytes
 from .shape import Shape, dispatch_row_bytes, held_bytes, saved_bytes
 
 Op = tuple
@@ -47,9 +50,13 @@ class StageSpec:
     first: bool  # holds the embedding
     last: bool  # holds the head and the loss
     norms: tuple[bool, ...] = ()  # per layer: its norms' outputs recomputed (memory.recompute: norms); empty: none
+    offload: tuple[tuple[str, ...], ...] = ()  # per layer: the parts whose saved bytes go to host memory (memory.offload); empty: none
 
     def normed(self, layer: int) -> bool:
         return bool(self.norms) and self.norms[self.layers.index(layer)]
+
+    def sent(self, layer: int) -> tuple[str, ...]:
+        return self.offload[self.layers.index(layer)] if self.offload else ()
 
 
 class Programs:
@@ -95,10 +102,11 @@ class Programs:
                    fp8=(fp8, fp8 and getattr(setup, "fp8_activations", False)), routed=routed)
 
     # ------------------------------------------------------------------ parts
-    def _c(self, part: str, phase: str, option: str, sign: int, units: float | None = None, memory: bool = True, norms: bool = False) -> Op:
+    def _c(self, part: str, phase: str, option: str, sign: int, units: float | None = None, memory: bool = True, norms: bool = False,
+           sent: tuple[str, ...] = ()) -> Op:
         """A part's op, for ``units`` (default the part's whole: tokens, or all routed rows);
         ``memory`` False: the bytes the part keeps are another op's (the experts' two calls
-        count theirs once, on the received rows' call)."""
+        count theirs once, on the received rows' call); ``sent``: the layer's offloaded parts."""
         s, T, R = self.s, self.T, self.R
         saved = saved_bytes(s, part, option, T, R, self.slots, seq=s.seq_len - self.depth) if memory else 0
         if norms and memory:
@@ -108,27 +116,30 @@ class Programs:
         held = held_bytes(s, part, option, T, R, ep=self.ep) if memory else 0
         if units is None:
             units = R if part == "experts" else T
-        return ("C", part, phase, units, sign * saved, sign * held, option if option in ("level0", "level1") else "off")
+        op = ("C", part, phase, units, sign * saved, sign * held, option if option in ("level0", "level1") else "off")
+        if part in sent and memory and sign > 0:
+            op += (sent_bytes(saved, s, part, option, T, R, self.local_rows, self.slots, norms=norms, cached=self.fp8[1]),)
+        return op
 
-    def _experts(self, phase: str, option: str, sign: int, local: bool) -> Op:
+    def _experts(self, phase: str, option: str, sign: int, local: bool, sent: tuple[str, ...] = ()) -> Op:
         """The experts' call on the local rows, or on the received ones."""
-        return self._c("experts", phase, option, sign, self.local_rows if local else self.R - self.local_rows, memory=not local)
+        return self._c("experts", phase, option, sign, self.local_rows if local else self.R - self.local_rows, memory=not local, sent=sent)
 
-    def _moe_forward(self, layer: int, option: str, replay: bool = False) -> list[Op]:
+    def _moe_forward(self, layer: int, option: str, replay: bool = False, sent: tuple[str, ...] = ()) -> list[Op]:
         """Dispatch -> shared expert -> received rows' experts -> combine -> local rows' experts
         -> combine part, as ``moe_program``. ``replay``: the recompute replay, which saves what
         ``off`` saves."""
         s, T, R, e, h = self.s, self.T, self.R, self.s.e, self.s.hidden
         opt = "off" if replay else option
-        shared = [self._c("shared", "F", opt, 1)] if s.n_shared else []
+        shared = [self._c("shared", "F", opt, 1, sent=sent)] if s.n_shared else []
         if self.ep == 1:
-            return shared + [self._c("experts", "F", opt, 1), self._c("combine", "F", opt, 1)]
+            return shared + [self._c("experts", "F", opt, 1, sent=sent), self._c("combine", "F", opt, 1)]
         return [
             ("I", ("d", layer), T * s.top_k * dispatch_row_bytes(s)),  # each row with its router weight (FP8 under train.fp8)
             ("Y", ("d", layer)),
             *shared,  # while the rows travel
             ("A", ("d", layer)),
-            self._experts("F", opt, 1, local=False),
+            self._experts("F", opt, 1, local=False, sent=sent),
             ("I", ("c", layer), R * h * e),
             ("Y", ("c", layer)),
             self._experts("F", opt, 1, local=True),  # while the combine travels
@@ -166,11 +177,11 @@ class Programs:
         ]
         return ops
 
-    def _attention(self, layer: int, option: str, norms: bool = False) -> list[Op]:
+    def _attention(self, layer: int, option: str, norms: bool = False, sent: tuple[str, ...] = ()) -> list[Op]:
         """The attention part, then the routing's exchange of per-expert row counts, which the
         program yields at (an F&B pair's other program runs while it travels) and waits for."""
         counts = ("n", layer)
-        return [self._c("attention", "F", option, 1, norms=norms), ("I", counts, self.s.n_experts * 8), ("Y", counts), ("A", counts)]
+        return [self._c("attention", "F", option, 1, norms=norms, sent=sent), ("I", counts, self.s.n_experts * 8), ("Y", counts), ("A", counts)]
 
     def _at_depth(self, layer: int) -> Programs:
         """The programs of the multi-token prediction module whose layer is ``layer``."""
@@ -192,15 +203,16 @@ class Programs:
                                            local=even / self.ep * own)
         return self._layers[layer]
 
-    def _layer_forward(self, layer: int, option: str, norms: bool = False) -> list[Op]:
-        """``norms``: the layer's norms' outputs are recomputed (not saved)."""
+    def _layer_forward(self, layer: int, option: str, norms: bool = False, sent: tuple[str, ...] = ()) -> list[Op]:
+        """``norms``: the layer's norms' outputs are recomputed (not saved); ``sent``: the parts
+        whose saved bytes go to host memory."""
         if layer >= self.s.n_layers and not self.depth:  # a prediction module: its input, layer and head
             d = self._at_depth(layer)
-            return [d._c("mtp", "F", "off", 1), *d._layer_forward(layer, option, norms), d._c("head", "F", "off", 1)]
+            return [d._c("mtp", "F", "off", 1), *d._layer_forward(layer, option, norms, sent), d._c("head", "F", "off", 1)]
         if not self.s.is_moe(layer):
-            return [self._c("dense", "F", option, 1, norms=norms)]
+            return [self._c("dense", "F", option, 1, norms=norms, sent=sent)]
         p = self._routed_at(layer)
-        return p._attention(layer, option, norms) + p._moe_forward(layer, option)
+        return p._attention(layer, option, norms, sent) + p._moe_forward(layer, option, sent=sent)
 
     def _part_backward(self, part: str, phase: str, option: str, norms: bool) -> list[Op]:
         """An attention or dense part's backward, after its norms' recompute when they were not saved."""
@@ -284,11 +296,11 @@ class Programs:
             ops: list[Op] = [self._c("embed", "F", "off", 1)] if stage.first else []
             main = [(layer, option) for layer, option in zip(stage.layers, stage.options) if layer < self.s.n_layers]
             for layer, option in main:
-                ops += self._layer_forward(layer, option, stage.normed(layer))
+                ops += self._layer_forward(layer, option, stage.normed(layer), stage.sent(layer))
             if stage.last:
                 ops.append(self._c("head", "F", "off", 1))
                 for layer, option in zip(stage.layers[len(main):], stage.options[len(main):]):
-                    ops += self._layer_forward(layer, option, stage.normed(layer))
+                    ops += self._layer_forward(layer, option, stage.normed(layer), stage.sent(layer))
             else:  # the stage output, held until the backward
                 ops.append(("C", "output", "F", self.T, 0, self.T * self.s.hidden * self.s.e, "off"))
             self._cache[key] = ops
@@ -414,7 +426,7 @@ def layer_option(opts: Any) -> str:
 
 def stage_specs(setup: Any, schedule: Any) -> list[StageSpec]:
     """Every virtual stage's block, as :class:`StageSpec` (layers, options, embedding, head)."""
-    from ..memory.policy import plan_layers
+    from ..memory.policy import offloaded_parts, plan_layers
     from ..config.setup import layer_range
 
     m = setup.model
@@ -431,6 +443,9 @@ def stage_specs(setup: Any, schedule: Any) -> list[StageSpec]:
             planned = plan_layers(setup, [i >= m.n_dense for i in layers])
             options = tuple(layer_option(o) for o in planned)
             norms = tuple(o is not None and o.norms is not None for o in planned)
-            specs[b] = StageSpec(layers, options, b == 0, b == n_blocks - 1, norms if any(norms) else ())
+            # memory.offload, as portapipe.memory.policy.configure_offload gives it (every MoE layer has a shared expert or none)
+            sent = tuple(offloaded_parts(setup, i, layer >= m.n_dense, o.recompute.mode if o is not None and o.recompute is not None else None,
+                                         bool(m.n_shared)) for i, (layer, o) in enumerate(zip(layers, planned)))
+            specs[b] = StageSpec(layers, options, b == 0, b == n_blocks - 1, norms if any(norms) else (), sent if any(sent) else ())
         out.append(specs[b])
     return out

@@ -10,11 +10,16 @@ DeepEP's published measurements on H800 (github.com/deepseek-ai/DeepEP, docs/leg
 kernels", DeepSeek-V3 pre-training setting: 4096 tokens per batch, hidden 7168, top-8):
   NVLink ~160 GB/s; CX7 InfiniBand ~50 GB/s per GPU; dispatch bottleneck bandwidth 153 GB/s
   (EP 8, NVLink), 43 GB/s (EP 16), 58 GB/s (EP 32), 51 GB/s (EP 64, RDMA).
+NVIDIA's H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100, "Interconnect"): PCIe Gen5
+  128 GB/s for the SXM5 part, both directions together: 64 GB/s each way; the H800 SXM5 differs
+  from it in NVLink (400 GB/s) and FP64, not in its PCIe Gen5 x16 host link (offload's copies).
 DeepSeek-V3 technical report (arXiv 2412.19437): 2048 H800 GPUs, 8 per node (NVLink/NVSwitch),
   InfiniBand between nodes; 2.664M H800 GPU hours of pre-training for 14.8T tokens, i.e. about
   1540 tokens per GPU-second (checked against the plan's prediction in docs/plan.md).
 
-Assumptions (not published; stated so they can be changed): matrix work at 45% of the BF16 peak
+Assumptions (not published; stated so they can be changed): host copies (page-locked memory, a
+copy stream of their own beside compute) at 80% of the host link's 64 GB/s each way with 10 us
+per copy; matrix work at 45% of the BF16 peak
 (FP8 GEMMs, under ``train.fp8``, at 45% of the FP8 peak; quantizing their operands is memory
 traffic: :func:`~portapipe.plan.shape.quantize_bytes`, the weights' 128x128 blocks at each use
 as a fixed cost of the part), data movement at 70% of HBM bandwidth, 10 us fixed cost per part (kernel launches), 20 us
@@ -36,6 +41,9 @@ H800: dict[str, Any] = {
     "fp8_flops": 1979e12,
     "hbm_bytes_s": 3.35e12,
     "ib_bytes_s": 50e9,
+    "pcie_bytes_s": 64e9,  # each way (128 GB/s both together)
+    "pcie_efficiency": 0.80,
+    "copy_latency_s": 10e-6,
     "a2a_bytes_s": {8: 153e9, 16: 43e9, 32: 58e9, 64: 51e9, 128: 51e9, 256: 51e9},
     "matmul_efficiency": 0.45,
     "memory_efficiency": 0.70,
@@ -87,5 +95,7 @@ def published(device: str, shape: Shape) -> Profile:
         "optimizer": {"fixed": 0.0, "per_unit": 7 * e / memory},
         "action_s": d["action_s"],
         "processors": None,
+        "host_link": {way: {"fixed": d["copy_latency_s"], "per_unit": 1.0 / (d["pcie_bytes_s"] * d["pcie_efficiency"])} for way in ("h2d", "d2h")},
+        "host_overlap": True,
         "source": f"published figures for {d['name']} (see portapipe/plan/published.py and docs/plan.md)",
     })

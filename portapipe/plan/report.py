@@ -41,6 +41,9 @@ def row(c: Candidate) -> dict[str, Any]:
     if t is not None:
         out.update(step_s=t.step_s, tokens_per_s=c.tokens_per_step / t.step_s if t.step_s > 0 else None, bubble_s=t.bubble_s,
                    a2a_exposed_s=t.a2a_exposed_s, a2a_s=t.a2a_s)
+        if t.host_copy_s or t.optimizer_copy_s:  # offload's copies: all of them, and what the compute did not hide
+            out.update(host_copy_s=t.host_copy_s, host_copy_exposed_s=t.host_copy_exposed_s, optimizer_copy_s=t.optimizer_copy_s,
+                       optimizer_copy_exposed_s=t.optimizer_copy_exposed_s)
     if m is not None:
         out.update(peak_bytes=m.peak, worst_rank=m.worst_rank, saved_peak_bytes=max(r.saved_peak for r in m.ranks),
                    params_bytes=max(r.params for r in m.ranks), fullest_rank_bytes=fullest(c))
@@ -54,7 +57,8 @@ def fullest(c: Candidate) -> dict[str, float] | None:
     AdamW's moments, buffers, activations (what autograd saves at the step's peak, and what the
     schedule holds besides: exchange buffers, part outputs, sent tensors, deferred weight
     gradients), the transient after the schedule when it is the larger, and the total; apart,
-    the host memory of the EMA of the weights (``ema_host``, none of the device's)."""
+    host memory, none of the device's: the EMA of the weights (``ema_host``), the optimizer's
+    offloaded states (``optimizer_host``), the most saved activations offloaded at once (``activations_host``)."""
     m = c.memory
     if m is None or not m.ranks:
         return None
@@ -62,7 +66,8 @@ def fullest(c: Candidate) -> dict[str, float] | None:
     after = max(0.0, r.post - r.held_peak)
     return {"rank": float(m.ranks.index(r)), "params": r.params, "grads": r.grads, "master": r.master, "moments": r.optimizer,
             "buffers": r.buffers, "activations_saved": r.saved_peak, "activations_held_besides": r.held_peak - r.saved_peak,
-            "after_schedule_extra": after, "total": r.total, "ema_host": r.ema_host}
+            "after_schedule_extra": after, "total": r.total, "ema_host": r.ema_host, "optimizer_host": r.optimizer_host,
+            "activations_host": r.saved_host_peak}
 
 
 def fullest_line(c: Candidate) -> str | None:
@@ -74,7 +79,9 @@ def fullest_line(c: Candidate) -> str | None:
              ("activations_saved", "activations saved"), ("activations_held_besides", "held besides"),
              ("after_schedule_extra", "after the schedule"))
     parts = ", ".join(f"{label} {gib(f[key])}" for key, label in names if f[key] > 0)
-    host = f"; in host memory the EMA of the weights {gib(f['ema_host'])}" if f["ema_host"] else ""
+    kept = (("ema_host", "the EMA of the weights"), ("optimizer_host", "master weights and moments"), ("activations_host", "saved activations at most"))
+    host = "; ".join(f"{label} {gib(f[key])}" for key, label in kept if f[key])
+    host = f"; in host memory: {host}" if host else ""
     return f"pipeline rank {int(f['rank'])}: {parts} = {gib(f['total'])}{host}"
 
 

@@ -22,6 +22,12 @@ the timeline settles. After the pipeline, the step adds the gradient reductions 
 copies, dp x ep replicas: an all-reduce, or under ``zero_stage`` 2 a reduce-scatter, in the
 reduction dtype), the all-gather of the updated parameters under ``zero_stage`` 1 / 2, the loss
 and load gathers, and AdamW's update.
+
+Offload's host copies are priced from the profile's host link: an action's ``memory.offload``
+copies (what its forwards send, what its backwards fetch) against the action's own time, where
+they run on a copy stream beside it, only what does not fit showing; ``train.optimizer_offload``'s
+trips (the host share of the states to the device and back) against AdamW's update. Where the
+copies run in line with the compute (the CPU) all of their time shows.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class ActionTime:
     comm: float  # exchange time issued by the action (hidden or not)
     background: float = 0.0  # processor time other threads (communication) spend for it
     lagged: float = 0.0  # of the waits, those for EP peers still computing (their lag)
+    copy: float = 0.0  # memory.offload's host copies of its parts (sent by its forwards, fetched for its backwards)
+    copy_exposed: float = 0.0  # of which not hidden behind the action's compute (included in wall)
 
 
 @dataclass
@@ -62,6 +70,10 @@ class TimeReport:
     per_rank_cpu: list[float] = field(default_factory=list)  # per pipeline rank: one rank's processor time, all threads, in the schedule
     a2a_edge_s: float = 0.0  # of a2a_s, the lone F, B and BW actions' (warm-up, cool-down, 1F1B, ZB1P)
     a2a_edge_exposed_s: float = 0.0  # of which not hidden behind the actions' own parts
+    host_copy_s: float = 0.0  # memory.offload's host copies per step on the busiest rank (in the schedule)
+    host_copy_exposed_s: float = 0.0  # of which not hidden behind compute
+    optimizer_copy_s: float = 0.0  # train.optimizer_offload's trips per step (after the schedule)
+    optimizer_copy_exposed_s: float = 0.0  # of which not hidden behind the update
 
     @property
     def a2a_hidden_frac(self) -> float:
@@ -82,7 +94,8 @@ class TimeReport:
             "step_s": self.step_s, "pipeline_s": self.pipeline_s, "post_s": self.post_s, "bubble_s": self.bubble_s,
             "a2a_s": self.a2a_s, "a2a_exposed_s": self.a2a_exposed_s, "a2a_hidden_frac": self.a2a_hidden_frac,
             "a2a_steady_hidden_frac": self.a2a_steady_hidden_frac, "a2a_edge_hidden_frac": self.a2a_edge_hidden_frac,
-            "imbalance": self.imbalance,
+            "imbalance": self.imbalance, "host_copy_s": self.host_copy_s, "host_copy_exposed_s": self.host_copy_exposed_s,
+            "optimizer_copy_s": self.optimizer_copy_s, "optimizer_copy_exposed_s": self.optimizer_copy_exposed_s,
         }
 
 
@@ -235,9 +248,46 @@ class TimeModel:
                 halves = 1
             t = run_ops(merged, self.profile, self.setup.ep, self.lag, self.crowding)
             extra = halves * self.profile.action_s * self.crowding
-            got = ActionTime(t.wall + extra, t.compute + extra, t.exposed, t.comm, t.background, t.lagged)
+            copy = self._copies(a)
+            # on their own stream the copies hide behind the action's work, and what does not fit shows;
+            # in line with the compute (a CPU's), all of it shows
+            shown = max(0.0, copy - t.wall - extra) if self.profile.host_overlap else copy
+            own = 0.0 if self.profile.host_overlap else shown  # in line: the rank's own processor time
+            got = ActionTime(t.wall + extra + shown, t.compute + extra + own, t.exposed, t.comm, t.background, t.lagged, copy, shown)
             self._cache[key] = got
         return got
+
+    def _copies(self, a: Action) -> float:
+        """Seconds of ``memory.offload``'s copies an action makes: what its forwards send to the
+        host and what its backwards fetch back (issued as the action before starts: priced here,
+        the same bytes each step)."""
+        sent = fetched = 0.0
+        for half in a.halves():
+            spec = self.specs[half.stage]
+            if not spec.offload:
+                continue
+            nbytes = sum(op[7] for op in self.programs.forward(spec) if op[0] == "C" and len(op) > 7)
+            if half.kind is Kind.F:
+                sent += nbytes
+            elif half.kind in (Kind.B, Kind.BW):
+                fetched += nbytes
+        return self.profile.host_copy_time(fetched, sent) if sent or fetched else 0.0
+
+    def _optimizer_copies(self, elements: float, experts: float) -> float:
+        """Seconds of ``train.optimizer_offload``'s trips: the host share of this rank's master
+        weights and moments to the device and back."""
+        from ..config.model_shape import ELEMENT_BYTES
+        from ..optim.precision import master_dtype, moments_dtype
+
+        x = self.setup
+        train = getattr(x, "train", None)
+        if train is None or getattr(x, "optimizer_offload", "off") == "off":
+            return 0.0
+        em = ELEMENT_BYTES[master_dtype(x.model.dtype, train.master_dtype)]
+        emo = ELEMENT_BYTES[moments_dtype(x.model.dtype, train.master_dtype, getattr(x, "moments_dtype", train.moments_dtype))]
+        kept = (elements - experts) / (x.dp * x.ep) + experts / x.dp if getattr(x, "zero_stage", 0) else elements
+        nbytes = x.offload_fraction * kept * ((em if em != self.shape.e else 0) + 2 * emo)
+        return self.profile.host_copy_time(nbytes, nbytes)
 
     # --------------------------------------------------------------- the step
     def post_step(self) -> float:
@@ -245,6 +295,7 @@ class TimeModel:
         s, x, prof = self.shape, self.setup, self.profile
         sched = self.schedule
         worst = 0.0
+        self.optimizer_copy = (0.0, 0.0)  # the rank with the most: its trips' seconds, of them shown
         for r in range(sched.n_ranks):
             blocks = sched.blocks_of(r)
             elements = experts = tensors = 0
@@ -254,6 +305,10 @@ class TimeModel:
                 experts += c.expert_elements
                 tensors += c.tensors
             t = (prof.optimizer(elements) + prof.optimizer_tensor_s * tensors) * self.crowding
+            copy = self._optimizer_copies(elements, experts)  # the trips run beside the buckets' updates where they can
+            shown = max(0.0, copy - t) if prof.host_overlap else copy
+            t += shown
+            self.optimizer_copy = max(self.optimizer_copy, (copy, shown))
             if sched.name == "dualpipe":  # the two copies of each block exchange their gradients
                 t += prof.p2p(elements * s.e)
             for n, count in ((x.dp * x.ep, elements - experts), (x.dp, experts)):
@@ -311,10 +366,13 @@ class TimeModel:
         per_rank_cpu = [0.0] * sched.n_ranks
         edge_a2a = [0.0] * sched.n_ranks
         edge_exposed = [0.0] * sched.n_ranks
+        copies = [[0.0, 0.0] for _ in range(sched.n_ranks)]  # per rank: memory.offload's copies, of them shown
         for r, acts in enumerate(self.lists):
             for a in acts:
                 if a.__class__ is not tuple and a.kind.is_compute:
                     t = self.action(a)
+                    copies[r][0] += t.copy
+                    copies[r][1] += t.copy_exposed
                     per_rank_a2a[r] += t.comm
                     per_rank_exposed[r] += t.exposed
                     per_rank_cpu[r] += self.demand(r, a)[2]
@@ -323,11 +381,14 @@ class TimeModel:
                         edge_exposed[r] += t.exposed
         post = self.post_step()
         busiest = max(range(sched.n_ranks), key=lambda r: per_rank_exposed[r])
+        copied = max(copies)
         return TimeReport(
             step_s=result.makespan + post, pipeline_s=result.makespan, post_s=post, bubble_s=result.max_bubble,
             a2a_s=per_rank_a2a[busiest], a2a_exposed_s=per_rank_exposed[busiest], imbalance=self.imbalance,
             per_rank_busy=list(result.busy), per_rank_cpu=per_rank_cpu,
             a2a_edge_s=edge_a2a[busiest], a2a_edge_exposed_s=edge_exposed[busiest],
+            host_copy_s=copied[0], host_copy_exposed_s=copied[1], optimizer_copy_s=self.optimizer_copy[0],
+            optimizer_copy_exposed_s=self.optimizer_copy[1],
         )
 
     def _with_sharing(self, priced: _Priced, result: Any) -> Any:

@@ -180,6 +180,10 @@ class PipelineExecutor:
         self.grad_sync = grad_sync
         self.time_exchanges = time_exchanges
         self.grad_scale = 1.0
+        #: called at the start of each compute action with the tapes of that action's backwards and
+        #: then of the rank's next compute action's: what they read may come back meanwhile
+        #: (activation offload, :mod:`portapipe.memory.offload`); None: nothing to fetch
+        self.prefetch: Callable[[list[Any]], None] | None = None
         self.device = backend.device()
         self.actions: list[Action] = s.actions[groups.pp_rank]
         # The pipeline ranks holding each block (two for DualPipe's blocks).

@@ -22,6 +22,11 @@ class PartObserver(Protocol):
     def forward(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> ContextManager[PartNote]: ...
 
 
+#: the recording tape whose part runs now (set by :meth:`~.overlap.Tape.part` around the call, which
+#: is synchronous, so two programs of an F&B pair never see each other's): whose backward the
+#: tensors saved meanwhile are for (activation offload files what it sends by it)
+PART_TAPE: contextvars.ContextVar[Any] = contextvars.ContextVar("portapipe_part_tape", default=None)
+
 NO_NOTE = contextlib.nullcontext()  # reusable: no observer watched the part's forward
 OBSERVER: contextvars.ContextVar[PartObserver | None] = contextvars.ContextVar("portapipe_part_observer", default=None)
 

@@ -56,7 +56,7 @@ import torch
 
 from .drive import Done, Program, discard_second, interleaved, run, run_pair  # run, run_pair, Program: re-exported
 from .exchange import AllToAll, ExchangeGroup, Label, Pending, Wire, encoded, encoded_grad
-from .observe import NO_NOTE, OBSERVER, PartNote, observing  # observing: re-exported
+from .observe import NO_NOTE, OBSERVER, PART_TAPE, PartNote, observing  # observing: re-exported
 from .wgrad import WeightGradQueue, deferring, split_backward
 
 __all__ = ["Custom", "Done", "Program", "Tape", "interleaved", "observing", "run", "run_pair"]
@@ -155,15 +155,19 @@ class Tape:
                 call_args[i] = leaf
         observer = OBSERVER.get()
         note = None
-        if observer is None and torch.is_grad_enabled():  # the usual case: no mode switch to make
-            out = fn(*call_args)
-        else:
-            with torch.enable_grad():
-                if observer is None:
-                    out = fn(*call_args)
-                else:
-                    with observer.forward(fn, tuple(call_args)) as note:
+        running = PART_TAPE.set(self)
+        try:
+            if observer is None and torch.is_grad_enabled():  # the usual case: no mode switch to make
+                out = fn(*call_args)
+            else:
+                with torch.enable_grad():
+                    if observer is None:
                         out = fn(*call_args)
+                    else:
+                        with observer.forward(fn, tuple(call_args)) as note:
+                            out = fn(*call_args)
+        finally:
+            PART_TAPE.reset(running)
         outputs = _tensors(out)
         self._known.update(id(t) for t in outputs)
         self._steps.append(_Part(leaves, outputs, plain, note))

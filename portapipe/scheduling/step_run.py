@@ -65,6 +65,8 @@ class StepRun:
                 self._post(acts[i:j])
                 i = j
                 continue
+            if self.rt.prefetch is not None and not self.forward_only:
+                self.rt.prefetch(self._backward_tapes(acts[i]) + self._backward_tapes(self._next_compute(acts, i)))
             self._compute(acts[i])
             self._release_sent()
             if self.posted:
@@ -83,6 +85,17 @@ class StepRun:
                 f"schedule {self.s.name}, rank {self.rt.groups.pp_rank}: the step ended with work left over: "
                 f"{left + [str(k) for k in list(self.outbox) + list(self.recvs) + list(self.local)]}"
             )
+
+    @staticmethod
+    def _next_compute(acts: list[Action], i: int) -> Action | None:
+        """The compute action after ``acts[i]`` (past the posts between them: a handful)."""
+        return next((acts[j] for j in range(i + 1, len(acts)) if acts[j].kind.is_compute), None)
+
+    def _backward_tapes(self, a: Action | None) -> list[Tape]:
+        """The tapes whose backward ``a`` runs (those whose forward has run)."""
+        if a is None:
+            return []
+        return [self.tapes[(h.stage, h.mb)][0] for h in a.halves() if h.kind in (Kind.B, Kind.BW) and (h.stage, h.mb) in self.tapes]
 
     def _release_sent(self) -> None:
         """Let go of the sends that have completed: a stage's input gradient is held by nothing

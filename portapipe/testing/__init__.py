@@ -103,6 +103,28 @@ def _streams_and_events(be: Backend, device: torch.device) -> None:
     _require(line, x.cpu().tolist() == [6.0] * 4, f"work issued on the communication stream gave {x.cpu().tolist()}")
 
 
+def _host_copies(be: Backend, device: torch.device) -> None:
+    """Offload's copies: to a host buffer and back on the copy stream, bit for bit, ordered by
+    the events they return; a stream of their own where declared ``async``, page-locked host
+    memory on a real device."""
+    line = "host-copies"
+    kind = be.capabilities.host_copies
+    if kind == "none":
+        return
+    src = torch.arange(4096, dtype=torch.float32, device=device) * 1.5 - 7.25
+    host = be.host_buffer(src.numel(), src.dtype, device)
+    _require(line, host.device.type == "cpu" and host.numel() == src.numel(), f"host_buffer gave {host.numel()} elements on {host.device}")
+    be.copy_async(host, src).synchronize()  # the host reads it: the event says the copy ran
+    _require(line, torch.equal(host, src.cpu()), "a copy to the host buffer does not hold the device tensor's values")
+    back = torch.empty_like(src)
+    be.wait_copy(be.copy_async(back, host))
+    _require(line, torch.equal((back + 0).cpu(), src.cpu()), "a copy back from the host buffer does not hold the values sent")
+    if kind == "async":
+        _require(line, not (be.copy_stream() == be.compute_stream()), "capabilities.host_copies is async but copy_stream() is the compute stream")
+        if device.type == be.device_type:  # a real device (a double plays it on CPU memory)
+            _require(line, host.is_pinned(), "capabilities.host_copies is async but host_buffer() is not page-locked")
+
+
 def _timer(be: Backend, device: torch.device) -> None:
     line = "timer"
     with be.timed() as t:
@@ -260,6 +282,7 @@ def _options(be: Backend, device: torch.device) -> None:
 LOCAL: tuple[Contract, ...] = (
     Contract("capabilities-declared", "the declaration is well formed and names the class's process-group backend", _capabilities),
     Contract("streams-and-events", "work on the communication stream, an event recorded there and waited on", _streams_and_events),
+    Contract("host-copies", "a tensor to a host buffer and back on the copy stream, bit for bit; a stream of its own where declared async", _host_copies),
     Contract("timer", "timers measure a finite, non-negative time, by events where declared", _timer),
     Contract("span-clock", "a recorded step's marks read after it in order on the host clock, by events where declared", _span_clock),
     Contract("grouped-mm-matches-reference", "grouped matmul, forward and both gradients, equals the loop reference in every compute dtype", _grouped_mm),

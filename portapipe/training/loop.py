@@ -204,6 +204,7 @@ class Trainer:
         parts = {**optimizer.memory(), "params": param_bytes(self.runtime), "grads": self.runtime.grads.memory(),
                  "ema_host": ema.host_bytes() if ema is not None else 0}
         shown = ("params", "grads", "master", "optimizer") + (("ema_host",) if ema is not None else ())
+        shown += tuple(k for k in ("master_host", "optimizer_host") if k in parts)  # train.optimizer_offload
         self.records.memory(self.backend, parts, self.start, gather_placement(self.config.launch.pin_cores), shown)
         self.records.open_bar(self.start)
 

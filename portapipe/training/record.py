@@ -114,6 +114,9 @@ def step_record(step: int, lr: float, result: Any, stats: StepStats, clip: float
         "ep_wait_frac": stats.ep_wait_frac,
         "rank_balancedness": stats.rank_balancedness,
         "grad_sync_exposed_s": stats.grad_sync_exposed_s,
+        # memory.offload: what the step sent to host memory (all ranks) and the most one rank held there
+        **({"offload_sent_bytes": stats.offload_sent_bytes, "offload_host_peak_bytes": stats.offload_host_peak_bytes}
+           if stats.offload_sent_bytes else {}),
     }
 
 

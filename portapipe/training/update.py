@@ -64,14 +64,20 @@ def counted_blocks(schedule: Any, pp_rank: int) -> set[int]:
 
 
 def make_sharded_optimizer(runtime: Any, config: Config, backend: Any) -> Any:
-    """AdamW with master weights over the runtime's gradient buckets (``train.zero_stage``)."""
+    """AdamW with master weights over the runtime's gradient buckets (``train.zero_stage``), its
+    states partly in host memory under ``train.optimizer_offload``."""
     from ..models.moe import DTYPES
     from ..optim.precision import moments_dtype
     from ..optim.sharded import ShardedAdamW
 
     t, m = config.train, config.model
-    return ShardedAdamW(runtime.grads, model_dtype=DTYPES[m.dtype], zero_stage=t.zero_stage, betas=t.betas,
-                        weight_decay=t.weight_decay, backend=backend, moments_dtype=DTYPES[moments_dtype(m.dtype, t.master_dtype, t.moments_dtype)])
+    optimizer = ShardedAdamW(runtime.grads, model_dtype=DTYPES[m.dtype], zero_stage=t.zero_stage, betas=t.betas,
+                             weight_decay=t.weight_decay, backend=backend, moments_dtype=DTYPES[moments_dtype(m.dtype, t.master_dtype, t.moments_dtype)])
+    if t.optimizer_offload == "swap":  # the states of optimizer_offload_fraction of the buckets in host memory
+        from ..optim.offload import HostStates
+
+        optimizer.host = HostStates(optimizer, t.optimizer_offload_fraction, backend)
+    return optimizer
 
 
 class Update:
