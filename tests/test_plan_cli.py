@@ -39,7 +39,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], fragmen
         (["plan", EXAMPLE, "--devices", "4", "--profile", "h800", "--set", "model.n_experts=7"], "model.n_experts: 7"),
         (["profile", EXAMPLE, "--published", "a100", "--out", "/dev/null"], "unknown device 'a100'"),
         (["profile", EXAMPLE, "--reps", "0"], "--reps must be >= 1"),
-        (["plan", EXAMPLE, "--profile", "h800"], "--devices is required"),
+        (["plan", EXAMPLE, "--profile", "h800"], "--devices or --memory is required"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str) -> None:

@@ -141,7 +141,8 @@ def _zero_memory_not_all_recomputed(x: Setup) -> list[str]:
 
 def _offload_has_effect(x: Setup) -> list[str]:
     """Offloaded parts that keep nothing in any layer memory.offload covers: the model has none of
-    them, or a recompute of every layer of each stage keeps nothing of them to send."""
+    them, a recompute of every layer of each stage keeps nothing of them to send, or zero-memory
+    level1 on every MoE layer holds what they save."""
     m, per = x.model, x.max_stage_layers
     out = _one(x.offload_layers is not None and not x.offload, f"memory.offload_layers: {x.offload_layers} is set but memory.offload is empty (name the parts)")
     out += _one(x.offload_layers is not None and x.offload_layers > per, f"memory.offload_layers: {x.offload_layers} > {per} layers in the largest stage")
@@ -404,8 +405,9 @@ RULES: tuple[Rule, ...] = (
     Rule("memory-layers-fit", "memory", "the layer counts are per stage, so they cannot exceed a stage's layers", _memory_layers_fit),
     Rule("memory-layers-need-option", "memory", "a layer count without its option does nothing", _memory_layers_need_option),
     Rule("zero-memory-not-all-recomputed", "memory", "a recomputed layer keeps nothing that zero-memory could drop", _zero_memory_not_all_recomputed),
-    Rule("offload-has-effect", "memory", "memory.offload sends the tensors a part saves; a part the model lacks, or one a recompute of "
-         "every layer keeps nothing of, sends nothing (the layer counts are per stage)", _offload_has_effect),
+    Rule("offload-has-effect", "memory", "memory.offload sends the tensors a part saves that nothing else holds; a part the model lacks, "
+         "one a recompute of every layer keeps nothing of, or one zero-memory level1's recipes hold, sends nothing (the layer counts are per stage)",
+         _offload_has_effect),
     Rule("optimizer-offload-fraction", "train", "the fraction says how much of the optimizer state train.optimizer_offload: swap keeps on the host", _optimizer_offload_has_effect),
     Rule("balancer-needs-moe", "balancer", "balancers place routed experts", _balancer_needs_moe),
     Rule("lplb-slots", "balancer", "LPLB moves tokens to a copy on a neighbouring EP rank of its topology", _lplb_slots),
