@@ -276,3 +276,23 @@ def device_time(be: Any, fn: Callable[[], Any], reps: int) -> float:
             fn()
         times.append(timer.elapsed_s)
     return statistics.median(times)
+
+
+def one_rank_runtime(backend: Any, raw: dict[str, Any]) -> tuple[Any, Any, list[tuple[Any, Any]]]:
+    """(a fresh backend of ``backend``'s kind, the runtime of ``raw`` on it, the schedule's
+    micro-batches of random tokens from seed 0): what the parts that time or weigh one step start from."""
+    import torch
+
+    from portapipe.compose import PipelineRuntime
+    from portapipe.config import config_from_dict
+
+    config = config_from_dict(raw)
+    p = config.parallel
+    be = type(backend)(backend.options)
+    rt = PipelineRuntime(config, be, be.parallel_groups(p.pp, p.dp, p.ep))
+    m, g = raw["model"], torch.Generator().manual_seed(0)
+    mbs = []
+    for _ in range(rt.schedule.n_microbatches):
+        tok = torch.randint(0, m["vocab_size"], (raw["train"]["micro_batch_size"], m["seq_len"] + 1), generator=g)
+        mbs.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
+    return be, rt, mbs

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from .common import Ctx, Record, cuda_reason
+from .common import Ctx, Record, cuda_reason, one_rank_runtime
 
 
 def memory_need(raw: dict[str, Any]) -> dict[str, float]:
@@ -34,24 +34,11 @@ def memory_raw(device: str, dry: bool, option: dict[str, Any]) -> dict[str, Any]
 
 def memory_rank(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One step of each option on this rank: the allocator's peak and what the accounting saw."""
-    import torch
-
-    from portapipe.compose import PipelineRuntime
-    from portapipe.config import config_from_dict
     from portapipe.memory.accounting import SavedActivations
 
     out = {}
     for name, raw in raws.items():
-        config = config_from_dict(raw)
-        p = config.parallel
-        be = type(backend)(backend.options)
-        rt = PipelineRuntime(config, be, be.parallel_groups(p.pp, p.dp, p.ep))
-        m = raw["model"]
-        g = torch.Generator().manual_seed(0)
-        mbs = []
-        for _ in range(rt.schedule.n_microbatches):
-            tok = torch.randint(0, m["vocab_size"], (raw["train"]["micro_batch_size"], m["seq_len"] + 1), generator=g)
-            mbs.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
+        be, rt, mbs = one_rank_runtime(backend, raw)
         rt.step(mbs)  # the gradients exist from here on, as in training
         be.synchronize()
         be.reset_peak_memory_stats()

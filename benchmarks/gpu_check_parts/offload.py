@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .common import Ctx, Record, cuda_reason
+from .common import Ctx, Record, cuda_reason, one_rank_runtime
 from .memory import memory_raw
 
 
@@ -77,26 +77,14 @@ def _overlap(be: Any, nbytes: int, size: int, reps: int) -> dict[str, float]:
 
 def offload_rank(backend: Any, raws: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One optimizer step (after one to warm) of each config: its loss, its gradients, the allocator's peak, its time."""
-    import torch
-
-    from portapipe.compose import PipelineRuntime
     from portapipe.config import config_from_dict
     from portapipe.training.update import make_sharded_optimizer
 
     out = {}
     for name, raw in raws.items():
-        config = config_from_dict(raw)
-        p = config.parallel
-        be = type(backend)(backend.options)
-        rt = PipelineRuntime(config, be, be.parallel_groups(p.pp, p.dp, p.ep))
-        opt = make_sharded_optimizer(rt, config, be)
+        be, rt, mbs = one_rank_runtime(backend, raw)
+        opt = make_sharded_optimizer(rt, config_from_dict(raw), be)
         opt.lr = 1e-3
-        m = raw["model"]
-        g = torch.Generator().manual_seed(0)
-        mbs = []
-        for _ in range(rt.schedule.n_microbatches):
-            tok = torch.randint(0, m["vocab_size"], (raw["train"]["micro_batch_size"], m["seq_len"] + 1), generator=g)
-            mbs.append((tok[:, :-1].contiguous(), tok[:, 1:].contiguous()))
         times, losses = [], []
         for i in range(3):
             be.synchronize()
