@@ -53,6 +53,24 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(saved)
 
 
+@pytest.fixture(autouse=True)
+def isa_cap_kept() -> Iterator[None]:
+    """A test that leaves ``ONEDNN_MAX_CPU_ISA`` otherwise than it found it fails: this process's
+    oneDNN read the variable once, every later launch passes it to its ranks, and a pipelined step
+    computed with other kernels than its one-process reference is not what a check compares."""
+    from portapipe.ranks.cpu_isa import ENV
+
+    before = os.environ.get(ENV)
+    yield
+    after = os.environ.get(ENV)
+    if after != before:
+        if before is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = before
+        pytest.fail(f"the test left {ENV}={after!r} (it was {before!r} before it): restored; undo it in the test")
+
+
 @pytest.fixture
 def bench_module() -> Callable[[str], ModuleType]:
     """Import a script of benchmarks/ by name (they are scripts beside each other, not a package)."""

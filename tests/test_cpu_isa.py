@@ -20,7 +20,10 @@ def machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cpuinfo.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n")
     monkeypatch.setattr(cpu_isa, "CPUINFO", cpuinfo)
     monkeypatch.setattr(cpu_isa, "cache_file", lambda: tmp_path / "verdict")
-    monkeypatch.delenv(cpu_isa.ENV, raising=False)
+    # set, then deleted: monkeypatch records the variable either way, so a cap a test sets is undone
+    # (a delenv of an absent variable records nothing, and the cap would reach every later launch's ranks)
+    monkeypatch.setenv(cpu_isa.ENV, "")
+    monkeypatch.delenv(cpu_isa.ENV)
     return tmp_path
 
 
