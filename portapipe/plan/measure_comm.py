@@ -18,6 +18,12 @@ from ..scheduling.exchange import exchange
 from .measure_clock import cpu, least_time, mean_over, rounds, spin
 from .profile import Linear
 
+#: round trips between two ranks cost well under a millisecond each here: the least of this many,
+#: whatever ``reps`` says, so that a loaded host's delays do not bend the latency's line (from a
+#: few, the largest size's delay could outweigh the one-row message's whole latency)
+P2P_REPS = 20
+
+
 def communication(
     backend: Any, world: int, hidden: int, dtype: torch.dtype, rows: int, reps: int, ep: int, span: float, processors: float | None
 ) -> dict[str, Any]:
@@ -93,7 +99,7 @@ def communication(
             if rank < 2:
                 round_trip()
                 nbytes = buf.numel() * buf.element_size()
-                pts.append((nbytes, least_time(round_trip, reps) / 2))
+                pts.append((nbytes, least_time(round_trip, max(reps, P2P_REPS)) / 2))
                 # a round both ways is one send and one receive at each end
                 bg_pts.append((nbytes, mean_over(backend, [rounds(both_ways, [0.0], 12 * reps)[1] / 2], groups[2], 2)[0]))
             dist.barrier()
