@@ -13,7 +13,8 @@ from typing import Any
 
 class SharedWork:
     """One operation's handle on the work that completes its whole coalesced batch (waiting for it
-    waits for the batch; every other call goes to that work)."""
+    waits for the batch; every other call goes to that work). A handle of its own, not the work
+    itself repeated: the executor files each operation's handle by its identity."""
 
     __slots__ = ("work",)
 

@@ -6,7 +6,8 @@ structure (RFC 8878: each frame's header, then block headers whose sizes say whe
 starts, then the optional checksum; skippable frames by their size) on the compressed bytes as
 the decompressor reads them, so the file is read once; at the end it says whether the last frame
 is complete. A cut that falls exactly between two frames leaves a valid zstd file and cannot be
-seen.
+seen. (zstandard's ``decompressobj`` would say whether a frame ended, but it returns all that a
+piece of input decompresses to at once, unbounded; the stream reader keeps each read to its size.)
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ def _size(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _state_bytes(st: Any) -> int:
+    """The bytes of one bucket's state that the trips move (its kinds together)."""
+    return sum(_size(getattr(st, kind, None)) for kind in KINDS)
+
+
 def _offsets(st: Any) -> tuple[dict[str, int], int]:
     """Where each kind of a bucket's state sits in a device slot (16-byte aligned), and the bytes it takes."""
     at, where = 0, {}
@@ -67,7 +72,7 @@ class HostStates:
         self.optimizer, self.backend, self.fraction = optimizer, backend, fraction
         self.device = optimizer.grads.device
         states = optimizer.states
-        self.offloaded = chosen([sum(_size(getattr(st, k, None)) for k in KINDS) for st in states], fraction)
+        self.offloaded = chosen([_state_bytes(st) for st in states], fraction)
         for st, away in zip(states, self.offloaded):
             if away:
                 for kind in self.kinds(st):
@@ -100,7 +105,7 @@ class HostStates:
     @property
     def share(self) -> float:
         """The share of the state's bytes on the host (the fraction asked for, rounded to whole buckets)."""
-        sizes = [sum(_size(getattr(st, k)) for k in self.kinds(st)) for st in self.optimizer.states]
+        sizes = [_state_bytes(st) for st in self.optimizer.states]
         return sum(n for n, a in zip(sizes, self.offloaded) if a) / max(sum(sizes), 1)
 
 
