@@ -1,6 +1,6 @@
 """``train.optimizer_offload: swap`` through training on two gloo ranks: the same run as without it,
 bit for bit, with ZeRO 1 and 2, bfloat16 moments, the host EMA and an EPLB migration (the moving
-experts' states are host memory); checkpoints hold the same tensors, and a resume crosses offload
+experts' states are host memory) and a refill of out-of-date replicas (from host memory too); checkpoints hold the same tensors, and a resume crosses offload
 on / off bit for bit on its layout and continues on another.
 
 float32 compute with float64 master weights: the master weights are the optimizer's own tensor,
@@ -38,7 +38,8 @@ RUNS = {
     "zero2-bf16": {"train__zero_stage": 2, "train__moments_dtype": "bfloat16"},
     "zero2-bf16-swap-half": {"train__zero_stage": 2, "train__moments_dtype": "bfloat16", "train__optimizer_offload": "swap",
                              "train__optimizer_offload_fraction": 0.5},
-    # EPLB on ep 2 (zero_stage 0: a migration moves whole rows of state), a rebalance after steps 2 and 4
+    # EPLB on ep 2 (zero_stage 0: a migration moves whole rows of state), a rebalance after steps 2 and 4;
+    # the replicas' on / off switch is forced (_train_forced), never left to measured times
     "eplb": {"parallel__dp": 1, "parallel__ep": 2, "balancer": {"kind": "eplb", "interval": 2, "window": 2, "redundant": 1}},
     "eplb-swap": {"parallel__dp": 1, "parallel__ep": 2, "balancer": {"kind": "eplb", "interval": 2, "window": 2, "redundant": 1},
                   "train__optimizer_offload": "swap"},
@@ -48,7 +49,6 @@ RUNS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from portapipe.ranks.launch import run_ranks
-    from tests.test_optim_reference import train_runs
 
     root = tmp_path_factory.mktemp("offload")
     configs = {}
@@ -59,8 +59,27 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if balancer is not None:
             config["balancer"].update(balancer)
         configs[name] = config_from_dict(config).to_dict()
-    got = run_ranks(train_runs, 2, list(configs.values()), wall_timeout_s=400)[0]
+    got = run_ranks(_train_forced, 2, list(configs.values()), wall_timeout_s=400)[0]
     return {name: {"config": configs[name], "dir": Path(configs[name]["log"]["dir"]), "rows": g["rows"]} for name, g in zip(configs, got)}
+
+
+def _train_forced(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``train_runs`` with the EPLB replicas off for steps 2 and 3 and on again from step 4 (refilled
+    after step 3). Left to itself the switch decides from measured times, and a replicated expert's
+    gradient summed over its replicas rounds otherwise than one computed on one slot: two runs would
+    agree bit for bit only when the machine's timings happened to decide alike."""
+    from portapipe.balancing import replica_switch
+    from tests.test_optim_reference import train_runs
+
+    decide = replica_switch.ReplicaSwitch.decide
+
+    def forced(self: Any, step: int, parts: list[Any], horizon: int = 1) -> dict[str, Any]:
+        out = decide(self, step, parts, horizon)
+        self.on = step not in (1, 2)
+        return out
+
+    replica_switch.ReplicaSwitch.decide = forced  # type: ignore[method-assign]
+    return train_runs(backend, raws)
 
 
 def _train(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -78,8 +97,10 @@ def test_swapped_optimizer_states_train_and_save_bit_for_bit_as_kept_ones(runs, 
     a, b = runs[kept], runs[swapped]
     same_steps(_train(a["rows"]), _train(b["rows"]))
     assert _train(a["rows"])[-1]["loss"] < _train(a["rows"])[0]["loss"]
-    if kept == "eplb":  # the balancer moved experts, and their states with them
+    if kept == "eplb":  # the balancer moved experts, and their states with them; it refilled the replicas
         assert any(r["balancer"].get("rebalance", {}).get("rows_moved", 0) for r in _train(b["rows"]))
+        assert [r["balancer"]["replicas_used"] for r in _train(b["rows"])] == [True, False, False, True]
+        assert [bool(r["balancer"].get("replicas_refreshed_rows")) for r in _train(b["rows"])] == [False, False, True, False]
     for step in (2, 4):
         mine, theirs = _checkpoint(a, step), _checkpoint(b, step)
         assert sorted(mine) == sorted(theirs) and any(k.startswith("master.") for k in mine)
