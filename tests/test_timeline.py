@@ -290,6 +290,31 @@ def test_the_shortest_round_trip_sets_the_offset_and_its_half_the_bound() -> Non
     assert align.from_samples([]) == align.Alignment()
 
 
+def _aligned_exit(backend: Any, tick_s: float) -> float:
+    """This rank's host time on leaving :func:`align.measure`, each clock reading ``tick_s`` long."""
+    import time
+
+    def slow_now() -> float:
+        time.sleep(tick_s)
+        return time.perf_counter()
+
+    align.measure(backend, slow_now)
+    return time.perf_counter()
+
+
+@pytest.mark.multiproc
+def test_every_rank_leaves_the_alignment_together() -> None:
+    """Rank 0 answers the ranks one after another, so rank 1 is done a whole rank's rounds (3 clock
+    readings each) before rank 2: left to go, it would start the recorded step that far ahead of
+    the others and wait inside it for them. One host, so perf_counter is one clock for all."""
+    from portapipe.ranks.launch import run_ranks
+
+    tick = 0.01
+    exits = run_ranks(_aligned_exit, 3, tick, wall_timeout_s=120)
+    stagger_without = align.ROUNDS * 3 * tick
+    assert max(exits) - min(exits) < stagger_without / 3, (exits, stagger_without)
+
+
 def test_trace_problems_name_what_breaks_the_format() -> None:
     good = {"traceEvents": [{"ph": "B", "name": "a", "pid": 0, "tid": 0, "ts": 1.0}, {"ph": "E", "name": "a", "pid": 0, "tid": 0, "ts": 2.0},
                             {"ph": "X", "name": "x", "pid": 0, "tid": 1, "ts": 1.0, "dur": 3.0}]}
