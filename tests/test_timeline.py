@@ -309,7 +309,7 @@ def test_every_rank_leaves_the_alignment_together() -> None:
     the others and wait inside it for them. One host, so perf_counter is one clock for all."""
     from portapipe.ranks.launch import run_ranks
 
-    tick = 0.01
+    tick = 0.02
     exits = run_ranks(_aligned_exit, 3, tick, wall_timeout_s=120)
     stagger_without = align.ROUNDS * 3 * tick
     assert max(exits) - min(exits) < stagger_without / 3, (exits, stagger_without)
