@@ -1,7 +1,8 @@
 """``train.optimizer_offload: swap`` through training on two gloo ranks: the same run as without it,
-bit for bit, with ZeRO 1 and 2, bfloat16 moments, the host EMA and an EPLB migration (the moving
-experts' states are host memory) and a refill of out-of-date replicas (from host memory too); checkpoints hold the same tensors, and a resume crosses offload
-on / off bit for bit on its layout and continues on another.
+bit for bit, with ZeRO 1 and 2, bfloat16 moments, the host EMA, an EPLB migration (the moving
+experts' states are host memory) and a refill of out-of-date replicas (from host memory too);
+checkpoints hold the same tensors, and a resume crosses offload on / off bit for bit on its layout
+and continues on another.
 
 float32 compute with float64 master weights: the master weights are the optimizer's own tensor,
 so they travel with both moments."""
@@ -68,17 +69,10 @@ def _train_forced(backend: Any, raws: list[dict[str, Any]]) -> list[dict[str, An
     after step 3). Left to itself the switch decides from measured times, and a replicated expert's
     gradient summed over its replicas rounds otherwise than one computed on one slot: two runs would
     agree bit for bit only when the machine's timings happened to decide alike."""
-    from portapipe.balancing import replica_switch
     from tests.test_optim_reference import train_runs
+    from tests.test_replica_switch import force_replicas_off_for_steps_2_and_3
 
-    decide = replica_switch.ReplicaSwitch.decide
-
-    def forced(self: Any, step: int, parts: list[Any], horizon: int = 1) -> dict[str, Any]:
-        out = decide(self, step, parts, horizon)
-        self.on = step not in (1, 2)
-        return out
-
-    replica_switch.ReplicaSwitch.decide = forced  # type: ignore[method-assign]
+    force_replicas_off_for_steps_2_and_3()
     return train_runs(backend, raws)
 
 
